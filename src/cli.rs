@@ -1,0 +1,82 @@
+//! Command-line interface.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::format::Metadata;
+
+#[derive(Parser)]
+#[command(
+    name = "stfs",
+    version,
+    about = "A safetensors checkpoint as a directory of tensor files"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List a checkpoint's header without mounting it.
+    Inspect {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        file: PathBuf,
+    },
+    /// Validate checkpoints (files, or folders of shards with their index); exit 0 only if all are valid.
+    Verify {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Write an empty, valid checkpoint.
+    Create {
+        file: PathBuf,
+        /// A metadata entry; repeat for more.
+        #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        metadata: Vec<(String, String)>,
+        /// Replace FILE if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let stdout = &mut std::io::stdout().lock();
+    let result = match cli.command {
+        Command::Inspect { json, file } => crate::inspect::inspect(&file, json, stdout),
+        Command::Verify { paths } => match crate::inspect::verify(&paths, stdout) {
+            0 => Ok(()),
+            n => Err(format!(
+                "{n} problem{} found",
+                if n == 1 { "" } else { "s" }
+            )),
+        },
+        Command::Create {
+            file,
+            metadata,
+            force,
+        } => {
+            let metadata =
+                (!metadata.is_empty()).then(|| metadata.into_iter().collect::<Metadata>());
+            crate::create::create(&file, metadata, force)
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("stfs: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! Parsing and validating a safetensors header, with the reference's accept/reject
+//! decisions (see docs/FORMAT.md for every lenient case it keeps).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+
+use super::{Dtype, FormatError};
+
+/// Length of the little-endian header size prefix.
+pub const PREFIX_LEN: u64 = 8;
+/// The reference refuses headers longer than this.
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// The metadata map of a header (`__metadata__`), kept sorted as it is written.
+pub type Metadata = BTreeMap<String, String>;
+
+/// One tensor of a header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Byte range relative to the start of the data section.
+    pub data_offsets: (u64, u64),
+}
+
+impl TensorInfo {
+    pub fn nbytes(&self) -> u64 {
+        self.data_offsets.1 - self.data_offsets.0
+    }
+}
+
+/// Why `byte_len` refused a dtype and shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SizeError {
+    Overflow,
+    NotByteAligned,
+}
+
+/// Number of elements of a shape (1 for a scalar), None on overflow.
+pub fn element_count(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes needed by `dtype` x `shape`, with checked arithmetic.
+pub fn byte_len(dtype: Dtype, shape: &[u64]) -> Result<u64, SizeError> {
+    let bits = element_count(shape)
+        .and_then(|n| n.checked_mul(dtype.bits()))
+        .ok_or(SizeError::Overflow)?;
+    if bits % 8 != 0 {
+        return Err(SizeError::NotByteAligned);
+    }
+    Ok(bits / 8)
+}
+
+/// A validated header.
+#[derive(Debug, Clone)]
+pub struct Header {
+    /// N, the length of the JSON header including its padding.
+    pub header_len: u64,
+    /// `__metadata__`; None when absent or `null`.
+    pub metadata: Option<Metadata>,
+    /// Every tensor, in data-offset order (ties broken by name).
+    pub tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl Header {
+    /// Parses and validates a whole file held in memory (typically an mmap).
+    pub fn parse(file: &[u8]) -> Result<Header, FormatError> {
+        Header::parse_prefix(file, file.len() as u64)
+    }
+
+    /// Parses a header from the first bytes of a file of `file_len` bytes.
+    /// `prefix` must hold at least the 8-byte prefix and the JSON header.
+    pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<Header, FormatError> {
+        let header_len = header_len_of(prefix, file_len)?;
+        let end = (PREFIX_LEN + header_len) as usize;
+        let json = prefix
+            .get(PREFIX_LEN as usize..end)
+            .ok_or(FormatError::HeaderTruncated {
+                header_len,
+                file_len: prefix.len() as u64,
+            })?;
+        Header::from_json(json, header_len, file_len)
+    }
+
+    /// Reads and validates the header of an open file without reading its data.
+    pub fn read(file: &File) -> std::io::Result<Result<Header, FormatError>> {
+        let file_len = file.metadata()?.len();
+        let mut prefix = [0u8; PREFIX_LEN as usize];
+        let got = read_full_at(file, &mut prefix, 0)?;
+        let header_len = match header_len_of(&prefix[..got], file_len) {
+            Ok(n) => n,
+            Err(e) => return Ok(Err(e)),
+        };
+        // header_len is checked against the cap and the file length above.
+        let mut json = vec![0u8; header_len as usize];
+        let got = read_full_at(file, &mut json, PREFIX_LEN)?;
+        if got < json.len() {
+            return Ok(Err(FormatError::HeaderTruncated {
+                header_len,
+                file_len: PREFIX_LEN + got as u64,
+            }));
+        }
+        Ok(Header::from_json(&json, header_len, file_len))
+    }
+
+    fn from_json(json: &[u8], header_len: u64, file_len: u64) -> Result<Header, FormatError> {
+        let text = std::str::from_utf8(json).map_err(|e| FormatError::HeaderNotUtf8 {
+            at: e.valid_up_to(),
+        })?;
+        let raw = parse_json(text)?;
+
+        let mut tensors = raw.tensors;
+        // Offset order, as the reference validates; the name makes ties deterministic.
+        tensors.sort_unstable_by(|a, b| {
+            a.data_offsets
+                .cmp(&b.data_offsets)
+                .then_with(|| a.name.cmp(&b.name))
+        });
+        let data_len = validate_layout(&tensors)?;
+        let expected = PREFIX_LEN as u128 + header_len as u128 + data_len as u128;
+        if expected != file_len as u128 {
+            return Err(FormatError::LengthMismatch {
+                header_len,
+                data_len,
+                file_len,
+            });
+        }
+        let by_name = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Header {
+            header_len,
+            metadata: raw.metadata,
+            tensors,
+            by_name,
+        })
+    }
+
+    /// File offset of the first data byte.
+    pub fn data_start(&self) -> u64 {
+        PREFIX_LEN + self.header_len
+    }
+
+    /// Length of the data section.
+    pub fn data_len(&self) -> u64 {
+        self.tensors.last().map_or(0, |t| t.data_offsets.1)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+}
+
+fn read_full_at(file: &File, buf: &mut [u8], mut offset: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset) {
+            Ok(0) => break,
+            Ok(n) => {
+                done += n;
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// Reads and checks the 8-byte prefix against the cap and the file length.
+fn header_len_of(prefix: &[u8], file_len: u64) -> Result<u64, FormatError> {
+    let bytes: [u8; 8] = prefix
+        .get(..PREFIX_LEN as usize)
+        .and_then(|b| b.try_into().ok())
+        .ok_or(FormatError::TooShort { file_len })?;
+    let header_len = u64::from_le_bytes(bytes);
+    if header_len > MAX_HEADER_LEN {
+        return Err(FormatError::HeaderTooLarge { header_len });
+    }
+    if PREFIX_LEN + header_len > file_len {
+        return Err(FormatError::HeaderTruncated {
+            header_len,
+            file_len,
+        });
+    }
+    Ok(header_len)
+}
+
+/// Checks offsets and sizes of tensors sorted by offset; returns the data length.
+fn validate_layout(tensors: &[TensorInfo]) -> Result<u64, FormatError> {
+    let mut next = 0u64;
+    for t in tensors {
+        let (begin, end) = t.data_offsets;
+        if begin != next || end < begin {
+            return Err(FormatError::InvalidOffsets {
+                tensor: t.name.clone(),
+                begin,
+                end,
+                expected_begin: next,
+            });
+        }
+        next = end;
+        let needed = byte_len(t.dtype, &t.shape).map_err(|e| size_error(e, t))?;
+        if end - begin != needed {
+            return Err(FormatError::SizeMismatch {
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                begin,
+                end,
+                needed,
+            });
+        }
+    }
+    Ok(next)
+}
+
+pub(crate) fn size_error(e: SizeError, t: &TensorInfo) -> FormatError {
+    match e {
+        SizeError::Overflow => FormatError::Overflow {
+            tensor: t.name.clone(),
+            shape: t.shape.clone(),
+        },
+        SizeError::NotByteAligned => FormatError::NotByteAligned {
+            tensor: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        },
+    }
+}
+
+// ---- JSON ----
+//
+// The reference deserializes into a struct with a `__metadata__` field and a
+// flattened HashMap of tensors, which buffers the whole document in serde's
+// `Content` tree first. This visitor makes the same decisions in one pass:
+// a repeated `__metadata__` is an error, a repeated tensor name keeps the last
+// entry (each entry must still be valid), unknown fields inside an entry are
+// ignored (serde's derive skips them, as the reference's does), and JSON that
+// is not an object is refused.
+
+struct RawHeader {
+    metadata: Option<Metadata>,
+    tensors: Vec<TensorInfo>,
+}
+
+#[derive(Deserialize)]
+struct RawEntry {
+    dtype: Dtype,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// Parses the JSON text; an error inside a tensor entry names that tensor.
+fn parse_json(text: &str) -> Result<RawHeader, FormatError> {
+    let mut failed_entry = None;
+    let mut de = serde_json::Deserializer::from_str(text);
+    de.deserialize_map(HeaderVisitor {
+        failed_entry: &mut failed_entry,
+    })
+    .and_then(|raw| de.end().map(|()| raw))
+    .map_err(|e| FormatError::HeaderJson {
+        tensor: failed_entry,
+        message: e.to_string(),
+    })
+}
+
+struct HeaderVisitor<'a> {
+    failed_entry: &'a mut Option<String>,
+}
+
+impl<'de> Visitor<'de> for HeaderVisitor<'_> {
+    type Value = RawHeader;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object of tensor entries")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
+        let mut metadata: Option<Option<Metadata>> = None;
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "__metadata__" {
+                if metadata.is_some() {
+                    return Err(de::Error::duplicate_field("__metadata__"));
+                }
+                metadata = Some(map.next_value()?);
+                continue;
+            }
+            let entry: RawEntry = match map.next_value() {
+                Ok(entry) => entry,
+                Err(e) => {
+                    *self.failed_entry = Some(key);
+                    return Err(e);
+                }
+            };
+            let info = TensorInfo {
+                name: key,
+                dtype: entry.dtype,
+                shape: entry.shape,
+                data_offsets: entry.data_offsets,
+            };
+            match seen.get(&info.name) {
+                // A repeated name keeps the last entry, as a HashMap insert does.
+                Some(&i) => tensors[i] = info,
+                None => {
+                    seen.insert(info.name.clone(), tensors.len());
+                    tensors.push(info);
+                }
+            }
+        }
+        Ok(RawHeader {
+            metadata: metadata.flatten(),
+            tensors,
+        })
+    }
+}

@@ -1,0 +1,211 @@
+//! `stfs inspect` and `stfs verify`: reading headers without mounting.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use crate::format::{index, Header, ShapeDisplay};
+
+/// Reads and validates the header of one file; the error names the file.
+pub fn read_header(path: &Path) -> Result<Header, String> {
+    let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    match Header::read(&file) {
+        Ok(Ok(h)) => Ok(h),
+        Ok(Err(e)) => Err(e.in_file(path).to_string()),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
+    let h = read_header(path)?;
+    let total: u64 = h.data_len();
+    let io = |e: std::io::Error| e.to_string();
+    if as_json {
+        let tensors: Vec<_> = h
+            .tensors
+            .iter()
+            .map(|t| {
+                json!({
+                    "name": t.name,
+                    "dtype": t.dtype.name(),
+                    "shape": t.shape,
+                    "nbytes": t.nbytes(),
+                    "data_offsets": [t.data_offsets.0, t.data_offsets.1],
+                    "file_offset": h.data_start() + t.data_offsets.0,
+                })
+            })
+            .collect();
+        let doc = json!({
+            "file": path.display().to_string(),
+            "header_len": h.header_len,
+            "data_start": h.data_start(),
+            "tensor_count": h.tensors.len(),
+            "total_bytes": total,
+            "metadata": h.metadata,
+            "tensors": tensors,
+        });
+        serde_json::to_writer_pretty(&mut *out, &doc).map_err(|e| e.to_string())?;
+        writeln!(out).map_err(io)?;
+        return Ok(());
+    }
+    writeln!(out, "{}", path.display()).map_err(io)?;
+    writeln!(
+        out,
+        "  {} tensors, {} bytes of tensor data, header {} bytes",
+        h.tensors.len(),
+        total,
+        h.header_len
+    )
+    .map_err(io)?;
+    if let Some(meta) = &h.metadata {
+        writeln!(out, "  metadata:").map_err(io)?;
+        for (k, v) in meta {
+            writeln!(out, "    {k:?}: {v:?}").map_err(io)?;
+        }
+    }
+    let width = h
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 60);
+    writeln!(
+        out,
+        "  {:width$}  {:<11} {:<20} {:>14}  offsets",
+        "name", "dtype", "shape", "bytes"
+    )
+    .map_err(io)?;
+    for t in &h.tensors {
+        let shape = ShapeDisplay(&t.shape).to_string();
+        writeln!(
+            out,
+            "  {:width$}  {:<11} {:<20} {:>14}  [{}, {}]",
+            format!("{:?}", t.name).trim_matches('"'),
+            t.dtype.name(),
+            shape,
+            t.nbytes(),
+            t.data_offsets.0,
+            t.data_offsets.1
+        )
+        .map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Verifies files and folders; prints one line per file or problem.
+/// Returns the number of problems found.
+pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
+    let mut problems = 0;
+    let mut say = |line: String, bad: bool| {
+        if bad {
+            problems += 1;
+        }
+        let _ = writeln!(out, "{line}");
+    };
+    for path in paths {
+        if path.is_dir() {
+            verify_dir(path, &mut say);
+            continue;
+        }
+        match read_header(path) {
+            Ok(h) => say(
+                format!(
+                    "{}: ok ({} tensors, {} bytes)",
+                    path.display(),
+                    h.tensors.len(),
+                    h.data_len()
+                ),
+                false,
+            ),
+            Err(e) => say(e, true),
+        }
+    }
+    problems
+}
+
+fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
+    let shards = match list_dir(dir) {
+        Ok(s) => s,
+        Err(e) => return say(format!("{}: {e}", dir.display()), true),
+    };
+    let mut headers = BTreeMap::new();
+    for (name, path) in &shards.checkpoints {
+        match read_header(path) {
+            Ok(h) => {
+                say(
+                    format!(
+                        "{}: ok ({} tensors, {} bytes)",
+                        path.display(),
+                        h.tensors.len(),
+                        h.data_len()
+                    ),
+                    false,
+                );
+                headers.insert(name.clone(), h);
+            }
+            Err(e) => say(e, true),
+        }
+    }
+    if shards.checkpoints.is_empty() {
+        say(format!("{}: no *.safetensors files", dir.display()), true);
+    }
+    let refs: BTreeMap<String, &Header> = headers.iter().map(|(k, v)| (k.clone(), v)).collect();
+    for path in &shards.indexes {
+        let problems = match std::fs::read(path) {
+            Err(e) => vec![e.to_string()],
+            Ok(bytes) => match index::parse_index(&bytes) {
+                Err(e) => vec![e],
+                // An index can only be checked against shards that parsed.
+                Ok(ix) if headers.len() == shards.checkpoints.len() => {
+                    index::check_index(&ix, &refs)
+                }
+                Ok(_) => vec!["not checked: a shard above is invalid".into()],
+            },
+        };
+        if problems.is_empty() {
+            say(
+                format!("{}: ok (index agrees with the shards)", path.display()),
+                false,
+            );
+        }
+        for p in problems {
+            say(format!("{}: {p}", path.display()), true);
+        }
+    }
+}
+
+/// The checkpoint files and shard indexes directly in a folder, sorted by name.
+pub struct DirListing {
+    /// (file name, path) of every `*.safetensors`.
+    pub checkpoints: Vec<(String, PathBuf)>,
+    /// Every `*.index.json`.
+    pub indexes: Vec<PathBuf>,
+}
+
+pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
+    let mut checkpoints = Vec::new();
+    let mut indexes = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if !path.is_file() {
+            continue;
+        }
+        if name.ends_with(".safetensors") {
+            checkpoints.push((name, path));
+        } else if name.ends_with(".index.json") {
+            indexes.push(path);
+        }
+    }
+    checkpoints.sort();
+    indexes.sort();
+    Ok(DirListing {
+        checkpoints,
+        indexes,
+    })
+}
