@@ -32,6 +32,34 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
+    /// Mount a checkpoint file, or a folder of shards, as a directory of tensor files.
+    Mount {
+        /// Stay in the foreground (logs go to stderr unless --log-file); unmount on Ctrl-C.
+        #[arg(short)]
+        f: bool,
+        /// Mount options, comma-separated: ro, allow_other, allow_root, default_permissions, ...
+        #[arg(short = 'o', value_name = "OPTIONS")]
+        options: Vec<String>,
+        /// Worker threads serving requests (default: number of CPUs, 2 to 8).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Log file of the daemon (default: $TMPDIR/stfs-UID.log; stderr with -f).
+        #[arg(long)]
+        log_file: Option<PathBuf>,
+        /// Write the daemon's pid here while it runs.
+        #[arg(long)]
+        pid_file: Option<PathBuf>,
+        /// A .safetensors file, or a folder of them (with *.index.json).
+        source: PathBuf,
+        mountpoint: PathBuf,
+    },
+    /// Unmount a stfs mount.
+    Umount {
+        /// Detach now, finish when the last open file is closed.
+        #[arg(short = 'l', long)]
+        lazy: bool,
+        mountpoint: PathBuf,
+    },
     /// Write an empty, valid checkpoint.
     Create {
         file: PathBuf,
@@ -62,6 +90,24 @@ pub fn main() -> ExitCode {
                 if n == 1 { "" } else { "s" }
             )),
         },
+        Command::Mount {
+            f,
+            options,
+            threads,
+            log_file,
+            pid_file,
+            source,
+            mountpoint,
+        } => crate::daemon::mount(crate::daemon::MountRequest {
+            source,
+            mountpoint,
+            foreground: f,
+            options,
+            threads,
+            log_file,
+            pid_file,
+        }),
+        Command::Umount { lazy, mountpoint } => crate::daemon::umount(&mountpoint, lazy),
         Command::Create {
             file,
             metadata,

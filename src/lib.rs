@@ -1,6 +1,9 @@
 //! stfs: a safetensors checkpoint as a FUSE directory.
 
+pub mod checkpoint;
 pub mod cli;
 pub mod create;
+pub mod daemon;
 pub mod format;
+pub mod fs;
 pub mod inspect;

@@ -1,11 +1,13 @@
 //! Parsing and validating a safetensors header, with the reference's accept/reject
 //! decisions (see docs/FORMAT.md for every lenient case it keeps).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
+use std::hash::BuildHasher;
 use std::os::unix::fs::FileExt;
 
+use hashbrown::{DefaultHashBuilder, HashTable};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
@@ -67,7 +69,48 @@ pub struct Header {
     pub metadata: Option<Metadata>,
     /// Every tensor, in data-offset order (ties broken by name).
     pub tensors: Vec<TensorInfo>,
-    by_name: HashMap<String, usize>,
+    /// Indices into `tensors`, hashed by name: lookups without a second copy of every name.
+    by_name: NameIndex,
+}
+
+/// A hash index of tensor positions keyed by their names, which stay in the Vec.
+#[derive(Debug, Clone, Default)]
+struct NameIndex {
+    table: HashTable<usize>,
+    hasher: DefaultHashBuilder,
+}
+
+impl NameIndex {
+    fn find(&self, tensors: &[TensorInfo], name: &str) -> Option<usize> {
+        let hash = self.hasher.hash_one(name);
+        self.table.find(hash, |&i| tensors[i].name == name).copied()
+    }
+
+    /// Indexes `tensors` in order; a repeated name keeps its last entry (as a
+    /// HashMap insert does in the reference). Returns the positions replaced.
+    fn build(tensors: &[TensorInfo]) -> (NameIndex, Vec<usize>) {
+        let mut index = NameIndex {
+            table: HashTable::with_capacity(tensors.len()),
+            hasher: DefaultHashBuilder::default(),
+        };
+        let mut replaced = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            let hash = index.hasher.hash_one(t.name.as_str());
+            let hasher = |&j: &usize| index.hasher.hash_one(tensors[j].name.as_str());
+            match index
+                .table
+                .entry(hash, |&j| tensors[j].name == t.name, hasher)
+            {
+                hashbrown::hash_table::Entry::Occupied(mut e) => {
+                    replaced.push(std::mem::replace(e.get_mut(), i))
+                }
+                hashbrown::hash_table::Entry::Vacant(e) => {
+                    e.insert(i);
+                }
+            }
+        }
+        (index, replaced)
+    }
 }
 
 impl Header {
@@ -118,12 +161,33 @@ impl Header {
         let raw = parse_json(text)?;
 
         let mut tensors = raw.tensors;
+        let (mut by_name, replaced) = NameIndex::build(&tensors);
+        if !replaced.is_empty() {
+            // Rare: drop the entries a repeated name overrode, and index again.
+            let mut keep = vec![true; tensors.len()];
+            replaced.iter().for_each(|&i| keep[i] = false);
+            let mut flags = keep.into_iter();
+            tensors.retain(|_| flags.next().unwrap_or(true));
+            by_name = NameIndex::build(&tensors).0;
+        }
         // Offset order, as the reference validates; the name makes ties deterministic.
-        tensors.sort_unstable_by(|a, b| {
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            let (a, b) = (&tensors[a], &tensors[b]);
             a.data_offsets
                 .cmp(&b.data_offsets)
                 .then_with(|| a.name.cmp(&b.name))
         });
+        let mut new_position = vec![0; tensors.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_position[old] = new;
+        }
+        by_name.table.iter_mut().for_each(|i| *i = new_position[*i]);
+        let mut slots: Vec<Option<TensorInfo>> = tensors.into_iter().map(Some).collect();
+        let tensors: Vec<TensorInfo> = order
+            .iter()
+            .map(|&i| slots[i].take().expect("a permutation"))
+            .collect();
         let data_len = validate_layout(&tensors)?;
         let expected = PREFIX_LEN as u128 + header_len as u128 + data_len as u128;
         if expected != file_len as u128 {
@@ -133,11 +197,6 @@ impl Header {
                 file_len,
             });
         }
-        let by_name = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
         Ok(Header {
             header_len,
             metadata: raw.metadata,
@@ -157,11 +216,12 @@ impl Header {
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorInfo> {
-        self.by_name.get(name).map(|&i| &self.tensors[i])
+        self.index_of(name).map(|i| &self.tensors[i])
     }
 
+    /// Position of a tensor in `tensors`.
     pub fn index_of(&self, name: &str) -> Option<usize> {
-        self.by_name.get(name).copied()
+        self.by_name.find(&self.tensors, name)
     }
 }
 
@@ -249,7 +309,7 @@ pub(crate) fn size_error(e: SizeError, t: &TensorInfo) -> FormatError {
 // flattened HashMap of tensors, which buffers the whole document in serde's
 // `Content` tree first. This visitor makes the same decisions in one pass:
 // a repeated `__metadata__` is an error, a repeated tensor name keeps the last
-// entry (each entry must still be valid), unknown fields inside an entry are
+// entry (each entry must still be valid; see NameIndex::build), unknown fields inside an entry are
 // ignored (serde's derive skips them, as the reference's does), and JSON that
 // is not an object is refused.
 
@@ -293,7 +353,6 @@ impl<'de> Visitor<'de> for HeaderVisitor<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
         let mut metadata: Option<Option<Metadata>> = None;
         let mut tensors: Vec<TensorInfo> = Vec::new();
-        let mut seen: HashMap<String, usize> = HashMap::new();
         while let Some(key) = map.next_key::<String>()? {
             if key == "__metadata__" {
                 if metadata.is_some() {
@@ -309,20 +368,13 @@ impl<'de> Visitor<'de> for HeaderVisitor<'_> {
                     return Err(e);
                 }
             };
-            let info = TensorInfo {
+            // Repeated names are resolved by NameIndex::build.
+            tensors.push(TensorInfo {
                 name: key,
                 dtype: entry.dtype,
                 shape: entry.shape,
                 data_offsets: entry.data_offsets,
-            };
-            match seen.get(&info.name) {
-                // A repeated name keeps the last entry, as a HashMap insert does.
-                Some(&i) => tensors[i] = info,
-                None => {
-                    seen.insert(info.name.clone(), tensors.len());
-                    tensors.push(info);
-                }
-            }
+            });
         }
         Ok(RawHeader {
             metadata: metadata.flatten(),

@@ -1,0 +1,435 @@
+//! `stfs mount` and `stfs umount`: validate the source, daemonize with a
+//! readiness pipe, serve the FUSE session, unmount cleanly on signals.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use fuser::{Config, MountOption, SessionACL};
+use tracing::{error, info, warn};
+
+use crate::checkpoint::Checkpoint;
+use crate::format::{index, Header};
+use crate::fs::fuse::FuseAdapter;
+use crate::fs::{Fs, Settings, Source};
+use crate::inspect::list_dir;
+
+/// Everything `stfs mount` was asked for.
+#[derive(Debug, Clone)]
+pub struct MountRequest {
+    pub source: PathBuf,
+    pub mountpoint: PathBuf,
+    pub foreground: bool,
+    pub options: Vec<String>,
+    pub threads: Option<usize>,
+    pub log_file: Option<PathBuf>,
+    pub pid_file: Option<PathBuf>,
+}
+
+/// Parsed `-o` options.
+#[derive(Debug, Default, Clone)]
+struct MountOptions {
+    read_only: bool,
+    acl: SessionACL,
+    kernel: Vec<MountOption>,
+}
+
+fn parse_options(list: &[String]) -> Result<MountOptions, String> {
+    let mut o = MountOptions::default();
+    for opt in list
+        .iter()
+        .flat_map(|s| s.split(','))
+        .filter(|s| !s.is_empty())
+    {
+        match opt {
+            "ro" => o.read_only = true,
+            "rw" => o.read_only = false,
+            "allow_other" => o.acl = SessionACL::All,
+            "allow_root" => o.acl = SessionACL::RootAndOwner,
+            "default_permissions" => o.kernel.push(MountOption::DefaultPermissions),
+            "nodev" => o.kernel.push(MountOption::NoDev),
+            "nosuid" => o.kernel.push(MountOption::NoSuid),
+            "noexec" => o.kernel.push(MountOption::NoExec),
+            "noatime" => o.kernel.push(MountOption::NoAtime),
+            other => {
+                return Err(format!(
+                    "unknown mount option {other:?} (known: ro, rw, allow_other, allow_root, \
+                     default_permissions, nodev, nosuid, noexec, noatime)"
+                ))
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// Opens and validates what is to be mounted. Index problems are warnings:
+/// the shards themselves are valid, and the index is shown as it is.
+pub fn open_source(path: &Path) -> Result<(Source, Vec<String>), String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_dir() {
+        return Ok((Source::File(Checkpoint::open(path)?), Vec::new()));
+    }
+    let listing = list_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if listing.checkpoints.is_empty() {
+        return Err(format!(
+            "{}: no *.safetensors files in this folder",
+            path.display()
+        ));
+    }
+    let mut checkpoints = Vec::new();
+    for (name, file) in &listing.checkpoints {
+        let stem = name
+            .strip_suffix(".safetensors")
+            .unwrap_or(name)
+            .to_string();
+        checkpoints.push((stem, Checkpoint::open(file)?));
+    }
+    let mut indexes = Vec::new();
+    let mut warnings = Vec::new();
+    let shards: BTreeMap<String, &Header> = listing
+        .checkpoints
+        .iter()
+        .zip(&checkpoints)
+        .map(|((file, _), (_, c))| (file.clone(), c.header()))
+        .collect();
+    for ix in &listing.indexes {
+        let bytes = std::fs::read(ix).map_err(|e| format!("{}: {e}", ix.display()))?;
+        let problems = match index::parse_index(&bytes) {
+            Ok(parsed) => index::check_index(&parsed, &shards),
+            Err(e) => vec![e],
+        };
+        warnings.extend(
+            problems
+                .into_iter()
+                .map(|p| format!("{}: {p}", ix.display())),
+        );
+        let name = ix
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        indexes.push((name, bytes));
+    }
+    Ok((
+        Source::Folder {
+            checkpoints,
+            indexes,
+        },
+        warnings,
+    ))
+}
+
+pub fn mount(req: MountRequest) -> Result<(), String> {
+    let options = parse_options(&req.options)?;
+    let (source, warnings) = open_source(&req.source)?;
+    for w in &warnings {
+        eprintln!("stfs: warning: {w}");
+    }
+    if !req.mountpoint.is_dir() {
+        return Err(format!(
+            "{}: mount point is not a directory",
+            req.mountpoint.display()
+        ));
+    }
+    if req.foreground {
+        init_logging(req.log_file.as_deref(), true)?;
+        return serve(source, &req, options, &warnings, None);
+    }
+    daemonize(source, &req, options, &warnings)
+}
+
+/// Forks; the child serves the mount and reports through a pipe once the mount
+/// answers (or why it failed); the parent returns only then. Must be called
+/// before any thread is started.
+fn daemonize(
+    source: Source,
+    req: &MountRequest,
+    options: MountOptions,
+    warnings: &[String],
+) -> Result<(), String> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid out-array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: pipe2 returned two fresh descriptors that we now own.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: stfs has started no threads yet, so the child may run Rust code freely.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            drop(read_end);
+            // SAFETY: plain syscalls in the child.
+            unsafe { libc::setsid() };
+            detach_stdio();
+            let code = match init_logging(req.log_file.as_deref(), false)
+                .and_then(|()| serve(source, req, options, warnings, Some(write_end)))
+            {
+                Ok(()) => 0,
+                Err(e) => {
+                    error!("{e}");
+                    1
+                }
+            };
+            std::process::exit(code);
+        }
+        _child => {
+            drop(write_end);
+            let mut answer = String::new();
+            File::from(read_end)
+                .read_to_string(&mut answer)
+                .map_err(|e| format!("waiting for the daemon: {e}"))?;
+            match answer.strip_prefix("ok") {
+                Some(_) => Ok(()),
+                None if answer.is_empty() => {
+                    Err("the daemon exited before the mount was ready (see its log)".into())
+                }
+                None => Err(answer.trim_end().to_string()),
+            }
+        }
+    }
+}
+
+fn detach_stdio() {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            // SAFETY: replacing the standard descriptors with /dev/null.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+}
+
+/// Where the daemon logs when no --log-file is given.
+pub fn default_log_file() -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    std::env::temp_dir().join(format!("stfs-{}.log", unsafe { libc::getuid() }))
+}
+
+fn init_logging(log_file: Option<&Path>, foreground: bool) -> Result<(), String> {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,fuser=error"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_thread_names(true);
+    let path = match (log_file, foreground) {
+        (Some(p), _) => p.to_path_buf(),
+        (None, true) => {
+            let _ = builder.with_writer(std::io::stderr).try_init();
+            return Ok(());
+        }
+        (None, false) => default_log_file(),
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| format!("log file {}: {e}", path.display()))?;
+    let _ = builder
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .try_init();
+    Ok(())
+}
+
+fn report(ready: &mut Option<OwnedFd>, message: &str) {
+    if let Some(fd) = ready.take() {
+        let _ = File::from(fd).write_all(message.as_bytes());
+    }
+}
+
+/// Mounts and serves until unmounted (by `umount`, `stfs umount`, or a signal).
+fn serve(
+    source: Source,
+    req: &MountRequest,
+    options: MountOptions,
+    warnings: &[String],
+    mut ready: Option<OwnedFd>,
+) -> Result<(), String> {
+    for w in warnings {
+        warn!("{w}");
+    }
+    // SAFETY: getuid/getgid cannot fail.
+    let settings = Settings {
+        read_only: options.read_only,
+        uid: unsafe { libc::getuid() },
+        gid: unsafe { libc::getgid() },
+    };
+    let threads = req
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)));
+    let mut mount_options = vec![
+        MountOption::FSName(req.source.display().to_string()),
+        MountOption::Subtype("stfs".into()),
+        MountOption::NoDev,
+        MountOption::NoSuid,
+    ];
+    if options.read_only {
+        mount_options.push(MountOption::RO);
+    }
+    mount_options.extend(options.kernel.iter().cloned());
+    let mut config = Config::default();
+    config.mount_options = mount_options;
+    config.acl = options.acl;
+    config.n_threads = Some(threads.max(1));
+
+    // Signals are taken by one thread (below): block them before fuser starts its threads.
+    let signals = blocked_signals();
+    let fs = Fs::new(source, settings);
+    let mut session = match fuser::Session::new(FuseAdapter::new(fs), &req.mountpoint, &config) {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = format!(
+                "cannot mount {} on {}: {e}",
+                req.source.display(),
+                req.mountpoint.display()
+            );
+            report(&mut ready, &msg);
+            return Err(msg);
+        }
+    };
+    raise_read_ahead(&req.mountpoint);
+    if let Some(pid_file) = &req.pid_file {
+        if let Err(e) = std::fs::write(pid_file, format!("{}\n", std::process::id())) {
+            warn!("pid file {}: {e}", pid_file.display());
+        }
+    }
+    info!(
+        source = %req.source.display(),
+        mountpoint = %req.mountpoint.display(),
+        threads,
+        read_only = options.read_only,
+        "mounted"
+    );
+    report(&mut ready, "ok\n");
+
+    let mut unmounter = session.unmount_callable();
+    let mountpoint = req.mountpoint.clone();
+    std::thread::Builder::new()
+        .name("stfs-signals".into())
+        .spawn(move || {
+            let mut sig = 0;
+            // SAFETY: signals is a valid, initialized set; sig an out-parameter.
+            if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
+                info!(
+                    signal = sig,
+                    "unmounting {} on signal",
+                    mountpoint.display()
+                );
+                if let Err(e) = unmounter.unmount() {
+                    error!("unmount of {} failed: {e}", mountpoint.display());
+                }
+            }
+        })
+        .map_err(|e| e.to_string())?;
+
+    let result = session.run();
+    if let Some(pid_file) = &req.pid_file {
+        let _ = std::fs::remove_file(pid_file);
+    }
+    info!(mountpoint = %req.mountpoint.display(), "unmounted");
+    result.map_err(|e| {
+        format!(
+            "FUSE session on {} ended with an error: {e}",
+            req.mountpoint.display()
+        )
+    })
+}
+
+fn blocked_signals() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a zeroed, then emptied set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// The kernel caps a FUSE mount's read-ahead at 128 KiB; root can raise it
+/// through the mount's backing device info, which makes buffered reads
+/// arrive as 1 MiB requests (../shared/PERF-NOTES.md).
+fn raise_read_ahead(mountpoint: &Path) {
+    // The mount's device number comes from mountinfo: a stat of the mount point
+    // would be a FUSE request, and nothing serves requests yet.
+    let Some(dev) = mount_device(mountpoint) else {
+        info!(
+            "read-ahead left at the kernel default: {} not found in mountinfo",
+            mountpoint.display()
+        );
+        return;
+    };
+    let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    match std::fs::write(&knob, "1024") {
+        Ok(()) => info!("read-ahead raised to 1024 KiB ({knob})"),
+        Err(e) => info!("read-ahead left at the kernel default: {knob}: {e}"),
+    }
+}
+
+/// "major:minor" of the newest mount on `mountpoint`, from /proc/self/mountinfo.
+fn mount_device(mountpoint: &Path) -> Option<String> {
+    let target = std::fs::canonicalize(mountpoint.parent()?)
+        .ok()?
+        .join(mountpoint.file_name()?);
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            // Fields: id, parent id, major:minor, root, mount point (octal-escaped), ...
+            let point = fields
+                .get(4)?
+                .replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\012", "\n")
+                .replace("\\134", "\\");
+            (Path::new(&point) == target).then(|| fields[2].to_string())
+        })
+        .last()
+}
+
+/// `stfs umount`: unmounts; as a normal user through fusermount3.
+pub fn umount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    // SAFETY: c is a valid path string.
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EPERM) => {
+            let mut cmd = std::process::Command::new("fusermount3");
+            cmd.arg("-u");
+            if lazy {
+                cmd.arg("-z");
+            }
+            let status = cmd
+                .arg(mountpoint)
+                .status()
+                .map_err(|e| format!("fusermount3: {e}"))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("{}: fusermount3 -u failed", mountpoint.display()))
+            }
+        }
+        Some(libc::EBUSY) => Err(format!(
+            "{}: busy (files are open in it); close them, or unmount lazily with --lazy",
+            mountpoint.display()
+        )),
+        Some(libc::EINVAL) => Err(format!("{}: not a mount point", mountpoint.display())),
+        _ => Err(format!("{}: {err}", mountpoint.display())),
+    }
+}

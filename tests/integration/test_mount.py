@@ -1,0 +1,288 @@
+"""Real mounts of files written by the official Python `safetensors`, driven
+with real tools (ls, cat, dd, stat) and real syscalls."""
+
+import errno
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import ckpt
+
+DIR_ENTRIES = {"__metadata__.json"}
+
+
+def file_name(tensor):
+    """The documented escaping (docs/SEMANTICS.md), for short names."""
+    f = tensor.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+    if f == "":
+        return "%"
+    if f in (".", ".."):
+        return f.replace(".", "%2E")
+    if f == "__metadata__.json":
+        return "%5F_metadata__.json"
+    if f.endswith(".meta.json"):
+        f = f[: -len(".meta.json")] + "%2Emeta.json"
+    return f
+
+
+def sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+def test_mixed_checkpoint_bytes_meta_and_listing(tmp_path, mount):
+    src = tmp_path / "mixed.safetensors"
+    expected = ckpt.mixed_checkpoint(str(src))
+    n, header = ckpt.read_header(src)
+    m = mount(src)
+
+    listing = set(subprocess.run(["ls", "-a", m.path], capture_output=True, text=True, check=True).stdout.split("\n")) - {""}
+    want = {".", ".."} | DIR_ENTRIES
+    for name in expected:
+        want |= {file_name(name), file_name(name) + ".meta.json"}
+    assert listing == want
+
+    for name, data in expected.items():
+        path = os.path.join(m.path, file_name(name))
+        # cat through a real process, and a direct read.
+        out = subprocess.run(["cat", path], capture_output=True, check=True).stdout
+        assert sha(out) == sha(data), name
+        assert os.stat(path).st_size == len(data)
+        meta = json.loads(open(path + ".meta.json").read())
+        entry = header[name]
+        assert meta["dtype"] == entry["dtype"] and meta["shape"] == entry["shape"]
+        assert meta["data_offsets"] == entry["data_offsets"]
+        assert meta["nbytes"] == len(data) and meta["name"] == name
+        assert meta["file_offset"] == 8 + n + entry["data_offsets"][0]
+
+    assert json.load(open(os.path.join(m.path, "__metadata__.json"))) == {"format": "np", "note": "stfs test"}
+
+    # ls -l sizes match the header.
+    for line in subprocess.run(["ls", "-l", m.path], capture_output=True, text=True, check=True).stdout.splitlines()[1:]:
+        parts = line.split(None, 8)
+        fname, size = parts[8], int(parts[4])
+        if fname.endswith(".meta.json") or fname in DIR_ENTRIES:
+            assert size == len(open(os.path.join(m.path, fname), "rb").read())
+        else:
+            tensor = [t for t in expected if file_name(t) == fname][0]
+            assert size == len(expected[tensor])
+
+
+def test_stat_modes_owner_and_times(tmp_path, mount):
+    src = tmp_path / "s.safetensors"
+    save_file({"w": np.ones((4, 4), np.float32)}, str(src))
+    m = mount(src)
+    st = os.stat(os.path.join(m.path, "w"))
+    src_st = os.stat(src)
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_size) == (0o644, os.getuid(), os.getgid(), 64)
+    assert int(st.st_mtime) == int(src_st.st_mtime)
+    assert os.stat(m.path).st_mode & 0o7777 == 0o755
+    out = subprocess.run(["stat", "-c", "%s %F", os.path.join(m.path, "w")], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "64 regular file"
+    vfs, back = os.statvfs(m.path), os.statvfs(tmp_path)
+    assert (vfs.f_blocks, vfs.f_bsize, vfs.f_namemax) == (back.f_blocks, back.f_bsize, 255)
+
+    ro = mount(src, "-o", "ro")
+    assert os.stat(os.path.join(ro.path, "w")).st_mode & 0o777 == 0o444
+
+
+def test_dd_skip_count_and_reads_at_any_offset(tmp_path, mount):
+    src = tmp_path / "d.safetensors"
+    a = np.arange(1 << 20, dtype=np.uint32)  # 4 MiB
+    save_file({"a": a, "b": np.ones(3, np.int8)}, str(src))
+    m = mount(src)
+    path = os.path.join(m.path, "a")
+    out = subprocess.run(["dd", f"if={path}", "bs=4096", "skip=3", "count=5", "status=none"], capture_output=True, check=True).stdout
+    assert out == a.tobytes()[3 * 4096 : 8 * 4096]
+    out = subprocess.run(["dd", f"if={path}", "bs=1M", "status=none"], capture_output=True, check=True).stdout
+    assert out == a.tobytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, size in [(0, 1), (1, 7), (4095, 2), (12345, 70000), (len(a) * 4 - 3, 100), (len(a) * 4, 10), (1 << 40, 10)]:
+            assert os.pread(fd, size, off) == a.tobytes()[off : off + size]
+    finally:
+        os.close(fd)
+
+
+def test_np_memmap_and_concurrent_readers(tmp_path, mount):
+    src = tmp_path / "c.safetensors"
+    tensors = {f"t{i}": np.random.default_rng(i).standard_normal((256, 257)).astype(np.float32) for i in range(8)}
+    save_file(tensors, str(src))
+    m = mount(src)
+    mm = np.memmap(os.path.join(m.path, "t3"), dtype=np.float32, mode="r", shape=(256, 257))
+    assert np.array_equal(mm, tensors["t3"])
+    del mm
+
+    errors = []
+
+    def reader(k):
+        try:
+            for _ in range(5):
+                for name, arr in tensors.items():
+                    with open(os.path.join(m.path, name), "rb") as f:
+                        f.seek((k * 4096) % arr.nbytes)
+                        rest = f.read()
+                    assert rest == arr.tobytes()[(k * 4096) % arr.nbytes :]
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_scalar_zero_size_f6_and_empty(tmp_path, mount):
+    src = tmp_path / "h.safetensors"
+    ckpt.write_by_hand(src, [
+        ("scalar", "F64", [], struct.pack("<d", 2.5)),
+        ("zero", "BF16", [0, 3], b""),
+        ("f6", "F6_E3M2", [8], bytes([1, 2, 3, 4, 5, 6])),
+    ], metadata={"k": "v"})
+    m = mount(src)
+    assert open(os.path.join(m.path, "scalar"), "rb").read() == struct.pack("<d", 2.5)
+    assert json.load(open(os.path.join(m.path, "scalar.meta.json")))["shape"] == []
+    assert open(os.path.join(m.path, "zero"), "rb").read() == b""
+    assert os.stat(os.path.join(m.path, "zero")).st_size == 0
+    assert open(os.path.join(m.path, "f6"), "rb").read() == bytes([1, 2, 3, 4, 5, 6])
+
+    empty = tmp_path / "empty.safetensors"
+    save_file({}, str(empty))
+    e = mount(empty)
+    assert sorted(os.listdir(e.path)) == ["__metadata__.json"]
+    assert open(os.path.join(e.path, "__metadata__.json")).read() == "{}\n"
+
+
+def test_escaped_and_long_names(tmp_path, mount):
+    src = tmp_path / "names.safetensors"
+    long_name = "layer." + "x" * 300
+    names = ["", ".", "..", "a/b", "100%", "nul\0", "x.meta.json", "__metadata__.json", "~tilde", long_name]
+    ckpt.write_by_hand(src, [(n, "U8", [1], bytes([i])) for i, n in enumerate(names)])
+    m = mount(src)
+    entries = os.listdir(m.path)
+    assert len(entries) == 1 + 2 * len(names)
+    for i, n in enumerate(names[:-1]):
+        assert open(os.path.join(m.path, file_name(n)), "rb").read() == bytes([i]), n
+        assert json.load(open(os.path.join(m.path, file_name(n) + ".meta.json")))["name"] == n
+    hashed = [e for e in entries if e.startswith("layer.x") and not e.endswith(".meta.json")]
+    assert len(hashed) == 1 and "~" in hashed[0] and len(hashed[0] + ".meta.json") <= 255
+    assert json.load(open(os.path.join(m.path, hashed[0] + ".meta.json")))["name"] == long_name
+    assert open(os.path.join(m.path, hashed[0]), "rb").read() == bytes([len(names) - 1])
+    # Non-canonical spellings do not exist.
+    for bad in ["a%2fb", "%2E%2E%2E", "100%"]:
+        assert not os.path.exists(os.path.join(m.path, bad)), bad
+
+
+def test_twenty_thousand_tensors(tmp_path, mount):
+    src = tmp_path / "many.safetensors"
+    tensors = {f"blk.{i}.w": np.full(2, i, np.int32) for i in range(20_000)}
+    save_file(tensors, str(src))
+    m = mount(src)
+    out = subprocess.run(["ls", m.path], capture_output=True, text=True, check=True).stdout.split()
+    assert len(out) == 40_001
+    for i in (0, 9_999, 19_999):
+        assert np.frombuffer(open(os.path.join(m.path, f"blk.{i}.w"), "rb").read(), np.int32).tolist() == [i, i]
+
+
+def test_sharded_folder_with_index(tmp_path, mount):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
+    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
+             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    m = mount(folder)
+    assert sorted(os.listdir(m.path)) == ["model-00001-of-00002", "model-00002-of-00002", "model.safetensors.index.json"]
+    assert open(os.path.join(m.path, "model-00002-of-00002", "b"), "rb").read() == b.tobytes()
+    assert open(os.path.join(m.path, "model-00001-of-00002", "a"), "rb").read() == a.tobytes()
+    assert json.load(open(os.path.join(m.path, "model.safetensors.index.json"))) == index
+    assert m.result.stderr == ""
+
+    # A wrong index still mounts (the shards are valid) but is reported.
+    index["weight_map"]["b"] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    m2 = mount(folder)
+    assert "weight_map says" in m2.result.stderr
+
+
+def test_invalid_files_are_refused_and_nothing_is_mounted(tmp_path, mount):
+    good = tmp_path / "good.safetensors"
+    save_file({"w": np.zeros(4, np.float32)}, str(good))
+    data = good.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    bad_header = b'{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}}'
+    cases = {
+        "short": (data[:4], "shorter than the 8-byte"),
+        "trailing": (data + b"\0", "file is"),
+        "size": (struct.pack("<Q", len(bad_header)) + bad_header + data[8 + n:],
+                 'tensor "w": data_offsets [0, 16] span 16 bytes but F32 [3] needs 12'),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        m = mount(path, expect_ok=False)
+        assert m.result.returncode != 0
+        assert str(path) in m.result.stderr and message in m.result.stderr, m.result.stderr
+        assert not m.is_mounted()
+    m = mount(tmp_path / "missing.safetensors", expect_ok=False)
+    assert m.result.returncode != 0 and "No such file" in m.result.stderr
+
+
+def test_writes_are_refused_cleanly(tmp_path, mount):
+    src = tmp_path / "w.safetensors"
+    save_file({"w": np.zeros(4, np.float32)}, str(src))
+    before = src.read_bytes()
+    m = mount(src)
+    w = os.path.join(m.path, "w")
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        with pytest.raises(OSError) as e:
+            os.open(w, flags)
+        assert e.value.errno == errno.EROFS
+    with pytest.raises(OSError) as e:
+        os.open(os.path.join(m.path, "new"), os.O_CREAT | os.O_WRONLY)
+    assert e.value.errno == errno.EROFS
+    for op, err in [(lambda: os.unlink(w), errno.EROFS), (lambda: os.rename(w, w + "2"), errno.EROFS),
+                    (lambda: os.mkdir(os.path.join(m.path, "d")), errno.EOPNOTSUPP),
+                    (lambda: os.symlink("w", os.path.join(m.path, "s")), errno.EOPNOTSUPP),
+                    (lambda: os.link(w, os.path.join(m.path, "h")), errno.EPERM),
+                    (lambda: os.truncate(w, 0), errno.EROFS)]:
+        with pytest.raises(OSError) as e:
+            op()
+        assert e.value.errno == err, (e.value, err)
+    assert src.read_bytes() == before
+
+
+def test_foreground_mount_unmounts_on_sigterm(tmp_path, stfs):
+    src = tmp_path / "f.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(src))
+    mnt = tmp_path / "fg"
+    mnt.mkdir()
+    proc = subprocess.Popen([stfs, "mount", "-f", str(src), str(mnt)], stderr=subprocess.PIPE, text=True)
+    try:
+        import time
+        deadline = time.monotonic() + 20
+        while not os.path.exists(mnt / "w"):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "foreground mount never answered"
+            time.sleep(0.05)
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        assert not os.path.exists(mnt / "w")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with open("/proc/self/mountinfo") as f:
+            if any(line.split()[4] == str(mnt) for line in f):
+                subprocess.run(["umount", "-l", str(mnt)])
