@@ -178,6 +178,8 @@ fn daemonize(
         }
         _child => {
             drop(write_end);
+            // The parent only waits and exits: skip freeing a large header.
+            std::mem::forget(source);
             let mut answer = String::new();
             File::from(read_end)
                 .read_to_string(&mut answer)

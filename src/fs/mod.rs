@@ -147,11 +147,8 @@ impl Fs {
                 .tensors
                 .iter()
                 .enumerate()
-                .filter_map(|(pos, t)| {
-                    let file = tensor_file_name(&t.name);
-                    // Hashed iff the file name does not decode back to the tensor name.
-                    (tensor_name(&file).as_deref() != Some(t.name.as_str())).then_some((file, pos))
-                })
+                .filter(|(_, t)| names::is_hashed(&t.name))
+                .map(|(pos, t)| (tensor_file_name(&t.name), pos))
                 .collect();
             let count = checkpoint.header().tensors.len() as u64;
             checkpoints.push(Mounted {

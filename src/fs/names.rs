@@ -22,12 +22,19 @@ pub fn tensor_file_name(name: &str) -> String {
     if escaped.len() <= MAX_TENSOR_FILE {
         return escaped;
     }
+    // Keep in step with is_hashed.
     // `<prefix>~<16 hex>`: cut the escaped form on a char boundary.
     let mut cut = MAX_TENSOR_FILE - 17;
     while !escaped.is_char_boundary(cut) {
         cut -= 1;
     }
     format!("{}~{:016x}", &escaped[..cut], fnv1a64(name.as_bytes()))
+}
+
+/// Whether a tensor's file name is the hashed form (its escape is too long).
+pub fn is_hashed(name: &str) -> bool {
+    // An escape at most triples a name, plus a few bytes: skip the work for short names.
+    name.len() * 3 + 4 > MAX_TENSOR_FILE && escape(name).len() > MAX_TENSOR_FILE
 }
 
 /// The tensor name a file name stands for, if it is a valid (canonical) escape
@@ -143,7 +150,8 @@ mod tests {
         let long = "w".repeat(300);
         let f = tensor_file_name(&long);
         assert!(f.len() <= MAX_TENSOR_FILE && (f.clone() + META_SUFFIX).len() <= NAME_MAX);
-        assert!(f.starts_with("www") && f.contains('~'));
+        assert!(f.starts_with("www") && f.contains('~') && is_hashed(&long));
+        assert!(!is_hashed("short") && !is_hashed(&"%".repeat(81)) && is_hashed(&"%".repeat(82)));
         assert_ne!(tensor_name(&f).as_deref(), Some(long.as_str()));
         assert_ne!(f, tensor_file_name(&"w".repeat(301)));
         // Multi-byte characters are cut on a boundary.

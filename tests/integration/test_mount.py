@@ -286,3 +286,35 @@ def test_foreground_mount_unmounts_on_sigterm(tmp_path, stfs):
         with open("/proc/self/mountinfo") as f:
             if any(line.split()[4] == str(mnt) for line in f):
                 subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_sparse_file_over_4gib_reads_above_2_pow_32(tmp_path, mount):
+    src = tmp_path / "big.safetensors"
+    big = (4 << 30) + (512 << 20)  # 4.5 GiB, sparse on disk
+    header = {"big": {"dtype": "U8", "shape": [big], "data_offsets": [0, big]},
+              "tail": {"dtype": "U8", "shape": [4096], "data_offsets": [big, big + 4096]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    marks = {(1 << 32) - 2: b"ACROSS", (1 << 32) + 12345: b"above-4GiB", big - 5: b"END!!"}
+    with open(src, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(start + big + 4096)
+        for off, mark in marks.items():
+            os.pwrite(f.fileno(), mark, start + off)
+        os.pwrite(f.fileno(), b"tail-bytes", start + big)
+    m = mount(src)
+    path = os.path.join(m.path, "big")
+    assert os.stat(path).st_size == big
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, mark in marks.items():
+            assert os.pread(fd, len(mark), off) == mark, off
+        assert os.pread(fd, 4, (1 << 32) + 100) == bytes(4)
+    finally:
+        os.close(fd)
+    out = subprocess.run(["dd", f"if={path}", "bs=4096", f"skip={((1 << 32) + 12288) // 4096}", "count=1", "status=none"],
+                         capture_output=True, check=True).stdout
+    assert out[12345 - 12288:12345 - 12288 + 10] == b"above-4GiB"
+    assert open(os.path.join(m.path, "tail"), "rb").read(10) == b"tail-bytes"
+    assert json.load(open(path + ".meta.json"))["file_offset"] == start
