@@ -49,16 +49,30 @@ enum Command {
         /// Write the daemon's pid here while it runs.
         #[arg(long)]
         pid_file: Option<PathBuf>,
+        /// Folder for staged edits (default: .NAME.stfs-staging beside the source).
+        #[arg(long)]
+        staging_dir: Option<PathBuf>,
         /// A .safetensors file, or a folder of them (with *.index.json).
         source: PathBuf,
         mountpoint: PathBuf,
     },
-    /// Unmount a stfs mount.
+    /// Commit staged edits, then unmount.
     Umount {
         /// Detach now, finish when the last open file is closed.
         #[arg(short = 'l', long)]
         lazy: bool,
+        /// Drop the staged edits instead of committing them.
+        #[arg(long)]
+        discard: bool,
         mountpoint: PathBuf,
+    },
+    /// Write the staged edits of a mount into its source file, atomically.
+    Commit {
+        /// Commit even if the source was changed behind the mount.
+        #[arg(long)]
+        force: bool,
+        /// The mount point, or a checkpoint directory or file inside it.
+        path: PathBuf,
     },
     /// Write an empty, valid checkpoint.
     Create {
@@ -96,6 +110,7 @@ pub fn main() -> ExitCode {
             threads,
             log_file,
             pid_file,
+            staging_dir,
             source,
             mountpoint,
         } => crate::daemon::mount(crate::daemon::MountRequest {
@@ -106,8 +121,17 @@ pub fn main() -> ExitCode {
             threads,
             log_file,
             pid_file,
+            staging_dir,
         }),
-        Command::Umount { lazy, mountpoint } => crate::daemon::umount(&mountpoint, lazy),
+        Command::Umount {
+            lazy,
+            discard,
+            mountpoint,
+        } => crate::daemon::umount_with_commit(&mountpoint, lazy, discard),
+        Command::Commit { force, path } => {
+            let flags = if force { crate::fs::ioctl::COMMIT_FORCE } else { 0 };
+            crate::daemon::commit(&path, flags).map(|message| println!("{message}"))
+        }
         Command::Create {
             file,
             metadata,

@@ -26,6 +26,7 @@ pub struct MountRequest {
     pub threads: Option<usize>,
     pub log_file: Option<PathBuf>,
     pub pid_file: Option<PathBuf>,
+    pub staging_dir: Option<PathBuf>,
 }
 
 /// Parsed `-o` options.
@@ -264,6 +265,7 @@ fn serve(
         read_only: options.read_only,
         uid: unsafe { libc::getuid() },
         gid: unsafe { libc::getgid() },
+        staging_dir: req.staging_dir.clone(),
     };
     let threads = req
         .threads
@@ -400,7 +402,50 @@ fn mount_device(mountpoint: &Path) -> Option<String> {
         .last()
 }
 
-/// `stfs umount`: unmounts; as a normal user through fusermount3.
+/// Sends STFS_IOC_COMMIT to a mount; returns the daemon's message.
+pub fn commit(path: &Path, flags: u32) -> Result<String, String> {
+    use std::os::fd::AsRawFd;
+    use crate::fs::ioctl::{CommitArgs, IOC_COMMIT};
+    let dir = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut args = CommitArgs::new(flags);
+    // SAFETY: args is a properly sized, writable CommitArgs, as IOC_COMMIT encodes.
+    if unsafe { libc::ioctl(dir.as_raw_fd(), IOC_COMMIT as _, &mut args as *mut CommitArgs) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENOTTY | libc::ENOSYS) => format!("{}: not a stfs mount", path.display()),
+            _ => format!("{}: {e}", path.display()),
+        });
+    }
+    if args.result != 0 {
+        return Err(args.message());
+    }
+    Ok(args.message())
+}
+
+/// `stfs umount`: commits staged edits (or drops them with `discard`), then
+/// unmounts; as a normal user through fusermount3. A failed commit leaves the
+/// mount and its edits in place.
+pub fn umount_with_commit(mountpoint: &Path, lazy: bool, discard: bool) -> Result<(), String> {
+    use crate::fs::ioctl::COMMIT_DISCARD;
+    match commit(mountpoint, if discard { COMMIT_DISCARD } else { 0 }) {
+        Ok(message) => {
+            for line in message.lines().filter(|l| !l.ends_with("nothing to commit")) {
+                eprintln!("stfs: {line}");
+            }
+        }
+        Err(e) if e.ends_with("not a stfs mount") => {}
+        Err(e) => {
+            return Err(format!(
+                "{e}\nstfs: {} is still mounted with its edits staged: fix them and run stfs umount again, \
+                 or drop them with stfs umount --discard",
+                mountpoint.display()
+            ))
+        }
+    }
+    umount(mountpoint, lazy)
+}
+
+/// Unmounts; as a normal user through fusermount3.
 pub fn umount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|e| e.to_string())?;

@@ -9,8 +9,38 @@ use memmap2::{Advice, Mmap, UncheckedAdvice};
 
 use crate::format::{FormatError, Header};
 
+mod live;
+
+pub use live::{CommitError, Live, Tensor, TensorBytes, TensorId};
+
+/// What identifies the file a checkpoint was opened from, to detect a source
+/// replaced or rewritten behind the mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl FileIdentity {
+    pub fn of(meta: &std::fs::Metadata) -> FileIdentity {
+        use std::os::unix::fs::MetadataExt;
+        FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        }
+    }
+}
+
 pub struct Checkpoint {
     path: PathBuf,
+    /// Kept open: commits copy unchanged bytes from it with copy_file_range.
+    file: File,
+    identity: FileIdentity,
+    mode: u32,
     /// The whole source file, mapped read-only and shared with the page cache.
     map: Mmap,
     header: Header,
@@ -38,8 +68,12 @@ impl Checkpoint {
         // unless another program rewrites the file, which commit detects.
         let map = unsafe { Mmap::map(&file) }.map_err(what)?;
         let header = Header::parse(&map).map_err(|e| e.in_file(path).to_string())?;
+        use std::os::unix::fs::PermissionsExt;
         Ok(Checkpoint {
             path: path.to_path_buf(),
+            identity: FileIdentity::of(&meta),
+            mode: meta.permissions().mode() & 0o7777,
+            file,
             map,
             header,
             modified: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
@@ -48,6 +82,19 @@ impl Checkpoint {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn identity(&self) -> FileIdentity {
+        self.identity
+    }
+
+    /// Permission bits of the source, kept by commits.
+    pub fn mode(&self) -> u32 {
+        self.mode
     }
 
     pub fn header(&self) -> &Header {

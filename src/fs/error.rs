@@ -18,6 +18,14 @@ pub enum FsError {
     NotSupported(&'static str),
     /// A file name over 255 bytes (ENAMETOOLONG).
     NameTooLong,
+    /// Refused for this entry: removing a `.meta.json`, hard links (EPERM).
+    NotPermitted(&'static str),
+    /// A rename between two checkpoints: mv then copies (EXDEV).
+    CrossDevice,
+    /// The target exists and the caller asked not to replace it (EEXIST).
+    Exists,
+    /// A JSON edit over the size limit (EFBIG).
+    TooLarge,
     /// An I/O error from the backing filesystem, with its errno.
     Io(i32),
 }
@@ -30,10 +38,12 @@ impl FsError {
             FsError::IsADirectory => libc::EISDIR,
             FsError::ReadOnly => libc::EROFS,
             FsError::Invalid(_) => libc::EINVAL,
-            // Hard links are refused with EPERM, as filesystems without them do.
-            FsError::NotSupported("link") => libc::EPERM,
             FsError::NotSupported(_) => libc::ENOTSUP,
             FsError::NameTooLong => libc::ENAMETOOLONG,
+            FsError::NotPermitted(_) => libc::EPERM,
+            FsError::CrossDevice => libc::EXDEV,
+            FsError::Exists => libc::EEXIST,
+            FsError::TooLarge => libc::EFBIG,
             FsError::Io(errno) => *errno,
         }
     }
@@ -55,6 +65,10 @@ impl fmt::Display for FsError {
             FsError::Invalid(why) => write!(f, "invalid: {why}"),
             FsError::NotSupported(op) => write!(f, "{op} is not supported"),
             FsError::NameTooLong => f.write_str("name too long"),
+            FsError::NotPermitted(why) => f.write_str(why),
+            FsError::CrossDevice => f.write_str("rename between two checkpoints (mv copies instead)"),
+            FsError::Exists => f.write_str("exists"),
+            FsError::TooLarge => f.write_str("JSON edit over 16 MiB"),
             FsError::Io(errno) => write!(f, "{}", std::io::Error::from_raw_os_error(*errno)),
         }
     }

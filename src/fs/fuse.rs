@@ -5,16 +5,18 @@ use std::ffi::OsStr;
 use std::time::Duration;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
-use tracing::{debug, warn};
+use tracing::{debug, error, info, warn};
 
-use super::{Attr, Fs, FsError, Kind};
+use super::ioctl::{CommitArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT};
+use super::{Attr, Fs, FsError, Kind, Opened};
 
-/// Entries and attributes do not change behind the kernel's back on a read-only mount.
-const TTL: Duration = Duration::from_secs(60);
+/// Edits go through the mount, so the kernel learns of them; commits change
+/// only derived fields (offsets, mtime), which a short TTL keeps fresh.
+const TTL: Duration = Duration::from_secs(1);
 /// Preferred I/O size shown in stat: tools such as cat and cp size their buffers by it.
 const BLKSIZE: u32 = 1 << 20;
 
@@ -64,13 +66,42 @@ fn refuse(op: &'static str, e: FsError) -> Errno {
     Errno::from_i32(e.errno())
 }
 
+fn fopen_flags(o: &Opened) -> FopenFlags {
+    let mut f = FopenFlags::empty();
+    if o.keep_cache {
+        f |= FopenFlags::FOPEN_KEEP_CACHE;
+    }
+    if o.direct_io {
+        f |= FopenFlags::FOPEN_DIRECT_IO;
+    }
+    f
+}
+
+
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Ask for the largest read-ahead the kernel allows for this mount.
         if let Err(max) = config.set_max_readahead(u32::MAX) {
             let _ = config.set_max_readahead(max);
         }
+        // O_TRUNC arrives with open, so a truncating open of a .meta.json is one request.
+        let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         Ok(())
+    }
+
+    /// Unmount: commit what is staged. On failure the edits stay on disk.
+    fn destroy(&mut self) {
+        if !self.fs.is_dirty() {
+            return;
+        }
+        match self.fs.commit(super::ROOT_INO, false) {
+            Ok(lines) => lines.iter().for_each(|l| info!("at unmount: {l}")),
+            Err(e) => error!(
+                "commit at unmount failed: {e}. The staged edits are kept in {:?}; \
+                 they are not applied to the source",
+                self.fs.staging_dirs()
+            ),
+        }
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
@@ -91,27 +122,52 @@ impl Filesystem for FuseAdapter {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let write = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
-        match self.fs.open(ino.0, write) {
-            Ok(mode) => {
-                let mut f = FopenFlags::empty();
-                if mode.keep_cache {
-                    f |= FopenFlags::FOPEN_KEEP_CACHE;
-                }
-                if mode.direct_io {
-                    f |= FopenFlags::FOPEN_DIRECT_IO;
-                }
-                reply.opened(FileHandle(0), f)
-            }
+        let write = flags.acc_mode() != OpenAccMode::O_RDONLY;
+        match self.fs.open(ino.0, write, flags.0 & libc::O_TRUNC != 0) {
+            Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
             Err(e) => reply.error(errno("open", &e)),
         }
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let Some(name) = name.to_str() else {
+            return reply.error(Errno::EINVAL);
+        };
+        match self.fs.create(parent.0, name, flags & libc::O_TRUNC != 0) {
+            Ok((a, o)) => reply.created(&TTL, &file_attr(&a), Generation(0), FileHandle(o.fh), fopen_flags(&o)),
+            Err(e) => reply.error(errno("create", &e)),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        // An error here reaches nobody (close already returned): it is logged.
+        let _ = self.fs.release(fh.0);
+        reply.ok()
     }
 
     fn read(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
@@ -120,7 +176,7 @@ impl Filesystem for FuseAdapter {
     ) {
         // The reply is sent from inside the call, while the mapped bytes are borrowed.
         let mut reply = Some(reply);
-        let result = self.fs.read(ino.0, offset, size, |bytes| {
+        let result = self.fs.read(ino.0, fh.0, offset, size, |bytes| {
             if let Some(r) = reply.take() {
                 r.data(bytes)
             }
@@ -152,7 +208,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match nix_statvfs(self.fs.backing_dir()) {
+        match nix_statvfs(&self.fs.backing_dir()) {
             Ok(s) => reply.statfs(
                 s.f_blocks,
                 s.f_bfree,
@@ -167,27 +223,63 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok()
+    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        match self.fs.flush(fh.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("flush", &e)),
+        }
     }
 
-    fn fsync(
+    /// fsync of any file commits its checkpoint.
+    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        if let Err(e) = self.fs.flush(fh.0) {
+            return reply.error(errno("fsync", &e));
+        }
+        match self.fs.commit(ino.0, false) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(Errno::from_i32(e.errno())),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.fs.commit(ino.0, false) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(Errno::from_i32(e.errno())),
+        }
+    }
+
+    fn ioctl(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
+        _flags: IoctlFlags,
+        cmd: u32,
+        in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
     ) {
-        // Nothing is buffered in the daemon.
-        reply.ok()
+        if cmd != IOC_COMMIT {
+            debug!(cmd, "unknown ioctl");
+            return reply.error(Errno::ENOTTY);
+        }
+        let Some(mut args) = CommitArgs::from_bytes(in_data) else {
+            warn!("STFS_IOC_COMMIT with a bad struct size");
+            return reply.error(Errno::EINVAL);
+        };
+        if args.flags & COMMIT_DISCARD != 0 {
+            self.fs.discard();
+            args.set_message("staged edits discarded");
+        } else {
+            match self.fs.commit(ino.0, args.flags & COMMIT_FORCE != 0) {
+                Ok(lines) => args.set_message(&lines.join("\n")),
+                Err(e) => {
+                    args.result = e.errno();
+                    args.set_message(&e.to_string());
+                }
+            }
+        }
+        reply.ioctl(0, args.as_bytes())
     }
 
     // ENOSYS tells the kernel once and for all that stfs keeps no extended
@@ -211,73 +303,85 @@ impl Filesystem for FuseAdapter {
         reply.error(Errno::ENOSYS)
     }
 
-    // ---- Writes: refused until the write path lands (EROFS), and operations
-    // stfs never supports (ENOTSUP / EPERM).
-
     fn setattr(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _mode: Option<u32>,
         _uid: Option<u32>,
         _gid: Option<u32>,
-        _size: Option<u64>,
+        size: Option<u64>,
         _atime: Option<TimeOrNow>,
         _mtime: Option<TimeOrNow>,
         _ctime: Option<std::time::SystemTime>,
-        _fh: Option<FileHandle>,
+        fh: Option<FileHandle>,
         _crtime: Option<std::time::SystemTime>,
         _chgtime: Option<std::time::SystemTime>,
         _bkuptime: Option<std::time::SystemTime>,
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        reply.error(refuse("setattr", FsError::ReadOnly))
+        // Only the size is stfs's to change; mode, owner and times are derived
+        // (a mode change is accepted and ignored, so `cp -p` works).
+        let result = match size {
+            Some(size) => self.fs.set_size(ino.0, fh.map(|f| f.0), size),
+            None => self.fs.getattr(ino.0),
+        };
+        match result {
+            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Err(e) => reply.error(errno("setattr", &e)),
+        }
     }
 
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _data: &[u8],
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
         _write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        reply.error(refuse("write", FsError::ReadOnly))
+        match self.fs.write(ino.0, fh.0, offset, data) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno("write", &e)),
+        }
     }
 
-    fn create(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        _flags: i32,
-        reply: fuser::ReplyCreate,
-    ) {
-        reply.error(refuse("create", FsError::ReadOnly))
-    }
-
-    fn unlink(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(refuse("unlink", FsError::ReadOnly))
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let Some(name) = name.to_str() else {
+            return reply.error(Errno::ENOENT);
+        };
+        match self.fs.unlink(parent.0, name) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("unlink", &e)),
+        }
     }
 
     fn rename(
         &self,
         _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _newparent: INodeNo,
-        _newname: &OsStr,
-        _flags: fuser::RenameFlags,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        reply.error(refuse("rename", FsError::ReadOnly))
+        let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
+            return reply.error(Errno::EINVAL);
+        };
+        if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
+            return reply.error(refuse("rename", FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT")));
+        }
+        let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        match self.fs.rename(parent.0, name, newparent.0, newname, no_replace) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rename", &e)),
+        }
     }
 
     fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {

@@ -35,13 +35,14 @@ fn settings() -> Settings {
         read_only: false,
         uid: 1000,
         gid: 100,
+        staging_dir: None,
     }
 }
 
 fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
-        let chunk = fs.read(ino, out.len() as u64, 7, |b| b.to_vec()).unwrap();
+        let chunk = fs.read(ino, 0, out.len() as u64, 7, |b| b.to_vec()).unwrap();
         if chunk.is_empty() {
             return out;
         }
@@ -103,14 +104,8 @@ fn file_mount_lists_reads_and_stats() {
         assert_eq!(meta["name"], *name);
         assert_eq!(meta["nbytes"], want.len());
         assert_eq!(m.size as usize, read_all(&fs, m.ino).len());
-        assert_eq!(
-            fs.open(a.ino, false).unwrap(),
-            OpenMode {
-                keep_cache: true,
-                direct_io: false
-            }
-        );
-        assert_eq!(fs.open(a.ino, true), Err(FsError::ReadOnly));
+        let o = fs.open(a.ino, false, false).unwrap();
+        assert!(o.keep_cache && !o.direct_io);
     }
     let md = fs.lookup(ROOT_INO, "__metadata__.json").unwrap();
     assert_eq!(read_all(&fs, md.ino), b"{\"k\":\"v\"}\n");
@@ -118,10 +113,10 @@ fn file_mount_lists_reads_and_stats() {
     // Reads past the end and at odd offsets.
     let w = fs.lookup(ROOT_INO, "w").unwrap();
     assert_eq!(
-        fs.read(w.ino, 20, 100, |b| b.to_vec()).unwrap(),
+        fs.read(w.ino, 0, 20, 100, |b| b.to_vec()).unwrap(),
         contents[0][20..]
     );
-    assert!(fs.read(w.ino, 1000, 100, |b| b.len()).unwrap() == 0);
+    assert!(fs.read(w.ino, 0, 1000, 100, |b| b.len()).unwrap() == 0);
 
     for bad in ["nope", "w.meta", "%2f", "W", "a/b"] {
         assert_eq!(fs.lookup(ROOT_INO, bad), Err(FsError::NotFound), "{bad}");
@@ -132,7 +127,7 @@ fn file_mount_lists_reads_and_stats() {
         Err(FsError::NameTooLong)
     );
     assert_eq!(fs.getattr(999_999), Err(FsError::NotFound));
-    assert_eq!(fs.open(ROOT_INO, false), Err(FsError::IsADirectory));
+    assert_eq!(fs.open(ROOT_INO, false, false), Err(FsError::IsADirectory));
     assert_eq!(fs.getattr(ROOT_INO).unwrap().perm, 0o755);
 }
 
@@ -207,6 +202,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
             read_only: true,
             uid: 0,
             gid: 0,
+            staging_dir: None,
         },
     );
     assert_eq!(list(&fs, ROOT_INO), [".", "..", "s1", "s2", "m.index.json"]);
@@ -214,6 +210,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
     assert_eq!(s2.kind, Kind::Directory);
     let a = fs.lookup(s2.ino, "a").unwrap();
     assert_eq!((a.size, a.perm), (3, 0o444));
+    assert_eq!(fs.open(a.ino, true, false), Err(FsError::ReadOnly));
     assert_ne!(
         a.ino,
         fs.lookup(fs.lookup(ROOT_INO, "s1").unwrap().ino, "a")

@@ -1,0 +1,538 @@
+//! One live, editable checkpoint: the mapped source plus staged edits, and the
+//! commit that re-serializes them atomically. Plain Rust, no FUSE: the
+//! reference-model tests drive it directly.
+//!
+//! Nothing touches the source until `commit`, which validates every tensor,
+//! writes a temp file beside the source (unchanged bytes copied with
+//! copy_file_range), fsyncs it, renames it over the source keeping its mode,
+//! fsyncs the folder and remaps. Any failure before the rename leaves the source
+//! byte-identical and the staged edits in place.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use tracing::{info, warn};
+
+use super::{Checkpoint, FileIdentity};
+use crate::format::{byte_len, layout, Dtype, FormatError, Metadata, SizeError, TensorSpec};
+
+/// A tensor's identity for the life of the mount; never reused.
+pub type TensorId = u64;
+
+/// Where a tensor's bytes are now.
+#[derive(Clone)]
+pub enum TensorBytes {
+    /// Unchanged: tensor `index` of the mapped source.
+    Source(Arc<Checkpoint>, usize),
+    /// Copied or written into a (sparse) staging file.
+    Staged(Arc<StagedFile>),
+}
+
+/// A staging file. It is unlinked when the last reference goes, so file
+/// handles opened before a commit keep reading what they opened.
+pub struct StagedFile {
+    file: File,
+    path: PathBuf,
+}
+
+impl StagedFile {
+    pub fn len(&self) -> u64 {
+        self.file.metadata().map_or(0, |m| m.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        self.file.read_at(buf, offset)
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[derive(Clone)]
+pub struct Tensor {
+    pub name: String,
+    /// None until a `.meta.json` gives it (a tensor created by writing its bytes).
+    pub dtype: Option<Dtype>,
+    pub shape: Option<Vec<u64>>,
+    pub bytes: TensorBytes,
+    /// Time of the last edit; None while unchanged since the source was mapped.
+    pub edited: Option<SystemTime>,
+}
+
+impl Tensor {
+    pub fn len(&self) -> u64 {
+        match &self.bytes {
+            TensorBytes::Source(c, i) => c.header().tensors[*i].nbytes(),
+            TensorBytes::Staged(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Why a commit was refused or failed. The source is untouched in every case.
+#[derive(Debug)]
+pub enum CommitError {
+    /// An edit is invalid (EINVAL): names the tensor and the rule.
+    Invalid(String),
+    /// The source changed behind the mount (ESTALE); `--force` overrides.
+    Conflict(String),
+    /// Writing the new file failed (ENOSPC, EIO, ...).
+    Io(String, std::io::Error),
+}
+
+impl CommitError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            CommitError::Invalid(_) => libc::EINVAL,
+            CommitError::Conflict(_) => libc::ESTALE,
+            CommitError::Io(_, e) => e.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+}
+
+impl fmt::Display for CommitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CommitError::Invalid(m) | CommitError::Conflict(m) => f.write_str(m),
+            CommitError::Io(what, e) => write!(f, "{what}: {e}"),
+        }
+    }
+}
+
+pub struct Live {
+    source: Arc<Checkpoint>,
+    /// What the source was when mapped (or last committed), to detect conflicts.
+    identity: FileIdentity,
+    tensors: BTreeMap<TensorId, Tensor>,
+    by_name: HashMap<String, TensorId>,
+    metadata: Option<Metadata>,
+    /// Some edit since the last commit.
+    dirty: bool,
+    staging_root: PathBuf,
+    staging_dir: Option<PathBuf>,
+    staged_count: u64,
+}
+
+/// `x` for a tensor id, shown in errors.
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CommitError {
+    let what = what.into();
+    move |e| CommitError::Io(what, e)
+}
+
+impl Live {
+    /// Wraps a mapped source; its tensors get ids `first_id..`.
+    /// Staging files go in `staging_root` (default: beside the source).
+    pub fn new(source: Checkpoint, first_id: TensorId, staging_root: Option<&Path>) -> Live {
+        let source = Arc::new(source);
+        let staging_root = staging_root.map(Path::to_path_buf).unwrap_or_else(|| {
+            let name = source.path().file_name().unwrap_or_default().to_string_lossy();
+            source
+                .path()
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .join(format!(".{name}.stfs-staging"))
+        });
+        let mut live = Live {
+            identity: source.identity(),
+            metadata: source.header().metadata.clone(),
+            source,
+            tensors: BTreeMap::new(),
+            by_name: HashMap::new(),
+            dirty: false,
+            staging_root,
+            staging_dir: None,
+            staged_count: 0,
+        };
+        live.load_source(first_id);
+        live
+    }
+
+    fn load_source(&mut self, first_id: TensorId) {
+        let source = self.source.clone();
+        self.by_name.reserve(source.header().tensors.len());
+        for (i, t) in source.header().tensors.iter().enumerate() {
+            let id = first_id + i as u64;
+            self.by_name.insert(t.name.clone(), id);
+            self.tensors.insert(
+                id,
+                Tensor {
+                    name: t.name.clone(),
+                    dtype: Some(t.dtype),
+                    shape: Some(t.shape.clone()),
+                    bytes: TensorBytes::Source(source.clone(), i),
+                    edited: None,
+                },
+            );
+        }
+    }
+
+    pub fn source(&self) -> &Arc<Checkpoint> {
+        &self.source
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    pub fn metadata(&self) -> Option<&Metadata> {
+        self.metadata.as_ref()
+    }
+
+    pub fn tensors(&self) -> &BTreeMap<TensorId, Tensor> {
+        &self.tensors
+    }
+
+    pub fn get(&self, id: TensorId) -> Option<&Tensor> {
+        self.tensors.get(&id)
+    }
+
+    pub fn id_of(&self, name: &str) -> Option<TensorId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Where staged files of this mount are kept (created on the first edit).
+    pub fn staging_dir(&self) -> Option<&Path> {
+        self.staging_dir.as_deref()
+    }
+
+    fn new_staged_file(&mut self) -> std::io::Result<StagedFile> {
+        if self.staging_dir.is_none() {
+            std::fs::create_dir_all(&self.staging_root)?;
+            let dir = self.staging_root.join(format!("{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            self.staging_dir = Some(dir);
+        }
+        self.staged_count += 1;
+        let path = self.staging_dir.as_ref().expect("set above").join(format!("t{}", self.staged_count));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)?;
+        Ok(StagedFile { file, path })
+    }
+
+    fn touch(&mut self, id: TensorId) {
+        self.dirty = true;
+        if let Some(t) = self.tensors.get_mut(&id) {
+            t.edited = Some(SystemTime::now());
+        }
+    }
+
+    /// Makes a tensor's bytes writable: copies them into a staging file unless
+    /// `keep` is 0 bytes (a truncation to 0 copies nothing).
+    fn staged(&mut self, id: TensorId, keep: u64) -> std::io::Result<Arc<StagedFile>> {
+        let bytes = self.tensors.get(&id).ok_or_else(not_found)?.bytes.clone();
+        let (checkpoint, index) = match bytes {
+            TensorBytes::Staged(s) => return Ok(s),
+            TensorBytes::Source(c, i) => (c, i),
+        };
+        let staged = self.new_staged_file()?;
+        let range = checkpoint.tensor_range(index);
+        let copy = keep.min(range.end - range.start);
+        copy_range(checkpoint.file(), range.start, &staged.file, 0, copy)?;
+        let staged = Arc::new(staged);
+        self.tensors.get_mut(&id).expect("checked above").bytes = TensorBytes::Staged(staged.clone());
+        Ok(staged)
+    }
+
+    pub fn write(&mut self, id: TensorId, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let staged = self.staged(id, u64::MAX)?;
+        staged.file.write_all_at(data, offset)?;
+        self.touch(id);
+        Ok(())
+    }
+
+    pub fn truncate(&mut self, id: TensorId, len: u64) -> std::io::Result<()> {
+        let staged = self.staged(id, len)?;
+        staged.file.set_len(len)?;
+        self.touch(id);
+        Ok(())
+    }
+
+    /// A new, empty tensor with no dtype or shape yet.
+    pub fn create(&mut self, id: TensorId, name: &str) -> std::io::Result<()> {
+        let staged = Arc::new(self.new_staged_file()?);
+        self.remove_name(name);
+        self.by_name.insert(name.to_string(), id);
+        self.tensors.insert(
+            id,
+            Tensor {
+                name: name.to_string(),
+                dtype: None,
+                shape: None,
+                bytes: TensorBytes::Staged(staged),
+                edited: Some(SystemTime::now()),
+            },
+        );
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Sets dtype and shape (a `.meta.json` write). A tensor created by its
+    /// meta alone and still empty becomes zero-filled to the new size.
+    pub fn set_meta(&mut self, id: TensorId, dtype: Dtype, shape: Vec<u64>) -> Result<(), String> {
+        let t = self.tensors.get(&id).ok_or("no such tensor")?;
+        let name = t.name.clone();
+        let needed = byte_len(dtype, &shape).map_err(|e| size_message(&name, dtype, &shape, e))?;
+        let fill = t.dtype.is_none() && t.is_empty();
+        let t = self.tensors.get_mut(&id).expect("checked above");
+        t.dtype = Some(dtype);
+        t.shape = Some(shape);
+        if fill {
+            self.truncate(id, needed).map_err(|e| e.to_string())?;
+        }
+        self.touch(id);
+        Ok(())
+    }
+
+    pub fn set_metadata(&mut self, metadata: Option<Metadata>) {
+        self.metadata = metadata;
+        self.dirty = true;
+    }
+
+    pub fn remove(&mut self, id: TensorId) -> Option<Tensor> {
+        let t = self.tensors.remove(&id)?;
+        self.by_name.remove(&t.name);
+        self.dirty = true;
+        Some(t)
+    }
+
+    fn remove_name(&mut self, name: &str) -> Option<Tensor> {
+        let id = self.by_name.get(name).copied()?;
+        self.remove(id)
+    }
+
+    /// Renames a tensor, replacing any tensor of the new name; returns the id
+    /// of the replaced tensor.
+    pub fn rename(&mut self, id: TensorId, new_name: &str) -> Option<TensorId> {
+        let old_name = self.tensors.get(&id)?.name.clone();
+        if old_name == new_name {
+            return None;
+        }
+        let replaced = self.by_name.get(new_name).copied();
+        self.remove_name(new_name);
+        self.by_name.remove(&old_name);
+        self.by_name.insert(new_name.to_string(), id);
+        self.tensors.get_mut(&id).expect("checked above").name = new_name.to_string();
+        self.touch(id);
+        replaced
+    }
+
+    /// Every check a commit makes before writing anything.
+    pub fn validate(&self) -> Result<Vec<TensorSpec>, CommitError> {
+        let file = self.source.path().display();
+        let mut specs = Vec::with_capacity(self.tensors.len());
+        for t in self.tensors.values() {
+            let (Some(dtype), Some(shape)) = (t.dtype, t.shape.clone()) else {
+                return Err(CommitError::Invalid(format!(
+                    "{file}: tensor {:?} has no dtype and shape: write its .meta.json",
+                    t.name
+                )));
+            };
+            let needed = byte_len(dtype, &shape).map_err(|e| CommitError::Invalid(format!("{file}: {}", size_message(&t.name, dtype, &shape, e))))?;
+            let len = t.len();
+            if len != needed {
+                return Err(CommitError::Invalid(format!(
+                    "{file}: tensor {:?} holds {len} bytes but {dtype} {} needs {needed}",
+                    t.name,
+                    crate::format::ShapeDisplay(&shape)
+                )));
+            }
+            specs.push(TensorSpec {
+                name: t.name.clone(),
+                dtype,
+                shape,
+            });
+        }
+        Ok(specs)
+    }
+
+    /// Writes the staged state as the new source, atomically, and remaps.
+    /// Returns false when there was nothing to commit.
+    pub fn commit(&mut self, force: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<bool, CommitError> {
+        if !self.dirty {
+            return Ok(false);
+        }
+        let specs = self.validate()?;
+        let path = self.source.path().to_path_buf();
+        let layout = layout(&specs, self.metadata.as_ref()).map_err(|e: FormatError| CommitError::Invalid(e.in_file(&path).to_string()))?;
+
+        let current = std::fs::metadata(&path).map_err(io_err(format!("{}", path.display())))?;
+        if FileIdentity::of(&current) != self.identity && !force {
+            return Err(CommitError::Conflict(format!(
+                "{}: the source changed since it was mounted (another program wrote or replaced it); \
+                 commit refused: commit with --force to overwrite it, or unmount with --discard",
+                path.display()
+            )));
+        }
+
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let stem = path.file_name().unwrap_or_default().to_string_lossy();
+        // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
+        let mut tmp = tempfile::Builder::new()
+            .prefix(&format!(".{stem}.stfs-tmp-"))
+            .tempfile_in(dir)
+            .map_err(io_err(format!("creating a temp file in {}", dir.display())))?;
+        let what = format!("writing {}", tmp.path().display());
+        tmp.write_all(&layout.header).map_err(io_err(what.clone()))?;
+        let total = layout.data_len();
+        let mut done = 0u64;
+        let ids: Vec<TensorId> = self.tensors.keys().copied().collect();
+        let mut out_offset = layout.header.len() as u64;
+        for (placed, &src) in layout.tensors.iter().zip(&layout.source_index) {
+            let t = &self.tensors[&ids[src]];
+            let len = placed.nbytes();
+            match &t.bytes {
+                TensorBytes::Source(c, i) => copy_range(c.file(), c.tensor_range(*i).start, tmp.as_file(), out_offset, len),
+                TensorBytes::Staged(s) => copy_range(&s.file, 0, tmp.as_file(), out_offset, len),
+            }
+            .map_err(io_err(what.clone()))?;
+            out_offset += len;
+            done += len;
+            progress(done, total);
+        }
+        let file = tmp.as_file();
+        file.set_permissions(std::fs::Permissions::from_mode(self.source.mode()))
+            .map_err(io_err(what.clone()))?;
+        file.sync_all().map_err(io_err(what.clone()))?;
+        // The point of no return: before it the source is untouched.
+        let tmp_path = tmp.into_temp_path();
+        tmp_path
+            .persist(&path)
+            .map_err(|e| CommitError::Io(format!("renaming over {}", path.display()), e.error))?;
+        if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+            warn!("fsync of {} after commit: {e}", dir.display());
+        }
+        // From here the committed file is ours: a later commit must not see a conflict.
+        if let Ok(meta) = std::fs::metadata(&path) {
+            self.identity = FileIdentity::of(&meta);
+        }
+        info!(file = %path.display(), tensors = layout.tensors.len(), bytes = layout.file_len(), "committed");
+        self.remap(&path)?;
+        Ok(true)
+    }
+
+    /// Maps the newly committed file; every tensor now reads from it.
+    fn remap(&mut self, path: &Path) -> Result<(), CommitError> {
+        let fresh = Checkpoint::open(path).map_err(|m| CommitError::Io(m, std::io::Error::from_raw_os_error(libc::EIO)))?;
+        let fresh = Arc::new(fresh);
+        for t in self.tensors.values_mut() {
+            let index = fresh.header().index_of(&t.name).expect("a committed tensor is in the new file");
+            t.bytes = TensorBytes::Source(fresh.clone(), index);
+            t.edited = None;
+        }
+        self.metadata = fresh.header().metadata.clone();
+        self.source = fresh;
+        self.dirty = false;
+        Ok(())
+    }
+
+    /// Checks the source still is what was mapped (or last committed).
+    pub fn source_unchanged(&self) -> bool {
+        std::fs::metadata(self.source.path()).is_ok_and(|m| FileIdentity::of(&m) == self.identity)
+    }
+
+    /// Drops every staged edit and returns to the source as mapped.
+    pub fn discard(&mut self, first_id: TensorId) {
+        self.tensors.clear();
+        self.by_name.clear();
+        self.metadata = self.source.header().metadata.clone();
+        self.dirty = false;
+        self.load_source(first_id);
+    }
+}
+
+fn not_found() -> std::io::Error {
+    std::io::Error::from_raw_os_error(libc::ENOENT)
+}
+
+fn size_message(name: &str, dtype: Dtype, shape: &[u64], e: SizeError) -> String {
+    let shape = crate::format::ShapeDisplay(shape);
+    match e {
+        SizeError::Overflow => format!("tensor {name:?}: {dtype} {shape} has a byte size that overflows 64 bits"),
+        SizeError::NotByteAligned => format!("tensor {name:?}: {dtype} {shape} is not a whole number of bytes"),
+    }
+}
+
+/// Copies `len` bytes between files at offsets: copy_file_range (which can
+/// share extents), falling back to pread/pwrite across filesystems. Holes in a
+/// sparse source read as zeros either way.
+pub fn copy_range(from: &File, mut from_off: u64, to: &File, mut to_off: u64, len: u64) -> std::io::Result<()> {
+    let mut left = len;
+    while left > 0 {
+        let mut off_in = from_off as libc::loff_t;
+        let mut off_out = to_off as libc::loff_t;
+        let chunk = left.min(1 << 30) as usize;
+        // SAFETY: valid fds and offset pointers; the kernel bounds the copy.
+        let n = unsafe { libc::copy_file_range(from.as_raw_fd(), &mut off_in, to.as_raw_fd(), &mut off_out, chunk, 0) };
+        if n > 0 {
+            let n = n as u64;
+            left -= n;
+            from_off += n;
+            to_off += n;
+            continue;
+        }
+        if n == 0 {
+            // The source ended early: the rest is zeros (a short staged file).
+            to.set_len(to.metadata()?.len().max(to_off + left))?;
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                return copy_by_buffer(from, from_off, to, to_off, left);
+            }
+            Some(libc::EINTR) => continue,
+            _ => return Err(err),
+        }
+    }
+    Ok(())
+}
+
+fn copy_by_buffer(from: &File, mut from_off: u64, to: &File, mut to_off: u64, mut left: u64) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 8 << 20];
+    while left > 0 {
+        let want = left.min(buf.len() as u64) as usize;
+        let n = from.read_at(&mut buf[..want], from_off)?;
+        if n == 0 {
+            to.set_len(to.metadata()?.len().max(to_off + left))?;
+            return Ok(());
+        }
+        to.write_all_at(&buf[..n], to_off)?;
+        left -= n as u64;
+        from_off += n as u64;
+        to_off += n as u64;
+    }
+    Ok(())
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // Staged files unlink themselves; remove the folders if nothing is left.
+        self.tensors.clear();
+        if let Some(dir) = &self.staging_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
+        let _ = std::fs::remove_dir(&self.staging_root);
+    }
+}
