@@ -129,7 +129,11 @@ pub fn main() -> ExitCode {
             mountpoint,
         } => crate::daemon::umount_with_commit(&mountpoint, lazy, discard),
         Command::Commit { force, path } => {
-            let flags = if force { crate::fs::ioctl::COMMIT_FORCE } else { 0 };
+            let flags = if force {
+                crate::fs::ioctl::COMMIT_FORCE
+            } else {
+                0
+            };
             crate::daemon::commit(&path, flags).map(|message| println!("{message}"))
         }
         Command::Create {

@@ -404,12 +404,19 @@ fn mount_device(mountpoint: &Path) -> Option<String> {
 
 /// Sends STFS_IOC_COMMIT to a mount; returns the daemon's message.
 pub fn commit(path: &Path, flags: u32) -> Result<String, String> {
-    use std::os::fd::AsRawFd;
     use crate::fs::ioctl::{CommitArgs, IOC_COMMIT};
+    use std::os::fd::AsRawFd;
     let dir = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut args = CommitArgs::new(flags);
     // SAFETY: args is a properly sized, writable CommitArgs, as IOC_COMMIT encodes.
-    if unsafe { libc::ioctl(dir.as_raw_fd(), IOC_COMMIT as _, &mut args as *mut CommitArgs) } != 0 {
+    if unsafe {
+        libc::ioctl(
+            dir.as_raw_fd(),
+            IOC_COMMIT as _,
+            &mut args as *mut CommitArgs,
+        )
+    } != 0
+    {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
             Some(libc::ENOTTY | libc::ENOSYS) => format!("{}: not a stfs mount", path.display()),

@@ -142,7 +142,11 @@ impl Live {
     pub fn new(source: Checkpoint, first_id: TensorId, staging_root: Option<&Path>) -> Live {
         let source = Arc::new(source);
         let staging_root = staging_root.map(Path::to_path_buf).unwrap_or_else(|| {
-            let name = source.path().file_name().unwrap_or_default().to_string_lossy();
+            let name = source
+                .path()
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy();
             source
                 .path()
                 .parent()
@@ -221,7 +225,11 @@ impl Live {
             self.staging_dir = Some(dir);
         }
         self.staged_count += 1;
-        let path = self.staging_dir.as_ref().expect("set above").join(format!("t{}", self.staged_count));
+        let path = self
+            .staging_dir
+            .as_ref()
+            .expect("set above")
+            .join(format!("t{}", self.staged_count));
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -251,7 +259,8 @@ impl Live {
         let copy = keep.min(range.end - range.start);
         copy_range(checkpoint.file(), range.start, &staged.file, 0, copy)?;
         let staged = Arc::new(staged);
-        self.tensors.get_mut(&id).expect("checked above").bytes = TensorBytes::Staged(staged.clone());
+        self.tensors.get_mut(&id).expect("checked above").bytes =
+            TensorBytes::Staged(staged.clone());
         Ok(staged)
     }
 
@@ -349,7 +358,12 @@ impl Live {
                     t.name
                 )));
             };
-            let needed = byte_len(dtype, &shape).map_err(|e| CommitError::Invalid(format!("{file}: {}", size_message(&t.name, dtype, &shape, e))))?;
+            let needed = byte_len(dtype, &shape).map_err(|e| {
+                CommitError::Invalid(format!(
+                    "{file}: {}",
+                    size_message(&t.name, dtype, &shape, e)
+                ))
+            })?;
             let len = t.len();
             if len != needed {
                 return Err(CommitError::Invalid(format!(
@@ -369,13 +383,18 @@ impl Live {
 
     /// Writes the staged state as the new source, atomically, and remaps.
     /// Returns false when there was nothing to commit.
-    pub fn commit(&mut self, force: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<bool, CommitError> {
+    pub fn commit(
+        &mut self,
+        force: bool,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<bool, CommitError> {
         if !self.dirty {
             return Ok(false);
         }
         let specs = self.validate()?;
         let path = self.source.path().to_path_buf();
-        let layout = layout(&specs, self.metadata.as_ref()).map_err(|e: FormatError| CommitError::Invalid(e.in_file(&path).to_string()))?;
+        let layout = layout(&specs, self.metadata.as_ref())
+            .map_err(|e: FormatError| CommitError::Invalid(e.in_file(&path).to_string()))?;
 
         let current = std::fs::metadata(&path).map_err(io_err(format!("{}", path.display())))?;
         if FileIdentity::of(&current) != self.identity && !force {
@@ -386,7 +405,10 @@ impl Live {
             )));
         }
 
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let stem = path.file_name().unwrap_or_default().to_string_lossy();
         // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
         let mut tmp = tempfile::Builder::new()
@@ -394,7 +416,8 @@ impl Live {
             .tempfile_in(dir)
             .map_err(io_err(format!("creating a temp file in {}", dir.display())))?;
         let what = format!("writing {}", tmp.path().display());
-        tmp.write_all(&layout.header).map_err(io_err(what.clone()))?;
+        tmp.write_all(&layout.header)
+            .map_err(io_err(what.clone()))?;
         let total = layout.data_len();
         let mut done = 0u64;
         let ids: Vec<TensorId> = self.tensors.keys().copied().collect();
@@ -403,7 +426,13 @@ impl Live {
             let t = &self.tensors[&ids[src]];
             let len = placed.nbytes();
             match &t.bytes {
-                TensorBytes::Source(c, i) => copy_range(c.file(), c.tensor_range(*i).start, tmp.as_file(), out_offset, len),
+                TensorBytes::Source(c, i) => copy_range(
+                    c.file(),
+                    c.tensor_range(*i).start,
+                    tmp.as_file(),
+                    out_offset,
+                    len,
+                ),
                 TensorBytes::Staged(s) => copy_range(&s.file, 0, tmp.as_file(), out_offset, len),
             }
             .map_err(io_err(what.clone()))?;
@@ -434,10 +463,14 @@ impl Live {
 
     /// Maps the newly committed file; every tensor now reads from it.
     fn remap(&mut self, path: &Path) -> Result<(), CommitError> {
-        let fresh = Checkpoint::open(path).map_err(|m| CommitError::Io(m, std::io::Error::from_raw_os_error(libc::EIO)))?;
+        let fresh = Checkpoint::open(path)
+            .map_err(|m| CommitError::Io(m, std::io::Error::from_raw_os_error(libc::EIO)))?;
         let fresh = Arc::new(fresh);
         for t in self.tensors.values_mut() {
-            let index = fresh.header().index_of(&t.name).expect("a committed tensor is in the new file");
+            let index = fresh
+                .header()
+                .index_of(&t.name)
+                .expect("a committed tensor is in the new file");
             t.bytes = TensorBytes::Source(fresh.clone(), index);
             t.edited = None;
         }
@@ -469,22 +502,41 @@ fn not_found() -> std::io::Error {
 fn size_message(name: &str, dtype: Dtype, shape: &[u64], e: SizeError) -> String {
     let shape = crate::format::ShapeDisplay(shape);
     match e {
-        SizeError::Overflow => format!("tensor {name:?}: {dtype} {shape} has a byte size that overflows 64 bits"),
-        SizeError::NotByteAligned => format!("tensor {name:?}: {dtype} {shape} is not a whole number of bytes"),
+        SizeError::Overflow => {
+            format!("tensor {name:?}: {dtype} {shape} has a byte size that overflows 64 bits")
+        }
+        SizeError::NotByteAligned => {
+            format!("tensor {name:?}: {dtype} {shape} is not a whole number of bytes")
+        }
     }
 }
 
 /// Copies `len` bytes between files at offsets: copy_file_range (which can
 /// share extents), falling back to pread/pwrite across filesystems. Holes in a
 /// sparse source read as zeros either way.
-pub fn copy_range(from: &File, mut from_off: u64, to: &File, mut to_off: u64, len: u64) -> std::io::Result<()> {
+pub fn copy_range(
+    from: &File,
+    mut from_off: u64,
+    to: &File,
+    mut to_off: u64,
+    len: u64,
+) -> std::io::Result<()> {
     let mut left = len;
     while left > 0 {
         let mut off_in = from_off as libc::loff_t;
         let mut off_out = to_off as libc::loff_t;
         let chunk = left.min(1 << 30) as usize;
         // SAFETY: valid fds and offset pointers; the kernel bounds the copy.
-        let n = unsafe { libc::copy_file_range(from.as_raw_fd(), &mut off_in, to.as_raw_fd(), &mut off_out, chunk, 0) };
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                &mut off_in,
+                to.as_raw_fd(),
+                &mut off_out,
+                chunk,
+                0,
+            )
+        };
         if n > 0 {
             let n = n as u64;
             left -= n;
@@ -509,7 +561,13 @@ pub fn copy_range(from: &File, mut from_off: u64, to: &File, mut to_off: u64, le
     Ok(())
 }
 
-fn copy_by_buffer(from: &File, mut from_off: u64, to: &File, mut to_off: u64, mut left: u64) -> std::io::Result<()> {
+fn copy_by_buffer(
+    from: &File,
+    mut from_off: u64,
+    to: &File,
+    mut to_off: u64,
+    mut left: u64,
+) -> std::io::Result<()> {
     let mut buf = vec![0u8; 8 << 20];
     while left > 0 {
         let want = left.min(buf.len() as u64) as usize;

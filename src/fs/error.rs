@@ -66,7 +66,9 @@ impl fmt::Display for FsError {
             FsError::NotSupported(op) => write!(f, "{op} is not supported"),
             FsError::NameTooLong => f.write_str("name too long"),
             FsError::NotPermitted(why) => f.write_str(why),
-            FsError::CrossDevice => f.write_str("rename between two checkpoints (mv copies instead)"),
+            FsError::CrossDevice => {
+                f.write_str("rename between two checkpoints (mv copies instead)")
+            }
             FsError::Exists => f.write_str("exists"),
             FsError::TooLarge => f.write_str("JSON edit over 16 MiB"),
             FsError::Io(errno) => write!(f, "{}", std::io::Error::from_raw_os_error(*errno)),

@@ -5,9 +5,10 @@ use std::ffi::OsStr;
 use std::time::Duration;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
+    ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use tracing::{debug, error, info, warn};
 
@@ -77,7 +78,6 @@ fn fopen_flags(o: &Opened) -> FopenFlags {
     f
 }
 
-
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Ask for the largest read-ahead the kernel allows for this mount.
@@ -143,7 +143,13 @@ impl Filesystem for FuseAdapter {
             return reply.error(Errno::EINVAL);
         };
         match self.fs.create(parent.0, name, flags & libc::O_TRUNC != 0) {
-            Ok((a, o)) => reply.created(&TTL, &file_attr(&a), Generation(0), FileHandle(o.fh), fopen_flags(&o)),
+            Ok((a, o)) => reply.created(
+                &TTL,
+                &file_attr(&a),
+                Generation(0),
+                FileHandle(o.fh),
+                fopen_flags(&o),
+            ),
             Err(e) => reply.error(errno("create", &e)),
         }
     }
@@ -223,7 +229,14 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.flush(fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("flush", &e)),
@@ -231,7 +244,14 @@ impl Filesystem for FuseAdapter {
     }
 
     /// fsync of any file commits its checkpoint.
-    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         if let Err(e) = self.fs.flush(fh.0) {
             return reply.error(errno("fsync", &e));
         }
@@ -241,7 +261,14 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.commit(ino.0, false) {
             Ok(_) => reply.ok(),
             Err(e) => reply.error(Errno::from_i32(e.errno())),
@@ -375,10 +402,16 @@ impl Filesystem for FuseAdapter {
             return reply.error(Errno::EINVAL);
         };
         if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
-            return reply.error(refuse("rename", FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT")));
+            return reply.error(refuse(
+                "rename",
+                FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT"),
+            ));
         }
         let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
-        match self.fs.rename(parent.0, name, newparent.0, newname, no_replace) {
+        match self
+            .fs
+            .rename(parent.0, name, newparent.0, newname, no_replace)
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rename", &e)),
         }
@@ -432,7 +465,10 @@ impl Filesystem for FuseAdapter {
         _newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        reply.error(refuse("link", FsError::NotSupported("link")))
+        reply.error(refuse(
+            "link",
+            FsError::NotPermitted("hard links are not supported"),
+        ))
     }
 
     fn setxattr(

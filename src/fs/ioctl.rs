@@ -61,7 +61,12 @@ impl CommitArgs {
 
     pub fn as_bytes(&self) -> &[u8] {
         // SAFETY: repr(C) plain data without padding (4 x u32 + u8 array).
-        unsafe { std::slice::from_raw_parts((self as *const CommitArgs).cast(), std::mem::size_of::<CommitArgs>()) }
+        unsafe {
+            std::slice::from_raw_parts(
+                (self as *const CommitArgs).cast(),
+                std::mem::size_of::<CommitArgs>(),
+            )
+        }
     }
 
     pub fn set_message(&mut self, text: &str) {
@@ -71,7 +76,11 @@ impl CommitArgs {
     }
 
     pub fn message(&self) -> String {
-        let end = self.message.iter().position(|&b| b == 0).unwrap_or(MESSAGE_LEN);
+        let end = self
+            .message
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(MESSAGE_LEN);
         String::from_utf8_lossy(&self.message[..end]).into_owned()
     }
 }

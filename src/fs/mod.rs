@@ -130,7 +130,11 @@ enum Handle {
     Tensor { opened: TensorBytes },
     /// A `.meta.json` or `__metadata__.json` opened for writing: the JSON is
     /// buffered and applied on flush (or close).
-    Json { target: Node, data: Vec<u8>, dirty: bool },
+    Json {
+        target: Node,
+        data: Vec<u8>,
+        dirty: bool,
+    },
 }
 
 pub struct Fs {
@@ -158,7 +162,11 @@ impl State {
         let &c = self.owner.get(id as usize).ok_or(FsError::NotFound)?;
         let c = c as usize;
         self.checkpoints[c].live.get(id).ok_or(FsError::NotFound)?;
-        Ok(if rel % 2 == 0 { Node::Tensor(c, id) } else { Node::Meta(c, id) })
+        Ok(if rel % 2 == 0 {
+            Node::Tensor(c, id)
+        } else {
+            Node::Meta(c, id)
+        })
     }
 
     fn tensor_ino(&self, id: TensorId) -> Ino {
@@ -193,7 +201,9 @@ impl State {
     fn checkpoint_dir(&self, ino: Ino) -> Result<usize, FsError> {
         match self.node(ino)? {
             Node::CheckpointDir(c) => Ok(c),
-            Node::FolderRoot => Err(FsError::NotSupported("creating files at the root of a folder mount")),
+            Node::FolderRoot => Err(FsError::NotSupported(
+                "creating files at the root of a folder mount",
+            )),
             _ => Err(FsError::NotADirectory),
         }
     }
@@ -215,11 +225,19 @@ impl State {
         let id = match hashed_lookup(live, file) {
             Some(id) => Some(id),
             None => {
-                let tensor = tensor_name(file).ok_or_else(|| FsError::Invalid(format!("{name:?} is not a valid tensor file name")))?;
+                let tensor = tensor_name(file).ok_or_else(|| {
+                    FsError::Invalid(format!("{name:?} is not a valid tensor file name"))
+                })?;
                 live.id_of(&tensor)
             }
         };
-        Ok(id.map(|id| if meta { Node::Meta(c, id) } else { Node::Tensor(c, id) }))
+        Ok(id.map(|id| {
+            if meta {
+                Node::Meta(c, id)
+            } else {
+                Node::Tensor(c, id)
+            }
+        }))
     }
 }
 
@@ -240,7 +258,10 @@ impl Fs {
         let mut fixed = Vec::new();
         let (list, indexes, folder) = match source {
             Source::File(c) => (vec![(String::new(), c)], Vec::new(), false),
-            Source::Folder { checkpoints, indexes } => (checkpoints, indexes, true),
+            Source::Folder {
+                checkpoints,
+                indexes,
+            } => (checkpoints, indexes, true),
         };
         if folder {
             fixed.push(Node::FolderRoot);
@@ -255,9 +276,17 @@ impl Fs {
             let dir_ino = alloc(&mut fixed, Node::CheckpointDir(c));
             let metadata_ino = alloc(&mut fixed, Node::Metadata(c));
             let first_id = owner.len() as TensorId;
-            owner.extend(std::iter::repeat_n(c as u32, checkpoint.header().tensors.len()));
+            owner.extend(std::iter::repeat_n(
+                c as u32,
+                checkpoint.header().tensors.len(),
+            ));
             let live = Live::new(checkpoint, first_id, settings.staging_dir.as_deref());
-            checkpoints.push(Mounted { dir_name, live, dir_ino, metadata_ino });
+            checkpoints.push(Mounted {
+                dir_name,
+                live,
+                dir_ino,
+                metadata_ino,
+            });
         }
         let indexes = indexes
             .into_iter()
@@ -342,12 +371,20 @@ impl Fs {
             Node::Index(i) => (Kind::File, st.indexes[i].1.len() as u64, st.folder_mtime),
             Node::Tensor(c, id) => {
                 let t = st.tensor(c, id)?;
-                (Kind::File, t.len(), t.edited.unwrap_or(st.live(c).source().modified()))
+                (
+                    Kind::File,
+                    t.len(),
+                    t.edited.unwrap_or(st.live(c).source().modified()),
+                )
             }
             Node::Meta(c, id) => {
                 let t = st.tensor(c, id)?;
                 let size = generated(st, node).map_or(0, |b| b.len() as u64);
-                (Kind::File, size, t.edited.unwrap_or(st.live(c).source().modified()))
+                (
+                    Kind::File,
+                    size,
+                    t.edited.unwrap_or(st.live(c).source().modified()),
+                )
             }
             Node::Metadata(c) => {
                 let size = generated(st, node).map_or(0, |b| b.len() as u64);
@@ -382,7 +419,11 @@ impl Fs {
         match node {
             Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
             Node::Index(_) if write || truncate => Err(FsError::ReadOnly),
-            Node::Index(_) => Ok(Opened { fh: 0, keep_cache: true, direct_io: false }),
+            Node::Index(_) => Ok(Opened {
+                fh: 0,
+                keep_cache: true,
+                direct_io: false,
+            }),
             Node::Tensor(c, id) => {
                 if truncate && write {
                     st.checkpoints[c].live.truncate(id, 0)?;
@@ -390,20 +431,45 @@ impl Fs {
                 let opened = st.tensor(c, id)?.bytes.clone();
                 drop(st);
                 let fh = self.new_handle(Handle::Tensor { opened });
-                Ok(Opened { fh, keep_cache: true, direct_io: false })
+                Ok(Opened {
+                    fh,
+                    keep_cache: true,
+                    direct_io: false,
+                })
             }
             Node::Meta(..) | Node::Metadata(_) if write => {
-                let data = if truncate { Vec::new() } else { generated(&st, node).unwrap_or_default() };
+                let data = if truncate {
+                    Vec::new()
+                } else {
+                    generated(&st, node).unwrap_or_default()
+                };
                 drop(st);
-                let fh = self.new_handle(Handle::Json { target: node, data, dirty: truncate });
-                Ok(Opened { fh, keep_cache: false, direct_io: true })
+                let fh = self.new_handle(Handle::Json {
+                    target: node,
+                    data,
+                    dirty: truncate,
+                });
+                Ok(Opened {
+                    fh,
+                    keep_cache: false,
+                    direct_io: true,
+                })
             }
-            Node::Meta(..) | Node::Metadata(_) => Ok(Opened { fh: 0, keep_cache: false, direct_io: true }),
+            Node::Meta(..) | Node::Metadata(_) => Ok(Opened {
+                fh: 0,
+                keep_cache: false,
+                direct_io: true,
+            }),
         }
     }
 
     /// Creates (or opens, if it exists) a file in a checkpoint directory.
-    pub fn create(&self, parent: Ino, name: &str, truncate: bool) -> Result<(Attr, Opened), FsError> {
+    pub fn create(
+        &self,
+        parent: Ino,
+        name: &str,
+        truncate: bool,
+    ) -> Result<(Attr, Opened), FsError> {
         self.writable()?;
         let ino = {
             let _edit = lock(&self.commit_lock);
@@ -416,12 +482,17 @@ impl Fs {
                         Some(stem) => (stem, true),
                         None => (name, false),
                     };
-                    let tensor = tensor_name(stem)
-                        .ok_or_else(|| FsError::Invalid(format!("{name:?} is not a valid tensor file name")))?;
+                    let tensor = tensor_name(stem).ok_or_else(|| {
+                        FsError::Invalid(format!("{name:?} is not a valid tensor file name"))
+                    })?;
                     let id = st.new_id(c);
                     st.checkpoints[c].live.create(id, &tensor)?;
                     info!(tensor = %tensor, "created");
-                    if is_meta { Node::Meta(c, id) } else { Node::Tensor(c, id) }
+                    if is_meta {
+                        Node::Meta(c, id)
+                    } else {
+                        Node::Tensor(c, id)
+                    }
                 }
             };
             st.ino_of(node)
@@ -447,7 +518,11 @@ impl Fs {
         let (target, data) = {
             let mut handles = lock(&self.handles);
             match handles.get_mut(&fh) {
-                Some(Handle::Json { target, data, dirty }) if *dirty && (last_close || !data.is_empty()) => {
+                Some(Handle::Json {
+                    target,
+                    data,
+                    dirty,
+                }) if *dirty && (last_close || !data.is_empty()) => {
                     *dirty = false;
                     (*target, data.clone())
                 }
@@ -459,7 +534,10 @@ impl Fs {
         let result = match target {
             Node::Meta(c, id) => {
                 let (dtype, shape) = parse_meta(&data)?;
-                st.checkpoints[c].live.set_meta(id, dtype, shape).map_err(FsError::Invalid)
+                st.checkpoints[c]
+                    .live
+                    .set_meta(id, dtype, shape)
+                    .map_err(FsError::Invalid)
             }
             Node::Metadata(c) => {
                 let meta = parse_metadata(&data)?;
@@ -478,8 +556,14 @@ impl Fs {
         self.writable()?;
         {
             let mut handles = lock(&self.handles);
-            if let Some(Handle::Json { data: buf, dirty, .. }) = handles.get_mut(&fh) {
-                let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_JSON_EDIT as u64).ok_or(FsError::TooLarge)?;
+            if let Some(Handle::Json {
+                data: buf, dirty, ..
+            }) = handles.get_mut(&fh)
+            {
+                let end = offset
+                    .checked_add(data.len() as u64)
+                    .filter(|&e| e <= MAX_JSON_EDIT as u64)
+                    .ok_or(FsError::TooLarge)?;
                 if buf.len() < end as usize {
                     buf.resize(end as usize, 0);
                 }
@@ -496,7 +580,9 @@ impl Fs {
                 Ok(data.len() as u32)
             }
             Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
-            _ => Err(FsError::Invalid("write without an open write handle".into())),
+            _ => Err(FsError::Invalid(
+                "write without an open write handle".into(),
+            )),
         }
     }
 
@@ -519,7 +605,9 @@ impl Fs {
                 Node::Index(_) => return Err(FsError::ReadOnly),
                 Node::Meta(..) | Node::Metadata(_) if fh.is_some() => {}
                 Node::Meta(..) | Node::Metadata(_) => {
-                    return Err(FsError::Invalid("a .meta.json is rewritten whole: open it for writing".into()))
+                    return Err(FsError::Invalid(
+                        "a .meta.json is rewritten whole: open it for writing".into(),
+                    ))
                 }
             }
         }
@@ -535,18 +623,33 @@ impl Fs {
             Node::FolderRoot => return Err(FsError::ReadOnly),
             _ => return Err(FsError::NotADirectory),
         };
-        match st.resolve(c, name).map_err(|_| FsError::NotFound)?.ok_or(FsError::NotFound)? {
+        match st
+            .resolve(c, name)
+            .map_err(|_| FsError::NotFound)?
+            .ok_or(FsError::NotFound)?
+        {
             Node::Tensor(c, id) => {
                 let t = st.checkpoints[c].live.remove(id);
                 info!(tensor = ?t.map(|t| t.name), "removed");
                 Ok(())
             }
-            Node::Meta(..) => Err(FsError::NotPermitted("a .meta.json goes with its tensor: remove the tensor file")),
-            _ => Err(FsError::NotPermitted("__metadata__.json cannot be removed: write {} to it")),
+            Node::Meta(..) => Err(FsError::NotPermitted(
+                "a .meta.json goes with its tensor: remove the tensor file",
+            )),
+            _ => Err(FsError::NotPermitted(
+                "__metadata__.json cannot be removed: write {} to it",
+            )),
         }
     }
 
-    pub fn rename(&self, parent: Ino, name: &str, new_parent: Ino, new_name: &str, no_replace: bool) -> Result<(), FsError> {
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &str,
+        new_parent: Ino,
+        new_name: &str,
+        no_replace: bool,
+    ) -> Result<(), FsError> {
         self.writable()?;
         let _edit = lock(&self.commit_lock);
         let mut st = self.write_state();
@@ -560,13 +663,23 @@ impl Fs {
         let (id, to_stem) = match (from, new_name.strip_suffix(META_SUFFIX)) {
             (Node::Tensor(_, id), None) => (id, new_name),
             (Node::Meta(_, id), Some(stem)) => (id, stem),
-            (Node::Metadata(_), _) => return Err(FsError::NotPermitted("__metadata__.json cannot be renamed")),
-            _ => return Err(FsError::Invalid("a tensor file and a .meta.json cannot be renamed into each other".into())),
+            (Node::Metadata(_), _) => {
+                return Err(FsError::NotPermitted("__metadata__.json cannot be renamed"))
+            }
+            _ => {
+                return Err(FsError::Invalid(
+                    "a tensor file and a .meta.json cannot be renamed into each other".into(),
+                ))
+            }
         };
         if new_name == METADATA_FILE {
-            return Err(FsError::NotPermitted("__metadata__.json cannot be replaced"));
+            return Err(FsError::NotPermitted(
+                "__metadata__.json cannot be replaced",
+            ));
         }
-        let to = tensor_name(to_stem).ok_or_else(|| FsError::Invalid(format!("{new_name:?} is not a valid tensor file name")))?;
+        let to = tensor_name(to_stem).ok_or_else(|| {
+            FsError::Invalid(format!("{new_name:?} is not a valid tensor file name"))
+        })?;
         if no_replace && st.live(c).id_of(&to).is_some_and(|other| other != id) {
             return Err(FsError::Exists);
         }
@@ -577,7 +690,14 @@ impl Fs {
 
     /// Serves `size` bytes at `offset` to `reply`: source bytes straight from
     /// the mapping, staged bytes from their file, generated files from a buffer.
-    pub fn read<R>(&self, ino: Ino, fh: u64, offset: u64, size: u32, reply: impl FnOnce(&[u8]) -> R) -> Result<R, FsError> {
+    pub fn read<R>(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, FsError> {
         let bytes = {
             let st = self.read_state();
             match st.node(ino) {
@@ -589,7 +709,9 @@ impl Fs {
                         Some(Handle::Json { data, .. }) => Some(data.clone()),
                         _ => None,
                     };
-                    let data = buffered.or_else(|| generated(&st, node)).unwrap_or_default();
+                    let data = buffered
+                        .or_else(|| generated(&st, node))
+                        .unwrap_or_default();
                     return Ok(reply(slice_at(&data, offset, size)));
                 }
                 // A tensor removed since it was opened: read what the handle opened.
@@ -600,7 +722,9 @@ impl Fs {
             }
         };
         match bytes {
-            TensorBytes::Source(checkpoint, index) => Ok(checkpoint.serve_tensor(index, offset, size, reply)),
+            TensorBytes::Source(checkpoint, index) => {
+                Ok(checkpoint.serve_tensor(index, offset, size, reply))
+            }
             TensorBytes::Staged(file) => {
                 let len = file.len();
                 let want = (size as u64).min(len.saturating_sub(offset)) as usize;
@@ -621,10 +745,22 @@ impl Fs {
     /// Directory entries after `offset` (0 to start), in a stable order: `.`,
     /// `..`, `__metadata__.json`, then each tensor and its `.meta.json` by id.
     /// Offsets derive from ids, so a listing resumes correctly across edits.
-    pub fn readdir(&self, ino: Ino, offset: u64, mut add: impl FnMut(DirEntry) -> bool) -> Result<(), FsError> {
+    pub fn readdir(
+        &self,
+        ino: Ino,
+        offset: u64,
+        mut add: impl FnMut(DirEntry) -> bool,
+    ) -> Result<(), FsError> {
         let st = self.read_state();
         let node = st.node(ino)?;
-        let mut emit = |ino, kind, name: String, next_offset| add(DirEntry { ino, kind, name, next_offset });
+        let mut emit = |ino, kind, name: String, next_offset| {
+            add(DirEntry {
+                ino,
+                kind,
+                name,
+                next_offset,
+            })
+        };
         if offset < 1 && emit(ino, Kind::Directory, ".".into(), 1) {
             return Ok(());
         }
@@ -633,8 +769,14 @@ impl Fs {
         }
         match node {
             Node::FolderRoot => {
-                let dirs = st.checkpoints.iter().map(|m| (m.dir_ino, Kind::Directory, m.dir_name.clone()));
-                let files = st.indexes.iter().map(|(n, _, ino)| (*ino, Kind::File, n.clone()));
+                let dirs = st
+                    .checkpoints
+                    .iter()
+                    .map(|m| (m.dir_ino, Kind::Directory, m.dir_name.clone()));
+                let files = st
+                    .indexes
+                    .iter()
+                    .map(|(n, _, ino)| (*ino, Kind::File, n.clone()));
                 for (k, (ino, kind, name)) in dirs.chain(files).enumerate() {
                     let next = 3 + k as u64;
                     if next > offset && emit(ino, kind, name, next) {
@@ -656,7 +798,9 @@ impl Fs {
                     if 4 + 2 * id > offset && emit(ino, Kind::File, file.clone(), 4 + 2 * id) {
                         break;
                     }
-                    if 5 + 2 * id > offset && emit(ino + 1, Kind::File, file + META_SUFFIX, 5 + 2 * id) {
+                    if 5 + 2 * id > offset
+                        && emit(ino + 1, Kind::File, file + META_SUFFIX, 5 + 2 * id)
+                    {
                         break;
                     }
                 }
@@ -673,7 +817,12 @@ impl Fs {
             let st = self.read_state();
             match st.node(ino) {
                 Ok(Node::FolderRoot) | Err(_) => (0..st.checkpoints.len()).collect(),
-                Ok(Node::CheckpointDir(c) | Node::Metadata(c) | Node::Tensor(c, _) | Node::Meta(c, _)) => vec![c],
+                Ok(
+                    Node::CheckpointDir(c)
+                    | Node::Metadata(c)
+                    | Node::Tensor(c, _)
+                    | Node::Meta(c, _),
+                ) => vec![c],
                 Ok(Node::Index(_)) => (0..st.checkpoints.len()).collect(),
             }
         };
@@ -705,7 +854,10 @@ impl Fs {
 
     /// Whether any checkpoint has staged edits.
     pub fn is_dirty(&self) -> bool {
-        self.read_state().checkpoints.iter().any(|m| m.live.is_dirty())
+        self.read_state()
+            .checkpoints
+            .iter()
+            .any(|m| m.live.is_dirty())
     }
 
     /// Drops every staged edit. Tensors get new ids (and inodes).
@@ -724,7 +876,10 @@ impl Fs {
     /// Where staged edits are kept, for messages.
     pub fn staging_dirs(&self) -> Vec<PathBuf> {
         let st = self.read_state();
-        st.checkpoints.iter().filter_map(|m| m.live.staging_dir().map(Path::to_path_buf)).collect()
+        st.checkpoints
+            .iter()
+            .filter_map(|m| m.live.staging_dir().map(Path::to_path_buf))
+            .collect()
     }
 
     /// The folder holding the source, for statfs.
@@ -756,7 +911,10 @@ fn generated(st: &State, node: Node) -> Option<Vec<u8>> {
             // Written by hand to keep the documented field order.
             let mut out = String::from("{");
             if let (Some(dtype), Some(shape)) = (t.dtype, &t.shape) {
-                out.push_str(&format!("\"dtype\":\"{dtype}\",\"shape\":{}", serde_json::to_string(shape).ok()?));
+                out.push_str(&format!(
+                    "\"dtype\":\"{dtype}\",\"shape\":{}",
+                    serde_json::to_string(shape).ok()?
+                ));
             }
             if let TensorBytes::Source(checkpoint, index) = &t.bytes {
                 let h = checkpoint.header();
@@ -771,7 +929,11 @@ fn generated(st: &State, node: Node) -> Option<Vec<u8>> {
             if out.len() > 1 {
                 out.push(',');
             }
-            out.push_str(&format!("\"nbytes\":{},\"name\":{}}}\n", t.len(), serde_json::to_string(&t.name).ok()?));
+            out.push_str(&format!(
+                "\"nbytes\":{},\"name\":{}}}\n",
+                t.len(),
+                serde_json::to_string(&t.name).ok()?
+            ));
             Some(out.into_bytes())
         }
         Node::Metadata(c) => {
@@ -789,7 +951,8 @@ fn generated(st: &State, node: Node) -> Option<Vec<u8>> {
 /// Reads `dtype` and `shape` of a written `.meta.json`; other fields are ignored.
 fn parse_meta(data: &[u8]) -> Result<(Dtype, Vec<u64>), FsError> {
     let bad = |why: String| FsError::Invalid(format!(".meta.json: {why}"));
-    let v: serde_json::Value = serde_json::from_slice(data).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(data).map_err(|e| bad(format!("not JSON: {e}")))?;
     let dtype = v
         .get("dtype")
         .and_then(|d| d.as_str())
@@ -808,8 +971,11 @@ fn parse_meta(data: &[u8]) -> Result<(Dtype, Vec<u64>), FsError> {
 
 /// Reads a written `__metadata__.json`: an object of string values; `{}` means none.
 fn parse_metadata(data: &[u8]) -> Result<Option<Metadata>, FsError> {
-    let meta: Metadata = serde_json::from_slice(data)
-        .map_err(|e| FsError::Invalid(format!("__metadata__.json must be a JSON object of string values: {e}")))?;
+    let meta: Metadata = serde_json::from_slice(data).map_err(|e| {
+        FsError::Invalid(format!(
+            "__metadata__.json must be a JSON object of string values: {e}"
+        ))
+    })?;
     Ok((!meta.is_empty()).then_some(meta))
 }
 

@@ -42,7 +42,9 @@ fn settings() -> Settings {
 fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
-        let chunk = fs.read(ino, 0, out.len() as u64, 7, |b| b.to_vec()).unwrap();
+        let chunk = fs
+            .read(ino, 0, out.len() as u64, 7, |b| b.to_vec())
+            .unwrap();
         if chunk.is_empty() {
             return out;
         }

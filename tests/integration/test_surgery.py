@@ -1,0 +1,270 @@
+"""Checkpoint surgery from the shell: staged edits through a real mount, then a
+commit, judged by loading the result with the official package and by byte
+equality with its save_file of the expected tensors."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+
+def base(path, metadata=None):
+    tensors = {
+        "a": np.arange(8, dtype=np.float32),
+        "b": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "c": np.ones(5, np.uint8),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+    return tensors
+
+
+def assert_checkpoint(path, expected, metadata=None):
+    """Loads with the official package and compares values, then bytes with its save_file."""
+    got = load_file(str(path))
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert got[k].tobytes() == v.tobytes(), k
+    with safe_open(str(path), framework="np") as f:
+        assert (f.metadata() or None) == (metadata or None)
+    ref = str(path) + ".ref"
+    save_file(expected, ref, metadata=metadata)
+    try:
+        assert open(path, "rb").read() == open(ref, "rb").read(), "not byte-identical to save_file"
+    finally:
+        os.unlink(ref)
+
+
+def commit(run, path, *flags):
+    return run("commit", *flags, path)
+
+
+def test_overwrite_pwrite_truncate_extend(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    m = mount(src)
+    a = os.path.join(m.path, "a")
+    fd = os.open(a, os.O_WRONLY)
+    os.pwrite(fd, np.array([100, 200], np.float32).tobytes(), 8)
+    os.close(fd)
+    t["a"][2:4] = [100, 200]
+    assert open(a, "rb").read() == t["a"].tobytes()  # staged bytes are visible before commit
+
+    # Extend c to 8 bytes and cut b to one row, then describe both.
+    subprocess.run(["truncate", "-s", "8", os.path.join(m.path, "c")], check=True)
+    os.truncate(os.path.join(m.path, "b"), 24)
+    with open(os.path.join(m.path, "b.meta.json"), "w") as f:
+        f.write('{"dtype":"I64","shape":[1,3]}')
+    with open(os.path.join(m.path, "c.meta.json"), "w") as f:
+        json.dump({"dtype": "U8", "shape": [8]}, f)
+    t["b"] = t["b"][:1]
+    t["c"] = np.concatenate([t["c"], np.zeros(3, np.uint8)])
+    p = commit(run, m.path)
+    assert p.returncode == 0, p.stderr
+    assert_checkpoint(src, t)
+    # The mount shows the committed file, with the new offsets.
+    n = int.from_bytes(open(src, "rb").read(8), "little")
+    header = json.loads(open(src, "rb").read()[8:8 + n])
+    assert json.load(open(os.path.join(m.path, "c.meta.json")))["data_offsets"] == header["c"]["data_offsets"]
+
+
+def test_create_rm_mv_reshape_retype_metadata(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src, metadata={"format": "np"})
+    m = mount(src)
+    p = lambda *n: os.path.join(m.path, *n)
+    # bytes first, then meta
+    new = np.arange(12, dtype=np.int16).reshape(3, 4)
+    with open(p("new"), "wb") as f:
+        f.write(new.tobytes())
+    with open(p("new.meta.json"), "w") as f:
+        f.write('{"dtype":"I16","shape":[3,4]}\n')
+    # meta first, then bytes
+    with open(p("w2.meta.json"), "w") as f:
+        f.write('{"dtype":"F64","shape":[2]}')
+    with open(p("w2"), "wb") as f:
+        f.write(np.array([1.5, -2.5]).tobytes())
+    # meta alone: zero-filled
+    with open(p("zeros.meta.json"), "w") as f:
+        f.write('{"dtype":"BOOL","shape":[2,2]}')
+    assert open(p("zeros"), "rb").read() == bytes(4)
+    os.unlink(p("c"))
+    os.rename(p("a"), p("b"))  # replaces b
+    subprocess.run(["mv", p("new"), p("renamed")], check=True)
+    # reshape and retype b (was a: 8 x F32) to 2 x 4 I32, same bytes
+    with open(p("b.meta.json"), "w") as f:
+        f.write('{"dtype":"I32","shape":[2,4],"data_offsets":[9,9],"name":"ignored"}')
+    with open(p("__metadata__.json"), "w") as f:
+        f.write('{"format":"pt"}')
+    assert sorted(x for x in os.listdir(m.path) if not x.endswith(".meta.json")) == \
+        ["__metadata__.json", "b", "renamed", "w2", "zeros"]
+    assert commit(run, m.path).returncode == 0
+    expected = {
+        "b": t["a"].view(np.int32).reshape(2, 4),
+        "renamed": new,
+        "w2": np.array([1.5, -2.5]),
+        "zeros": np.zeros((2, 2), np.bool_),
+    }
+    assert_checkpoint(src, expected, metadata={"format": "pt"})
+
+
+def test_cp_between_checkpoints_and_mounts(tmp_path, mount, run):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    t1 = base(folder / "one.safetensors")
+    save_file({"z": np.zeros(2, np.float16)}, str(folder / "two.safetensors"))
+    other = tmp_path / "other.safetensors"
+    save_file({"q": np.ones(3, np.float64)}, str(other))
+    m = mount(folder)
+    m2 = mount(other)
+    one, two = os.path.join(m.path, "one"), os.path.join(m.path, "two")
+    subprocess.run(["cp", os.path.join(one, "a"), os.path.join(one, "a.meta.json"), two + "/"], check=True)
+    subprocess.run(["cp", os.path.join(one, "b"), os.path.join(one, "b.meta.json"), m2.path + "/"], check=True)
+    # mv between two checkpoints of one mount: a copy, then an unlink.
+    subprocess.run(["mv", os.path.join(one, "c"), two + "/c"], check=True)
+    subprocess.run(["cp", os.path.join(one, "c.meta.json"), two + "/c.meta.json"], check=False)
+    with open(os.path.join(two, "c.meta.json"), "w") as f:
+        f.write('{"dtype":"U8","shape":[5]}')
+    assert run("commit", m.path).returncode == 0
+    assert run("commit", m2.path).returncode == 0
+    assert_checkpoint(folder / "two.safetensors", {"z": np.zeros(2, np.float16), "a": t1["a"], "c": t1["c"]})
+    assert_checkpoint(folder / "one.safetensors", {"a": t1["a"], "b": t1["b"]})
+    assert_checkpoint(other, {"q": np.ones(3, np.float64), "b": t1["b"]})
+
+
+def test_invalid_edit_is_refused_and_kept(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    before = src.read_bytes()
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "ab") as f:
+        f.write(b"\0" * 4)  # 36 bytes, meta still says F32 [8]
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    assert 'tensor "a" holds 36 bytes but F32 [8] needs 32' in p.stderr, p.stderr
+    assert src.read_bytes() == before
+    assert os.stat(os.path.join(m.path, "a")).st_size == 36  # still staged
+    # fsync reports the refusal as EINVAL too.
+    fd = os.open(os.path.join(m.path, "c"), os.O_RDONLY)
+    with pytest.raises(OSError) as e:
+        os.fsync(fd)
+    os.close(fd)
+    assert e.value.errno == errno.EINVAL
+    # An invalid meta is refused when written.
+    with pytest.raises(OSError) as e:
+        with open(os.path.join(m.path, "b.meta.json"), "w") as f:
+            f.write('{"dtype":"F99","shape":[1]}')
+    assert e.value.errno == errno.EINVAL
+    # A file name that is not a valid escape cannot be created.
+    with pytest.raises(OSError) as e:
+        open(os.path.join(m.path, "bad%zz"), "wb")
+    assert e.value.errno == errno.EINVAL
+    # stfs umount refuses to drop the edits on a failed commit.
+    p = run("umount", m.path)
+    assert p.returncode != 0 and "still mounted" in p.stderr
+    # Fix it: describe the new length, and the commit goes through.
+    with open(os.path.join(m.path, "a.meta.json"), "w") as f:
+        f.write('{"dtype":"F32","shape":[9]}')
+    assert run("commit", m.path).returncode == 0
+    t["a"] = np.concatenate([t["a"], np.zeros(1, np.float32)])
+    assert_checkpoint(src, t)
+
+
+def test_fsync_and_unmount_commit_and_discard(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    m = mount(src)
+    fd = os.open(os.path.join(m.path, "c"), os.O_WRONLY)
+    os.pwrite(fd, b"\x07", 0)
+    os.fsync(fd)
+    os.close(fd)
+    t["c"][0] = 7
+    assert_checkpoint(src, t)
+
+    os.unlink(os.path.join(m.path, "c"))
+    subprocess.run(["umount", m.path], check=True)  # plain umount commits
+    m.close()
+    del t["c"]
+    assert_checkpoint(src, t)
+
+    m = mount(src)
+    os.unlink(os.path.join(m.path, "a"))
+    before = src.read_bytes()
+    assert run("umount", "--discard", m.path).returncode == 0
+    m.close()
+    assert src.read_bytes() == before
+    assert not (tmp_path / ".m.safetensors.stfs-staging").exists()
+
+
+def test_open_fds_and_inodes_survive_a_commit(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    m = mount(src)
+    ino_b = os.stat(os.path.join(m.path, "b")).st_ino
+    old_a = open(os.path.join(m.path, "a"), "rb")
+    old_c = open(os.path.join(m.path, "c"), "rb")
+    os.unlink(os.path.join(m.path, "c"))
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(b"\xff" * 4)
+    assert run("commit", m.path).returncode == 0
+    assert old_c.read() == t["c"].tobytes()  # removed and committed, still readable
+    assert os.stat(os.path.join(m.path, "b")).st_ino == ino_b
+    assert open(os.path.join(m.path, "a"), "rb").read()[:4] == b"\xff" * 4
+    old_a.close()
+    old_c.close()
+
+
+def test_conflict_with_a_source_changed_behind_the_mount(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    m = mount(src)
+    os.unlink(os.path.join(m.path, "c"))
+    replacement = {"x": np.ones(2, np.float32)}
+    save_file(replacement, str(src))  # another program replaces the source
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "changed since it was mounted" in p.stderr
+    assert_checkpoint(src, replacement)
+    assert run("commit", "--force", m.path).returncode == 0
+    got = load_file(str(src))
+    assert sorted(got) == ["a", "b"]
+
+
+def test_read_only_mount_refuses_every_write(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    before = src.read_bytes()
+    m = mount(src, "-o", "ro")
+    for op in [lambda: open(os.path.join(m.path, "a"), "r+b"),
+               lambda: open(os.path.join(m.path, "n"), "wb"),
+               lambda: os.unlink(os.path.join(m.path, "a")),
+               lambda: os.rename(os.path.join(m.path, "a"), os.path.join(m.path, "z")),
+               lambda: os.truncate(os.path.join(m.path, "a"), 0),
+               lambda: open(os.path.join(m.path, "__metadata__.json"), "w")]:
+        with pytest.raises(OSError) as e:
+            op()
+        assert e.value.errno == errno.EROFS
+    assert src.read_bytes() == before
+
+
+def test_refused_operations(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    m = mount(src)
+    a = os.path.join(m.path, "a")
+    for op, err in [(lambda: os.mkdir(os.path.join(m.path, "d")), errno.EOPNOTSUPP),
+                    (lambda: os.symlink("a", os.path.join(m.path, "s")), errno.EOPNOTSUPP),
+                    (lambda: os.link(a, os.path.join(m.path, "h")), errno.EPERM),
+                    (lambda: os.mknod(os.path.join(m.path, "p")), errno.EOPNOTSUPP),
+                    (lambda: os.setxattr(a, "user.x", b"1"), errno.EOPNOTSUPP),
+                    (lambda: os.unlink(a + ".meta.json"), errno.EPERM),
+                    (lambda: os.unlink(os.path.join(m.path, "__metadata__.json")), errno.EPERM)]:
+        with pytest.raises(OSError) as e:
+            op()
+        assert e.value.errno == err, (e.value, err)
