@@ -1,0 +1,171 @@
+"""What a commit guarantees when things go wrong: ENOSPC leaves the source and
+the edits intact; a daemon killed mid-commit leaves the source old or new,
+never a mix; readers during a commit see old or new bytes."""
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import wait_for_exit
+
+MIB = 1 << 20
+
+
+def sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MIB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 40 MiB tmpfs, unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    d = tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_enospc_keeps_source_and_edits_then_retry_succeeds(tmp_path, small_fs, mount, run):
+    src = small_fs / "m.safetensors"
+    rng = np.random.default_rng(0)
+    t = {"a": rng.integers(0, 255, 6 * MIB, dtype=np.uint8), "b": rng.integers(0, 255, 6 * MIB, dtype=np.uint8)}
+    save_file(t, str(src))
+    before = src.read_bytes()
+    filler = small_fs / "filler"
+    free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+    with open(filler, "wb") as f:
+        f.write(b"\1" * (free - 4 * MIB))  # room for less than one new copy
+    staging = tmp_path / "staging"
+    m = mount(src, "--staging-dir", str(staging))
+    new_a = np.full(6 * MIB, 7, np.uint8)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr
+    assert src.read_bytes() == before
+    assert [x for x in os.listdir(small_fs) if x.startswith(".")] == [], "temp file left behind"
+    assert open(os.path.join(m.path, "a"), "rb").read() == new_a.tobytes()  # still staged
+    os.unlink(filler)
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    got = load_file(str(src))
+    assert got["a"].tobytes() == new_a.tobytes() and got["b"].tobytes() == t["b"].tobytes()
+
+
+def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run):
+    pristine = tmp_path / "pristine.safetensors"
+    rng = np.random.default_rng(1)
+    save_file({"big": rng.integers(0, 255, 240 * MIB, dtype=np.uint8),
+               "small": rng.integers(0, 255, 16 * MIB, dtype=np.uint8)}, str(pristine))
+    src = tmp_path / "m.safetensors"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    old = sha(pristine)
+
+    def mounted():
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split()[4] == str(mnt) for line in f)
+
+    def trial(kill_after):
+        shutil.copyfile(pristine, src)
+        pid_file = tmp_path / "pid"
+        subprocess.run([stfs, "mount", "--pid-file", str(pid_file), "--log-file", str(tmp_path / "log"), str(src), str(mnt)], check=True)
+        pid = int(pid_file.read_text())
+        try:
+            with open(mnt / "small", "r+b") as f:
+                f.write(b"new!" * 1024)
+            started = time.monotonic()
+            client = subprocess.Popen([stfs, "commit", str(mnt)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if kill_after is None:
+                assert client.wait(timeout=120) == 0
+                return time.monotonic() - started
+            time.sleep(kill_after)
+            os.kill(pid, signal.SIGKILL)
+            client.wait(timeout=60)
+        finally:
+            if mounted():
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
+            try:
+                wait_for_exit(pid, 20)
+            except ProcessLookupError:
+                pass
+        return None
+
+    duration = trial(None)
+    new = sha(src)
+    assert new != old
+    outcomes = {"old": 0, "new": 0}
+    random.seed(7)
+    for _ in range(20):
+        trial(random.uniform(0, duration * 1.2))
+        h = sha(src)
+        assert h in (old, new), "source is neither the old nor the new file"
+        outcomes["old" if h == old else "new"] += 1
+        # A later mount is not confused by what the killed daemon left.
+        subprocess.run([stfs, "mount", str(src), str(mnt)], check=True)
+        try:
+            assert sorted(os.listdir(mnt)) == ["__metadata__.json", "big", "big.meta.json", "small", "small.meta.json"]
+        finally:
+            subprocess.run([stfs, "umount", str(mnt)], check=True)
+    # Each outcome happened: the kills landed before and after the rename.
+    print("kill -9 outcomes:", outcomes)
+    assert outcomes["old"] > 0
+
+
+def test_readers_during_a_commit_see_old_or_new(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(2)
+    old = {f"t{i}": rng.integers(0, 255, 8 * MIB, dtype=np.uint8) for i in range(4)}
+    save_file(old, str(src))
+    m = mount(src)
+    new_t0 = np.full(8 * MIB, 3, np.uint8)
+    with open(os.path.join(m.path, "t0"), "r+b") as f:
+        f.write(new_t0.tobytes())
+    allowed = {k: {v.tobytes()} for k, v in old.items()}
+    allowed["t0"].add(new_t0.tobytes())
+    stop = threading.Event()
+    errors, reads = [], [0]
+
+    def reader():
+        while not stop.is_set():
+            for name in old:
+                data = open(os.path.join(m.path, name), "rb").read()
+                if data not in allowed[name]:
+                    errors.append(name)
+                reads[0] += 1
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    # Readers in another process, too.
+    other = subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4 5; do cat {m.path}/t1 {m.path}/t2 | sha256sum; done"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            assert run("commit", m.path).returncode == 0
+            with open(os.path.join(m.path, "t1"), "r+b") as f:  # a new edit, rewriting the same bytes
+                f.write(old["t1"].tobytes()[:4096])
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    out = other.communicate(timeout=60)[0].split("\n")
+    want = hashlib.sha256(old["t1"].tobytes() + old["t2"].tobytes()).hexdigest()
+    assert all(line.split()[0] == want for line in out if line), out
+    assert not errors, errors
+    assert reads[0] > 0
