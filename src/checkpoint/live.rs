@@ -411,6 +411,7 @@ impl Live {
             .unwrap_or(Path::new("."));
         let stem = path.file_name().unwrap_or_default().to_string_lossy();
         // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
+        let started = std::time::Instant::now();
         let mut tmp = tempfile::Builder::new()
             .prefix(&format!(".{stem}.stfs-tmp-"))
             .tempfile_in(dir)
@@ -440,10 +441,12 @@ impl Live {
             done += len;
             progress(done, total);
         }
+        let copied = started.elapsed();
         let file = tmp.as_file();
         file.set_permissions(std::fs::Permissions::from_mode(self.source.mode()))
             .map_err(io_err(what.clone()))?;
         file.sync_all().map_err(io_err(what.clone()))?;
+        let synced = started.elapsed();
         // The point of no return: before it the source is untouched.
         let tmp_path = tmp.into_temp_path();
         tmp_path
@@ -456,8 +459,18 @@ impl Live {
         if let Ok(meta) = std::fs::metadata(&path) {
             self.identity = FileIdentity::of(&meta);
         }
-        info!(file = %path.display(), tensors = layout.tensors.len(), bytes = layout.file_len(), "committed");
+        let renamed = started.elapsed();
         self.remap(&path)?;
+        info!(
+            file = %path.display(),
+            tensors = layout.tensors.len(),
+            bytes = layout.file_len(),
+            ?copied,
+            ?synced,
+            ?renamed,
+            total = ?started.elapsed(),
+            "committed"
+        );
         Ok(true)
     }
 
@@ -475,8 +488,13 @@ impl Live {
             t.edited = None;
         }
         self.metadata = fresh.header().metadata.clone();
-        self.source = fresh;
+        let old = std::mem::replace(&mut self.source, fresh);
         self.dirty = false;
+        // Unmapping the replaced file frees its blocks and page cache, which takes
+        // a while for a large file: let the commit return first.
+        let _ = std::thread::Builder::new()
+            .name("stfs-unmap".into())
+            .spawn(move || drop(old));
         Ok(())
     }
 
