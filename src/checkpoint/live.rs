@@ -40,6 +40,8 @@ pub enum TensorBytes {
 pub struct StagedFile {
     file: File,
     path: PathBuf,
+    /// Set when a failed commit at unmount leaves the edits on disk.
+    keep: std::sync::atomic::AtomicBool,
 }
 
 impl StagedFile {
@@ -58,7 +60,9 @@ impl StagedFile {
 
 impl Drop for StagedFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -212,11 +216,6 @@ impl Live {
         self.by_name.get(name).copied()
     }
 
-    /// Where staged files of this mount are kept (created on the first edit).
-    pub fn staging_dir(&self) -> Option<&Path> {
-        self.staging_dir.as_deref()
-    }
-
     fn new_staged_file(&mut self) -> std::io::Result<StagedFile> {
         if self.staging_dir.is_none() {
             std::fs::create_dir_all(&self.staging_root)?;
@@ -236,7 +235,11 @@ impl Live {
             .create(true)
             .truncate(true)
             .open(&path)?;
-        Ok(StagedFile { file, path })
+        Ok(StagedFile {
+            file,
+            path,
+            keep: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     fn touch(&mut self, id: TensorId) {
@@ -496,6 +499,44 @@ impl Live {
             .name("stfs-unmap".into())
             .spawn(move || drop(old));
         Ok(())
+    }
+
+    /// Keeps the staged edits on disk (a commit at unmount failed): marks the
+    /// staging files to stay, and writes `manifest.json` beside them saying which
+    /// tensor each file holds. Returns the staging folder.
+    pub fn keep_edits(&mut self) -> std::io::Result<PathBuf> {
+        if self.staging_dir.is_none() {
+            self.new_staged_file().map(drop)?;
+        }
+        let dir = self.staging_dir.clone().expect("created above");
+        let tensors: Vec<serde_json::Value> = self
+            .tensors
+            .values()
+            .map(|t| {
+                let bytes = match &t.bytes {
+                    TensorBytes::Source(c, i) => {
+                        let r = c.tensor_range(*i);
+                        serde_json::json!({"source_file_offset": r.start, "len": r.end - r.start})
+                    }
+                    TensorBytes::Staged(s) => {
+                        s.keep.store(true, std::sync::atomic::Ordering::Relaxed);
+                        serde_json::json!({"staged_file": s.path.file_name().map(|n| n.to_string_lossy().into_owned()), "len": s.len()})
+                    }
+                };
+                serde_json::json!({"name": t.name, "dtype": t.dtype.map(|d| d.name()), "shape": t.shape, "bytes": bytes})
+            })
+            .collect();
+        let manifest = serde_json::json!({
+            "source": self.source.path(),
+            "metadata": self.metadata,
+            "tensors": tensors,
+            "note": "staged edits of an stfs mount whose commit failed; the source is unchanged",
+        });
+        std::fs::write(
+            dir.join("manifest.json"),
+            serde_json::to_vec_pretty(&manifest).expect("JSON values serialize"),
+        )?;
+        Ok(dir)
     }
 
     /// Checks the source still is what was mapped (or last committed).

@@ -97,9 +97,10 @@ impl Filesystem for FuseAdapter {
         match self.fs.commit(super::ROOT_INO, false) {
             Ok(lines) => lines.iter().for_each(|l| info!("at unmount: {l}")),
             Err(e) => error!(
-                "commit at unmount failed: {e}. The staged edits are kept in {:?}; \
-                 they are not applied to the source",
-                self.fs.staging_dirs()
+                "commit at unmount failed: {e}. The source is unchanged; the staged edits are kept in {:?} \
+                 (manifest.json says which file holds which tensor). Next time, run stfs umount, which \
+                 refuses to unmount while a commit fails, or stfs umount --discard",
+                self.fs.keep_edits()
             ),
         }
     }

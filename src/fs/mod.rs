@@ -873,12 +873,20 @@ impl Fs {
         info!("staged edits discarded");
     }
 
-    /// Where staged edits are kept, for messages.
-    pub fn staging_dirs(&self) -> Vec<PathBuf> {
-        let st = self.read_state();
+    /// Keeps every uncommitted edit on disk with a manifest (a commit at
+    /// unmount failed); returns the folders.
+    pub fn keep_edits(&self) -> Vec<String> {
+        let mut st = self.write_state();
         st.checkpoints
-            .iter()
-            .filter_map(|m| m.live.staging_dir().map(Path::to_path_buf))
+            .iter_mut()
+            .filter(|m| m.live.is_dirty())
+            .map(|m| match m.live.keep_edits() {
+                Ok(dir) => dir.display().to_string(),
+                Err(e) => format!(
+                    "(could not keep the edits of {}: {e})",
+                    m.live.source().path().display()
+                ),
+            })
             .collect()
     }
 

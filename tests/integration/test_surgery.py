@@ -268,3 +268,22 @@ def test_refused_operations(tmp_path, mount):
         with pytest.raises(OSError) as e:
             op()
         assert e.value.errno == err, (e.value, err)
+
+
+def test_failed_commit_at_unmount_keeps_the_edits_on_disk(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    before = src.read_bytes()
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "ab") as f:
+        f.write(b"\x01\x02")  # no longer F32 [8]: the commit at unmount must fail
+    subprocess.run(["umount", m.path], check=True)
+    m.close()
+    assert src.read_bytes() == before
+    staging = tmp_path / ".m.safetensors.stfs-staging"
+    [kept] = [d for d in staging.iterdir() if (d / "manifest.json").exists()]
+    manifest = json.loads((kept / "manifest.json").read_text())
+    entry = [t for t in manifest["tensors"] if t["name"] == "a"][0]
+    staged = (kept / entry["bytes"]["staged_file"]).read_bytes()
+    assert staged == np.arange(8, dtype=np.float32).tobytes() + b"\x01\x02"
+    assert "commit at unmount failed" in open(m.log).read()
