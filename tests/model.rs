@@ -283,9 +283,10 @@ proptest! {
     }
 }
 
-/// Shrunk failures found by the property test, kept as regressions.
+/// Fixed sequences that always run: a tensor created by its meta alone, and a
+/// rename over an existing tensor followed by a truncation to zero.
 #[test]
-fn regression_meta_alone_then_commit() {
+fn meta_alone_then_commit_then_unlink() {
     run(&[
         Op::Meta(2, Dtype::F32, vec![2]),
         Op::Commit,
@@ -295,7 +296,7 @@ fn regression_meta_alone_then_commit() {
 }
 
 #[test]
-fn regression_rename_over_existing_then_truncate() {
+fn rename_over_existing_then_truncate() {
     run(&[
         Op::Rename(0, 1),
         Op::Truncate(1, 0),
