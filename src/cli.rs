@@ -74,6 +74,15 @@ enum Command {
         /// The mount point, or a checkpoint directory or file inside it.
         path: PathBuf,
     },
+    /// Bring tensors of a mount into the page cache (cpu) or into CUDA device memory.
+    Prefetch {
+        /// cpu (the page cache) or cuda:N.
+        #[arg(long, default_value = "cpu", value_parser = crate::client::parse_device)]
+        device: crate::client::Device,
+        /// Tensor files, or directories of them.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
     /// Write an empty, valid checkpoint.
     Create {
         file: PathBuf,
@@ -134,7 +143,26 @@ pub fn main() -> ExitCode {
             } else {
                 0
             };
-            crate::daemon::commit(&path, flags).map(|message| println!("{message}"))
+            crate::client::commit(&path, flags).map(|message| println!("{message}"))
+        }
+        Command::Prefetch { device, paths } => {
+            let mut failed = 0;
+            for path in crate::client::tensor_files(&paths) {
+                match crate::client::prefetch(&path, device) {
+                    Ok(line) => println!("{line}"),
+                    Err(e) => {
+                        eprintln!("stfs: {e}");
+                        failed += 1;
+                    }
+                }
+            }
+            match failed {
+                0 => Ok(()),
+                n => Err(format!(
+                    "{n} prefetch{} failed",
+                    if n == 1 { "" } else { "es" }
+                )),
+            }
         }
         Command::Create {
             file,

@@ -402,105 +402,12 @@ fn mount_device(mountpoint: &Path) -> Option<String> {
         .last()
 }
 
-/// Sends STFS_IOC_COMMIT to a mount; returns the daemon's message.
-pub fn commit(path: &Path, flags: u32) -> Result<String, String> {
-    use crate::fs::ioctl::{CommitArgs, IOC_COMMIT};
-    use std::os::fd::AsRawFd;
-    let dir = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut args = CommitArgs::new(flags);
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let progress = show_progress(path, done.clone());
-    // SAFETY: args is a properly sized, writable CommitArgs, as IOC_COMMIT encodes.
-    let rc = unsafe {
-        libc::ioctl(
-            dir.as_raw_fd(),
-            IOC_COMMIT as _,
-            &mut args as *mut CommitArgs,
-        )
-    };
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    if let Some(p) = progress {
-        let _ = p.join();
-    }
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENOTTY | libc::ENOSYS) => format!("{}: not a stfs mount", path.display()),
-            _ => format!("{}: {e}", path.display()),
-        });
-    }
-    if args.result != 0 {
-        return Err(args.message());
-    }
-    Ok(args.message())
-}
-
-/// On a terminal, shows how much of the new file the daemon has written: the
-/// commit's temp file sits beside the source that the mount table names.
-fn show_progress(
-    path: &Path,
-    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Option<std::thread::JoinHandle<()>> {
-    use std::io::IsTerminal;
-    use std::sync::atomic::Ordering;
-    if !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let source = mount_source(path)?;
-    let dir = source.parent()?.to_path_buf();
-    let prefix = format!(".{}.stfs-tmp-", source.file_name()?.to_string_lossy());
-    let total = std::fs::metadata(&source)
-        .map(|m| m.len())
-        .unwrap_or(0)
-        .max(1);
-    std::thread::Builder::new()
-        .spawn(move || {
-            let mut shown = false;
-            let start = std::time::Instant::now();
-            while !done.load(Ordering::Relaxed) {
-                std::thread::sleep(std::time::Duration::from_millis(200));
-                let written: u64 = std::fs::read_dir(&dir)
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                    .filter_map(|e| e.metadata().ok().map(|m| m.len()))
-                    .sum();
-                if written > 0 && start.elapsed().as_millis() > 500 {
-                    eprint!(
-                        "\rstfs: committing {}: {} MiB written (~{}%)   ",
-                        source.display(),
-                        written >> 20,
-                        written * 100 / total
-                    );
-                    shown = true;
-                }
-            }
-            if shown {
-                eprintln!();
-            }
-        })
-        .ok()
-}
-
-/// The source a stfs mount serves, from the mount table (its fsname).
-fn mount_source(path: &Path) -> Option<PathBuf> {
-    let target = std::fs::canonicalize(path).ok()?;
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().rev().find_map(|line| {
-        let (left, right) = line.split_once(" - ")?;
-        let point = left.split(' ').nth(4)?;
-        let source = right.split(' ').nth(1)?;
-        (target.starts_with(point) && right.starts_with("fuse")).then(|| PathBuf::from(source))
-    })
-}
-
 /// `stfs umount`: commits staged edits (or drops them with `discard`), then
 /// unmounts; as a normal user through fusermount3. A failed commit leaves the
 /// mount and its edits in place.
 pub fn umount_with_commit(mountpoint: &Path, lazy: bool, discard: bool) -> Result<(), String> {
     use crate::fs::ioctl::COMMIT_DISCARD;
-    match commit(mountpoint, if discard { COMMIT_DISCARD } else { 0 }) {
+    match crate::client::commit(mountpoint, if discard { COMMIT_DISCARD } else { 0 }) {
         Ok(message) => {
             for line in message.lines().filter(|l| !l.ends_with("nothing to commit")) {
                 eprintln!("stfs: {line}");

@@ -2,8 +2,10 @@
 
 pub mod checkpoint;
 pub mod cli;
+pub mod client;
 pub mod create;
 pub mod daemon;
 pub mod format;
 pub mod fs;
 pub mod inspect;
+pub mod prefetch;

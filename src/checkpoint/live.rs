@@ -53,6 +53,10 @@ impl StagedFile {
         self.len() == 0
     }
 
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         self.file.read_at(buf, offset)
     }

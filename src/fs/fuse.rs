@@ -12,8 +12,11 @@ use fuser::{
 };
 use tracing::{debug, error, info, warn};
 
-use super::ioctl::{CommitArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT};
-use super::{Attr, Fs, FsError, Kind, Opened};
+use super::ioctl::{
+    CommitArgs, PrefetchArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, TARGET_CUDA,
+    TARGET_PAGE_CACHE,
+};
+use super::{Attr, Fs, FsError, Kind, Opened, PrefetchTarget};
 
 /// Edits go through the mount, so the kernel learns of them; commits change
 /// only derived fields (offsets, mtime), which a short TTL keeps fresh.
@@ -76,6 +79,51 @@ fn fopen_flags(o: &Opened) -> FopenFlags {
         f |= FopenFlags::FOPEN_DIRECT_IO;
     }
     f
+}
+
+impl FuseAdapter {
+    fn prefetch(&self, ino: INodeNo, fh: FileHandle, in_data: &[u8], reply: ReplyIoctl) {
+        let Some(mut args) = PrefetchArgs::from_bytes(in_data) else {
+            warn!("STFS_IOC_PREFETCH with a bad struct size");
+            return reply.error(Errno::EINVAL);
+        };
+        let target = match args.target {
+            TARGET_PAGE_CACHE => PrefetchTarget::PageCache,
+            TARGET_CUDA => PrefetchTarget::Cuda(args.device),
+            other => {
+                args.result = libc::EINVAL;
+                args.set_message(&format!("unknown prefetch target {other}"));
+                return reply.ioctl(0, args.as_bytes());
+            }
+        };
+        let started = std::time::Instant::now();
+        match self.fs.prefetch(ino.0, fh.0, target) {
+            Ok(p) => {
+                args.bytes = p.bytes;
+                args.nbytes = p.nbytes;
+                if let Some(d) = p.dtype {
+                    args.set_dtype(d.name());
+                }
+                if let Some(shape) = &p.shape {
+                    args.ndim = shape.len() as u32;
+                    for (dst, &d) in args.shape.iter_mut().zip(shape) {
+                        *dst = d;
+                    }
+                }
+                if let Some((handle, size)) = p.ipc {
+                    args.ipc_handle = handle;
+                    args.alloc_size = size;
+                    args.ipc_offset = 0;
+                }
+            }
+            Err((errno, message)) => {
+                args.result = errno;
+                args.set_message(&message);
+            }
+        }
+        args.elapsed_ns = started.elapsed().as_nanos() as u64;
+        reply.ioctl(0, args.as_bytes())
+    }
 }
 
 impl Filesystem for FuseAdapter {
@@ -287,6 +335,9 @@ impl Filesystem for FuseAdapter {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
+        if cmd == IOC_PREFETCH {
+            return self.prefetch(ino, _fh, in_data, reply);
+        }
         if cmd != IOC_COMMIT {
             debug!(cmd, "unknown ioctl");
             return reply.error(Errno::ENOTTY);

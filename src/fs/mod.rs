@@ -84,6 +84,25 @@ pub enum Source {
     },
 }
 
+/// Where a prefetch puts a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchTarget {
+    PageCache,
+    Cuda(i32),
+}
+
+/// What a prefetch did.
+#[derive(Debug, Clone)]
+pub struct Prefetched {
+    /// Bytes resident in the page cache, or copied to the device.
+    pub bytes: u64,
+    pub nbytes: u64,
+    pub dtype: Option<Dtype>,
+    pub shape: Option<Vec<u64>>,
+    /// The CUDA IPC handle and allocation size.
+    pub ipc: Option<([u8; 64], u64)>,
+}
+
 /// Mount-wide settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -127,7 +146,11 @@ struct State {
 enum Handle {
     /// A tensor. `opened` keeps the bytes it was opened on, read if the tensor
     /// is later removed (POSIX: an unlinked file stays readable).
-    Tensor { opened: TensorBytes },
+    Tensor {
+        opened: TensorBytes,
+        /// CUDA buffers prefetched through this handle: freed when it closes.
+        device: Vec<crate::prefetch::cuda::DeviceBuffer>,
+    },
     /// A `.meta.json` or `__metadata__.json` opened for writing: the JSON is
     /// buffered and applied on flush (or close).
     Json {
@@ -430,7 +453,10 @@ impl Fs {
                 }
                 let opened = st.tensor(c, id)?.bytes.clone();
                 drop(st);
-                let fh = self.new_handle(Handle::Tensor { opened });
+                let fh = self.new_handle(Handle::Tensor {
+                    opened,
+                    device: Vec::new(),
+                });
                 Ok(Opened {
                     fh,
                     keep_cache: true,
@@ -807,6 +833,78 @@ impl Fs {
                 Ok(())
             }
             _ => Err(FsError::NotADirectory),
+        }
+    }
+
+    /// Prefetches the tensor behind `ino` (opened as `fh`). Errors carry an errno
+    /// and a message for the caller.
+    pub fn prefetch(
+        &self,
+        ino: Ino,
+        fh: u64,
+        target: PrefetchTarget,
+    ) -> Result<Prefetched, (i32, String)> {
+        let (bytes, dtype, shape) = {
+            let st = self.read_state();
+            match st.node(ino) {
+                Ok(Node::Tensor(c, id)) => {
+                    let t = st.tensor(c, id).map_err(|e| (e.errno(), e.to_string()))?;
+                    (t.bytes.clone(), t.dtype, t.shape.clone())
+                }
+                Ok(_) => {
+                    return Err((
+                        libc::ENOTTY,
+                        "not a tensor file: prefetch works on a tensor's data file".into(),
+                    ))
+                }
+                Err(e) => return Err((e.errno(), e.to_string())),
+            }
+        };
+        let (file, offset, len) = match &bytes {
+            TensorBytes::Source(c, i) => {
+                let r = c.tensor_range(*i);
+                (c.file(), r.start, r.end - r.start)
+            }
+            TensorBytes::Staged(s) => (s.file(), 0, s.len()),
+        };
+        let io = |e: std::io::Error| (e.raw_os_error().unwrap_or(libc::EIO), e.to_string());
+        match target {
+            PrefetchTarget::PageCache => {
+                let resident = crate::prefetch::to_page_cache(file, offset, len).map_err(io)?;
+                Ok(Prefetched {
+                    bytes: resident,
+                    nbytes: len,
+                    dtype,
+                    shape,
+                    ipc: None,
+                })
+            }
+            PrefetchTarget::Cuda(device) => {
+                let buffer =
+                    crate::prefetch::cuda::to_device(device, file, offset, len).map_err(|e| {
+                        warn!("prefetch to cuda:{device}: {}", e.message);
+                        (e.errno, e.message)
+                    })?;
+                let ipc = Some((buffer.ipc_handle, buffer.len() as u64));
+                match lock(&self.handles).get_mut(&fh) {
+                    Some(Handle::Tensor {
+                        device: buffers, ..
+                    }) => buffers.push(buffer),
+                    _ => {
+                        return Err((
+                            libc::EBADF,
+                            "prefetch to a device needs an open tensor file".into(),
+                        ))
+                    }
+                }
+                Ok(Prefetched {
+                    bytes: len,
+                    nbytes: len,
+                    dtype,
+                    shape,
+                    ipc,
+                })
+            }
         }
     }
 

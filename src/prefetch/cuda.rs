@@ -1,0 +1,288 @@
+//! Prefetch into CUDA device memory, exported with a CUDA IPC handle.
+//!
+//! CUDA is loaded at run time (cudarc's dynamic loading): the binary starts and
+//! serves on machines without a driver, where this answers ENODEV. cudarc
+//! panics if a CUDA call is made without the library, so `driver_present` is
+//! checked before any call.
+//!
+//! Pipeline: worker threads each own a pinned host slab and a stream; a worker
+//! preads its next chunk into its slab (after the slab's previous copy has
+//! finished, tracked by an event), then queues an asynchronous host-to-device
+//! copy on its stream. The device allocation is a plain cuMemAlloc: stream-
+//! ordered pool allocations cannot be exported by IPC handle.
+//!
+//! Slabs are allocated with cuMemHostAlloc flags 0: cacheable pinned memory.
+//! Write-combined memory is faster for the DMA engine to read but slow for
+//! anything on the CPU that reads it, and the kernel's copy into it during
+//! pread is not the streaming write that WC favours.
+//!
+//! Status: written against cudarc 0.19's driver API and checked to build and to
+//! answer ENODEV without a driver; not yet run on a GPU (scripts/gpu-check.sh).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+/// Bytes a worker reads and copies at a time.
+const SLAB: usize = 16 << 20;
+const WORKERS: usize = 4;
+
+#[derive(Debug)]
+pub struct CudaError {
+    pub errno: i32,
+    pub message: String,
+}
+
+fn fail(errno: i32, message: impl Into<String>) -> CudaError {
+    CudaError {
+        errno,
+        message: message.into(),
+    }
+}
+
+fn driver(what: &str) -> impl Fn(result::DriverError) -> CudaError + '_ {
+    move |e| fail(libc::EIO, format!("{what}: {e}"))
+}
+
+/// Whether a CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A device allocation holding a tensor; freed when dropped (when the file
+/// handle that asked for it is closed).
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: sys::CUcontext,
+    device: sys::CUdevice,
+    /// The CUDA IPC memory handle of the allocation.
+    pub ipc_handle: [u8; 64],
+}
+
+// SAFETY: the raw CUDA handles are plain identifiers, valid from any thread
+// once the context is made current there (Drop does so).
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated in ctx by cuMemAlloc and all copies into it
+        // were synchronized before it was handed out.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::free_sync(self.ptr);
+            let _ = result::primary_ctx::release(self.device);
+        }
+    }
+}
+
+/// Per-worker pinned slab, stream and event.
+struct Lane {
+    slab: *mut u8,
+    stream: sys::CUstream,
+    event: sys::CUevent,
+    pending: bool,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        // SAFETY: created by this module in the current context; synchronized first.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::free_host(self.slab.cast());
+            let _ = result::stream::destroy(self.stream);
+            let _ = sys::cuEventDestroy_v2(self.event);
+        }
+    }
+}
+
+/// Copies `len` bytes at `offset` of `file` into a new allocation on CUDA
+/// device `ordinal`. Returns the buffer, with its IPC handle.
+pub fn to_device(
+    ordinal: i32,
+    file: &File,
+    offset: u64,
+    len: u64,
+) -> Result<DeviceBuffer, CudaError> {
+    if !driver_present() {
+        return Err(fail(
+            libc::ENODEV,
+            "no CUDA driver (libcuda.so) on this machine",
+        ));
+    }
+    result::init()
+        .map_err(|e| fail(libc::ENODEV, format!("CUDA driver did not initialize: {e}")))?;
+    let count = result::device::get_count().map_err(driver("cuDeviceGetCount"))?;
+    if ordinal < 0 || ordinal >= count {
+        return Err(fail(
+            libc::ENODEV,
+            format!("no CUDA device {ordinal} ({count} present)"),
+        ));
+    }
+    let device = result::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
+    // SAFETY: device is valid; the retained context is released by DeviceBuffer.
+    let ctx = unsafe { result::primary_ctx::retain(device) }
+        .map_err(driver("cuDevicePrimaryCtxRetain"))?;
+    let release = |e: CudaError| {
+        // SAFETY: balances the retain above on the error path.
+        unsafe {
+            let _ = result::primary_ctx::release(device);
+        }
+        e
+    };
+    // SAFETY: ctx was just retained.
+    unsafe { result::ctx::set_current(ctx) }
+        .map_err(driver("cuCtxSetCurrent"))
+        .map_err(release)?;
+    let size = (len as usize).max(1);
+    // SAFETY: a plain allocation in the current context.
+    let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| {
+        release(fail(
+            libc::ENOMEM,
+            format!("cuMemAlloc of {size} bytes: {e}"),
+        ))
+    })?;
+    let buffer = DeviceBuffer {
+        ptr,
+        len: len as usize,
+        ctx,
+        device,
+        ipc_handle: [0; 64],
+    };
+    copy_in(&buffer, file, offset, len)?;
+    let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+    // SAFETY: ptr is a cuMemAlloc allocation, which can be exported.
+    unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), buffer.ptr) }
+        .result()
+        .map_err(driver("cuIpcGetMemHandle"))?;
+    // SAFETY: initialized by the successful call above.
+    let handle = unsafe { handle.assume_init() };
+    let mut buffer = buffer;
+    for (dst, src) in buffer.ipc_handle.iter_mut().zip(handle.reserved.iter()) {
+        *dst = *src as u8;
+    }
+    Ok(buffer)
+}
+
+fn copy_in(buffer: &DeviceBuffer, file: &File, offset: u64, len: u64) -> Result<(), CudaError> {
+    let chunks = len.div_ceil(SLAB as u64);
+    let next = AtomicU64::new(0);
+    let workers = WORKERS.min(chunks.max(1) as usize);
+    std::thread::scope(|s| -> Result<(), CudaError> {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| -> Result<(), CudaError> {
+                    // SAFETY: the context outlives this scope.
+                    unsafe { result::ctx::set_current(buffer.ctx) }
+                        .map_err(driver("cuCtxSetCurrent"))?;
+                    // SAFETY: pinned allocation of SLAB bytes, freed by Lane::drop.
+                    let slab = unsafe { result::malloc_host(SLAB, 0) }
+                        .map_err(driver("cuMemHostAlloc"))?
+                        as *mut u8;
+                    let stream =
+                        match result::stream::create(result::stream::StreamKind::NonBlocking) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                // SAFETY: allocated just above.
+                                unsafe {
+                                    let _ = result::free_host(slab.cast());
+                                }
+                                return Err(driver("cuStreamCreate")(e));
+                            }
+                        };
+                    let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(driver("cuEventCreate"))?;
+                    let mut lane = Lane {
+                        slab,
+                        stream,
+                        event,
+                        pending: false,
+                    };
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= chunks {
+                            break;
+                        }
+                        if lane.pending {
+                            // SAFETY: the event was recorded on this lane's stream.
+                            unsafe { result::event::synchronize(lane.event) }
+                                .map_err(driver("cuEventSynchronize"))?;
+                        }
+                        let start = i * SLAB as u64;
+                        let n = (SLAB as u64).min(len - start) as usize;
+                        // SAFETY: the slab holds SLAB bytes and no copy from it is in flight.
+                        let host = unsafe { std::slice::from_raw_parts_mut(lane.slab, n) };
+                        let mut done = 0;
+                        while done < n {
+                            match file.read_at(&mut host[done..], offset + start + done as u64) {
+                                Ok(0) => {
+                                    return Err(fail(libc::EIO, "file ended before the tensor did"))
+                                }
+                                Ok(k) => done += k,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(e) => {
+                                    return Err(fail(
+                                        e.raw_os_error().unwrap_or(libc::EIO),
+                                        e.to_string(),
+                                    ))
+                                }
+                            }
+                        }
+                        // SAFETY: destination range lies inside the allocation; the slab
+                        // stays untouched until the event below has completed.
+                        unsafe {
+                            result::memcpy_htod_async(buffer.ptr + start, &host[..n], lane.stream)
+                                .map_err(driver("cuMemcpyHtoDAsync"))?;
+                            result::event::record(lane.event, lane.stream)
+                                .map_err(driver("cuEventRecord"))?;
+                        }
+                        lane.pending = true;
+                    }
+                    // SAFETY: waits for this lane's copies before its slab is freed.
+                    unsafe { result::stream::synchronize(lane.stream) }
+                        .map_err(driver("cuStreamSynchronize"))?;
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut first_error = None;
+        for h in handles {
+            if let Err(e) = h.join().expect("CUDA prefetch worker panicked") {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_driver_the_answer_is_enodev_not_a_panic() {
+        if driver_present() {
+            eprintln!("a CUDA driver is present: scripts/gpu-check.sh covers this machine");
+            return;
+        }
+        let f = tempfile::tempfile().unwrap();
+        let e = to_device(0, &f, 0, 16).err().expect("no driver, no buffer");
+        assert_eq!(e.errno, libc::ENODEV);
+        assert!(e.message.contains("no CUDA driver"));
+    }
+}
