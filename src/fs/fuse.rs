@@ -13,8 +13,8 @@ use fuser::{
 use tracing::{debug, error, info, warn};
 
 use super::ioctl::{
-    CommitArgs, PrefetchArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, TARGET_CUDA,
-    TARGET_PAGE_CACHE,
+    CommitArgs, IoctlStruct, PrefetchArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH,
+    TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{Attr, Fs, FsError, Kind, Opened, PrefetchTarget};
 

@@ -39,6 +39,50 @@ pub const fn iowr(nr: u32, size: usize) -> u32 {
     (READ_WRITE << 30) | ((size as u32) << 16) | (IOC_TYPE << 8) | nr
 }
 
+/// A fixed-size ioctl struct: plain `repr(C)` data without padding, whose first
+/// field is its own size.
+///
+/// # Safety
+/// Implementors must be `repr(C)`, have no padding, accept every bit pattern,
+/// and start with a `u32` holding `size_of::<Self>()`.
+pub unsafe trait IoctlStruct: Copy + Sized {
+    /// The struct from the bytes the caller passed, if their size and the
+    /// struct's own size field both match.
+    fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != std::mem::size_of::<Self>() {
+            return None;
+        }
+        // SAFETY: the length matches and every bit pattern is valid (trait contract).
+        let value: Self = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let size = u32::from_ne_bytes(bytes[..4].try_into().expect("4 bytes"));
+        (size as usize == std::mem::size_of::<Self>()).then_some(value)
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        // SAFETY: plain data without padding (trait contract).
+        unsafe {
+            std::slice::from_raw_parts((self as *const Self).cast(), std::mem::size_of::<Self>())
+        }
+    }
+}
+
+// SAFETY: repr(C): 4 x u32 then a byte array; 4096 bytes, no padding.
+unsafe impl IoctlStruct for CommitArgs {}
+// SAFETY: repr(C), fields laid out without padding (prefetch_abi_layout checks the offsets).
+unsafe impl IoctlStruct for PrefetchArgs {}
+
+/// Writes NUL-terminated text into a fixed buffer, cut to fit.
+fn write_text(buf: &mut [u8], text: &str) {
+    let n = text.len().min(buf.len() - 1);
+    buf[..n].copy_from_slice(&text.as_bytes()[..n]);
+    buf[n] = 0;
+}
+
+fn read_text(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
 impl CommitArgs {
     pub fn new(flags: u32) -> CommitArgs {
         CommitArgs {
@@ -50,38 +94,12 @@ impl CommitArgs {
         }
     }
 
-    pub fn from_bytes(bytes: &[u8]) -> Option<CommitArgs> {
-        if bytes.len() != std::mem::size_of::<CommitArgs>() {
-            return None;
-        }
-        // SAFETY: CommitArgs is repr(C), every bit pattern is valid, and the length matches.
-        let args: CommitArgs = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        (args.size as usize == std::mem::size_of::<CommitArgs>()).then_some(args)
-    }
-
-    pub fn as_bytes(&self) -> &[u8] {
-        // SAFETY: repr(C) plain data without padding (4 x u32 + u8 array).
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const CommitArgs).cast(),
-                std::mem::size_of::<CommitArgs>(),
-            )
-        }
-    }
-
     pub fn set_message(&mut self, text: &str) {
-        let n = text.len().min(MESSAGE_LEN - 1);
-        self.message[..n].copy_from_slice(&text.as_bytes()[..n]);
-        self.message[n] = 0;
+        write_text(&mut self.message, text);
     }
 
     pub fn message(&self) -> String {
-        let end = self
-            .message
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(MESSAGE_LEN);
-        String::from_utf8_lossy(&self.message[..end]).into_owned()
+        read_text(&self.message)
     }
 }
 
@@ -158,43 +176,16 @@ impl PrefetchArgs {
         a
     }
 
-    pub fn from_bytes(bytes: &[u8]) -> Option<PrefetchArgs> {
-        if bytes.len() != std::mem::size_of::<PrefetchArgs>() {
-            return None;
-        }
-        // SAFETY: repr(C) plain data; every bit pattern is valid; length checked.
-        let a: PrefetchArgs = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        (a.size as usize == std::mem::size_of::<PrefetchArgs>()).then_some(a)
-    }
-
-    pub fn as_bytes(&self) -> &[u8] {
-        // SAFETY: repr(C) plain data without padding (checked by the layout test).
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const PrefetchArgs).cast(),
-                std::mem::size_of::<PrefetchArgs>(),
-            )
-        }
-    }
-
     pub fn set_message(&mut self, text: &str) {
-        let n = text.len().min(PREFETCH_MESSAGE_LEN - 1);
-        self.message[..n].copy_from_slice(&text.as_bytes()[..n]);
-        self.message[n] = 0;
+        write_text(&mut self.message, text);
     }
 
     pub fn message(&self) -> String {
-        let end = self
-            .message
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(PREFETCH_MESSAGE_LEN);
-        String::from_utf8_lossy(&self.message[..end]).into_owned()
+        read_text(&self.message)
     }
 
     pub fn set_dtype(&mut self, dtype: &str) {
-        let n = dtype.len().min(15);
-        self.dtype[..n].copy_from_slice(&dtype.as_bytes()[..n]);
+        write_text(&mut self.dtype, dtype);
     }
 }
 
