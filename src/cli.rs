@@ -52,6 +52,9 @@ enum Command {
         /// Folder for staged edits (default: .NAME.stfs-staging beside the source).
         #[arg(long)]
         staging_dir: Option<PathBuf>,
+        /// Take back the edits a failed commit at unmount kept in DIR (it holds manifest.json).
+        #[arg(long, value_name = "DIR")]
+        resume: Option<PathBuf>,
         /// A .safetensors file, or a folder of them (with *.index.json).
         source: PathBuf,
         mountpoint: PathBuf,
@@ -120,6 +123,7 @@ pub fn main() -> ExitCode {
             log_file,
             pid_file,
             staging_dir,
+            resume,
             source,
             mountpoint,
         } => crate::daemon::mount(crate::daemon::MountRequest {
@@ -131,6 +135,7 @@ pub fn main() -> ExitCode {
             log_file,
             pid_file,
             staging_dir,
+            resume,
         }),
         Command::Umount {
             lazy,

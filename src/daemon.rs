@@ -27,6 +27,7 @@ pub struct MountRequest {
     pub log_file: Option<PathBuf>,
     pub pid_file: Option<PathBuf>,
     pub staging_dir: Option<PathBuf>,
+    pub resume: Option<PathBuf>,
 }
 
 /// Parsed `-o` options.
@@ -266,6 +267,7 @@ fn serve(
         uid: unsafe { libc::getuid() },
         gid: unsafe { libc::getgid() },
         staging_dir: req.staging_dir.clone(),
+        resume: req.resume.clone(),
     };
     let threads = req
         .threads
@@ -287,7 +289,13 @@ fn serve(
 
     // Signals are taken by one thread (below): block them before fuser starts its threads.
     let signals = blocked_signals();
-    let fs = Fs::new(source, settings);
+    let fs = match Fs::with_resume(source, settings) {
+        Ok(fs) => fs,
+        Err(msg) => {
+            report(&mut ready, &msg);
+            return Err(msg);
+        }
+    };
     let mut session = match fuser::Session::new(FuseAdapter::new(fs), &req.mountpoint, &config) {
         Ok(s) => s,
         Err(e) => {

@@ -267,6 +267,7 @@ fn run(ops: &[Op]) {
             uid: 0,
             gid: 0,
             staging_dir: None,
+            resume: None,
         },
     );
     for op in ops {

@@ -136,6 +136,8 @@ pub struct Live {
     staging_root: PathBuf,
     staging_dir: Option<PathBuf>,
     staged_count: u64,
+    /// A folder of kept edits this mount resumed; its manifest goes after a commit.
+    resumed_from: Option<PathBuf>,
 }
 
 /// `x` for a tensor id, shown in errors.
@@ -172,6 +174,7 @@ impl Live {
             staging_root,
             staging_dir: None,
             staged_count: 0,
+            resumed_from: None,
         };
         live.load_source(first_id);
         live
@@ -468,6 +471,11 @@ impl Live {
         }
         let renamed = started.elapsed();
         self.remap(&path)?;
+        if let Some(dir) = self.resumed_from.take() {
+            // The resumed edits are in the source now: their folder goes.
+            let _ = std::fs::remove_file(dir.join("manifest.json"));
+            let _ = std::fs::remove_dir(&dir);
+        }
         info!(
             file = %path.display(),
             tensors = layout.tensors.len(),
@@ -532,6 +540,7 @@ impl Live {
             .collect();
         let manifest = serde_json::json!({
             "source": self.source.path(),
+            "source_identity": self.identity,
             "metadata": self.metadata,
             "tensors": tensors,
             "note": "staged edits of an stfs mount whose commit failed; the source is unchanged",
@@ -541,6 +550,91 @@ impl Live {
             serde_json::to_vec_pretty(&manifest).expect("JSON values serialize"),
         )?;
         Ok(dir)
+    }
+
+    /// Takes back the edits a failed commit at unmount kept in `dir` (see
+    /// `keep_edits`): they replace the tensors as mapped. The source must be the
+    /// file the edits were made on. `new_id` gives each tensor its id.
+    pub fn resume(
+        &mut self,
+        dir: &Path,
+        new_id: &mut dyn FnMut() -> TensorId,
+    ) -> Result<usize, String> {
+        let where_ = |e: &dyn fmt::Display| format!("{}: {e}", dir.join("manifest.json").display());
+        let text = std::fs::read(dir.join("manifest.json")).map_err(|e| where_(&e))?;
+        let m: serde_json::Value = serde_json::from_slice(&text).map_err(|e| where_(&e))?;
+        let identity: FileIdentity =
+            serde_json::from_value(m["source_identity"].clone()).map_err(|e| where_(&e))?;
+        if identity != self.identity {
+            return Err(format!(
+                "{}: the edits kept in {} were made on another version of this file; not resumed",
+                self.source.path().display(),
+                dir.display()
+            ));
+        }
+        let metadata: Option<Metadata> =
+            serde_json::from_value(m["metadata"].clone()).map_err(|e| where_(&e))?;
+        let entries = m["tensors"]
+            .as_array()
+            .ok_or_else(|| where_(&"no tensors list"))?;
+        let mut tensors = BTreeMap::new();
+        let mut by_name = HashMap::new();
+        for e in entries {
+            let name = e["name"]
+                .as_str()
+                .ok_or_else(|| where_(&"a tensor without a name"))?
+                .to_string();
+            let dtype = e["dtype"].as_str().and_then(Dtype::from_name);
+            let shape: Option<Vec<u64>> =
+                serde_json::from_value(e["shape"].clone()).map_err(|x| where_(&x))?;
+            let b = &e["bytes"];
+            let bytes = if let Some(file) = b["staged_file"].as_str() {
+                let path = dir.join(file);
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|x| where_(&x))?;
+                TensorBytes::Staged(Arc::new(StagedFile {
+                    file: f,
+                    path,
+                    keep: std::sync::atomic::AtomicBool::new(false),
+                }))
+            } else {
+                let (offset, len) = (b["source_file_offset"].as_u64(), b["len"].as_u64());
+                let index = (0..self.source.header().tensors.len())
+                    .find(|&i| {
+                        let r = self.source.tensor_range(i);
+                        Some(r.start) == offset && Some(r.end - r.start) == len
+                    })
+                    .ok_or_else(|| {
+                        where_(&format!(
+                            "tensor {name:?}: its bytes are not a tensor of the source"
+                        ))
+                    })?;
+                TensorBytes::Source(self.source.clone(), index)
+            };
+            let id = new_id();
+            by_name.insert(name.clone(), id);
+            tensors.insert(
+                id,
+                Tensor {
+                    name,
+                    dtype,
+                    shape,
+                    bytes,
+                    edited: Some(SystemTime::now()),
+                },
+            );
+        }
+        let count = tensors.len();
+        self.tensors = tensors;
+        self.by_name = by_name;
+        self.metadata = metadata;
+        self.dirty = true;
+        self.resumed_from = Some(dir.to_path_buf());
+        info!(from = %dir.display(), tensors = count, "resumed kept edits");
+        Ok(count)
     }
 
     /// Checks the source still is what was mapped (or last committed).

@@ -15,7 +15,7 @@ pub use live::{CommitError, Live, Tensor, TensorBytes, TensorId};
 
 /// What identifies the file a checkpoint was opened from, to detect a source
 /// replaced or rewritten behind the mount.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileIdentity {
     dev: u64,
     ino: u64,

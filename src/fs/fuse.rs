@@ -146,8 +146,9 @@ impl Filesystem for FuseAdapter {
             Ok(lines) => lines.iter().for_each(|l| info!("at unmount: {l}")),
             Err(e) => error!(
                 "commit at unmount failed: {e}. The source is unchanged; the staged edits are kept in {:?} \
-                 (manifest.json says which file holds which tensor). Next time, run stfs umount, which \
-                 refuses to unmount while a commit fails, or stfs umount --discard",
+                 (manifest.json says which file holds which tensor). To finish: stfs mount --resume DIR \
+                 SOURCE MOUNTPOINT takes them back; fix the edit and commit (stfs umount, unlike plain \
+                 umount, refuses to unmount while a commit fails)",
                 self.fs.keep_edits()
             ),
         }

@@ -111,6 +111,8 @@ pub struct Settings {
     pub gid: u32,
     /// Where staging files go (default: a hidden folder beside each source).
     pub staging_dir: Option<PathBuf>,
+    /// Kept edits to take back at mount (a file mount only): see `Live::resume`.
+    pub resume: Option<PathBuf>,
 }
 
 /// A file or directory, as an inode number decodes.
@@ -277,6 +279,25 @@ fn hashed_lookup(live: &Live, file: &str) -> Option<TensorId> {
 }
 
 impl Fs {
+    /// Like `new`, then takes back the edits kept in `settings.resume`.
+    pub fn with_resume(source: Source, settings: Settings) -> Result<Fs, String> {
+        let fs = Fs::new(source, settings);
+        if let Some(dir) = fs.settings.resume.clone() {
+            let mut st = fs.write_state();
+            if st.checkpoints.len() != 1 {
+                return Err("--resume works on a mount of one checkpoint file".into());
+            }
+            let st = &mut *st;
+            let owner = &mut st.owner;
+            let mut new_id = || {
+                owner.push(0);
+                (owner.len() - 1) as TensorId
+            };
+            st.checkpoints[0].live.resume(&dir, &mut new_id)?;
+        }
+        Ok(fs)
+    }
+
     pub fn new(source: Source, settings: Settings) -> Fs {
         let mut fixed = Vec::new();
         let (list, indexes, folder) = match source {

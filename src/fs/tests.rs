@@ -36,6 +36,7 @@ fn settings() -> Settings {
         uid: 1000,
         gid: 100,
         staging_dir: None,
+        resume: None,
     }
 }
 
@@ -205,6 +206,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
             uid: 0,
             gid: 0,
             staging_dir: None,
+            resume: None,
         },
     );
     assert_eq!(list(&fs, ROOT_INO), [".", "..", "s1", "s2", "m.index.json"]);

@@ -287,3 +287,29 @@ def test_failed_commit_at_unmount_keeps_the_edits_on_disk(tmp_path, mount):
     staged = (kept / entry["bytes"]["staged_file"]).read_bytes()
     assert staged == np.arange(8, dtype=np.float32).tobytes() + b"\x01\x02"
     assert "commit at unmount failed" in open(m.log).read()
+    assert "--resume" in open(m.log).read()
+
+    # Finish: take the edits back, fix the one that was invalid, commit.
+    m2 = mount(src, "--resume", str(kept))
+    assert os.path.getsize(os.path.join(m2.path, "a")) == 34
+    with open(os.path.join(m2.path, "a"), "r+b") as f:
+        f.truncate(32)
+    p = subprocess.run([m2.stfs, "commit", m2.path], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    t = base(tmp_path / "expected.safetensors")
+    assert_checkpoint(src, t)
+    assert not (kept / "manifest.json").exists()
+
+
+def test_resume_refuses_edits_of_another_version(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "ab") as f:
+        f.write(b"\x01")
+    subprocess.run(["umount", m.path], check=True)
+    m.close()
+    [kept] = [d for d in (tmp_path / ".m.safetensors.stfs-staging").iterdir() if (d / "manifest.json").exists()]
+    save_file({"other": np.ones(1, np.float32)}, str(src))  # the source changed since
+    m2 = mount(src, "--resume", str(kept), expect_ok=False)
+    assert not m2.ok and "another version of this file" in m2.result.stderr
