@@ -296,7 +296,18 @@ fn serve(
             return Err(msg);
         }
     };
-    let mut session = match fuser::Session::new(FuseAdapter::new(fs), &req.mountpoint, &config) {
+    // SAFETY: geteuid cannot fail.
+    let as_root = unsafe { libc::geteuid() } == 0;
+    let session = if as_root {
+        fuser::Session::new(FuseAdapter::new(fs), &req.mountpoint, &config)
+    } else {
+        // fuser opens /dev/fuse itself before it tries fusermount, which fails
+        // where /dev/fuse is not world-accessible: ask fusermount3 directly.
+        mount_with_fusermount(&req.mountpoint, &fusermount_options(&req.source, &options)).and_then(
+            |fd| fuser::Session::from_fd(FuseAdapter::new(fs), fd, options.acl, config.clone()),
+        )
+    };
+    let mut session = match session {
         Ok(s) => s,
         Err(e) => {
             let msg = format!(
@@ -336,7 +347,12 @@ fn serve(
                     "unmounting {} on signal",
                     mountpoint.display()
                 );
-                if let Err(e) = unmounter.unmount() {
+                let result = if as_root {
+                    unmounter.unmount()
+                } else {
+                    fusermount_unmount(&mountpoint, true)
+                };
+                if let Err(e) = result {
                     error!("unmount of {} failed: {e}", mountpoint.display());
                 }
             }
@@ -354,6 +370,121 @@ fn serve(
             req.mountpoint.display()
         )
     })
+}
+
+/// `-o` for fusermount3: it adds nosuid and nodev itself.
+fn fusermount_options(source: &Path, options: &MountOptions) -> String {
+    let mut o = vec![
+        format!("fsname={}", source.display().to_string().replace(',', "_")),
+        "subtype=stfs".into(),
+    ];
+    o.push(if options.read_only { "ro" } else { "rw" }.into());
+    match options.acl {
+        SessionACL::All | SessionACL::RootAndOwner => o.push("allow_other".into()),
+        SessionACL::Owner => {}
+    }
+    for k in &options.kernel {
+        if *k == MountOption::DefaultPermissions {
+            o.push("default_permissions".into());
+        }
+    }
+    o.join(",")
+}
+
+/// Mounts through the setuid fusermount3, which passes back the /dev/fuse
+/// descriptor over a socket (the libfuse protocol: `_FUSE_COMMFD`, SCM_RIGHTS).
+fn mount_with_fusermount(mountpoint: &Path, options: &str) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let mut sv = [0; 2];
+    // SAFETY: sv is a valid out-array of two ints.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, sv.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: socketpair returned two fresh descriptors that we now own.
+    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    // Only fusermount3's end may be inherited.
+    // SAFETY: setting a descriptor flag on our own fd.
+    unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    let output = std::process::Command::new("fusermount3")
+        .env("_FUSE_COMMFD", theirs.as_raw_fd().to_string())
+        .arg("-o")
+        .arg(options)
+        .arg("--")
+        .arg(mountpoint)
+        .output()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("fusermount3: {e}")))?;
+    drop(theirs);
+    if !output.status.success() {
+        return Err(std::io::Error::other(format!(
+            "fusermount3: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    receive_fd(&ours)
+}
+
+/// Receives one descriptor sent with SCM_RIGHTS.
+fn receive_fd(socket: &OwnedFd) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // Room for one cmsghdr carrying one int, suitably aligned.
+    let mut control = [0u64; 8];
+    // SAFETY: msghdr is plain data; zeroed is a valid start.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    msg.msg_controllen =
+        unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    loop {
+        // SAFETY: msg points at live buffers of the sizes it states.
+        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n > 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if n < 0 && e.kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        return Err(if n == 0 {
+            std::io::Error::other("fusermount3 sent no descriptor")
+        } else {
+            e
+        });
+    }
+    // SAFETY: msg was filled by recvmsg; CMSG_* walk its control buffer.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null()
+            || (*cmsg).cmsg_level != libc::SOL_SOCKET
+            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+        {
+            return Err(std::io::Error::other("fusermount3 sent no descriptor"));
+        }
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const libc::c_int);
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+fn fusermount_unmount(mountpoint: &Path, lazy: bool) -> std::io::Result<()> {
+    let mut cmd = std::process::Command::new("fusermount3");
+    cmd.arg("-u");
+    if lazy {
+        cmd.arg("-z");
+    }
+    let out = cmd.arg("--").arg(mountpoint).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ))
+    }
 }
 
 fn blocked_signals() -> libc::sigset_t {
@@ -444,22 +575,8 @@ pub fn umount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
     }
     let err = std::io::Error::last_os_error();
     match err.raw_os_error() {
-        Some(libc::EPERM) => {
-            let mut cmd = std::process::Command::new("fusermount3");
-            cmd.arg("-u");
-            if lazy {
-                cmd.arg("-z");
-            }
-            let status = cmd
-                .arg(mountpoint)
-                .status()
-                .map_err(|e| format!("fusermount3: {e}"))?;
-            if status.success() {
-                Ok(())
-            } else {
-                Err(format!("{}: fusermount3 -u failed", mountpoint.display()))
-            }
-        }
+        Some(libc::EPERM) => fusermount_unmount(mountpoint, lazy)
+            .map_err(|e| format!("{}: fusermount3 -u: {e}", mountpoint.display())),
         Some(libc::EBUSY) => Err(format!(
             "{}: busy (files are open in it); close them, or unmount lazily with --lazy",
             mountpoint.display()
