@@ -1,12 +1,14 @@
 //! One live, editable checkpoint: the mapped source plus staged edits, and the
 //! commit that re-serializes them atomically. Plain Rust, no FUSE: the
-//! reference-model tests drive it directly.
+//! reference-model tests drive it through `Fs`.
 //!
-//! Nothing touches the source until `commit`, which validates every tensor,
-//! writes a temp file beside the source (unchanged bytes copied with
-//! copy_file_range), fsyncs it, renames it over the source keeping its mode,
-//! fsyncs the folder and remaps. Any failure before the rename leaves the source
-//! byte-identical and the staged edits in place.
+//! Nothing touches the source until a commit, in three steps:
+//! `prepare_commit` validates every tensor and checks the source (state read
+//! only), `CommitPlan::write` writes a temp file beside the source (unchanged
+//! bytes copied with copy_file_range), fsyncs it, renames it over the source
+//! keeping its mode and fsyncs the folder (no state held), and `finish_commit`
+//! remaps. Any failure before the rename leaves the source byte-identical and
+//! the staged edits in place.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -91,6 +93,92 @@ impl Tensor {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// Everything a commit needs to write the new file, taken from the state under
+/// a read lock; holds the bytes by reference counts, so the state is free again.
+pub struct CommitPlan {
+    path: PathBuf,
+    mode: u32,
+    layout: crate::format::Layout,
+    /// Bytes of each tensor, indexed as `layout.source_index` counts.
+    inputs: Vec<TensorBytes>,
+}
+
+/// A written and renamed commit.
+pub struct Written {
+    path: PathBuf,
+    identity: FileIdentity,
+}
+
+impl CommitPlan {
+    /// Step 2, touching no state: writes the temp file beside the source,
+    /// fsyncs it, renames it over the source and fsyncs the folder. Before the
+    /// rename the source is untouched; a failure removes the temp file.
+    pub fn write(self, progress: &mut dyn FnMut(u64, u64)) -> Result<Written, CommitError> {
+        let path = self.path;
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let stem = path.file_name().unwrap_or_default().to_string_lossy();
+        let started = std::time::Instant::now();
+        // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
+        let mut tmp = tempfile::Builder::new()
+            .prefix(&format!(".{stem}.stfs-tmp-"))
+            .tempfile_in(dir)
+            .map_err(io_err(format!("creating a temp file in {}", dir.display())))?;
+        let what = format!("writing {}", tmp.path().display());
+        tmp.write_all(&self.layout.header)
+            .map_err(io_err(what.clone()))?;
+        let total = self.layout.data_len();
+        let mut done = 0u64;
+        let mut out_offset = self.layout.header.len() as u64;
+        for (placed, &src) in self.layout.tensors.iter().zip(&self.layout.source_index) {
+            let len = placed.nbytes();
+            match &self.inputs[src] {
+                TensorBytes::Source(c, i) => copy_range(
+                    c.file(),
+                    c.tensor_range(*i).start,
+                    tmp.as_file(),
+                    out_offset,
+                    len,
+                ),
+                TensorBytes::Staged(s) => copy_range(&s.file, 0, tmp.as_file(), out_offset, len),
+            }
+            .map_err(io_err(what.clone()))?;
+            out_offset += len;
+            done += len;
+            progress(done, total);
+        }
+        let copied = started.elapsed();
+        let file = tmp.as_file();
+        file.set_permissions(std::fs::Permissions::from_mode(self.mode))
+            .map_err(io_err(what.clone()))?;
+        file.sync_all().map_err(io_err(what.clone()))?;
+        let synced = started.elapsed();
+        // The point of no return: before it the source is untouched.
+        tmp.into_temp_path()
+            .persist(&path)
+            .map_err(|e| CommitError::Io(format!("renaming over {}", path.display()), e.error))?;
+        if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+            warn!("fsync of {} after commit: {e}", dir.display());
+        }
+        let meta = std::fs::metadata(&path).map_err(io_err(format!("{}", path.display())))?;
+        info!(
+            file = %path.display(),
+            tensors = self.layout.tensors.len(),
+            bytes = self.layout.file_len(),
+            ?copied,
+            ?synced,
+            renamed = ?started.elapsed(),
+            "committed"
+        );
+        Ok(Written {
+            identity: FileIdentity::of(&meta),
+            path,
+        })
     }
 }
 
@@ -391,21 +479,16 @@ impl Live {
         Ok(specs)
     }
 
-    /// Writes the staged state as the new source, atomically, and remaps.
-    /// Returns false when there was nothing to commit.
-    pub fn commit(
-        &mut self,
-        force: bool,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<bool, CommitError> {
+    /// Step 1, reading the state only: validates every edit and checks the
+    /// source. None when there is nothing to commit.
+    pub fn prepare_commit(&self, force: bool) -> Result<Option<CommitPlan>, CommitError> {
         if !self.dirty {
-            return Ok(false);
+            return Ok(None);
         }
         let specs = self.validate()?;
         let path = self.source.path().to_path_buf();
         let layout = layout(&specs, self.metadata.as_ref())
             .map_err(|e: FormatError| CommitError::Invalid(e.in_file(&path).to_string()))?;
-
         let current = std::fs::metadata(&path).map_err(io_err(format!("{}", path.display())))?;
         if FileIdentity::of(&current) != self.identity && !force {
             return Err(CommitError::Conflict(format!(
@@ -414,79 +497,27 @@ impl Live {
                 path.display()
             )));
         }
+        // Bytes of each tensor in input order (the order `validate` listed them).
+        let inputs: Vec<TensorBytes> = self.tensors.values().map(|t| t.bytes.clone()).collect();
+        Ok(Some(CommitPlan {
+            path,
+            mode: self.source.mode(),
+            layout,
+            inputs,
+        }))
+    }
 
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let stem = path.file_name().unwrap_or_default().to_string_lossy();
-        // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
-        let started = std::time::Instant::now();
-        let mut tmp = tempfile::Builder::new()
-            .prefix(&format!(".{stem}.stfs-tmp-"))
-            .tempfile_in(dir)
-            .map_err(io_err(format!("creating a temp file in {}", dir.display())))?;
-        let what = format!("writing {}", tmp.path().display());
-        tmp.write_all(&layout.header)
-            .map_err(io_err(what.clone()))?;
-        let total = layout.data_len();
-        let mut done = 0u64;
-        let ids: Vec<TensorId> = self.tensors.keys().copied().collect();
-        let mut out_offset = layout.header.len() as u64;
-        for (placed, &src) in layout.tensors.iter().zip(&layout.source_index) {
-            let t = &self.tensors[&ids[src]];
-            let len = placed.nbytes();
-            match &t.bytes {
-                TensorBytes::Source(c, i) => copy_range(
-                    c.file(),
-                    c.tensor_range(*i).start,
-                    tmp.as_file(),
-                    out_offset,
-                    len,
-                ),
-                TensorBytes::Staged(s) => copy_range(&s.file, 0, tmp.as_file(), out_offset, len),
-            }
-            .map_err(io_err(what.clone()))?;
-            out_offset += len;
-            done += len;
-            progress(done, total);
-        }
-        let copied = started.elapsed();
-        let file = tmp.as_file();
-        file.set_permissions(std::fs::Permissions::from_mode(self.source.mode()))
-            .map_err(io_err(what.clone()))?;
-        file.sync_all().map_err(io_err(what.clone()))?;
-        let synced = started.elapsed();
-        // The point of no return: before it the source is untouched.
-        let tmp_path = tmp.into_temp_path();
-        tmp_path
-            .persist(&path)
-            .map_err(|e| CommitError::Io(format!("renaming over {}", path.display()), e.error))?;
-        if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-            warn!("fsync of {} after commit: {e}", dir.display());
-        }
+    /// Step 3: the new file is in place: map it, and forget the staged edits.
+    pub fn finish_commit(&mut self, written: Written) -> Result<(), CommitError> {
         // From here the committed file is ours: a later commit must not see a conflict.
-        if let Ok(meta) = std::fs::metadata(&path) {
-            self.identity = FileIdentity::of(&meta);
-        }
-        let renamed = started.elapsed();
-        self.remap(&path)?;
+        self.identity = written.identity;
+        self.remap(&written.path)?;
         if let Some(dir) = self.resumed_from.take() {
             // The resumed edits are in the source now: their folder goes.
             let _ = std::fs::remove_file(dir.join("manifest.json"));
             let _ = std::fs::remove_dir(&dir);
         }
-        info!(
-            file = %path.display(),
-            tensors = layout.tensors.len(),
-            bytes = layout.file_len(),
-            ?copied,
-            ?synced,
-            ?renamed,
-            total = ?started.elapsed(),
-            "committed"
-        );
-        Ok(true)
+        Ok(())
     }
 
     /// Maps the newly committed file; every tensor now reads from it.

@@ -11,7 +11,7 @@ use crate::format::{FormatError, Header};
 
 mod live;
 
-pub use live::{CommitError, Live, Tensor, TensorBytes, TensorId};
+pub use live::{CommitError, CommitPlan, Live, Tensor, TensorBytes, TensorId, Written};
 
 /// What identifies the file a checkpoint was opened from, to detect a source
 /// replaced or rewritten behind the mount.

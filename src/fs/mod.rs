@@ -945,13 +945,30 @@ impl Fs {
                 Ok(Node::Index(_)) => (0..st.checkpoints.len()).collect(),
             }
         };
+        // Edits wait on commit_lock for the whole commit; readers are held up
+        // only while the plan is taken and while the new file is swapped in.
         let _edit = lock(&self.commit_lock);
         let mut done = Vec::new();
         for c in targets {
-            // Readers keep going during the copy; edits wait on commit_lock.
-            // The copy runs under the state's write lock only for short swaps: see Live::commit.
-            let mut st = self.write_state();
-            let path = st.live(c).source().path().display().to_string();
+            let (plan, path) = {
+                let st = self.read_state();
+                let live = st.live(c);
+                (
+                    live.prepare_commit(force),
+                    live.source().path().display().to_string(),
+                )
+            };
+            let plan = match plan {
+                Ok(Some(plan)) => plan,
+                Ok(None) => {
+                    done.push(format!("{path}: nothing to commit"));
+                    continue;
+                }
+                Err(e) => {
+                    warn!("commit refused: {e}");
+                    return Err(e);
+                }
+            };
             let mut last_report = std::time::Instant::now();
             let mut progress = |done: u64, total: u64| {
                 if last_report.elapsed().as_secs() >= 2 {
@@ -959,14 +976,13 @@ impl Fs {
                     last_report = std::time::Instant::now();
                 }
             };
-            match st.checkpoints[c].live.commit(force, &mut progress) {
-                Ok(true) => done.push(format!("{path}: committed")),
-                Ok(false) => done.push(format!("{path}: nothing to commit")),
-                Err(e) => {
-                    warn!("commit refused: {e}");
-                    return Err(e);
-                }
-            }
+            let written = plan
+                .write(&mut progress)
+                .inspect_err(|e| warn!("commit failed: {e}"))?;
+            self.write_state().checkpoints[c]
+                .live
+                .finish_commit(written)?;
+            done.push(format!("{path}: committed"));
         }
         Ok(done)
     }
