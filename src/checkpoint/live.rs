@@ -126,7 +126,7 @@ impl CommitPlan {
         let started = std::time::Instant::now();
         // Not named *.safetensors: a folder mount must never pick up a leftover temp file.
         let mut tmp = tempfile::Builder::new()
-            .prefix(&format!(".{stem}.stfs-tmp-"))
+            .prefix(&format!(".{stem}.stfs-tmp-{}-", std::process::id()))
             .tempfile_in(dir)
             .map_err(io_err(format!("creating a temp file in {}", dir.display())))?;
         let what = format!("writing {}", tmp.path().display());
@@ -265,7 +265,60 @@ impl Live {
             resumed_from: None,
         };
         live.load_source(first_id);
+        live.remove_leftovers();
         live
+    }
+
+    /// Removes what daemons killed mid-commit left behind: their temp files
+    /// beside the source and their staging folders (those without a
+    /// manifest.json: a manifest marks edits kept on purpose, see `keep_edits`).
+    /// Both carry the daemon's pid; only dead daemons' leftovers go.
+    fn remove_leftovers(&self) {
+        // Gone, or a zombie waiting to be reaped.
+        let dead = |pid: &str| {
+            pid.parse::<u32>().is_ok_and(|p| {
+                match std::fs::read_to_string(format!("/proc/{p}/stat")) {
+                    Ok(stat) => stat
+                        .rsplit_once(')')
+                        .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+                    Err(_) => true,
+                }
+            })
+        };
+        let path = self.source.path();
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let prefix = format!(
+            ".{}.stfs-tmp-",
+            path.file_name().unwrap_or_default().to_string_lossy()
+        );
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            if rest.split_once('-').is_some_and(|(pid, _)| dead(pid))
+                && std::fs::remove_file(entry.path()).is_ok()
+            {
+                info!(file = %entry.path().display(), "removed the temp file of an interrupted commit");
+            }
+        }
+        for entry in std::fs::read_dir(&self.staging_root)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if dead(&name)
+                && !entry.path().join("manifest.json").exists()
+                && std::fs::remove_dir_all(entry.path()).is_ok()
+            {
+                info!(dir = %entry.path().display(), "removed the staging folder of a daemon that is gone");
+            }
+        }
+        let _ = std::fs::remove_dir(&self.staging_root);
     }
 
     fn load_source(&mut self, first_id: TensorId) {

@@ -122,9 +122,12 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run):
             assert sorted(os.listdir(mnt)) == ["__metadata__.json", "big", "big.meta.json", "small", "small.meta.json"]
         finally:
             subprocess.run([stfs, "umount", str(mnt)], check=True)
-    # Each outcome happened: the kills landed before and after the rename.
     print("kill -9 outcomes:", outcomes)
     assert outcomes["old"] > 0
+    # The later mounts removed what the killed daemons left: temp files and staging folders.
+    leftovers = [p.name for p in tmp_path.iterdir() if ".stfs-tmp-" in p.name]
+    assert leftovers == [], leftovers
+    assert not (tmp_path / ".m.safetensors.stfs-staging").exists()
 
 
 def test_readers_during_a_commit_see_old_or_new(tmp_path, mount, run):
