@@ -60,9 +60,10 @@ def main():
         print(f"  cp of the source file (+ sync)   {c:6.2f} s  1.00x")
         print(f"  stfs commit (fsync'd, renamed)   {k:6.2f} s  {k / c:.2f}x")
         print(f"  daemon peak RSS during it        {max(rss) / 1024:6.1f} MiB")
-        phases = [l for l in open(os.path.join(work, "log")) if "committed" in l]
-        if phases:
-            print("  last commit's phases:", phases[-1].split("committed", 1)[-1].strip())
+        print("  each run, cp / commit (s):", " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(cp_times, commit_times)))
+        for line in open(os.path.join(work, "log")):
+            if "committed" in line:
+                print("  daemon:", " ".join(f for f in line.split() if f.startswith(("copied=", "synced=", "renamed="))))
 
 
 if __name__ == "__main__":
