@@ -526,19 +526,17 @@ fn mount_device(mountpoint: &Path) -> Option<String> {
         .ok()?
         .join(mountpoint.file_name()?);
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(' ').collect();
-            // Fields: id, parent id, major:minor, root, mount point (octal-escaped), ...
-            let point = fields
-                .get(4)?
-                .replace("\\040", " ")
-                .replace("\\011", "\t")
-                .replace("\\012", "\n")
-                .replace("\\134", "\\");
-            (Path::new(&point) == target).then(|| fields[2].to_string())
-        })
-        .last()
+    info.lines().rev().find_map(|line| {
+        let fields: Vec<&str> = line.split(' ').collect();
+        // Fields: id, parent id, major:minor, root, mount point (octal-escaped), ...
+        let point = fields
+            .get(4)?
+            .replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\012", "\n")
+            .replace("\\134", "\\");
+        (Path::new(&point) == target).then(|| fields[2].to_string())
+    })
 }
 
 /// `stfs umount`: commits staged edits (or drops them with `discard`), then

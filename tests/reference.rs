@@ -8,13 +8,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use proptest::prelude::*;
 use stfs::format::{layout, Dtype, Header, Metadata, TensorSpec};
 
+/// Tensor name -> (dtype, shape, data_offsets).
+type TensorTable = BTreeMap<String, (String, Vec<u64>, (u64, u64))>;
+
 /// What a parser concluded, in a form both sides can be compared in.
 #[derive(Debug, PartialEq)]
 enum Verdict {
     Refused,
     Accepted {
         metadata: Option<BTreeMap<String, String>>,
-        tensors: BTreeMap<String, (String, Vec<u64>, (u64, u64))>,
+        tensors: TensorTable,
     },
 }
 
