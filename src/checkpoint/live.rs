@@ -564,7 +564,7 @@ impl Live {
     pub fn finish_commit(&mut self, written: Written) -> Result<(), CommitError> {
         // From here the committed file is ours: a later commit must not see a conflict.
         self.identity = written.identity;
-        self.remap(&written.path)?;
+        self.remap(&written.path, written.identity)?;
         if let Some(dir) = self.resumed_from.take() {
             // The resumed edits are in the source now: their folder goes.
             let _ = std::fs::remove_file(dir.join("manifest.json"));
@@ -574,15 +574,26 @@ impl Live {
     }
 
     /// Maps the newly committed file; every tensor now reads from it.
-    fn remap(&mut self, path: &Path) -> Result<(), CommitError> {
-        let fresh = Checkpoint::open(path)
-            .map_err(|m| CommitError::Io(m, std::io::Error::from_raw_os_error(libc::EIO)))?;
-        let fresh = Arc::new(fresh);
-        for t in self.tensors.values_mut() {
-            let index = fresh
-                .header()
-                .index_of(&t.name)
-                .expect("a committed tensor is in the new file");
+    fn remap(&mut self, path: &Path, written: FileIdentity) -> Result<(), CommitError> {
+        let eio = |m: String| CommitError::Io(m, std::io::Error::from_raw_os_error(libc::EIO));
+        let fresh = Arc::new(Checkpoint::open(path).map_err(eio)?);
+        // Another program could replace the file between the rename and here.
+        let replaced = || {
+            eio(format!(
+                "{}: replaced by another program right after the commit",
+                path.display()
+            ))
+        };
+        if fresh.identity() != written {
+            return Err(replaced());
+        }
+        let indices = self
+            .tensors
+            .values()
+            .map(|t| fresh.header().index_of(&t.name))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(replaced)?;
+        for (t, index) in self.tensors.values_mut().zip(indices) {
             t.bytes = TensorBytes::Source(fresh.clone(), index);
             t.edited = None;
         }
