@@ -239,19 +239,21 @@ impl Live {
     /// Staging files go in `staging_root` (default: beside the source).
     pub fn new(source: Checkpoint, first_id: TensorId, staging_root: Option<&Path>) -> Live {
         let source = Arc::new(source);
-        let staging_root = staging_root.map(Path::to_path_buf).unwrap_or_else(|| {
-            let name = source
-                .path()
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy();
-            source
-                .path()
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new("."))
-                .join(format!(".{name}.stfs-staging"))
-        });
+        // One folder per source, also under a shared --staging-dir (the shards
+        // of a folder mount must not share staging file names).
+        let name = source
+            .path()
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy();
+        let beside = source
+            .path()
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let staging_root = staging_root
+            .unwrap_or(beside)
+            .join(format!(".{name}.stfs-staging"));
         let mut live = Live {
             identity: source.identity(),
             metadata: source.header().metadata.clone(),

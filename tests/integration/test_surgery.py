@@ -313,3 +313,21 @@ def test_resume_refuses_edits_of_another_version(tmp_path, mount):
     save_file({"other": np.ones(1, np.float32)}, str(src))  # the source changed since
     m2 = mount(src, "--resume", str(kept), expect_ok=False)
     assert not m2.ok and "another version of this file" in m2.result.stderr
+
+
+def test_shards_of_a_folder_mount_share_a_staging_dir(tmp_path, mount, run):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    save_file({"w": np.zeros(4, np.uint8)}, str(folder / "s1.safetensors"))
+    save_file({"w": np.zeros(4, np.uint8)}, str(folder / "s2.safetensors"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    m = mount(folder, "--staging-dir", str(staging))
+    for shard, value in (("s1", 1), ("s2", 2)):
+        with open(os.path.join(m.path, shard, "w"), "r+b") as f:
+            f.write(bytes([value] * 4))
+    assert open(os.path.join(m.path, "s1", "w"), "rb").read() == b"\x01" * 4
+    assert run("commit", m.path).returncode == 0  # the root commits every shard
+    assert_checkpoint(folder / "s1.safetensors", {"w": np.full(4, 1, np.uint8)})
+    assert_checkpoint(folder / "s2.safetensors", {"w": np.full(4, 2, np.uint8)})
+    assert not any(p.name.startswith(".") for p in folder.iterdir()), "staging went beside the sources"
