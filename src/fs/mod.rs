@@ -458,7 +458,13 @@ impl Fs {
             self.writable()?;
         }
         let _edit = (write || truncate).then(|| lock(&self.commit_lock));
-        let mut st = self.write_state();
+        if write && truncate {
+            let mut st = self.write_state();
+            if let Node::Tensor(c, id) = st.node(ino)? {
+                st.checkpoints[c].live.truncate(id, 0)?;
+            }
+        }
+        let st = self.read_state();
         let node = st.node(ino)?;
         match node {
             Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
@@ -469,9 +475,6 @@ impl Fs {
                 direct_io: false,
             }),
             Node::Tensor(c, id) => {
-                if truncate && write {
-                    st.checkpoints[c].live.truncate(id, 0)?;
-                }
                 let opened = st.tensor(c, id)?.bytes.clone();
                 drop(st);
                 let fh = self.new_handle(Handle::Tensor {
