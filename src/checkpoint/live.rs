@@ -59,6 +59,10 @@ impl StagedFile {
         &self.file
     }
 
+    pub fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.file.write_all_at(data, offset)
+    }
+
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         self.file.read_at(buf, offset)
     }
@@ -417,11 +421,13 @@ impl Live {
         Ok(staged)
     }
 
-    pub fn write(&mut self, id: TensorId, offset: u64, data: &[u8]) -> std::io::Result<()> {
+    /// Makes a tensor writable (copying its bytes into a staging file on the
+    /// first write) and marks it edited; the caller writes into the file it
+    /// returns, without holding the state. Callers exclude commits meanwhile.
+    pub fn writable(&mut self, id: TensorId) -> std::io::Result<Arc<StagedFile>> {
         let staged = self.staged(id, u64::MAX)?;
-        staged.file.write_all_at(data, offset)?;
         self.touch(id);
-        Ok(())
+        Ok(staged)
     }
 
     pub fn truncate(&mut self, id: TensorId, len: u64) -> std::io::Result<()> {

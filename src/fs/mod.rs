@@ -622,11 +622,15 @@ impl Fs {
                 return Ok(data.len() as u32);
             }
         }
+        // Edits exclude commits for the whole write; readers only wait while the
+        // tensor is made writable, not during the write itself.
         let _edit = lock(&self.commit_lock);
         let mut st = self.write_state();
         match st.node(ino)? {
             Node::Tensor(c, id) => {
-                st.checkpoints[c].live.write(id, offset, data)?;
+                let staged = st.checkpoints[c].live.writable(id)?;
+                drop(st);
+                staged.write_at(data, offset)?;
                 Ok(data.len() as u32)
             }
             Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
