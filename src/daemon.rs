@@ -237,6 +237,13 @@ fn init_logging(log_file: Option<&Path>, foreground: bool) -> Result<(), String>
         .append(true)
         .open(&path)
         .map_err(|e| format!("log file {}: {e}", path.display()))?;
+    // A daemon's stderr is /dev/null: panics must reach the log too.
+    std::panic::set_hook(Box::new(|info| {
+        error!(
+            "panic: {info}\n{}",
+            std::backtrace::Backtrace::force_capture()
+        );
+    }));
     let _ = builder
         .with_ansi(false)
         .with_writer(std::sync::Mutex::new(file))

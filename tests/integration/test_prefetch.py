@@ -81,4 +81,4 @@ def test_cuda_without_a_driver_is_enodev_and_the_daemon_keeps_serving(tmp_path, 
         stfs_cuda.prefetch(a, "cuda", 0)
     assert e.value.errno == errno.ENODEV
     assert open(a, "rb").read() == np.arange(4, dtype=np.float32).tobytes()
-    assert "panicked" not in open(m.log).read()
+    assert "panic" not in open(m.log).read()
