@@ -186,6 +186,29 @@ impl CommitPlan {
     }
 }
 
+/// A tensor's bytes being copied from the source into a staging file.
+pub struct StagingCopy {
+    id: TensorId,
+    checkpoint: Arc<Checkpoint>,
+    index: usize,
+    staged: StagedFile,
+}
+
+impl StagingCopy {
+    /// Copies the first `keep` bytes of the tensor (all of them for u64::MAX).
+    pub fn copy(&self, keep: u64) -> std::io::Result<()> {
+        let range = self.checkpoint.tensor_range(self.index);
+        let len = keep.min(range.end - range.start);
+        copy_range(
+            self.checkpoint.file(),
+            range.start,
+            &self.staged.file,
+            0,
+            len,
+        )
+    }
+}
+
 /// Why a commit was refused or failed. The source is untouched in every case.
 #[derive(Debug)]
 pub enum CommitError {
@@ -406,19 +429,39 @@ impl Live {
     /// Makes a tensor's bytes writable: copies them into a staging file unless
     /// `keep` is 0 bytes (a truncation to 0 copies nothing).
     fn staged(&mut self, id: TensorId, keep: u64) -> std::io::Result<Arc<StagedFile>> {
-        let bytes = self.tensors.get(&id).ok_or_else(not_found)?.bytes.clone();
-        let (checkpoint, index) = match bytes {
-            TensorBytes::Staged(s) => return Ok(s),
-            TensorBytes::Source(c, i) => (c, i),
+        if let Some(job) = self.begin_copy(id)? {
+            job.copy(keep)?;
+            self.finish_copy(job);
+        }
+        match &self.tensors.get(&id).ok_or_else(not_found)?.bytes {
+            TensorBytes::Staged(s) => Ok(s.clone()),
+            TensorBytes::Source(..) => unreachable!("finish_copy staged it"),
+        }
+    }
+
+    /// The first step of making a tensor writable, cheap: a new staging file
+    /// for a tensor still read from the source (None if it is staged already).
+    /// The copy itself (`StagingCopy::copy`) needs no access to the state, so a
+    /// caller can run it without holding its lock; no other edit of the tensor
+    /// may happen before `finish_copy`.
+    pub fn begin_copy(&mut self, id: TensorId) -> std::io::Result<Option<StagingCopy>> {
+        let (checkpoint, index) = match &self.tensors.get(&id).ok_or_else(not_found)?.bytes {
+            TensorBytes::Staged(_) => return Ok(None),
+            TensorBytes::Source(c, i) => (c.clone(), *i),
         };
-        let staged = self.new_staged_file()?;
-        let range = checkpoint.tensor_range(index);
-        let copy = keep.min(range.end - range.start);
-        copy_range(checkpoint.file(), range.start, &staged.file, 0, copy)?;
-        let staged = Arc::new(staged);
-        self.tensors.get_mut(&id).expect("checked above").bytes =
-            TensorBytes::Staged(staged.clone());
-        Ok(staged)
+        Ok(Some(StagingCopy {
+            id,
+            checkpoint,
+            index,
+            staged: self.new_staged_file()?,
+        }))
+    }
+
+    /// Installs a copied staging file as the tensor's bytes.
+    pub fn finish_copy(&mut self, job: StagingCopy) {
+        if let Some(t) = self.tensors.get_mut(&job.id) {
+            t.bytes = TensorBytes::Staged(Arc::new(job.staged));
+        }
     }
 
     /// Makes a tensor writable (copying its bytes into a staging file on the

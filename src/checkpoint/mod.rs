@@ -11,7 +11,9 @@ use crate::format::{FormatError, Header};
 
 mod live;
 
-pub use live::{CommitError, CommitPlan, Live, Tensor, TensorBytes, TensorId, Written};
+pub use live::{
+    CommitError, CommitPlan, Live, StagingCopy, Tensor, TensorBytes, TensorId, Written,
+};
 
 /// What identifies the file a checkpoint was opened from, to detect a source
 /// replaced or rewritten behind the mount.

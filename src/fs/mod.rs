@@ -622,9 +622,10 @@ impl Fs {
                 return Ok(data.len() as u32);
             }
         }
-        // Edits exclude commits for the whole write; readers only wait while the
-        // tensor is made writable, not during the write itself.
+        // Edits exclude commits (and each other) for the whole write; readers
+        // wait only for the short state changes, not for the copy or the write.
         let _edit = lock(&self.commit_lock);
+        self.copy_to_staging(ino, u64::MAX)?;
         let mut st = self.write_state();
         match st.node(ino)? {
             Node::Tensor(c, id) => {
@@ -640,6 +641,23 @@ impl Fs {
         }
     }
 
+    /// Copies a source-backed tensor's first `keep` bytes into a staging file
+    /// without holding the state lock during the copy. Needs `commit_lock`.
+    fn copy_to_staging(&self, ino: Ino, keep: u64) -> Result<(), FsError> {
+        let job = {
+            let mut st = self.write_state();
+            match st.node(ino)? {
+                Node::Tensor(c, id) => st.checkpoints[c].live.begin_copy(id)?.map(|job| (c, job)),
+                _ => None,
+            }
+        };
+        if let Some((c, job)) = job {
+            job.copy(keep)?;
+            self.write_state().checkpoints[c].live.finish_copy(job);
+        }
+        Ok(())
+    }
+
     /// `truncate` / `ftruncate`: tensors change length; a JSON file opened for
     /// writing has its buffer cut.
     pub fn set_size(&self, ino: Ino, fh: Option<u64>, size: u64) -> Result<Attr, FsError> {
@@ -652,6 +670,7 @@ impl Fs {
         }
         {
             let _edit = lock(&self.commit_lock);
+            self.copy_to_staging(ino, size)?;
             let mut st = self.write_state();
             match st.node(ino)? {
                 Node::Tensor(c, id) => st.checkpoints[c].live.truncate(id, size)?,
