@@ -164,3 +164,43 @@ mod tests {
         assert!(tensor_file_name(&over).contains('~'));
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "\\PC{0,12}",
+            "[%/.\\x00_a-z]{0,8}",
+            "[a-z%]{0,4}(\\.meta\\.json)?",
+            Just("__metadata__.json".to_string()),
+            "[a-z]{240,260}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Short names round-trip; long ones are hashed and fit with their suffix.
+        #[test]
+        fn names_round_trip(n in name()) {
+            let f = tensor_file_name(&n);
+            prop_assert!(f.len() + META_SUFFIX.len() <= NAME_MAX);
+            prop_assert!(!f.contains('/') && !f.contains('\0') && f != "." && f != ".." && !f.is_empty());
+            prop_assert!(!f.ends_with(META_SUFFIX) && f != METADATA_FILE);
+            if !is_hashed(&n) {
+                prop_assert_eq!(tensor_name(&f), Some(n));
+            }
+        }
+
+        /// Every file name that decodes is the file name of what it decodes to.
+        #[test]
+        fn decoding_is_canonical(f in "[%0-9A-Fa-f/._a-z]{0,10}") {
+            if let Some(n) = tensor_name(&f) {
+                prop_assert_eq!(tensor_file_name(&n), f);
+            }
+        }
+    }
+}
