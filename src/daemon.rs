@@ -296,6 +296,7 @@ fn serve(
 
     // Signals are taken by one thread (below): block them before fuser starts its threads.
     let signals = blocked_signals();
+    let built = std::time::Instant::now();
     let fs = match Fs::with_resume(source, settings) {
         Ok(fs) => fs,
         Err(msg) => {
@@ -303,6 +304,7 @@ fn serve(
             return Err(msg);
         }
     };
+    info!(elapsed = ?built.elapsed(), "filesystem state built");
     // SAFETY: geteuid cannot fail.
     let as_root = unsafe { libc::geteuid() } == 0;
     let session = if as_root {
