@@ -49,7 +49,9 @@ fn show_progress(
     if !std::io::stderr().is_terminal() {
         return None;
     }
-    let source = mount_source(path)?;
+    let source = crate::mountinfo::mount_holding(path)
+        .filter(|m| m.fstype.starts_with("fuse"))
+        .map(|m| PathBuf::from(m.source))?;
     let dir = source.parent()?.to_path_buf();
     let prefix = format!(".{}.stfs-tmp-", source.file_name()?.to_string_lossy());
     let total = std::fs::metadata(&source)
@@ -84,18 +86,6 @@ fn show_progress(
             }
         })
         .ok()
-}
-
-/// The source a stfs mount serves, from the mount table (its fsname).
-fn mount_source(path: &Path) -> Option<PathBuf> {
-    let target = std::fs::canonicalize(path).ok()?;
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().rev().find_map(|line| {
-        let (left, right) = line.split_once(" - ")?;
-        let point = left.split(' ').nth(4)?;
-        let source = right.split(' ').nth(1)?;
-        (target.starts_with(point) && right.starts_with("fuse")).then(|| PathBuf::from(source))
-    })
 }
 
 /// Where `stfs prefetch` puts tensors.

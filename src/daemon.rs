@@ -515,7 +515,7 @@ fn blocked_signals() -> libc::sigset_t {
 fn raise_read_ahead(mountpoint: &Path) {
     // The mount's device number comes from mountinfo: a stat of the mount point
     // would be a FUSE request, and nothing serves requests yet.
-    let Some(dev) = mount_device(mountpoint) else {
+    let Some(dev) = crate::mountinfo::mount_at(mountpoint).map(|m| m.device) else {
         info!(
             "read-ahead left at the kernel default: {} not found in mountinfo",
             mountpoint.display()
@@ -527,25 +527,6 @@ fn raise_read_ahead(mountpoint: &Path) {
         Ok(()) => info!("read-ahead raised to 1024 KiB ({knob})"),
         Err(e) => info!("read-ahead left at the kernel default: {knob}: {e}"),
     }
-}
-
-/// "major:minor" of the newest mount on `mountpoint`, from /proc/self/mountinfo.
-fn mount_device(mountpoint: &Path) -> Option<String> {
-    let target = std::fs::canonicalize(mountpoint.parent()?)
-        .ok()?
-        .join(mountpoint.file_name()?);
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().rev().find_map(|line| {
-        let fields: Vec<&str> = line.split(' ').collect();
-        // Fields: id, parent id, major:minor, root, mount point (octal-escaped), ...
-        let point = fields
-            .get(4)?
-            .replace("\\040", " ")
-            .replace("\\011", "\t")
-            .replace("\\012", "\n")
-            .replace("\\134", "\\");
-        (Path::new(&point) == target).then(|| fields[2].to_string())
-    })
 }
 
 /// `stfs umount`: commits staged edits (or drops them with `discard`), then

@@ -8,4 +8,5 @@ pub mod daemon;
 pub mod format;
 pub mod fs;
 pub mod inspect;
+pub mod mountinfo;
 pub mod prefetch;

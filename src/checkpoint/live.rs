@@ -783,11 +783,6 @@ impl Live {
         Ok(count)
     }
 
-    /// Checks the source still is what was mapped (or last committed).
-    pub fn source_unchanged(&self) -> bool {
-        std::fs::metadata(self.source.path()).is_ok_and(|m| FileIdentity::of(&m) == self.identity)
-    }
-
     /// Drops every staged edit and returns to the source as mapped.
     pub fn discard(&mut self, first_id: TensorId) {
         self.tensors.clear();

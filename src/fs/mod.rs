@@ -1060,10 +1060,6 @@ impl Fs {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or_else(|| PathBuf::from("."))
     }
-
-    pub fn settings(&self) -> &Settings {
-        &self.settings
-    }
 }
 
 fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
