@@ -797,16 +797,18 @@ fn not_found() -> std::io::Error {
     std::io::Error::from_raw_os_error(libc::ENOENT)
 }
 
+/// The format core's message for a dtype and shape that have no byte size.
 fn size_message(name: &str, dtype: Dtype, shape: &[u64], e: SizeError) -> String {
-    let shape = crate::format::ShapeDisplay(shape);
+    let (tensor, shape) = (name.to_string(), shape.to_vec());
     match e {
-        SizeError::Overflow => {
-            format!("tensor {name:?}: {dtype} {shape} has a byte size that overflows 64 bits")
-        }
-        SizeError::NotByteAligned => {
-            format!("tensor {name:?}: {dtype} {shape} is not a whole number of bytes")
-        }
+        SizeError::Overflow => FormatError::Overflow { tensor, shape },
+        SizeError::NotByteAligned => FormatError::NotByteAligned {
+            tensor,
+            dtype,
+            shape,
+        },
     }
+    .to_string()
 }
 
 /// Copies `len` bytes between files at offsets: copy_file_range (which can
