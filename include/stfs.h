@@ -16,8 +16,9 @@
 #define STFS_COMMIT_FORCE   1u /* commit even if the source changed behind the mount */
 #define STFS_COMMIT_DISCARD 2u /* drop the staged edits instead */
 
-/* STFS_IOC_COMMIT: on any file or directory of a checkpoint; on the root of a
- * folder mount, commits every checkpoint. The ioctl itself returns 0 when the
+/* STFS_IOC_COMMIT: on any file or directory of a mount: commits every
+ * checkpoint of the mount (all shards of a folder mount, or none). Only the
+ * user who mounted and root may (EACCES). The ioctl itself returns 0 when the
  * daemon answered; `result` holds 0 or the errno of a refused commit
  * (EINVAL: an invalid edit, ESTALE: the source changed, ENOSPC, EIO...), and
  * `message` what was committed or why not. */
@@ -37,15 +38,20 @@ struct stfs_commit {
 
 /* STFS_IOC_PREFETCH: on a tensor file. The ioctl returns 0 when the daemon
  * answered; `result` is 0 or an errno: ENOTTY (not a tensor file), EINVAL
- * (bad size or target), ENODEV (no CUDA driver or device), ENOMEM, EIO.
- * A CUDA buffer stays allocated until the file descriptor the ioctl was made
- * on is closed; open it with cuIpcOpenMemHandle (scripts/stfs_cuda.py). */
+ * (bad size or target), ENODEV (no CUDA driver or device), ENOMEM, EIO,
+ * EACCES (only the user who mounted and root may prefetch).
+ * Page cache: the daemon answers within a few seconds with `next`, where it
+ * stopped; ask again with `offset = next` until `next == nbytes` (a FUSE
+ * request cannot be interrupted, so each one is kept short).
+ * CUDA: the whole tensor; the buffer stays allocated until the file
+ * descriptor the ioctl was made on is closed; open it with
+ * cuIpcOpenMemHandle (scripts/stfs_cuda.py). */
 struct stfs_prefetch {
-	uint32_t size;        /* in: sizeof(struct stfs_prefetch) == 512 */
+	uint32_t size;        /* in: sizeof(struct stfs_prefetch) == 520 */
 	uint32_t target;      /* in: STFS_TARGET_* */
 	int32_t device;       /* in: CUDA device ordinal */
 	int32_t result;       /* out */
-	uint64_t bytes;       /* out: bytes resident (page cache) or copied (CUDA) */
+	uint64_t bytes;       /* out: bytes of the range resident (page cache) or copied (CUDA) */
 	uint64_t nbytes;      /* out: the tensor's byte length */
 	uint64_t elapsed_ns;  /* out */
 	uint64_t ipc_offset;  /* out: the tensor's offset in the exported allocation */
@@ -53,11 +59,31 @@ struct stfs_prefetch {
 	uint8_t ipc_handle[64]; /* out: CUipcMemHandle */
 	char dtype[16];       /* out: "BF16", ... */
 	uint32_t ndim;        /* out (at most 16 reported) */
-	uint32_t reserved;
+	uint32_t flags;
 	uint64_t shape[16];   /* out */
-	char message[240];    /* out: NUL-terminated */
+	uint64_t offset;      /* in (page cache): first byte of the tensor to bring in */
+	uint64_t length;      /* in (page cache): bytes to bring in, 0: to the end */
+	uint64_t next;        /* out: where the daemon stopped */
+	char message[224];    /* out: NUL-terminated */
 };
 
 #define STFS_IOC_PREFETCH _IOWR(STFS_IOC_TYPE, 1, struct stfs_prefetch)
+
+/* STFS_IOC_STATUS: on any file or directory of a mount. A page of the
+ * `stfs status` report (staged changes, and the problems a commit would
+ * refuse); ask again with `offset` advanced by the text received until
+ * `total` bytes were read. `refused` is 1 when a commit would be refused. */
+#define STFS_STATUS_TEXT_LEN 16344
+struct stfs_status {
+	uint32_t size;        /* in: sizeof(struct stfs_status) == 16376 */
+	uint32_t flags;
+	uint64_t offset;      /* in */
+	uint64_t total;       /* out */
+	int32_t result;       /* out */
+	uint32_t refused;     /* out */
+	char text[STFS_STATUS_TEXT_LEN]; /* out: NUL-terminated */
+};
+
+#define STFS_IOC_STATUS _IOWR(STFS_IOC_TYPE, 3, struct stfs_status)
 
 #endif

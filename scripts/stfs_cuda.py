@@ -21,11 +21,11 @@ import os
 import struct
 import sys
 
-SIZE = 512
+SIZE = 520
 TARGET_PAGE_CACHE, TARGET_CUDA = 0, 1
-# _IOWR('s', 1, struct stfs_prefetch): (3 << 30) | (512 << 16) | ('s' << 8) | 1
+# _IOWR('s', 1, struct stfs_prefetch): (3 << 30) | (520 << 16) | ('s' << 8) | 1
 IOC_PREFETCH = (3 << 30) | (SIZE << 16) | (ord("s") << 8) | 1
-_LAYOUT = struct.Struct("<IIii5Q64s16sII16Q240s")
+_LAYOUT = struct.Struct("<IIii5Q64s16sII16Q3Q224s")
 assert _LAYOUT.size == SIZE
 
 NUMPY_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
@@ -42,8 +42,9 @@ class Prefetched:
         (self.size, self.target, self.device, self.result, self.bytes, self.nbytes, self.elapsed_ns,
          self.ipc_offset, self.alloc_size, self.ipc_handle, dtype, ndim, _, *rest) = fields
         self.shape = list(rest[:ndim])
+        self.offset, self.length, self.next = rest[16:19]
         self.dtype = dtype.split(b"\0")[0].decode()
-        self.message = rest[16].split(b"\0")[0].decode()
+        self.message = rest[19].split(b"\0")[0].decode()
         self.fd = fd
 
     def close(self):
@@ -55,20 +56,34 @@ class Prefetched:
         self.close()
 
 
+def _ask(fd, target, device, offset, size):
+    buf = bytearray(_LAYOUT.pack(size, TARGET_CUDA if target == "cuda" else TARGET_PAGE_CACHE, device, 0,
+                                 0, 0, 0, 0, 0, b"", b"", 0, 0, *([0] * 16), offset, 0, 0, b""))
+    fcntl.ioctl(fd, IOC_PREFETCH, buf, True)
+    return Prefetched(fd, _LAYOUT.unpack(bytes(buf)))
+
+
 def prefetch(path, target="cpu", device=0, size=SIZE):
-    """Sends STFS_IOC_PREFETCH on `path`. Raises OSError with the daemon's errno
+    """Sends STFS_IOC_PREFETCH on `path` (for the page cache, a range at a
+    time until the whole tensor is in). Raises OSError with the daemon's errno
     and message on failure. `size` is for testing the daemon's size check."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        buf = bytearray(_LAYOUT.pack(size, TARGET_CUDA if target == "cuda" else TARGET_PAGE_CACHE, device, 0,
-                                     0, 0, 0, 0, 0, b"", b"", 0, 0, *([0] * 16), b""))
-        fcntl.ioctl(fd, IOC_PREFETCH, buf, True)
-        p = Prefetched(fd, _LAYOUT.unpack(bytes(buf)))
+        p = _ask(fd, target, device, 0, size)
+        resident = p.bytes
+        while p.result == 0 and target != "cuda" and p.next < p.nbytes:
+            offset = p.next
+            p = _ask(fd, target, device, offset, size)
+            resident += p.bytes
+            if p.result == 0 and p.next <= offset:
+                raise OSError(f"{path}: prefetch made no progress at byte {offset}")
+        p.bytes = resident if target != "cuda" else p.bytes
     except BaseException:
         os.close(fd)
         raise
     if p.result != 0:
-        p.close()
+        os.close(fd)
+        p.fd = None
         raise OSError(p.result, f"{path}: {p.message}")
     if target != "cuda":
         p.close()

@@ -37,24 +37,29 @@ enum Command {
         /// Stay in the foreground (logs go to stderr unless --log-file); unmount on Ctrl-C.
         #[arg(short)]
         f: bool,
-        /// Mount options, comma-separated: ro, allow_other, allow_root, default_permissions, ...
+        /// Mount options, comma-separated: ro, allow_other, allow_root, nonempty,
+        /// cache=keep|direct, noexec, noatime.
         #[arg(short = 'o', value_name = "OPTIONS")]
         options: Vec<String>,
         /// Worker threads serving requests (default: number of CPUs, 2 to 8).
         #[arg(long)]
         threads: Option<usize>,
-        /// Log file of the daemon (default: $TMPDIR/stfs-UID.log; stderr with -f).
+        /// Log file of the daemon (default: ~/.local/state/stfs/stfs.log; stderr with -f).
         #[arg(long)]
         log_file: Option<PathBuf>,
         /// Write the daemon's pid here while it runs.
         #[arg(long)]
         pid_file: Option<PathBuf>,
-        /// Folder for staged edits (default: .NAME.stfs-staging beside the source).
+        /// Where staging folders go (default: beside the source).
         #[arg(long)]
         staging_dir: Option<PathBuf>,
-        /// Take back the edits a failed commit at unmount kept in DIR (it holds manifest.json).
-        #[arg(long, value_name = "DIR")]
+        /// Take back the edits kept in this staging folder (by default the newest
+        /// kept edits of the source that still apply are taken back).
+        #[arg(long, value_name = "DIR", conflicts_with = "no_resume")]
         resume: Option<PathBuf>,
+        /// Do not take back kept edits; they stay on disk.
+        #[arg(long)]
+        no_resume: bool,
         /// A .safetensors file, or a folder of them (with *.index.json).
         source: PathBuf,
         mountpoint: PathBuf,
@@ -68,6 +73,11 @@ enum Command {
         #[arg(long)]
         discard: bool,
         mountpoint: PathBuf,
+    },
+    /// List the staged edits of a mount and what a commit would refuse (exit 1 then).
+    Status {
+        /// The mount point, or any path inside it.
+        path: PathBuf,
     },
     /// Write the staged edits of a mount into its source file, atomically.
     Commit {
@@ -124,6 +134,7 @@ pub fn main() -> ExitCode {
             pid_file,
             staging_dir,
             resume,
+            no_resume,
             source,
             mountpoint,
         } => crate::daemon::mount(crate::daemon::MountRequest {
@@ -135,25 +146,44 @@ pub fn main() -> ExitCode {
             log_file,
             pid_file,
             staging_dir,
-            resume,
+            resume: match (resume, no_resume) {
+                (Some(dir), _) => crate::checkpoint::recover::Resume::Only(
+                    dir.file_name().unwrap_or_default().to_os_string(),
+                ),
+                (None, true) => crate::checkpoint::recover::Resume::Never,
+                (None, false) => crate::checkpoint::recover::Resume::Auto,
+            },
         }),
         Command::Umount {
             lazy,
             discard,
             mountpoint,
-        } => crate::daemon::umount_with_commit(&mountpoint, lazy, discard),
+        } => crate::client::umount(&mountpoint, lazy, discard)
+            .map(|lines| lines.iter().for_each(|l| println!("{l}"))),
+        Command::Status { path } => match crate::client::status(&path) {
+            Ok((report, refused)) => {
+                print!("{report}");
+                if refused {
+                    return ExitCode::FAILURE;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        },
         Command::Commit { force, path } => {
             let flags = if force {
                 crate::fs::ioctl::COMMIT_FORCE
             } else {
                 0
             };
-            crate::client::commit(&path, flags).map(|message| println!("{message}"))
+            crate::client::commit(&path, flags)
+                .map(|message| println!("{message}"))
+                .map_err(|e| e.to_string())
         }
         Command::Prefetch { device, paths } => {
             let mut failed = 0;
             for path in crate::client::tensor_files(&paths) {
-                match crate::client::prefetch(&path, device) {
+                match crate::client::prefetch(&path, device).map_err(|e| e.to_string()) {
                     Ok(line) => println!("{line}"),
                     Err(e) => {
                         eprintln!("stfs: {e}");

@@ -1,41 +1,117 @@
-//! The client side of the ioctls: `stfs commit`, `stfs umount`, `stfs prefetch`.
+//! The client side: `stfs commit`, `stfs umount`, `stfs status` and
+//! `stfs prefetch`, which talk to a mount's daemon through ioctls.
 
+use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use crate::fs::ioctl::{PrefetchArgs, IOC_PREFETCH, TARGET_CUDA, TARGET_PAGE_CACHE};
+use crate::fs::ioctl::{
+    CommitArgs, PrefetchArgs, StatusArgs, COMMIT_DISCARD, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS,
+    TARGET_CUDA, TARGET_PAGE_CACHE,
+};
 
-/// Sends STFS_IOC_COMMIT to a mount; returns the daemon's message.
-pub fn commit(path: &Path, flags: u32) -> Result<String, String> {
-    use crate::fs::ioctl::{CommitArgs, IOC_COMMIT};
-    let dir = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+/// Why a request to a mount failed.
+#[derive(Debug)]
+pub enum ClientError {
+    /// The path is not in a stfs mount.
+    NotStfs(PathBuf),
+    /// The mount's daemon is gone.
+    Dead(PathBuf),
+    /// The daemon answered with an errno and a message.
+    Refused {
+        errno: i32,
+        message: String,
+    },
+    Io(PathBuf, std::io::Error),
+    Other(String),
+}
+
+impl fmt::Display for ClientError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientError::NotStfs(p) => write!(f, "{}: not in a stfs mount", p.display()),
+            ClientError::Dead(p) => write!(
+                f,
+                "{}: the stfs daemon of this mount is gone; `stfs umount {}` cleans it up \
+                 (staged edits are kept and taken back by the next mount)",
+                p.display(),
+                p.display()
+            ),
+            ClientError::Refused { message, .. } => f.write_str(message),
+            ClientError::Io(p, e) => write!(f, "{}: {e}", p.display()),
+            ClientError::Other(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {}
+
+fn open(path: &Path) -> Result<File, ClientError> {
+    File::open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOTCONN) => ClientError::Dead(path.to_path_buf()),
+        _ => ClientError::Io(path.to_path_buf(), e),
+    })
+}
+
+/// Sends an ioctl with a struct the daemon fills in.
+fn ioctl<T>(file: &File, path: &Path, cmd: u32, args: &mut T) -> Result<(), ClientError> {
+    // SAFETY: args is a properly sized, writable struct of the size `cmd` encodes.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), cmd as _, args as *mut T) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    Err(match e.raw_os_error() {
+        Some(libc::ENOTTY | libc::ENOSYS | libc::EINVAL) => {
+            ClientError::NotStfs(path.to_path_buf())
+        }
+        Some(libc::ENOTCONN) => ClientError::Dead(path.to_path_buf()),
+        _ => ClientError::Io(path.to_path_buf(), e),
+    })
+}
+
+/// Sends STFS_IOC_COMMIT (with COMMIT_FORCE or COMMIT_DISCARD); returns the
+/// daemon's message.
+pub fn commit(path: &Path, flags: u32) -> Result<String, ClientError> {
+    let dir = open(path)?;
     let mut args = CommitArgs::new(flags);
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let progress = show_progress(path, done.clone());
-    // SAFETY: args is a properly sized, writable CommitArgs, as IOC_COMMIT encodes.
-    let rc = unsafe {
-        libc::ioctl(
-            dir.as_raw_fd(),
-            IOC_COMMIT as _,
-            &mut args as *mut CommitArgs,
-        )
-    };
+    let result = ioctl(&dir, path, IOC_COMMIT, &mut args);
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     if let Some(p) = progress {
         let _ = p.join();
     }
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENOTTY | libc::ENOSYS) => format!("{}: not a stfs mount", path.display()),
-            _ => format!("{}: {e}", path.display()),
+    result?;
+    if args.result != 0 {
+        return Err(ClientError::Refused {
+            errno: args.result,
+            message: args.message(),
         });
     }
-    if args.result != 0 {
-        return Err(args.message());
-    }
     Ok(args.message())
+}
+
+/// `stfs status`: the report, and whether a commit would be refused.
+pub fn status(path: &Path) -> Result<(String, bool), ClientError> {
+    let file = open(path)?;
+    let mut report = String::new();
+    loop {
+        let mut args = StatusArgs::new(report.len() as u64);
+        ioctl(&file, path, IOC_STATUS, &mut *args)?;
+        if args.result != 0 {
+            return Err(ClientError::Refused {
+                errno: args.result,
+                message: args.page(),
+            });
+        }
+        let page = args.page();
+        report.push_str(&page);
+        if page.is_empty() || report.len() as u64 >= args.total {
+            return Ok((report, args.refused != 0));
+        }
+    }
 }
 
 /// On a terminal, shows how much of the new file the daemon has written: the
@@ -50,8 +126,12 @@ fn show_progress(
         return None;
     }
     let source = crate::mountinfo::mount_holding(path)
-        .filter(|m| m.fstype.starts_with("fuse"))
+        .filter(|m| m.fstype == "fuse.stfs")
         .map(|m| PathBuf::from(m.source))?;
+    let source = std::fs::canonicalize(source).ok()?;
+    if source.is_dir() {
+        return None;
+    }
     let dir = source.parent()?.to_path_buf();
     let prefix = format!(".{}.stfs-tmp-", source.file_name()?.to_string_lossy());
     let total = std::fs::metadata(&source)
@@ -88,6 +168,79 @@ fn show_progress(
         .ok()
 }
 
+/// `stfs umount`: commits the staged edits (or drops them with `discard`),
+/// then unmounts; as a normal user through fusermount3. It refuses anything
+/// that is not a stfs mount; a mount whose daemon died is cleaned up. A
+/// failed commit leaves the mount and its edits in place. Returns the lines
+/// to print.
+pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String>, String> {
+    let shown = mountpoint.display();
+    let abs = std::path::absolute(mountpoint).map_err(|e| format!("{shown}: {e}"))?;
+    let Some(m) = crate::mountinfo::mount_at(&abs) else {
+        return Err(match std::fs::symlink_metadata(&abs) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                format!("{shown}: no such file or folder")
+            }
+            _ => format!("{shown}: not a mount point"),
+        });
+    };
+    if m.fstype != "fuse.stfs" {
+        return Err(format!(
+            "{shown} is a {} mount, not a stfs mount: stfs umount leaves it alone",
+            m.fstype
+        ));
+    }
+    let mut lines = Vec::new();
+    if crate::daemon::dead(&abs) {
+        unmount(&abs, lazy)?;
+        lines.push(format!(
+            "{}: its daemon was gone; unmounted. Staged edits of {}, if any, are kept beside it \
+             and taken back by the next `stfs mount`",
+            abs.display(),
+            m.source
+        ));
+        return Ok(lines);
+    }
+    match commit(&abs, if discard { COMMIT_DISCARD } else { 0 }) {
+        Ok(message) => lines.extend(
+            message
+                .lines()
+                .filter(|l| !l.ends_with("nothing to commit"))
+                .map(str::to_string),
+        ),
+        Err(e) => {
+            return Err(format!(
+                "{e}\nstfs: {} is still mounted with its edits staged: fix them (stfs status lists \
+                 the problems) and run stfs umount again, or drop them with stfs umount --discard",
+                abs.display()
+            ))
+        }
+    }
+    unmount(&abs, lazy)?;
+    Ok(lines)
+}
+
+/// Unmounts; as a normal user through fusermount3.
+fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    // SAFETY: c is a valid path string.
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EPERM) => crate::daemon::fusermount_unmount(mountpoint, lazy)
+            .map_err(|e| format!("{}: fusermount3 -u: {e}", mountpoint.display())),
+        Some(libc::EBUSY) => Err(format!(
+            "{}: busy (files are open in it, or a shell is in it); close them, or unmount lazily with --lazy",
+            mountpoint.display()
+        )),
+        _ => Err(format!("{}: {err}", mountpoint.display())),
+    }
+}
+
 /// Where `stfs prefetch` puts tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -106,55 +259,65 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
     }
 }
 
-/// Prefetches one tensor file; returns a line saying what was done.
-pub fn prefetch(path: &Path, device: Device) -> Result<String, String> {
-    let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut args = match device {
-        Device::Cpu => PrefetchArgs::new(TARGET_PAGE_CACHE, 0),
-        Device::Cuda(n) => PrefetchArgs::new(TARGET_CUDA, n),
-    };
+/// Prefetches one tensor file; returns a line saying what was done. Into the
+/// page cache it asks for a range at a time (each answer comes within a few
+/// seconds), so that the command can be interrupted.
+pub fn prefetch(path: &Path, device: Device) -> Result<String, ClientError> {
+    let file = open(path)?;
     let started = std::time::Instant::now();
-    // SAFETY: args is a properly sized, writable PrefetchArgs, as IOC_PREFETCH encodes.
-    let rc = unsafe {
-        libc::ioctl(
-            file.as_raw_fd(),
-            IOC_PREFETCH as _,
-            &mut args as *mut PrefetchArgs,
-        )
-    };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENOTTY | libc::ENOSYS) => {
-                format!("{}: not a file of a stfs mount", path.display())
+    let (mut offset, mut resident, mut daemon_ns) = (0u64, 0u64, 0u64);
+    loop {
+        let mut args = match device {
+            Device::Cpu => PrefetchArgs::new(TARGET_PAGE_CACHE, 0),
+            Device::Cuda(n) => PrefetchArgs::new(TARGET_CUDA, n),
+        };
+        args.offset = offset;
+        ioctl(&file, path, IOC_PREFETCH, &mut args)?;
+        if args.result != 0 {
+            return Err(ClientError::Refused {
+                errno: args.result,
+                message: format!(
+                    "{}: {} ({})",
+                    path.display(),
+                    args.message(),
+                    std::io::Error::from_raw_os_error(args.result)
+                ),
+            });
+        }
+        resident += args.bytes;
+        daemon_ns += args.elapsed_ns;
+        let secs = (daemon_ns as f64 / 1e9).max(1e-9);
+        let what = match device {
+            Device::Cuda(n) => format!("{} bytes copied to cuda:{n}", args.bytes),
+            Device::Cpu if args.next < args.nbytes && args.next > offset => {
+                offset = args.next;
+                continue;
             }
-            _ => format!("{}: {e}", path.display()),
-        });
-    }
-    if args.result != 0 {
-        return Err(format!(
-            "{}: {} ({})",
+            Device::Cpu if args.next < args.nbytes => {
+                return Err(ClientError::Other(format!(
+                    "{}: prefetch made no progress at byte {offset}",
+                    path.display()
+                )))
+            }
+            Device::Cpu => format!(
+                "{resident} of {} bytes resident in the page cache",
+                args.nbytes
+            ),
+        };
+        if resident == 0 && args.nbytes > 0 {
+            return Err(ClientError::Other(format!(
+                "{}: {what}: nothing was brought in",
+                path.display()
+            )));
+        }
+        return Ok(format!(
+            "{}: {what} in {:.3} s ({:.2} GB/s; {:.3} s with the requests)",
             path.display(),
-            args.message(),
-            std::io::Error::from_raw_os_error(args.result)
+            secs,
+            resident as f64 / secs / 1e9,
+            started.elapsed().as_secs_f64()
         ));
     }
-    let secs = (args.elapsed_ns as f64 / 1e9).max(1e-9);
-    let wall = started.elapsed().as_secs_f64();
-    let what = match device {
-        Device::Cpu => format!(
-            "{} of {} bytes resident in the page cache",
-            args.bytes, args.nbytes
-        ),
-        Device::Cuda(n) => format!("{} bytes copied to cuda:{n}", args.bytes),
-    };
-    Ok(format!(
-        "{}: {what} in {:.3} s ({:.2} GB/s; {:.3} s with the request)",
-        path.display(),
-        secs,
-        args.bytes as f64 / secs / 1e9,
-        wall
-    ))
 }
 
 /// Expands directories to the tensor files in them (skipping `*.meta.json`,
@@ -174,8 +337,8 @@ pub fn tensor_files(paths: &[PathBuf]) -> Vec<PathBuf> {
             entries.retain(|e| {
                 let name = e.file_name().unwrap_or_default().to_string_lossy();
                 e.is_dir()
-                    || !(name.ends_with(".meta.json")
-                        || name == "__metadata__.json"
+                    || !(name.ends_with(crate::fs::TensorFile::Meta.suffix())
+                        || name == crate::fs::names::METADATA_FILE
                         || name.ends_with(".index.json"))
             });
             out.extend(tensor_files(&entries));

@@ -10,3 +10,4 @@ pub mod fs;
 pub mod inspect;
 pub mod mountinfo;
 pub mod prefetch;
+pub mod source;

@@ -205,6 +205,19 @@ impl Header {
         })
     }
 
+    /// The header a layout describes (as written by a commit): its tensors are
+    /// already validated and in file order.
+    pub fn from_layout(layout: &super::Layout, metadata: Option<Metadata>) -> Header {
+        let tensors = layout.tensors.clone();
+        let (by_name, _) = NameIndex::build(&tensors);
+        Header {
+            header_len: layout.header.len() as u64 - PREFIX_LEN,
+            metadata,
+            tensors,
+            by_name,
+        }
+    }
+
     /// File offset of the first data byte.
     pub fn data_start(&self) -> u64 {
         PREFIX_LEN + self.header_len

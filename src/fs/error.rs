@@ -1,8 +1,14 @@
-//! Filesystem errors and the one place they become errno values.
+//! Filesystem errors, and the one place where every error of stfs becomes an
+//! errno: lower layers keep their own typed errors (with their sources), and
+//! `FsError::errno` maps them all.
 
 use std::fmt;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+use crate::checkpoint::{CommitError, EditError};
+use crate::prefetch::cuda::CudaError;
+use crate::source::staged::StagingError;
+
+#[derive(Debug)]
 pub enum FsError {
     /// No such entry (ENOENT).
     NotFound,
@@ -14,20 +20,26 @@ pub enum FsError {
     ReadOnly,
     /// A name that is not a valid escape, or a bad argument (EINVAL).
     Invalid(String),
-    /// An operation stfs does not do: mkdir, symlink, link, mknod, xattrs (ENOTSUP or EPERM).
+    /// An operation stfs does not do: mkdir, symlink, mknod, xattrs (ENOTSUP).
     NotSupported(&'static str),
     /// A file name over 255 bytes (ENAMETOOLONG).
     NameTooLong,
-    /// Refused for this entry: removing a `.meta.json`, hard links (EPERM).
+    /// Refused for this entry: hard links, the root of a folder mount (EPERM).
     NotPermitted(&'static str),
-    /// A rename between two checkpoints: mv then copies (EXDEV).
-    CrossDevice,
+    /// Only the user who mounted (or root) may (EACCES).
+    Denied(&'static str),
     /// The target exists and the caller asked not to replace it (EEXIST).
     Exists,
-    /// A JSON edit over the size limit (EFBIG).
-    TooLarge,
-    /// An I/O error from the backing filesystem, with its errno.
-    Io(i32),
+    /// The ioctl is for tensor files (ENOTTY).
+    NotATensor,
+    /// The caller went away, or the time limit passed (EINTR).
+    Interrupted,
+    Edit(EditError),
+    Commit(CommitError),
+    Staging(StagingError),
+    Cuda(CudaError),
+    /// An I/O error of the backing filesystem.
+    Io(std::io::Error),
 }
 
 impl FsError {
@@ -41,17 +53,88 @@ impl FsError {
             FsError::NotSupported(_) => libc::ENOTSUP,
             FsError::NameTooLong => libc::ENAMETOOLONG,
             FsError::NotPermitted(_) => libc::EPERM,
-            FsError::CrossDevice => libc::EXDEV,
+            FsError::Denied(_) => libc::EACCES,
             FsError::Exists => libc::EEXIST,
-            FsError::TooLarge => libc::EFBIG,
-            FsError::Io(errno) => *errno,
+            FsError::NotATensor => libc::ENOTTY,
+            FsError::Interrupted => libc::EINTR,
+            FsError::Edit(e) => match e {
+                EditError::NotFound => libc::ENOENT,
+                EditError::Exists => libc::EEXIST,
+                EditError::Invalid(_) => libc::EINVAL,
+                EditError::TooLarge => libc::EFBIG,
+                EditError::Staging(s) => staging_errno(s),
+                EditError::Io(e) => io_errno(e),
+            },
+            FsError::Commit(e) => match e {
+                CommitError::Refused { .. } => libc::EINVAL,
+                CommitError::Conflict { .. } => libc::ESTALE,
+                CommitError::Tainted => libc::EIO,
+                CommitError::Io { source, .. } => io_errno(source),
+                CommitError::Staging(s) => staging_errno(s),
+            },
+            FsError::Staging(s) => staging_errno(s),
+            FsError::Cuda(e) => match e {
+                CudaError::NoDriver(_) | CudaError::NoDevice(_) => libc::ENODEV,
+                CudaError::OutOfMemory(_) => libc::ENOMEM,
+                CudaError::Driver(_) => libc::EIO,
+                CudaError::Io(e) => io_errno(e),
+            },
+            FsError::Io(e) => io_errno(e),
         }
+    }
+
+    /// Expected refusals (a missing name) are logged quietly.
+    pub fn is_routine(&self) -> bool {
+        matches!(
+            self,
+            FsError::NotFound | FsError::Exists | FsError::NotATensor
+        )
+    }
+}
+
+fn io_errno(e: &std::io::Error) -> i32 {
+    match e.raw_os_error() {
+        Some(n) => n,
+        None if e.kind() == std::io::ErrorKind::UnexpectedEof => libc::EIO,
+        None => libc::EIO,
+    }
+}
+
+fn staging_errno(e: &StagingError) -> i32 {
+    match e {
+        StagingError::Io { source, .. } => io_errno(source),
+        StagingError::Unsafe { .. } => libc::EACCES,
+        StagingError::Busy { .. } => libc::EBUSY,
     }
 }
 
 impl From<std::io::Error> for FsError {
     fn from(e: std::io::Error) -> Self {
-        FsError::Io(e.raw_os_error().unwrap_or(libc::EIO))
+        FsError::Io(e)
+    }
+}
+
+impl From<EditError> for FsError {
+    fn from(e: EditError) -> Self {
+        FsError::Edit(e)
+    }
+}
+
+impl From<CommitError> for FsError {
+    fn from(e: CommitError) -> Self {
+        FsError::Commit(e)
+    }
+}
+
+impl From<StagingError> for FsError {
+    fn from(e: StagingError) -> Self {
+        FsError::Staging(e)
+    }
+}
+
+impl From<CudaError> for FsError {
+    fn from(e: CudaError) -> Self {
+        FsError::Cuda(e)
     }
 }
 
@@ -66,12 +149,63 @@ impl fmt::Display for FsError {
             FsError::NotSupported(op) => write!(f, "{op} is not supported"),
             FsError::NameTooLong => f.write_str("name too long"),
             FsError::NotPermitted(why) => f.write_str(why),
-            FsError::CrossDevice => {
-                f.write_str("rename between two checkpoints (mv copies instead)")
+            FsError::Denied(what) => {
+                write!(f, "{what} is for the user who mounted and for root")
             }
             FsError::Exists => f.write_str("exists"),
-            FsError::TooLarge => f.write_str("JSON edit over 16 MiB"),
-            FsError::Io(errno) => write!(f, "{}", std::io::Error::from_raw_os_error(*errno)),
+            FsError::NotATensor => {
+                f.write_str("not a tensor file: prefetch works on a tensor's data file")
+            }
+            FsError::Interrupted => {
+                f.write_str("interrupted: the caller went away or time ran out")
+            }
+            FsError::Edit(e) => write!(f, "{e}"),
+            FsError::Commit(e) => write!(f, "{e}"),
+            FsError::Staging(e) => write!(f, "{e}"),
+            FsError::Cuda(e) => write!(f, "{e}"),
+            FsError::Io(e) => write!(f, "{e}"),
         }
+    }
+}
+
+impl std::error::Error for FsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            FsError::Edit(e) => Some(e),
+            FsError::Commit(e) => Some(e),
+            FsError::Staging(e) => Some(e),
+            FsError::Cuda(e) => Some(e),
+            FsError::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nested_errors_keep_their_errno() {
+        let enospc = || std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert_eq!(FsError::from(EditError::Io(enospc())).errno(), libc::ENOSPC);
+        assert_eq!(
+            FsError::from(CommitError::Io {
+                what: "w".into(),
+                source: enospc()
+            })
+            .errno(),
+            libc::ENOSPC
+        );
+        assert_eq!(
+            FsError::from(CommitError::Conflict { file: "f".into() }).errno(),
+            libc::ESTALE
+        );
+        let eof = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short");
+        assert_eq!(FsError::from(eof).errno(), libc::EIO);
+        assert_eq!(
+            FsError::from(CudaError::NoDriver("x".into())).errno(),
+            libc::ENODEV
+        );
     }
 }

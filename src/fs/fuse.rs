@@ -1,8 +1,17 @@
 //! The fuser adapter: convert the request, call `Fs`, reply or map the error.
-//! No filesystem logic lives here.
+//! No filesystem logic lives here; what it decides is only *where* a request
+//! runs. Reads, lookups and namespace edits run on fuser's worker threads;
+//! requests that may wait on disk I/O (writes, truncations, flush, fsync)
+//! run on a small pool of edit threads, and commits and prefetches on threads
+//! of their own, so that no edit, commit or prefetch ever holds a worker a
+//! read needs. A handler that panics taints the mount (it will not commit)
+//! and its request gets EIO.
 
 use std::ffi::OsStr;
-use std::time::Duration;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
@@ -10,34 +19,83 @@ use fuser::{
     ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
     ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    CommitArgs, IoctlStruct, PrefetchArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH,
-    TARGET_CUDA, TARGET_PAGE_CACHE,
+    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT,
+    IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
-use super::{Attr, Fs, FsError, Kind, Opened, PrefetchTarget};
+use super::{
+    Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget, PREFETCH_SLICE,
+};
 
-/// Edits go through the mount, so the kernel learns of them; commits change
-/// only derived fields (offsets, mtime), which a short TTL keeps fresh.
-const TTL: Duration = Duration::from_secs(1);
+/// Attributes of files whose content only changes through the mount.
+const ATTR_TTL: Duration = Duration::from_secs(1);
+/// Names are never cached: an edit of one name can change another (a meta
+/// appears or goes with its data file), so every path walk asks again.
+const ENTRY_TTL: Duration = Duration::ZERO;
 /// Preferred I/O size shown in stat: tools such as cat and cp size their buffers by it.
 const BLKSIZE: u32 = 1 << 20;
+/// Threads serving requests that may wait on disk I/O.
+const EDIT_THREADS: usize = 2;
+
+type Job = Box<dyn FnOnce() + Send>;
 
 pub struct FuseAdapter {
-    fs: Fs,
+    fs: Arc<Fs>,
+    edits: mpsc::Sender<Job>,
 }
 
 impl FuseAdapter {
-    pub fn new(fs: Fs) -> Self {
-        FuseAdapter { fs }
+    pub fn new(fs: Arc<Fs>) -> Self {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for k in 0..EDIT_THREADS {
+            let rx = rx.clone();
+            let _ = std::thread::Builder::new()
+                .name(format!("stfs-edit-{k}"))
+                .spawn(move || loop {
+                    let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                    job();
+                });
+        }
+        FuseAdapter { fs, edits: tx }
+    }
+
+    /// Runs `f` on an edit thread.
+    fn edit(&self, op: &'static str, f: impl FnOnce(&Fs) + Send + 'static) {
+        let fs = self.fs.clone();
+        let _ = self
+            .edits
+            .send(Box::new(move || guarded(&fs, op, || f(&fs))));
+    }
+
+    /// Runs `f` on a thread of its own (commits, prefetches).
+    fn spawn(&self, op: &'static str, f: impl FnOnce(&Fs) + Send + 'static) {
+        let fs = self.fs.clone();
+        let _ = std::thread::Builder::new()
+            .name(format!("stfs-{op}"))
+            .spawn(move || guarded(&fs, op, || f(&fs)));
+    }
+}
+
+/// Runs a handler; a panic taints the mount (the reply, dropped while
+/// unwinding, sends EIO).
+fn guarded(fs: &Fs, op: &'static str, f: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        error!(op, "request handler panicked");
+        fs.taint();
     }
 }
 
 fn errno(op: &str, e: &FsError) -> Errno {
-    match e {
-        FsError::NotFound => debug!(op, "{e}"),
-        _ => warn!(op, "{e}"),
+    if e.is_routine() {
+        debug!(op, "{e}");
+    } else {
+        warn!(op, "{e}");
     }
     Errno::from_i32(e.errno())
 }
@@ -65,9 +123,12 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-fn refuse(op: &'static str, e: FsError) -> Errno {
-    debug!(op, "refused: {e}");
-    Errno::from_i32(e.errno())
+fn attr_ttl(a: &Attr) -> Duration {
+    if a.volatile {
+        Duration::ZERO
+    } else {
+        ATTR_TTL
+    }
 }
 
 fn fopen_flags(o: &Opened) -> FopenFlags {
@@ -81,8 +142,25 @@ fn fopen_flags(o: &Opened) -> FopenFlags {
     f
 }
 
+/// Whether a process is still there (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
 impl FuseAdapter {
-    fn prefetch(&self, ino: INodeNo, fh: FileHandle, in_data: &[u8], reply: ReplyIoctl) {
+    fn prefetch(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        in_data: &[u8],
+        reply: ReplyIoctl,
+    ) {
         let Some(mut args) = PrefetchArgs::from_bytes(in_data) else {
             warn!("STFS_IOC_PREFETCH with a bad struct size");
             return reply.error(Errno::EINVAL);
@@ -96,87 +174,114 @@ impl FuseAdapter {
                 return reply.ioctl(0, args.as_bytes());
             }
         };
-        let started = std::time::Instant::now();
-        match self.fs.prefetch(ino.0, fh.0, target) {
-            Ok(p) => {
-                args.bytes = p.bytes;
-                args.nbytes = p.nbytes;
-                if let Some(d) = p.dtype {
-                    args.set_dtype(d.name());
-                }
-                if let Some(shape) = &p.shape {
-                    args.ndim = shape.len() as u32;
-                    for (dst, &d) in args.shape.iter_mut().zip(shape) {
-                        *dst = d;
+        let (uid, pid) = (req.uid(), req.pid());
+        self.spawn("prefetch", move |fs| {
+            let started = Instant::now();
+            // A FUSE request cannot be interrupted once the daemon has it:
+            // stop when the caller is gone, and hand back a page-cache
+            // request after a time slice (the client asks for the rest).
+            let keep_going = || {
+                alive(pid)
+                    && (target != PrefetchTarget::PageCache || started.elapsed() < PREFETCH_SLICE)
+            };
+            let req = PrefetchRequest {
+                target,
+                offset: args.offset,
+                len: args.length,
+                caller: uid,
+            };
+            match fs.prefetch(ino.0, fh.0, req, &keep_going) {
+                Ok(p) => {
+                    args.bytes = p.bytes;
+                    args.nbytes = p.nbytes;
+                    args.next = p.next;
+                    if let Some(d) = p.dtype {
+                        args.set_dtype(d.name());
+                    }
+                    if let Some(shape) = &p.shape {
+                        args.ndim = shape.len() as u32;
+                        for (dst, &d) in args.shape.iter_mut().zip(shape) {
+                            *dst = d;
+                        }
+                    }
+                    if let Some((handle, size)) = p.ipc {
+                        args.ipc_handle = handle;
+                        args.alloc_size = size;
+                        args.ipc_offset = 0;
                     }
                 }
-                if let Some((handle, size)) = p.ipc {
-                    args.ipc_handle = handle;
-                    args.alloc_size = size;
-                    args.ipc_offset = 0;
+                Err(e) => {
+                    let _ = errno("prefetch", &e);
+                    args.result = e.errno();
+                    args.set_message(&e.to_string());
                 }
             }
-            Err((errno, message)) => {
-                args.result = errno;
-                args.set_message(&message);
-            }
-        }
-        args.elapsed_ns = started.elapsed().as_nanos() as u64;
-        reply.ioctl(0, args.as_bytes())
+            args.elapsed_ns = started.elapsed().as_nanos() as u64;
+            reply.ioctl(0, args.as_bytes())
+        });
     }
 }
 
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // Ask for the largest read-ahead the kernel allows for this mount.
+        // The largest read-ahead the kernel allows for this mount.
         if let Err(max) = config.set_max_readahead(u32::MAX) {
             let _ = config.set_max_readahead(max);
         }
-        // O_TRUNC arrives with open, so a truncating open of a .meta.json is one request.
+        // O_TRUNC arrives with open, so a truncating open is one request.
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
+        // Lookups of a directory run in parallel with each other.
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        if self.fs.settings().cache == CacheMode::Direct {
+            // Readers that mmap a tensor file keep working without a page cache of reads.
+            if config
+                .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+                .is_err()
+            {
+                warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): use -o cache=keep to mmap tensor files");
+            }
+        }
         Ok(())
     }
 
-    /// Unmount: commit what is staged. On failure the edits stay on disk.
+    /// Unmount: the mount's policy decides (commit, or keep the edits).
     fn destroy(&mut self) {
-        if !self.fs.is_dirty() {
-            return;
-        }
-        match self.fs.commit(super::ROOT_INO, false) {
-            Ok(lines) => lines.iter().for_each(|l| info!("at unmount: {l}")),
-            Err(e) => error!(
-                "commit at unmount failed: {e}. The source is unchanged; the staged edits are kept in {:?} \
-                 (manifest.json says which file holds which tensor). To finish: stfs mount --resume DIR \
-                 SOURCE MOUNTPOINT takes them back; fix the edit and commit (stfs umount, unlike plain \
-                 umount, refuses to unmount while a commit fails)",
-                self.fs.keep_edits()
-            ),
+        if let Err(e) = self.fs.unmount() {
+            error!("{e}");
         }
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let Some(name) = name.to_str() else {
-            return reply.error(Errno::ENOENT);
-        };
-        match self.fs.lookup(parent.0, name) {
-            Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
-            Err(e) => reply.error(errno("lookup", &e)),
-        }
+        guarded(&self.fs, "lookup", || {
+            let Some(name) = name.to_str() else {
+                return reply.error(Errno::ENOENT);
+            };
+            match self.fs.lookup(parent.0, name) {
+                Ok(a) => {
+                    reply.entry_with_ttls(&attr_ttl(&a), &ENTRY_TTL, &file_attr(&a), Generation(0))
+                }
+                Err(e) => reply.error(errno("lookup", &e)),
+            }
+        })
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.fs.getattr(ino.0) {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
-            Err(e) => reply.error(errno("getattr", &e)),
-        }
+    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        guarded(&self.fs, "getattr", || {
+            match self.fs.getattr(ino.0, fh.map(|f| f.0)) {
+                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
+                Err(e) => reply.error(errno("getattr", &e)),
+            }
+        })
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let write = flags.acc_mode() != OpenAccMode::O_RDONLY;
-        match self.fs.open(ino.0, write, flags.0 & libc::O_TRUNC != 0) {
-            Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
-            Err(e) => reply.error(errno("open", &e)),
-        }
+        guarded(&self.fs, "open", || {
+            let write = flags.acc_mode() != OpenAccMode::O_RDONLY;
+            match self.fs.open(ino.0, write, flags.0 & libc::O_TRUNC != 0) {
+                Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
+                Err(e) => reply.error(errno("open", &e)),
+            }
+        })
     }
 
     fn create(
@@ -189,19 +294,22 @@ impl Filesystem for FuseAdapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let Some(name) = name.to_str() else {
-            return reply.error(Errno::EINVAL);
-        };
-        match self.fs.create(parent.0, name, flags & libc::O_TRUNC != 0) {
-            Ok((a, o)) => reply.created(
-                &TTL,
-                &file_attr(&a),
-                Generation(0),
-                FileHandle(o.fh),
-                fopen_flags(&o),
-            ),
-            Err(e) => reply.error(errno("create", &e)),
-        }
+        guarded(&self.fs, "create", || {
+            let Some(name) = name.to_str() else {
+                return reply.error(Errno::EINVAL);
+            };
+            let (truncate, exclusive) = (flags & libc::O_TRUNC != 0, flags & libc::O_EXCL != 0);
+            match self.fs.create(parent.0, name, truncate, exclusive) {
+                Ok((a, o)) => reply.created(
+                    &ENTRY_TTL,
+                    &file_attr(&a),
+                    Generation(0),
+                    FileHandle(o.fh),
+                    fopen_flags(&o),
+                ),
+                Err(e) => reply.error(errno("create", &e)),
+            }
+        })
     }
 
     fn release(
@@ -214,9 +322,11 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        // An error here reaches nobody (close already returned): it is logged.
-        let _ = self.fs.release(fh.0);
-        reply.ok()
+        // An error here reaches nobody (close already returned): release logs it.
+        self.edit("release", move |fs| {
+            let _ = fs.release(fh.0);
+            reply.ok()
+        })
     }
 
     fn read(
@@ -230,16 +340,21 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        // The reply is sent from inside the call, while the mapped bytes are borrowed.
-        let mut reply = Some(reply);
-        let result = self.fs.read(ino.0, fh.0, offset, size, |bytes| {
-            if let Some(r) = reply.take() {
-                r.data(bytes)
+        guarded(&self.fs, "read", || {
+            // The reply is sent from inside the call, while the mapped bytes are borrowed.
+            let mut reply = Some(reply);
+            let result = self.fs.read(ino.0, fh.0, offset, size, |slices| {
+                if let Some(r) = reply.take() {
+                    match slices {
+                        [one] => r.data(one),
+                        many => r.data(&many.concat()),
+                    }
+                }
+            });
+            if let (Err(e), Some(r)) = (result, reply) {
+                r.error(errno("read", &e));
             }
-        });
-        if let (Err(e), Some(r)) = (result, reply) {
-            r.error(errno("read", &e));
-        }
+        })
     }
 
     fn readdir(
@@ -250,21 +365,23 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let result = self.fs.readdir(ino.0, offset, |e| {
-            let kind = match e.kind {
-                Kind::Directory => FileType::Directory,
-                Kind::File => FileType::RegularFile,
-            };
-            reply.add(INodeNo(e.ino), e.next_offset, kind, &e.name)
-        });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("readdir", &e)),
-        }
+        guarded(&self.fs, "readdir", || {
+            let result = self.fs.readdir(ino.0, offset, |e| {
+                let kind = match e.kind {
+                    Kind::Directory => FileType::Directory,
+                    Kind::File => FileType::RegularFile,
+                };
+                reply.add(INodeNo(e.ino), e.next_offset, kind, &e.name)
+            });
+            match result {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("readdir", &e)),
+            }
+        })
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match nix_statvfs(&self.fs.backing_dir()) {
+        match statvfs(&self.fs.backing_dir()) {
             Ok(s) => reply.statfs(
                 s.f_blocks,
                 s.f_bfree,
@@ -287,83 +404,99 @@ impl Filesystem for FuseAdapter {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        match self.fs.flush(fh.0) {
+        self.edit("flush", move |fs| match fs.flush(fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("flush", &e)),
-        }
+        })
     }
 
-    /// fsync of any file commits its checkpoint.
+    /// fsync makes edits durable; it does not commit.
     fn fsync(
         &self,
         _req: &Request,
-        ino: INodeNo,
+        _ino: INodeNo,
         fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        if let Err(e) = self.fs.flush(fh.0) {
-            return reply.error(errno("fsync", &e));
-        }
-        match self.fs.commit(ino.0, false) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(Errno::from_i32(e.errno())),
-        }
+        self.edit("fsync", move |fs| match fs.fsync(Some(fh.0)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsync", &e)),
+        })
     }
 
     fn fsyncdir(
         &self,
         _req: &Request,
-        ino: INodeNo,
+        _ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.commit(ino.0, false) {
-            Ok(_) => reply.ok(),
-            Err(e) => reply.error(Errno::from_i32(e.errno())),
-        }
+        self.edit("fsyncdir", move |fs| match fs.fsync(None) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsyncdir", &e)),
+        })
     }
 
     fn ioctl(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _flags: IoctlFlags,
         cmd: u32,
         in_data: &[u8],
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
-        if cmd == IOC_PREFETCH {
-            return self.prefetch(ino, _fh, in_data, reply);
-        }
-        if cmd != IOC_COMMIT {
-            debug!(cmd, "unknown ioctl");
-            return reply.error(Errno::ENOTTY);
-        }
-        let Some(mut args) = CommitArgs::from_bytes(in_data) else {
-            warn!("STFS_IOC_COMMIT with a bad struct size");
-            return reply.error(Errno::EINVAL);
-        };
-        if args.flags & COMMIT_DISCARD != 0 {
-            self.fs.discard();
-            args.set_message("staged edits discarded");
-        } else {
-            match self.fs.commit(ino.0, args.flags & COMMIT_FORCE != 0) {
-                Ok(lines) => args.set_message(&lines.join("\n")),
-                Err(e) => {
-                    args.result = e.errno();
-                    args.set_message(&e.to_string());
-                }
+        let uid = req.uid();
+        match cmd {
+            IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
+            IOC_STATUS => {
+                let Some(mut args) = StatusArgs::from_bytes(in_data).map(Box::new) else {
+                    warn!("STFS_IOC_STATUS with a bad struct size");
+                    return reply.error(Errno::EINVAL);
+                };
+                guarded(&self.fs, "status", || {
+                    let (report, refused) = self.fs.status();
+                    args.refused = refused as u32;
+                    args.set_page(&report);
+                    reply.ioctl(0, args.as_bytes())
+                })
+            }
+            IOC_COMMIT => {
+                let Some(mut args) = CommitArgs::from_bytes(in_data) else {
+                    warn!("STFS_IOC_COMMIT with a bad struct size");
+                    return reply.error(Errno::EINVAL);
+                };
+                self.spawn("commit", move |fs| {
+                    let result = if args.flags & COMMIT_DISCARD != 0 {
+                        fs.discard(uid)
+                            .map(|()| vec!["staged edits discarded".to_string()])
+                    } else {
+                        fs.commit(args.flags & COMMIT_FORCE != 0, uid)
+                    };
+                    match result {
+                        Ok(lines) => args.set_message(&lines.join("\n")),
+                        Err(e) => {
+                            let _ = errno("commit", &e);
+                            args.result = e.errno();
+                            args.set_message(&e.to_string());
+                        }
+                    }
+                    reply.ioctl(0, args.as_bytes())
+                })
+            }
+            _ => {
+                debug!(cmd, "unknown ioctl");
+                reply.error(Errno::ENOTTY)
             }
         }
-        reply.ioctl(0, args.as_bytes())
     }
 
     // ENOSYS tells the kernel once and for all that stfs keeps no extended
-    // attributes and leaves permission checks to it; callers see EOPNOTSUPP.
+    // attributes; callers see EOPNOTSUPP.
     fn getxattr(
         &self,
         _req: &Request,
@@ -376,10 +509,6 @@ impl Filesystem for FuseAdapter {
     }
 
     fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
-        reply.error(Errno::ENOSYS)
-    }
-
-    fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
         reply.error(Errno::ENOSYS)
     }
 
@@ -401,15 +530,19 @@ impl Filesystem for FuseAdapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        // Only the size is stfs's to change; mode, owner and times are derived
-        // (a mode change is accepted and ignored, so `cp -p` works).
-        let result = match size {
-            Some(size) => self.fs.set_size(ino.0, fh.map(|f| f.0), size),
-            None => self.fs.getattr(ino.0),
-        };
-        match result {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
-            Err(e) => reply.error(errno("setattr", &e)),
+        // Only the size is stfs's to change; mode, owner and times are the
+        // source's (a change is accepted and ignored, so `cp -p` and rsync work;
+        // the kernel has checked the caller may make it).
+        let fh = fh.map(|f| f.0);
+        match size {
+            Some(size) => self.edit("setattr", move |fs| match fs.set_size(ino.0, fh, size) {
+                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
+                Err(e) => reply.error(errno("setattr", &e)),
+            }),
+            None => guarded(&self.fs, "setattr", || match self.fs.getattr(ino.0, fh) {
+                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
+                Err(e) => reply.error(errno("setattr", &e)),
+            }),
         }
     }
 
@@ -425,20 +558,25 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.fs.write(ino.0, fh.0, offset, data) {
-            Ok(n) => reply.written(n),
-            Err(e) => reply.error(errno("write", &e)),
-        }
+        let data = data.to_vec();
+        self.edit("write", move |fs| {
+            match fs.write(ino.0, fh.0, offset, &data) {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno("write", &e)),
+            }
+        })
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let Some(name) = name.to_str() else {
-            return reply.error(Errno::ENOENT);
-        };
-        match self.fs.unlink(parent.0, name) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("unlink", &e)),
-        }
+        guarded(&self.fs, "unlink", || {
+            let Some(name) = name.to_str() else {
+                return reply.error(Errno::ENOENT);
+            };
+            match self.fs.unlink(parent.0, name) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("unlink", &e)),
+            }
+        })
     }
 
     fn rename(
@@ -451,27 +589,29 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
-            return reply.error(Errno::EINVAL);
-        };
-        if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
-            return reply.error(refuse(
-                "rename",
-                FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT"),
-            ));
-        }
-        let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
-        match self
-            .fs
-            .rename(parent.0, name, newparent.0, newname, no_replace)
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("rename", &e)),
-        }
+        guarded(&self.fs, "rename", || {
+            let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
+                return reply.error(Errno::EINVAL);
+            };
+            if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
+                return reply.error(errno(
+                    "rename",
+                    &FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT"),
+                ));
+            }
+            let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+            match self
+                .fs
+                .rename(parent.0, name, newparent.0, newname, no_replace)
+            {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("rename", &e)),
+            }
+        })
     }
 
     fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(refuse("rmdir", FsError::NotSupported("rmdir")))
+        reply.error(errno("rmdir", &FsError::NotSupported("rmdir")))
     }
 
     fn mkdir(
@@ -483,7 +623,7 @@ impl Filesystem for FuseAdapter {
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(refuse("mkdir", FsError::NotSupported("mkdir")))
+        reply.error(errno("mkdir", &FsError::NotSupported("mkdir")))
     }
 
     fn mknod(
@@ -496,7 +636,7 @@ impl Filesystem for FuseAdapter {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(refuse("mknod", FsError::NotSupported("mknod")))
+        reply.error(errno("mknod", &FsError::NotSupported("mknod")))
     }
 
     fn symlink(
@@ -507,7 +647,7 @@ impl Filesystem for FuseAdapter {
         _target: &std::path::Path,
         reply: ReplyEntry,
     ) {
-        reply.error(refuse("symlink", FsError::NotSupported("symlink")))
+        reply.error(errno("symlink", &FsError::NotSupported("symlink")))
     }
 
     fn link(
@@ -518,9 +658,9 @@ impl Filesystem for FuseAdapter {
         _newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        reply.error(refuse(
+        reply.error(errno(
             "link",
-            FsError::NotPermitted("hard links are not supported"),
+            &FsError::NotPermitted("hard links are not supported"),
         ))
     }
 
@@ -534,13 +674,14 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        reply.error(refuse("setxattr", FsError::NotSupported("setxattr")))
+        reply.error(errno("setxattr", &FsError::NotSupported("setxattr")))
     }
 }
 
-fn nix_statvfs(path: &std::path::Path) -> std::io::Result<libc::statvfs> {
+fn statvfs(path: &std::path::Path) -> std::io::Result<libc::statvfs> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: zeroed statvfs is a valid out-parameter.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: c is a valid NUL-terminated path and s a properly sized out-parameter.
     if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {

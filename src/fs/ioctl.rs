@@ -33,6 +33,57 @@ pub const COMMIT_DISCARD: u32 = 2;
 /// `_IOWR('s', 2, struct stfs_commit)`.
 pub const IOC_COMMIT: u32 = iowr(2, std::mem::size_of::<CommitArgs>());
 
+/// Room for a page of `stfs status` text.
+pub const STATUS_TEXT_LEN: usize = 16344;
+
+/// STFS_IOC_STATUS, on any file or directory of the mount: a page of the
+/// status report (what is staged, and what a commit would refuse).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct StatusArgs {
+    /// In: size_of::<StatusArgs>() (16376).
+    pub size: u32,
+    pub flags: u32,
+    /// In: byte offset in the report of the page asked for.
+    pub offset: u64,
+    /// Out: the report's length.
+    pub total: u64,
+    /// Out: 0, or an errno.
+    pub result: i32,
+    /// Out: 1 when a commit would be refused.
+    pub refused: u32,
+    /// Out: the page, NUL-terminated.
+    pub text: [u8; STATUS_TEXT_LEN],
+}
+
+/// `_IOWR('s', 3, struct stfs_status)`.
+pub const IOC_STATUS: u32 = iowr(3, std::mem::size_of::<StatusArgs>());
+
+impl StatusArgs {
+    pub fn new(offset: u64) -> Box<StatusArgs> {
+        // SAFETY: all-zero is a valid StatusArgs (plain integers and arrays).
+        let mut a: Box<StatusArgs> = Box::new(unsafe { std::mem::zeroed() });
+        a.size = std::mem::size_of::<StatusArgs>() as u32;
+        a.offset = offset;
+        a
+    }
+
+    /// Fills the page of `report` that starts at `offset` (cut on a char boundary).
+    pub fn set_page(&mut self, report: &str) {
+        self.total = report.len() as u64;
+        let start = (self.offset as usize).min(report.len());
+        let mut end = (start + STATUS_TEXT_LEN - 1).min(report.len());
+        while !report.is_char_boundary(end) {
+            end -= 1;
+        }
+        write_text(&mut self.text, &report[start..end]);
+    }
+
+    pub fn page(&self) -> String {
+        read_text(&self.text)
+    }
+}
+
 /// Linux's `_IOC(_IOC_READ | _IOC_WRITE, type, nr, size)`.
 pub const fn iowr(nr: u32, size: usize) -> u32 {
     const READ_WRITE: u32 = 3;
@@ -68,6 +119,8 @@ pub unsafe trait IoctlStruct: Copy + Sized {
 
 // SAFETY: repr(C): 4 x u32 then a byte array; 4096 bytes, no padding.
 unsafe impl IoctlStruct for CommitArgs {}
+// SAFETY: repr(C): 2 x u32, 2 x u64, 2 x u32, then a byte array; no padding.
+unsafe impl IoctlStruct for StatusArgs {}
 // SAFETY: repr(C), fields laid out without padding (prefetch_abi_layout checks the offsets).
 unsafe impl IoctlStruct for PrefetchArgs {}
 
@@ -120,6 +173,11 @@ mod tests {
         bad.size = 12;
         assert!(CommitArgs::from_bytes(bad.as_bytes()).is_none());
         assert!(CommitArgs::from_bytes(&[0; 10]).is_none());
+        assert_eq!(std::mem::size_of::<StatusArgs>(), 16376);
+        assert_eq!(IOC_STATUS, 0xfff8_7303);
+        let mut st = StatusArgs::new(3);
+        st.set_page("héllo");
+        assert_eq!((st.total, st.page()), (6, "llo".to_string()));
     }
 }
 
@@ -127,15 +185,16 @@ mod tests {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct PrefetchArgs {
-    /// In: size_of::<PrefetchArgs>() (512).
+    /// In: size_of::<PrefetchArgs>() (520).
     pub size: u32,
     /// In: TARGET_PAGE_CACHE or TARGET_CUDA.
     pub target: u32,
     /// In: the CUDA device ordinal (TARGET_CUDA).
     pub device: i32,
-    /// Out: 0, or the errno of the failure (ENODEV: no CUDA driver or device).
+    /// Out: 0, or the errno of the failure (ENODEV: no CUDA driver or device;
+    /// EINTR: stopped early, see `next`).
     pub result: i32,
-    /// Out: bytes now resident in the page cache, or copied to the device.
+    /// Out: bytes of the range now resident in the page cache, or copied to the device.
     pub bytes: u64,
     /// Out: the tensor's byte length.
     pub nbytes: u64,
@@ -152,14 +211,21 @@ pub struct PrefetchArgs {
     pub dtype: [u8; 16],
     /// Out: number of dimensions (at most 16 are reported).
     pub ndim: u32,
-    pub reserved: u32,
+    pub flags: u32,
     /// Out: the shape.
     pub shape: [u64; 16],
+    /// In (TARGET_PAGE_CACHE): the byte range of the tensor to bring in
+    /// (`length` 0: to the end).
+    pub offset: u64,
+    pub length: u64,
+    /// Out: where the daemon stopped; a request runs for at most a few
+    /// seconds, so the caller asks again from here until `next == nbytes`.
+    pub next: u64,
     /// Out: NUL-terminated text: what was done, or why not.
     pub message: [u8; PREFETCH_MESSAGE_LEN],
 }
 
-pub const PREFETCH_MESSAGE_LEN: usize = 240;
+pub const PREFETCH_MESSAGE_LEN: usize = 224;
 pub const TARGET_PAGE_CACHE: u32 = 0;
 pub const TARGET_CUDA: u32 = 1;
 
@@ -195,15 +261,16 @@ mod prefetch_tests {
 
     #[test]
     fn prefetch_abi_layout() {
-        assert_eq!(std::mem::size_of::<PrefetchArgs>(), 512);
+        assert_eq!(std::mem::size_of::<PrefetchArgs>(), 520);
         assert_eq!(std::mem::align_of::<PrefetchArgs>(), 8);
         assert_eq!(std::mem::offset_of!(PrefetchArgs, bytes), 16);
         assert_eq!(std::mem::offset_of!(PrefetchArgs, ipc_handle), 56);
         assert_eq!(std::mem::offset_of!(PrefetchArgs, dtype), 120);
         assert_eq!(std::mem::offset_of!(PrefetchArgs, shape), 144);
-        assert_eq!(std::mem::offset_of!(PrefetchArgs, message), 272);
-        // _IOWR('s', 1, 512 bytes), as the C macro computes it.
-        assert_eq!(IOC_PREFETCH, 0xc200_7301);
+        assert_eq!(std::mem::offset_of!(PrefetchArgs, offset), 272);
+        assert_eq!(std::mem::offset_of!(PrefetchArgs, message), 296);
+        // _IOWR('s', 1, 520 bytes), as the C macro computes it.
+        assert_eq!(IOC_PREFETCH, 0xc208_7301);
         let mut a = PrefetchArgs::new(TARGET_CUDA, 3);
         a.set_message("m");
         let b = PrefetchArgs::from_bytes(a.as_bytes()).unwrap();

@@ -1,39 +1,45 @@
 //! The filesystem view of mounted checkpoints: inodes, names, attributes,
-//! directory listings, reads, staged writes and commits. Plain Rust that tests
-//! call without a mount; `fuse.rs` is the thin adapter that turns kernel
-//! requests into these calls.
+//! directory listings, file handles, and the policies of a mount (what fsync
+//! does, when a commit happens, who may commit). Plain Rust that tests call
+//! without a mount; `fuse.rs` is the thin adapter that turns kernel requests
+//! into these calls.
 //!
-//! Inodes are never reused while mounted. Directories and special files come
-//! first (1 is the root); tensor id `i` (ids count across all checkpoints of the
-//! mount and are never reused) has its data file at `first_tensor_ino + 2*i`
-//! and its `.meta.json` right after. A tensor keeps its id, and so its inode,
-//! across renames and commits.
+//! Inodes: 1 is the root, then the checkpoint directories and special files,
+//! then `first_ino + STRIDE * (id * C + c) + slot` for the file of kind `slot`
+//! (`TensorFile`) of id `id` of checkpoint `c` (C checkpoints). A data file's
+//! id is its object's, a `.meta.json`'s is its name's entry: renames and
+//! commits keep both, so the kernel's inodes stay valid.
 //!
-//! Locks, always taken in this order: `commit_lock` (held by commits and every
-//! edit, so a commit sees no edit half-done), then `state`, then `handles`.
+//! Locks, always taken in this order: `commit_lock` (one commit or discard at
+//! a time), then `state`, then `handles`. Reads take `state` only to find an
+//! object, and never while reading its bytes; no lock is held across disk I/O
+//! of tensor bytes (copies into staging, commits) or fsync.
 
 mod error;
+pub mod files;
 pub mod fuse;
 pub mod ioctl;
 pub mod names;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::SystemTime;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, SystemTime};
 
 pub use error::FsError;
-use names::{tensor_file_name, tensor_name, METADATA_FILE, META_SUFFIX, NAME_MAX};
+pub use files::TensorFile;
+use names::{METADATA_FILE, NAME_MAX};
 use tracing::{info, warn};
 
-use crate::checkpoint::{Checkpoint, CommitError, Live, Tensor, TensorBytes, TensorId};
-use crate::format::{Dtype, Metadata};
+use crate::checkpoint::commit::{land, Written};
+use crate::checkpoint::staging::Staging;
+use crate::checkpoint::{CommitError, CommitPlan, DataObject, EditError, Id, Live, MAX_JSON};
+use crate::format::Dtype;
+use crate::source::{FileStat, SourceFile};
 
 pub type Ino = u64;
 pub const ROOT_INO: Ino = 1;
-/// Largest `.meta.json` or `__metadata__.json` accepted in one write session.
-const MAX_JSON_EDIT: usize = 16 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -52,15 +58,27 @@ pub struct Attr {
     pub nlink: u32,
     pub uid: u32,
     pub gid: u32,
+    /// Content generated from the state (metas): the kernel must not cache it.
+    pub volatile: bool,
+}
+
+/// How the kernel caches tensor bytes read through the mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    /// The mount's pages stay cached across opens (FOPEN_KEEP_CACHE): a
+    /// second read is served by the kernel alone, but every byte read sits in
+    /// the page cache twice (the source's pages and the mount's).
+    Keep,
+    /// No page cache of the mount's own (FOPEN_DIRECT_IO; mmap still works):
+    /// one copy in memory, every read served from the source's pages.
+    Direct,
 }
 
 /// An open file: its handle and how the kernel should cache it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Opened {
     pub fh: u64,
-    /// Keep the kernel's page cache across opens: the bytes only change through the mount.
     pub keep_cache: bool,
-    /// Bypass the page cache: generated content whose size may change.
     pub direct_io: bool,
 }
 
@@ -73,14 +91,22 @@ pub struct DirEntry {
     pub next_offset: u64,
 }
 
+/// An `*.index.json` of a folder mount.
+pub struct IndexFile {
+    pub name: String,
+    pub bytes: Vec<u8>,
+    pub stat: FileStat,
+}
+
 /// A source to mount: one checkpoint file, or a folder of shards.
 pub enum Source {
-    File(Checkpoint),
+    File(SourceFile),
     Folder {
+        folder: Arc<crate::source::local::Folder>,
+        stat: FileStat,
         /// (directory name, checkpoint), sorted by name.
-        checkpoints: Vec<(String, Checkpoint)>,
-        /// (file name, bytes) of each `*.index.json`, shown as they are.
-        indexes: Vec<(String, Vec<u8>)>,
+        checkpoints: Vec<(String, SourceFile)>,
+        indexes: Vec<IndexFile>,
     },
 }
 
@@ -91,12 +117,26 @@ pub enum PrefetchTarget {
     Cuda(i32),
 }
 
+/// A prefetch asked for: `len` bytes at `offset` (0: to the end) into the
+/// page cache, or the whole tensor into a CUDA buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefetchRequest {
+    pub target: PrefetchTarget,
+    pub offset: u64,
+    pub len: u64,
+    /// The uid of the caller.
+    pub caller: u32,
+}
+
 /// What a prefetch did.
 #[derive(Debug, Clone)]
 pub struct Prefetched {
-    /// Bytes resident in the page cache, or copied to the device.
+    /// Bytes of the range asked for now resident in the page cache, or
+    /// copied to the device.
     pub bytes: u64,
     pub nbytes: u64,
+    /// Where the next call should continue (the end when done).
+    pub next: u64,
     pub dtype: Option<Dtype>,
     pub shape: Option<Vec<u64>>,
     /// The CUDA IPC handle and allocation size.
@@ -107,12 +147,23 @@ pub struct Prefetched {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub read_only: bool,
-    pub uid: u32,
-    pub gid: u32,
-    /// Where staging files go (default: a hidden folder beside each source).
-    pub staging_dir: Option<PathBuf>,
-    /// Kept edits to take back at mount (a file mount only): see `Live::resume`.
-    pub resume: Option<PathBuf>,
+    /// The user who mounted: with root, the only one who may commit, discard and prefetch.
+    pub owner: u32,
+    pub cache: CacheMode,
+    /// Drop the daemon's page-table references to the source after each read.
+    pub release_after_read: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            read_only: false,
+            // SAFETY: getuid cannot fail.
+            owner: unsafe { libc::getuid() },
+            cache: CacheMode::Keep,
+            release_after_read: false,
+        }
+    }
 }
 
 /// A file or directory, as an inode number decodes.
@@ -122,8 +173,14 @@ enum Node {
     CheckpointDir(usize),
     Metadata(usize),
     Index(usize),
-    Tensor(usize, TensorId),
-    Meta(usize, TensorId),
+    File(usize, Id, TensorFile),
+}
+
+/// A name in a checkpoint directory, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Name {
+    Metadata,
+    Tensor(TensorFile, String),
 }
 
 struct Mounted {
@@ -135,43 +192,68 @@ struct Mounted {
 
 struct State {
     checkpoints: Vec<Mounted>,
-    indexes: Vec<(String, Vec<u8>, Ino)>,
-    /// Node of each inode below `first_tensor_ino` (index = ino - 1).
+    indexes: Vec<(IndexFile, Ino)>,
+    /// Node of each inode below `first_ino` (index = ino - 1).
     fixed: Vec<Node>,
-    first_tensor_ino: Ino,
-    /// Checkpoint of each tensor id ever given out.
-    owner: Vec<u32>,
-    folder_mtime: SystemTime,
+    first_ino: Ino,
+    /// The folder of a folder mount.
+    folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
+}
+
+/// JSON written through an open `.meta.json` or `__metadata__.json`, applied
+/// on flush (or close).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum JsonTarget {
+    Meta(usize, String),
+    Metadata(usize),
 }
 
 /// What an open file handle refers to.
 enum Handle {
-    /// A tensor. `opened` keeps the bytes it was opened on, read if the tensor
-    /// is later removed (POSIX: an unlinked file stays readable).
-    Tensor {
-        opened: TensorBytes,
+    /// A data file: the object itself, so that the handle keeps reading it
+    /// after an unlink or a rename, and sees every write.
+    Data {
+        object: Arc<DataObject>,
+        wrote: bool,
         /// CUDA buffers prefetched through this handle: freed when it closes.
         device: Vec<crate::prefetch::cuda::DeviceBuffer>,
     },
-    /// A `.meta.json` or `__metadata__.json` opened for writing: the JSON is
-    /// buffered and applied on flush (or close).
     Json {
-        target: Node,
-        data: Vec<u8>,
+        target: JsonTarget,
+        text: Vec<u8>,
         dirty: bool,
     },
 }
 
 pub struct Fs {
     settings: Settings,
+    staging: Arc<Staging>,
     commit_lock: Mutex<()>,
     state: RwLock<State>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
+    next_commit: AtomicU64,
+    /// A request handler panicked: nothing of this mount is committed.
+    tainted: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn file_mode(stat: &FileStat, read_only: bool) -> u16 {
+    let mode = (stat.mode & 0o777) as u16;
+    if read_only {
+        mode & !0o222
+    } else {
+        mode
+    }
+}
+
+/// A directory gets x where its file has r.
+fn dir_mode(stat: &FileStat, read_only: bool) -> u16 {
+    let mode = file_mode(stat, read_only);
+    mode | ((mode & 0o444) >> 2)
 }
 
 impl State {
@@ -179,23 +261,28 @@ impl State {
         if ino == 0 {
             return Err(FsError::NotFound);
         }
-        if ino < self.first_tensor_ino {
+        if ino < self.first_ino {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
-        let rel = ino - self.first_tensor_ino;
-        let id = rel / 2;
-        let &c = self.owner.get(id as usize).ok_or(FsError::NotFound)?;
-        let c = c as usize;
-        self.checkpoints[c].live.get(id).ok_or(FsError::NotFound)?;
-        Ok(if rel % 2 == 0 {
-            Node::Tensor(c, id)
-        } else {
-            Node::Meta(c, id)
-        })
+        let rel = ino - self.first_ino;
+        let kind = TensorFile::from_slot(rel % TensorFile::STRIDE).ok_or(FsError::NotFound)?;
+        let k = rel / TensorFile::STRIDE;
+        let count = self.checkpoints.len().max(1) as u64;
+        let (c, id) = ((k % count) as usize, k / count);
+        let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
+        let exists = match kind {
+            TensorFile::Data => live.object_len(id).is_some(),
+            TensorFile::Meta => live.entry(id).is_some_and(|e| e.meta.exists()),
+        };
+        if !exists {
+            return Err(FsError::NotFound);
+        }
+        Ok(Node::File(c, id, kind))
     }
 
-    fn tensor_ino(&self, id: TensorId) -> Ino {
-        self.first_tensor_ino + 2 * id
+    fn ino(&self, c: usize, id: Id, kind: TensorFile) -> Ino {
+        let count = self.checkpoints.len().max(1) as u64;
+        self.first_ino + TensorFile::STRIDE * (id * count + c as u64) + kind.slot()
     }
 
     fn ino_of(&self, node: Node) -> Ino {
@@ -203,111 +290,100 @@ impl State {
             Node::FolderRoot => ROOT_INO,
             Node::CheckpointDir(c) => self.checkpoints[c].dir_ino,
             Node::Metadata(c) => self.checkpoints[c].metadata_ino,
-            Node::Index(i) => self.indexes[i].2,
-            Node::Tensor(_, id) => self.tensor_ino(id),
-            Node::Meta(_, id) => self.tensor_ino(id) + 1,
+            Node::Index(i) => self.indexes[i].1,
+            Node::File(c, id, kind) => self.ino(c, id, kind),
         }
-    }
-
-    fn new_id(&mut self, c: usize) -> TensorId {
-        self.owner.push(c as u32);
-        (self.owner.len() - 1) as TensorId
     }
 
     fn live(&self, c: usize) -> &Live {
         &self.checkpoints[c].live
     }
 
-    fn tensor(&self, c: usize, id: TensorId) -> Result<&Tensor, FsError> {
-        self.live(c).get(id).ok_or(FsError::NotFound)
+    /// The checkpoint that lists `object` now (objects move between the
+    /// checkpoints of a folder mount).
+    fn home(&self, object: &DataObject) -> Option<usize> {
+        let (serial, _) = object.home();
+        self.checkpoints
+            .iter()
+            .position(|m| m.live.serial() == serial)
+    }
+
+    fn live_mut(&mut self, c: usize) -> &mut Live {
+        &mut self.checkpoints[c].live
     }
 
     /// The checkpoint a directory inode stands for.
     fn checkpoint_dir(&self, ino: Ino) -> Result<usize, FsError> {
         match self.node(ino)? {
             Node::CheckpointDir(c) => Ok(c),
-            Node::FolderRoot => Err(FsError::NotSupported(
-                "creating files at the root of a folder mount",
+            Node::FolderRoot => Err(FsError::NotPermitted(
+                "the root of a folder mount holds one directory per shard: edit inside them",
             )),
             _ => Err(FsError::NotADirectory),
         }
     }
 
-    /// Decodes a name inside a checkpoint directory. `Ok(None)` for a valid
-    /// name of a tensor that does not exist (yet).
-    fn resolve(&self, c: usize, name: &str) -> Result<Option<Node>, FsError> {
-        if name.len() > NAME_MAX {
+    /// Decodes a file name of a checkpoint directory.
+    fn decode(&self, c: usize, file_name: &str) -> Result<Name, FsError> {
+        if file_name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
         }
-        if name == METADATA_FILE {
-            return Ok(Some(Node::Metadata(c)));
+        if file_name == METADATA_FILE {
+            return Ok(Name::Metadata);
         }
-        let (file, meta) = match name.strip_suffix(META_SUFFIX) {
-            Some(stem) => (stem, true),
-            None => (name, false),
+        let invalid = || {
+            FsError::Invalid(format!(
+                "{file_name:?} is not a valid tensor file name (see \"Names\" in docs/SEMANTICS.md)"
+            ))
         };
-        let live = self.live(c);
-        let id = match hashed_lookup(live, file) {
-            Some(id) => Some(id),
-            None => {
-                let tensor = tensor_name(file).ok_or_else(|| {
-                    FsError::Invalid(format!("{name:?} is not a valid tensor file name"))
-                })?;
-                live.id_of(&tensor)
+        let (kind, name) = TensorFile::parse(file_name).ok_or_else(invalid)?;
+        let stem = &file_name[..file_name.len() - kind.suffix().len()];
+        if names::maybe_hashed(stem) {
+            if let Some(long) = self.hashed_name(c, stem) {
+                return Ok(Name::Tensor(kind, long));
             }
-        };
-        Ok(id.map(|id| {
-            if meta {
-                Node::Meta(c, id)
-            } else {
-                Node::Tensor(c, id)
-            }
-        }))
+        }
+        Ok(Name::Tensor(kind, name.map_err(|_| invalid())?))
     }
-}
 
-/// Hashed long names cannot be decoded: find the tensor whose file name it is.
-/// Only names of the hashed form reach the scan.
-fn hashed_lookup(live: &Live, file: &str) -> Option<TensorId> {
-    if !file.contains('~') || file.len() < 17 {
-        return None;
+    /// Hashed long names cannot be decoded: find the tensor whose file name it is.
+    fn hashed_name(&self, c: usize, stem: &str) -> Option<String> {
+        self.live(c)
+            .entries_from(0)
+            .find(|(_, e)| names::is_hashed(e.name) && names::tensor_file_name(e.name) == stem)
+            .map(|(_, e)| e.name.to_string())
     }
-    live.tensors()
-        .iter()
-        .find(|(_, t)| names::is_hashed(&t.name) && tensor_file_name(&t.name) == file)
-        .map(|(&id, _)| id)
+
+    /// The node a decoded name stands for now, if it exists.
+    fn find(&self, c: usize, name: &Name) -> Option<Node> {
+        let live = self.live(c);
+        match name {
+            Name::Metadata => live.metadata_text().map(|_| Node::Metadata(c)),
+            Name::Tensor(kind, tensor) => {
+                let id = live.find(tensor)?;
+                let e = live.entry(id)?;
+                match kind {
+                    TensorFile::Data => e.data.map(|d| Node::File(c, d, *kind)),
+                    TensorFile::Meta => e.meta.exists().then_some(Node::File(c, id, *kind)),
+                }
+            }
+        }
+    }
 }
 
 impl Fs {
-    /// Like `new`, then takes back the edits kept in `settings.resume`.
-    pub fn with_resume(source: Source, settings: Settings) -> Result<Fs, String> {
-        let fs = Fs::new(source, settings);
-        if let Some(dir) = fs.settings.resume.clone() {
-            let mut st = fs.write_state();
-            if st.checkpoints.len() != 1 {
-                return Err("--resume works on a mount of one checkpoint file".into());
-            }
-            let st = &mut *st;
-            let owner = &mut st.owner;
-            let mut new_id = || {
-                owner.push(0);
-                (owner.len() - 1) as TensorId
-            };
-            st.checkpoints[0].live.resume(&dir, &mut new_id)?;
-        }
-        Ok(fs)
-    }
-
-    pub fn new(source: Source, settings: Settings) -> Fs {
+    pub fn new(source: Source, settings: Settings, staging: Arc<Staging>) -> Fs {
         let mut fixed = Vec::new();
         let (list, indexes, folder) = match source {
-            Source::File(c) => (vec![(String::new(), c)], Vec::new(), false),
+            Source::File(c) => (vec![(String::new(), c)], Vec::new(), None),
             Source::Folder {
+                folder,
+                stat,
                 checkpoints,
                 indexes,
-            } => (checkpoints, indexes, true),
+            } => (checkpoints, indexes, Some((folder, stat))),
         };
-        if folder {
+        if folder.is_some() {
             fixed.push(Node::FolderRoot);
         }
         let alloc = |fixed: &mut Vec<Node>, node| {
@@ -315,19 +391,13 @@ impl Fs {
             fixed.len() as Ino
         };
         let mut checkpoints = Vec::with_capacity(list.len());
-        let mut owner = Vec::new();
-        for (c, (dir_name, checkpoint)) in list.into_iter().enumerate() {
+        for (c, (dir_name, source)) in list.into_iter().enumerate() {
+            source.set_release_after_read(settings.release_after_read);
             let dir_ino = alloc(&mut fixed, Node::CheckpointDir(c));
             let metadata_ino = alloc(&mut fixed, Node::Metadata(c));
-            let first_id = owner.len() as TensorId;
-            owner.extend(std::iter::repeat_n(
-                c as u32,
-                checkpoint.header().tensors.len(),
-            ));
-            let live = Live::new(checkpoint, first_id, settings.staging_dir.as_deref());
             checkpoints.push(Mounted {
                 dir_name,
-                live,
+                live: Live::new(source, staging.clone()),
                 dir_ino,
                 metadata_ino,
             });
@@ -335,26 +405,23 @@ impl Fs {
         let indexes = indexes
             .into_iter()
             .enumerate()
-            .map(|(i, (name, bytes))| (name, bytes, alloc(&mut fixed, Node::Index(i))))
+            .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
-        let folder_mtime = checkpoints
-            .iter()
-            .map(|m| m.live.source().modified())
-            .max()
-            .unwrap_or(SystemTime::UNIX_EPOCH);
         Fs {
             settings,
+            staging,
             commit_lock: Mutex::new(()),
             state: RwLock::new(State {
-                first_tensor_ino: fixed.len() as Ino + 1,
+                first_ino: fixed.len() as Ino + 1,
                 checkpoints,
                 indexes,
                 fixed,
-                owner,
-                folder_mtime,
+                folder,
             }),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
+            next_commit: AtomicU64::new(1),
+            tainted: AtomicBool::new(false),
         }
     }
 
@@ -366,11 +433,35 @@ impl Fs {
         self.state.write().unwrap_or_else(|p| p.into_inner())
     }
 
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn staging(&self) -> &Arc<Staging> {
+        &self.staging
+    }
+
+    /// Runs `f` on every checkpoint's live state (mount-time recovery).
+    pub fn with_lives<R>(&self, f: impl FnOnce(&mut [&mut Live]) -> R) -> R {
+        let mut st = self.write_state();
+        let mut lives: Vec<&mut Live> = st.checkpoints.iter_mut().map(|m| &mut m.live).collect();
+        f(&mut lives)
+    }
+
     fn writable(&self) -> Result<(), FsError> {
         if self.settings.read_only {
             Err(FsError::ReadOnly)
         } else {
             Ok(())
+        }
+    }
+
+    /// Commit, discard and prefetch are for the user who mounted, and root.
+    fn allowed(&self, caller: u32, what: &'static str) -> Result<(), FsError> {
+        if caller == 0 || caller == self.settings.owner {
+            Ok(())
+        } else {
+            Err(FsError::Denied(what))
         }
     }
 
@@ -386,438 +477,143 @@ impl Fs {
             Node::FolderRoot => {
                 if let Some(c) = st.checkpoints.iter().position(|m| m.dir_name == name) {
                     Node::CheckpointDir(c)
-                } else if let Some(i) = st.indexes.iter().position(|(n, _, _)| n == name) {
+                } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
                     Node::Index(i)
                 } else {
                     return Err(FsError::NotFound);
                 }
             }
-            Node::CheckpointDir(c) => match st.resolve(c, name) {
-                Ok(Some(node)) => node,
-                Ok(None) | Err(FsError::Invalid(_)) => return Err(FsError::NotFound),
-                Err(e) => return Err(e),
+            Node::CheckpointDir(c) => match st.decode(c, name) {
+                Ok(decoded) => st.find(c, &decoded).ok_or(FsError::NotFound)?,
+                Err(FsError::NameTooLong) => return Err(FsError::NameTooLong),
+                Err(_) => return Err(FsError::NotFound),
             },
             _ => return Err(FsError::NotADirectory),
         };
         self.attr_of(&st, node)
     }
 
-    pub fn getattr(&self, ino: Ino) -> Result<Attr, FsError> {
+    /// `fh`: an open handle of the file, which answers for it after it was
+    /// removed (as `fstat` on an unlinked file does).
+    pub fn getattr(&self, ino: Ino, fh: Option<u64>) -> Result<Attr, FsError> {
         let st = self.read_state();
-        let node = st.node(ino)?;
-        self.attr_of(&st, node)
+        match st.node(ino) {
+            Ok(node) => self.attr_of(&st, node),
+            Err(e) => {
+                let handles = lock(&self.handles);
+                match fh.and_then(|fh| handles.get(&fh)) {
+                    Some(Handle::Data { object, .. }) => {
+                        let c = st.home(object).unwrap_or(0);
+                        let mut a = self.object_attr(&st, c, object.state(), ino);
+                        a.nlink = 0;
+                        Ok(a)
+                    }
+                    _ => Err(e),
+                }
+            }
+        }
+    }
+
+    fn object_attr(
+        &self,
+        st: &State,
+        c: usize,
+        o: crate::checkpoint::ObjectState,
+        ino: Ino,
+    ) -> Attr {
+        let src = st.live(c).source();
+        Attr {
+            ino,
+            kind: Kind::File,
+            size: o.bytes.len(),
+            mtime: o.edited.unwrap_or_else(|| src.modified()),
+            perm: file_mode(src.stat(), self.settings.read_only),
+            nlink: 1,
+            uid: src.stat().uid,
+            gid: src.stat().gid,
+            volatile: false,
+        }
     }
 
     fn attr_of(&self, st: &State, node: Node) -> Result<Attr, FsError> {
-        let (kind, size, mtime) = match node {
-            Node::FolderRoot => (Kind::Directory, 0, st.folder_mtime),
-            Node::CheckpointDir(c) => (Kind::Directory, 0, st.live(c).source().modified()),
-            Node::Index(i) => (Kind::File, st.indexes[i].1.len() as u64, st.folder_mtime),
-            Node::Tensor(c, id) => {
-                let t = st.tensor(c, id)?;
-                (
-                    Kind::File,
-                    t.len(),
-                    t.edited.unwrap_or(st.live(c).source().modified()),
-                )
+        let ro = self.settings.read_only;
+        let ino = st.ino_of(node);
+        let of_source = |c: usize, kind, size, mtime, volatile| {
+            let src = st.live(c).source().stat();
+            Attr {
+                ino,
+                kind,
+                size,
+                mtime,
+                perm: if kind == Kind::Directory {
+                    dir_mode(src, ro)
+                } else {
+                    file_mode(src, ro)
+                },
+                nlink: if kind == Kind::Directory { 2 } else { 1 },
+                uid: src.uid,
+                gid: src.gid,
+                volatile,
             }
-            Node::Meta(c, id) => {
-                let t = st.tensor(c, id)?;
-                let size = generated(st, node).map_or(0, |b| b.len() as u64);
-                (
-                    Kind::File,
-                    size,
-                    t.edited.unwrap_or(st.live(c).source().modified()),
-                )
+        };
+        Ok(match node {
+            Node::FolderRoot => {
+                let (_, stat) = st.folder.as_ref().expect("a folder mount");
+                Attr {
+                    ino,
+                    kind: Kind::Directory,
+                    size: 0,
+                    mtime: stat.modified(),
+                    perm: dir_mode(stat, ro) & !0o222,
+                    nlink: 2 + st.checkpoints.len() as u32,
+                    uid: stat.uid,
+                    gid: stat.gid,
+                    volatile: false,
+                }
+            }
+            Node::CheckpointDir(c) => {
+                of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false)
+            }
+            Node::Index(i) => {
+                let ix = &st.indexes[i].0;
+                Attr {
+                    ino,
+                    kind: Kind::File,
+                    size: ix.bytes.len() as u64,
+                    mtime: ix.stat.modified(),
+                    perm: file_mode(&ix.stat, true),
+                    nlink: 1,
+                    uid: ix.stat.uid,
+                    gid: ix.stat.gid,
+                    volatile: true,
+                }
             }
             Node::Metadata(c) => {
-                let size = generated(st, node).map_or(0, |b| b.len() as u64);
-                (Kind::File, size, st.live(c).source().modified())
+                let size = st.live(c).metadata_text().map_or(0, |t| t.len() as u64);
+                of_source(c, Kind::File, size, st.live(c).source().modified(), true)
             }
-        };
-        let (perm, nlink) = match kind {
-            Kind::Directory => (0o755, 2),
-            Kind::File if self.settings.read_only || matches!(node, Node::Index(_)) => (0o444, 1),
-            Kind::File => (0o644, 1),
-        };
-        Ok(Attr {
-            ino: st.ino_of(node),
-            kind,
-            size,
-            mtime,
-            perm,
-            nlink,
-            uid: self.settings.uid,
-            gid: self.settings.gid,
+            Node::File(c, id, TensorFile::Data) => {
+                let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
+                self.object_attr(st, c, o, ino)
+            }
+            Node::File(c, id, TensorFile::Meta) => {
+                let live = st.live(c);
+                let size = live.meta_text(id).map_or(0, |t| t.len() as u64);
+                let mtime = live
+                    .entry(id)
+                    .and_then(|e| e.data)
+                    .and_then(|d| live.object(d))
+                    .and_then(|o| o.edited)
+                    .unwrap_or_else(|| live.source().modified());
+                of_source(c, Kind::File, size, mtime, true)
+            }
         })
     }
 
-    /// Opens a file. `write` is any write access; `truncate` is O_TRUNC.
-    pub fn open(&self, ino: Ino, write: bool, truncate: bool) -> Result<Opened, FsError> {
-        if write || truncate {
-            self.writable()?;
-        }
-        let _edit = (write || truncate).then(|| lock(&self.commit_lock));
-        if write && truncate {
-            let mut st = self.write_state();
-            if let Node::Tensor(c, id) = st.node(ino)? {
-                st.checkpoints[c].live.truncate(id, 0)?;
-            }
-        }
-        let st = self.read_state();
-        let node = st.node(ino)?;
-        match node {
-            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
-            Node::Index(_) if write || truncate => Err(FsError::ReadOnly),
-            Node::Index(_) => Ok(Opened {
-                fh: 0,
-                keep_cache: true,
-                direct_io: false,
-            }),
-            Node::Tensor(c, id) => {
-                let opened = st.tensor(c, id)?.bytes.clone();
-                drop(st);
-                let fh = self.new_handle(Handle::Tensor {
-                    opened,
-                    device: Vec::new(),
-                });
-                Ok(Opened {
-                    fh,
-                    keep_cache: true,
-                    direct_io: false,
-                })
-            }
-            Node::Meta(..) | Node::Metadata(_) if write => {
-                let data = if truncate {
-                    Vec::new()
-                } else {
-                    generated(&st, node).unwrap_or_default()
-                };
-                drop(st);
-                let fh = self.new_handle(Handle::Json {
-                    target: node,
-                    data,
-                    dirty: truncate,
-                });
-                Ok(Opened {
-                    fh,
-                    keep_cache: false,
-                    direct_io: true,
-                })
-            }
-            Node::Meta(..) | Node::Metadata(_) => Ok(Opened {
-                fh: 0,
-                keep_cache: false,
-                direct_io: true,
-            }),
-        }
-    }
-
-    /// Creates (or opens, if it exists) a file in a checkpoint directory.
-    pub fn create(
-        &self,
-        parent: Ino,
-        name: &str,
-        truncate: bool,
-    ) -> Result<(Attr, Opened), FsError> {
-        self.writable()?;
-        let ino = {
-            let _edit = lock(&self.commit_lock);
-            let mut st = self.write_state();
-            let c = st.checkpoint_dir(parent)?;
-            let node = match st.resolve(c, name)? {
-                Some(node) => node,
-                None => {
-                    let (stem, is_meta) = match name.strip_suffix(META_SUFFIX) {
-                        Some(stem) => (stem, true),
-                        None => (name, false),
-                    };
-                    let tensor = tensor_name(stem).ok_or_else(|| {
-                        FsError::Invalid(format!("{name:?} is not a valid tensor file name"))
-                    })?;
-                    let id = st.new_id(c);
-                    st.checkpoints[c].live.create(id, &tensor)?;
-                    info!(tensor = %tensor, "created");
-                    if is_meta {
-                        Node::Meta(c, id)
-                    } else {
-                        Node::Tensor(c, id)
-                    }
-                }
-            };
-            st.ino_of(node)
-        };
-        let opened = self.open(ino, true, truncate)?;
-        Ok((self.getattr(ino)?, opened))
-    }
-
-    pub fn release(&self, fh: u64) -> Result<(), FsError> {
-        let result = self.apply_json(fh, true);
-        lock(&self.handles).remove(&fh);
-        result
-    }
-
-    /// Applies a buffered `.meta.json` / `__metadata__.json` write. A shell's
-    /// `>` closes a duplicate descriptor before anything is written: an empty
-    /// buffer waits for the last close.
-    pub fn flush(&self, fh: u64) -> Result<(), FsError> {
-        self.apply_json(fh, false)
-    }
-
-    fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
-        let (target, data) = {
-            let mut handles = lock(&self.handles);
-            match handles.get_mut(&fh) {
-                Some(Handle::Json {
-                    target,
-                    data,
-                    dirty,
-                }) if *dirty && (last_close || !data.is_empty()) => {
-                    *dirty = false;
-                    (*target, data.clone())
-                }
-                _ => return Ok(()),
-            }
-        };
-        let _edit = lock(&self.commit_lock);
-        let mut st = self.write_state();
-        let result = match target {
-            Node::Meta(c, id) => {
-                let (dtype, shape) = parse_meta(&data)?;
-                st.checkpoints[c]
-                    .live
-                    .set_meta(id, dtype, shape)
-                    .map_err(FsError::Invalid)
-            }
-            Node::Metadata(c) => {
-                let meta = parse_metadata(&data)?;
-                st.checkpoints[c].live.set_metadata(meta);
-                Ok(())
-            }
-            _ => Ok(()),
-        };
-        if let Err(e) = &result {
-            warn!("edit refused: {e}");
-        }
-        result
-    }
-
-    pub fn write(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
-        self.writable()?;
-        {
-            let mut handles = lock(&self.handles);
-            if let Some(Handle::Json {
-                data: buf, dirty, ..
-            }) = handles.get_mut(&fh)
-            {
-                let end = offset
-                    .checked_add(data.len() as u64)
-                    .filter(|&e| e <= MAX_JSON_EDIT as u64)
-                    .ok_or(FsError::TooLarge)?;
-                if buf.len() < end as usize {
-                    buf.resize(end as usize, 0);
-                }
-                buf[offset as usize..end as usize].copy_from_slice(data);
-                *dirty = true;
-                return Ok(data.len() as u32);
-            }
-        }
-        // Edits exclude commits (and each other) for the whole write; readers
-        // wait only for the short state changes, not for the copy or the write.
-        let _edit = lock(&self.commit_lock);
-        self.copy_to_staging(ino, u64::MAX)?;
-        let mut st = self.write_state();
-        match st.node(ino)? {
-            Node::Tensor(c, id) => {
-                let staged = st.checkpoints[c].live.writable(id)?;
-                drop(st);
-                staged.write_at(data, offset)?;
-                Ok(data.len() as u32)
-            }
-            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
-            _ => Err(FsError::Invalid(
-                "write without an open write handle".into(),
-            )),
-        }
-    }
-
-    /// Copies a source-backed tensor's first `keep` bytes into a staging file
-    /// without holding the state lock during the copy. Needs `commit_lock`.
-    fn copy_to_staging(&self, ino: Ino, keep: u64) -> Result<(), FsError> {
-        let job = {
-            let mut st = self.write_state();
-            match st.node(ino)? {
-                Node::Tensor(c, id) => st.checkpoints[c].live.begin_copy(id)?.map(|job| (c, job)),
-                _ => None,
-            }
-        };
-        if let Some((c, job)) = job {
-            job.copy(keep)?;
-            self.write_state().checkpoints[c].live.finish_copy(job);
-        }
-        Ok(())
-    }
-
-    /// `truncate` / `ftruncate`: tensors change length; a JSON file opened for
-    /// writing has its buffer cut.
-    pub fn set_size(&self, ino: Ino, fh: Option<u64>, size: u64) -> Result<Attr, FsError> {
-        self.writable()?;
-        if let Some(fh) = fh {
-            if let Some(Handle::Json { data, dirty, .. }) = lock(&self.handles).get_mut(&fh) {
-                data.resize((size as usize).min(MAX_JSON_EDIT), 0);
-                *dirty = true;
-            }
-        }
-        {
-            let _edit = lock(&self.commit_lock);
-            self.copy_to_staging(ino, size)?;
-            let mut st = self.write_state();
-            match st.node(ino)? {
-                Node::Tensor(c, id) => st.checkpoints[c].live.truncate(id, size)?,
-                Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
-                Node::Index(_) => return Err(FsError::ReadOnly),
-                Node::Meta(..) | Node::Metadata(_) if fh.is_some() => {}
-                Node::Meta(..) | Node::Metadata(_) => {
-                    return Err(FsError::Invalid(
-                        "a .meta.json is rewritten whole: open it for writing".into(),
-                    ))
-                }
-            }
-        }
-        self.getattr(ino)
-    }
-
-    pub fn unlink(&self, parent: Ino, name: &str) -> Result<(), FsError> {
-        self.writable()?;
-        let _edit = lock(&self.commit_lock);
-        let mut st = self.write_state();
-        let c = match st.node(parent)? {
-            Node::CheckpointDir(c) => c,
-            Node::FolderRoot => return Err(FsError::ReadOnly),
-            _ => return Err(FsError::NotADirectory),
-        };
-        match st
-            .resolve(c, name)
-            .map_err(|_| FsError::NotFound)?
-            .ok_or(FsError::NotFound)?
-        {
-            Node::Tensor(c, id) => {
-                let t = st.checkpoints[c].live.remove(id);
-                info!(tensor = ?t.map(|t| t.name), "removed");
-                Ok(())
-            }
-            Node::Meta(..) => Err(FsError::NotPermitted(
-                "a .meta.json goes with its tensor: remove the tensor file",
-            )),
-            _ => Err(FsError::NotPermitted(
-                "__metadata__.json cannot be removed: write {} to it",
-            )),
-        }
-    }
-
-    pub fn rename(
-        &self,
-        parent: Ino,
-        name: &str,
-        new_parent: Ino,
-        new_name: &str,
-        no_replace: bool,
-    ) -> Result<(), FsError> {
-        self.writable()?;
-        let _edit = lock(&self.commit_lock);
-        let mut st = self.write_state();
-        let c = st.checkpoint_dir(parent)?;
-        let nc = st.checkpoint_dir(new_parent)?;
-        if c != nc {
-            // mv falls back to copy and unlink, which carries the bytes across.
-            return Err(FsError::CrossDevice);
-        }
-        let from = st.resolve(c, name)?.ok_or(FsError::NotFound)?;
-        let (id, to_stem) = match (from, new_name.strip_suffix(META_SUFFIX)) {
-            (Node::Tensor(_, id), None) => (id, new_name),
-            (Node::Meta(_, id), Some(stem)) => (id, stem),
-            (Node::Metadata(_), _) => {
-                return Err(FsError::NotPermitted("__metadata__.json cannot be renamed"))
-            }
-            _ => {
-                return Err(FsError::Invalid(
-                    "a tensor file and a .meta.json cannot be renamed into each other".into(),
-                ))
-            }
-        };
-        if new_name == METADATA_FILE {
-            return Err(FsError::NotPermitted(
-                "__metadata__.json cannot be replaced",
-            ));
-        }
-        let to = tensor_name(to_stem).ok_or_else(|| {
-            FsError::Invalid(format!("{new_name:?} is not a valid tensor file name"))
-        })?;
-        if no_replace && st.live(c).id_of(&to).is_some_and(|other| other != id) {
-            return Err(FsError::Exists);
-        }
-        st.checkpoints[c].live.rename(id, &to);
-        info!(from = name, to = %to, "renamed");
-        Ok(())
-    }
-
-    /// Serves `size` bytes at `offset` to `reply`: source bytes straight from
-    /// the mapping, staged bytes from their file, generated files from a buffer.
-    pub fn read<R>(
-        &self,
-        ino: Ino,
-        fh: u64,
-        offset: u64,
-        size: u32,
-        reply: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R, FsError> {
-        let bytes = {
-            let st = self.read_state();
-            match st.node(ino) {
-                Ok(Node::FolderRoot | Node::CheckpointDir(_)) => return Err(FsError::IsADirectory),
-                Ok(Node::Tensor(c, id)) => st.tensor(c, id)?.bytes.clone(),
-                Ok(Node::Index(i)) => return Ok(reply(slice_at(&st.indexes[i].1, offset, size))),
-                Ok(node) => {
-                    let buffered = match lock(&self.handles).get(&fh) {
-                        Some(Handle::Json { data, .. }) => Some(data.clone()),
-                        _ => None,
-                    };
-                    let data = buffered
-                        .or_else(|| generated(&st, node))
-                        .unwrap_or_default();
-                    return Ok(reply(slice_at(&data, offset, size)));
-                }
-                // A tensor removed since it was opened: read what the handle opened.
-                Err(e) => match lock(&self.handles).get(&fh) {
-                    Some(Handle::Tensor { opened, .. }) => opened.clone(),
-                    _ => return Err(e),
-                },
-            }
-        };
-        match bytes {
-            TensorBytes::Source(checkpoint, index) => {
-                Ok(checkpoint.serve_tensor(index, offset, size, reply))
-            }
-            TensorBytes::Staged(file) => {
-                let len = file.len();
-                let want = (size as u64).min(len.saturating_sub(offset)) as usize;
-                let mut buf = vec![0u8; want];
-                let mut got = 0;
-                while got < want {
-                    match file.read_at(&mut buf[got..], offset + got as u64)? {
-                        0 => break,
-                        n => got += n,
-                    }
-                }
-                buf.truncate(got);
-                Ok(reply(&buf))
-            }
-        }
-    }
-
     /// Directory entries after `offset` (0 to start), in a stable order: `.`,
-    /// `..`, `__metadata__.json`, then each tensor and its `.meta.json` by id.
-    /// Offsets derive from ids, so a listing resumes correctly across edits.
+    /// `..`, `__metadata__.json`, then each name's files by entry id (data
+    /// file, then `.meta.json`). Offsets derive from ids, so a listing resumes
+    /// correctly across edits.
     pub fn readdir(
         &self,
         ino: Ino,
@@ -849,7 +645,7 @@ impl Fs {
                 let files = st
                     .indexes
                     .iter()
-                    .map(|(n, _, ino)| (*ino, Kind::File, n.clone()));
+                    .map(|(ix, ino)| (*ino, Kind::File, ix.name.clone()));
                 for (k, (ino, kind, name)) in dirs.chain(files).enumerate() {
                     let next = 3 + k as u64;
                     if next > offset && emit(ino, kind, name, next) {
@@ -860,21 +656,32 @@ impl Fs {
             }
             Node::CheckpointDir(c) => {
                 let m = &st.checkpoints[c];
-                if offset < 3 && emit(m.metadata_ino, Kind::File, METADATA_FILE.into(), 3) {
+                if offset < 3
+                    && m.live.metadata_text().is_some()
+                    && emit(m.metadata_ino, Kind::File, METADATA_FILE.into(), 3)
+                {
                     return Ok(());
                 }
-                // Tensor id i lists at offsets 4 + 2i (data) and 5 + 2i (meta).
-                let first_id = offset.saturating_sub(4) / 2;
-                for (&id, t) in m.live.tensors().range(first_id..) {
-                    let file = tensor_file_name(&t.name);
-                    let ino = st.tensor_ino(id);
-                    if 4 + 2 * id > offset && emit(ino, Kind::File, file.clone(), 4 + 2 * id) {
-                        break;
-                    }
-                    if 5 + 2 * id > offset
-                        && emit(ino + 1, Kind::File, file + META_SUFFIX, 5 + 2 * id)
-                    {
-                        break;
+                // File `slot` of id i lists at offset 4 + STRIDE*i + slot.
+                let first = offset.saturating_sub(4) / TensorFile::STRIDE;
+                for (id, e) in m.live.entries_from(first) {
+                    for kind in TensorFile::ALL {
+                        let next = 4 + TensorFile::STRIDE * id + kind.slot();
+                        let file_id = match kind {
+                            TensorFile::Data => e.data,
+                            TensorFile::Meta => e.meta.exists().then_some(id),
+                        };
+                        let Some(file_id) = file_id else { continue };
+                        if next > offset
+                            && emit(
+                                st.ino(c, file_id, kind),
+                                Kind::File,
+                                kind.file_name(e.name),
+                                next,
+                            )
+                        {
+                            return Ok(());
+                        }
                     }
                 }
                 Ok(())
@@ -883,118 +690,580 @@ impl Fs {
         }
     }
 
-    /// Prefetches the tensor behind `ino` (opened as `fh`). Errors carry an errno
-    /// and a message for the caller.
-    pub fn prefetch(
-        &self,
-        ino: Ino,
-        fh: u64,
-        target: PrefetchTarget,
-    ) -> Result<Prefetched, (i32, String)> {
-        let (bytes, dtype, shape) = {
+    fn opened(&self, fh: u64, generated: bool) -> Opened {
+        let direct = generated || self.settings.cache == CacheMode::Direct;
+        Opened {
+            fh,
+            keep_cache: !direct,
+            direct_io: direct,
+        }
+    }
+
+    /// The object of a data file, made shareable for a handle.
+    fn object(&self, c: usize, id: Id) -> Result<Arc<DataObject>, FsError> {
+        self.write_state()
+            .live_mut(c)
+            .object_arc(id)
+            .ok_or(FsError::NotFound)
+    }
+
+    /// Opens a file. `write` is any write access; `truncate` is O_TRUNC.
+    pub fn open(&self, ino: Ino, write: bool, truncate: bool) -> Result<Opened, FsError> {
+        if write || truncate {
+            self.writable()?;
+        }
+        let node = self.read_state().node(ino)?;
+        match node {
+            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
+            Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
+                "index files are rewritten by commits, not edited",
+            )),
+            Node::Index(_) => Ok(self.opened(0, true)),
+            Node::File(c, id, TensorFile::Data) => {
+                let object = self.object(c, id)?;
+                if truncate {
+                    self.truncate_object(&object, 0)?;
+                }
+                let fh = self.new_handle(Handle::Data {
+                    object,
+                    wrote: truncate,
+                    device: Vec::new(),
+                });
+                Ok(self.opened(fh, false))
+            }
+            Node::File(c, id, TensorFile::Meta) if write => {
+                let st = self.read_state();
+                let live = st.live(c);
+                let name = live.entry(id).ok_or(FsError::NotFound)?.name.to_string();
+                let text = if truncate {
+                    Vec::new()
+                } else {
+                    live.meta_text(id).unwrap_or_default()
+                };
+                drop(st);
+                let fh = self.new_handle(Handle::Json {
+                    target: JsonTarget::Meta(c, name),
+                    text,
+                    dirty: truncate,
+                });
+                Ok(self.opened(fh, true))
+            }
+            Node::Metadata(c) if write => {
+                let text = if truncate {
+                    Vec::new()
+                } else {
+                    self.read_state()
+                        .live(c)
+                        .metadata_text()
+                        .unwrap_or_default()
+                };
+                let fh = self.new_handle(Handle::Json {
+                    target: JsonTarget::Metadata(c),
+                    text,
+                    dirty: truncate,
+                });
+                Ok(self.opened(fh, true))
+            }
+            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => Ok(self.opened(0, true)),
+        }
+    }
+
+    fn truncate_object(&self, object: &Arc<DataObject>, len: u64) -> Result<(), FsError> {
+        let moved = object.truncate(&self.staging, len)?;
+        self.note_write(object, moved);
+        Ok(())
+    }
+
+    /// After a data write: the checkpoint listing the object learns it has
+    /// edits, and its journal where the bytes are if they moved.
+    fn note_write(&self, object: &Arc<DataObject>, moved: bool) {
+        if !moved {
             let st = self.read_state();
-            match st.node(ino) {
-                Ok(Node::Tensor(c, id)) => {
-                    let t = st.tensor(c, id).map_err(|e| (e.errno(), e.to_string()))?;
-                    (t.bytes.clone(), t.dtype, t.shape.clone())
+            if st.home(object).is_none_or(|c| st.live(c).is_dirty()) {
+                return;
+            }
+        }
+        let mut st = self.write_state();
+        if let Some(c) = st.home(object) {
+            st.live_mut(c).object_written(object, moved);
+        }
+    }
+
+    /// Creates (or opens, unless `exclusive`) a file in a checkpoint directory.
+    pub fn create(
+        &self,
+        parent: Ino,
+        name: &str,
+        truncate: bool,
+        exclusive: bool,
+    ) -> Result<(Attr, Opened), FsError> {
+        self.writable()?;
+        let ino = {
+            let mut st = self.write_state();
+            let c = st.checkpoint_dir(parent)?;
+            let decoded = st.decode(c, name)?;
+            let existing = st.find(c, &decoded);
+            if existing.is_some() && exclusive {
+                return Err(FsError::Exists);
+            }
+            let node = match (existing, &decoded) {
+                (Some(node), _) => node,
+                (None, Name::Metadata) => {
+                    st.live_mut(c).create_metadata();
+                    Node::Metadata(c)
                 }
-                Ok(_) => {
-                    return Err((
-                        libc::ENOTTY,
-                        "not a tensor file: prefetch works on a tensor's data file".into(),
-                    ))
-                }
-                Err(e) => return Err((e.errno(), e.to_string())),
-            }
-        };
-        let (file, offset, len) = match &bytes {
-            TensorBytes::Source(c, i) => {
-                let r = c.tensor_range(*i);
-                (c.file(), r.start, r.end - r.start)
-            }
-            TensorBytes::Staged(s) => (s.file(), 0, s.len()),
-        };
-        let io = |e: std::io::Error| (e.raw_os_error().unwrap_or(libc::EIO), e.to_string());
-        match target {
-            PrefetchTarget::PageCache => {
-                let resident = crate::prefetch::to_page_cache(file, offset, len).map_err(io)?;
-                Ok(Prefetched {
-                    bytes: resident,
-                    nbytes: len,
-                    dtype,
-                    shape,
-                    ipc: None,
-                })
-            }
-            PrefetchTarget::Cuda(device) => {
-                let buffer =
-                    crate::prefetch::cuda::to_device(device, file, offset, len).map_err(|e| {
-                        warn!("prefetch to cuda:{device}: {}", e.message);
-                        (e.errno, e.message)
-                    })?;
-                let ipc = Some((buffer.ipc_handle, buffer.len() as u64));
-                match lock(&self.handles).get_mut(&fh) {
-                    Some(Handle::Tensor {
-                        device: buffers, ..
-                    }) => buffers.push(buffer),
-                    _ => {
-                        return Err((
-                            libc::EBADF,
-                            "prefetch to a device needs an open tensor file".into(),
-                        ))
+                (None, Name::Tensor(TensorFile::Data, tensor)) => {
+                    if names::is_hashed(tensor) {
+                        return Err(FsError::Invalid(format!(
+                            "{name:?}: a tensor name this long cannot be created through the mount"
+                        )));
                     }
+                    let (id, _) = st.live_mut(c).create_data(tensor)?;
+                    info!(tensor = %tensor, "created");
+                    Node::File(c, id, TensorFile::Data)
                 }
-                Ok(Prefetched {
-                    bytes: len,
-                    nbytes: len,
-                    dtype,
-                    shape,
-                    ipc,
-                })
+                (None, Name::Tensor(TensorFile::Meta, tensor)) => {
+                    let id = st.live_mut(c).create_meta(tensor);
+                    Node::File(c, id, TensorFile::Meta)
+                }
+            };
+            st.ino_of(node)
+        };
+        let opened = self.open(ino, true, truncate)?;
+        Ok((self.getattr(ino, Some(opened.fh))?, opened))
+    }
+
+    /// Applies JSON written through a handle: on flush (if anything was
+    /// written: a shell's `>` closes a duplicate descriptor first) and on the
+    /// last close. What does not parse is kept as written, and reported.
+    fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
+        let (target, text) = {
+            let mut handles = lock(&self.handles);
+            match handles.get_mut(&fh) {
+                Some(Handle::Json {
+                    target,
+                    text,
+                    dirty,
+                }) if *dirty && (last_close || !text.is_empty()) => {
+                    *dirty = false;
+                    (target.clone(), text.clone())
+                }
+                _ => return Ok(()),
+            }
+        };
+        let (c, kept_invalid) = {
+            let mut st = self.write_state();
+            match &target {
+                JsonTarget::Meta(c, name) => (*c, st.live_mut(*c).set_meta(name, &text)?),
+                JsonTarget::Metadata(c) => (*c, st.live_mut(*c).set_metadata(&text)?),
+            }
+        };
+        self.sync_journal(c)?;
+        match kept_invalid {
+            None => Ok(()),
+            Some(why) => {
+                let file = match &target {
+                    JsonTarget::Meta(_, name) => TensorFile::Meta.file_name(name),
+                    JsonTarget::Metadata(_) => METADATA_FILE.to_string(),
+                };
+                warn!(file, "kept as written, but a commit will refuse it: {why}");
+                Err(FsError::Invalid(format!("{file}: {why}")))
             }
         }
     }
 
-    /// Commits the checkpoint that `ino` belongs to (every checkpoint, for the
-    /// root of a folder mount). Returns a line per checkpoint committed.
-    pub fn commit(&self, ino: Ino, force: bool) -> Result<Vec<String>, CommitError> {
-        let targets = {
+    /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
+    fn sync_journal(&self, c: usize) -> Result<(), FsError> {
+        let (handle, broken) = {
             let st = self.read_state();
-            match st.node(ino) {
-                Ok(Node::FolderRoot) | Err(_) => (0..st.checkpoints.len()).collect(),
-                Ok(
-                    Node::CheckpointDir(c)
-                    | Node::Metadata(c)
-                    | Node::Tensor(c, _)
-                    | Node::Meta(c, _),
-                ) => vec![c],
-                Ok(Node::Index(_)) => (0..st.checkpoints.len()).collect(),
+            (st.live(c).journal_handle(), st.live(c).journal_broken())
+        };
+        if broken {
+            self.write_state().live_mut(c).sync_journal()?;
+        } else if let Some(f) = handle {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// Makes what went through a handle durable: its staging file and the journal.
+    fn make_durable(&self, fh: u64) -> Result<(), FsError> {
+        let object = match lock(&self.handles).get(&fh) {
+            Some(Handle::Data {
+                object,
+                wrote: true,
+                ..
+            }) => object.clone(),
+            _ => return Ok(()),
+        };
+        object.sync()?;
+        let home = self.read_state().home(&object);
+        match home {
+            Some(c) => self.sync_journal(c),
+            None => Ok(()), // removed meanwhile: nothing to journal
+        }
+    }
+
+    /// `close` (every close of a descriptor): applies JSON, makes edits durable.
+    pub fn flush(&self, fh: u64) -> Result<(), FsError> {
+        self.apply_json(fh, false)?;
+        self.make_durable(fh)
+    }
+
+    pub fn release(&self, fh: u64) -> Result<(), FsError> {
+        let result = self
+            .apply_json(fh, true)
+            .and_then(|()| self.make_durable(fh));
+        lock(&self.handles).remove(&fh);
+        if let Err(e) = &result {
+            warn!("closing a file: {e}");
+        }
+        result
+    }
+
+    /// fsync makes the edits durable (staging file and journal). It does not
+    /// commit: `stfs commit`, `stfs umount` and unmounting do.
+    pub fn fsync(&self, fh: Option<u64>) -> Result<(), FsError> {
+        match fh {
+            Some(fh) => {
+                self.apply_json(fh, false)?;
+                self.make_durable(fh)
+            }
+            None => {
+                let count = self.read_state().checkpoints.len();
+                (0..count).try_for_each(|c| self.sync_journal(c))
+            }
+        }
+    }
+
+    /// Serves `size` bytes at `offset`: tensor bytes through the open
+    /// handle's object (no lock held while reading), generated files from the
+    /// state. `reply` gets the bytes as one or more slices.
+    pub fn read<R>(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, FsError> {
+        let object = match lock(&self.handles).get(&fh) {
+            Some(Handle::Data { object, .. }) => Some(object.bytes()),
+            Some(Handle::Json { text, .. }) => {
+                return Ok(reply(&[slice_at(text, offset, size)]));
+            }
+            None => None,
+        };
+        let bytes = match object {
+            Some(b) => b,
+            None => {
+                let st = self.read_state();
+                let text = match st.node(ino)? {
+                    Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+                    Node::Index(i) => {
+                        return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
+                    }
+                    Node::Metadata(c) => st.live(c).metadata_text(),
+                    Node::File(c, id, TensorFile::Meta) => st.live(c).meta_text(id),
+                    Node::File(c, id, TensorFile::Data) => {
+                        let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
+                        drop(st);
+                        return Ok(bytes.read(offset, size, |b| reply(&[b]))?);
+                    }
+                };
+                let text = text.unwrap_or_default();
+                return Ok(reply(&[slice_at(&text, offset, size)]));
             }
         };
-        // Edits wait on commit_lock for the whole commit; readers are held up
-        // only while the plan is taken and while the new file is swapped in.
-        let _edit = lock(&self.commit_lock);
-        let mut done = Vec::new();
-        for c in targets {
-            let (plan, path) = {
-                let st = self.read_state();
-                let live = st.live(c);
-                (
-                    live.prepare_commit(force),
-                    live.source().path().display().to_string(),
-                )
-            };
-            let plan = match plan {
-                Ok(Some(plan)) => plan,
-                Ok(None) => {
-                    done.push(format!("{path}: nothing to commit"));
-                    continue;
+        Ok(bytes.read(offset, size, |b| reply(&[b]))?)
+    }
+
+    pub fn write(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        self.writable()?;
+        let target = {
+            let mut handles = lock(&self.handles);
+            match handles.get_mut(&fh) {
+                Some(Handle::Json { text, dirty, .. }) => {
+                    let end = offset
+                        .checked_add(data.len() as u64)
+                        .filter(|&e| e <= MAX_JSON as u64)
+                        .ok_or(EditError::TooLarge)?;
+                    if text.len() < end as usize {
+                        text.resize(end as usize, 0);
+                    }
+                    text[offset as usize..end as usize].copy_from_slice(data);
+                    *dirty = true;
+                    return Ok(data.len() as u32);
                 }
-                Err(e) => {
+                Some(Handle::Data { object, wrote, .. }) => {
+                    *wrote = true;
+                    object.clone()
+                }
+                None => {
+                    let _ = ino;
+                    return Err(FsError::Invalid(
+                        "write without an open write handle".into(),
+                    ));
+                }
+            }
+        };
+        let object = target;
+        let moved = object.write(&self.staging, offset, data)?;
+        self.note_write(&object, moved);
+        Ok(data.len() as u32)
+    }
+
+    /// `truncate` / `ftruncate`.
+    pub fn set_size(&self, ino: Ino, fh: Option<u64>, size: u64) -> Result<Attr, FsError> {
+        self.writable()?;
+        if let Some(fh) = fh {
+            let mut handles = lock(&self.handles);
+            match handles.get_mut(&fh) {
+                Some(Handle::Json { text, dirty, .. }) => {
+                    if size > MAX_JSON as u64 {
+                        return Err(EditError::TooLarge.into());
+                    }
+                    text.resize(size as usize, 0);
+                    *dirty = true;
+                    drop(handles);
+                    return self.getattr(ino, Some(fh));
+                }
+                Some(Handle::Data { object, .. }) => {
+                    let object = object.clone();
+                    drop(handles);
+                    self.truncate_object(&object, size)?;
+                    return self.getattr(ino, Some(fh));
+                }
+                None => {}
+            }
+        }
+        let node = self.read_state().node(ino)?;
+        match node {
+            Node::File(c, id, TensorFile::Data) => {
+                let object = self.object(c, id)?;
+                self.truncate_object(&object, size)?;
+            }
+            Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+            Node::Index(_) => {
+                return Err(FsError::NotPermitted(
+                    "index files are rewritten by commits, not edited",
+                ))
+            }
+            // A JSON file cut by path: its text, cut, is what was written.
+            Node::File(c, id, TensorFile::Meta) => {
+                let mut st = self.write_state();
+                let live = st.live_mut(c);
+                let name = live.entry(id).ok_or(FsError::NotFound)?.name.to_string();
+                let mut text = live.meta_text(id).unwrap_or_default();
+                text.resize((size as usize).min(MAX_JSON + 1), 0);
+                live.set_meta(&name, &text)?;
+            }
+            Node::Metadata(c) => {
+                let mut st = self.write_state();
+                let live = st.live_mut(c);
+                let mut text = live.metadata_text().unwrap_or_default();
+                text.resize((size as usize).min(MAX_JSON + 1), 0);
+                live.set_metadata(&text)?;
+            }
+        }
+        self.getattr(ino, fh)
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &str) -> Result<(), FsError> {
+        self.writable()?;
+        let mut st = self.write_state();
+        let c =
+            match st.node(parent)? {
+                Node::CheckpointDir(c) => c,
+                Node::FolderRoot => return Err(FsError::NotPermitted(
+                    "the root of a folder mount holds one directory per shard: edit inside them",
+                )),
+                _ => return Err(FsError::NotADirectory),
+            };
+        let decoded = st.decode(c, name).map_err(|_| FsError::NotFound)?;
+        if st.find(c, &decoded).is_none() {
+            return Err(FsError::NotFound);
+        }
+        let live = st.live_mut(c);
+        match &decoded {
+            Name::Metadata => live.remove_metadata(),
+            Name::Tensor(TensorFile::Data, tensor) => live.unlink_data(tensor)?,
+            Name::Tensor(TensorFile::Meta, tensor) => live.unlink_meta(tensor)?,
+        }
+        info!(file = name, "removed");
+        Ok(())
+    }
+
+    /// `rename`: the file model of docs/SEMANTICS.md. A data file moved onto a
+    /// data name brings its name's meta if it has one (else the target keeps
+    /// its own); any file moved onto a `.meta.json` or `__metadata__.json`
+    /// gives it its content as JSON (EINVAL, and nothing changes, if it does
+    /// not parse); a JSON file moved onto a data name becomes a plain file.
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &str,
+        new_parent: Ino,
+        new_name: &str,
+        no_replace: bool,
+    ) -> Result<(), FsError> {
+        self.writable()?;
+        let mut st = self.write_state();
+        let c = st.checkpoint_dir(parent)?;
+        let nc = st.checkpoint_dir(new_parent)?;
+        let from = st.decode(c, name)?;
+        let to = st.decode(nc, new_name)?;
+        let from_node = st.find(c, &from).ok_or(FsError::NotFound)?;
+        let to_node = st.find(nc, &to);
+        if to_node == Some(from_node) && c == nc {
+            return Ok(());
+        }
+        if no_replace && to_node.is_some() {
+            return Err(FsError::Exists);
+        }
+        match &to {
+            Name::Tensor(TensorFile::Data, target) => {
+                if names::is_hashed(target) && to_node.is_none() {
+                    return Err(FsError::Invalid(format!(
+                        "{new_name:?}: a tensor name this long cannot be created through the mount"
+                    )));
+                }
+                let taken = match &from {
+                    Name::Tensor(TensorFile::Data, source) => {
+                        st.live_mut(c).take_data(source, true)?
+                    }
+                    Name::Tensor(TensorFile::Meta, source) => {
+                        let live = st.live_mut(c);
+                        let id = live.find(source).ok_or(FsError::NotFound)?;
+                        let text = live.meta_text(id).unwrap_or_default();
+                        let object = live.staged_object(&text)?;
+                        live.unlink_meta(source)?;
+                        object
+                    }
+                    Name::Metadata => {
+                        let live = st.live_mut(c);
+                        let text = live.metadata_text().unwrap_or_default();
+                        let object = live.staged_object(&text)?;
+                        live.remove_metadata();
+                        object
+                    }
+                };
+                st.live_mut(nc).put_data(target, taken, c == nc);
+            }
+            Name::Tensor(TensorFile::Meta, _) | Name::Metadata => {
+                let text = match &from {
+                    Name::Tensor(TensorFile::Data, _) => {
+                        let Node::File(_, id, _) = from_node else {
+                            unreachable!()
+                        };
+                        let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
+                        if bytes.len() > MAX_JSON as u64 {
+                            return Err(EditError::TooLarge.into());
+                        }
+                        bytes.read(0, bytes.len() as u32, |b| b.to_vec())?
+                    }
+                    Name::Tensor(TensorFile::Meta, _) => {
+                        let Node::File(_, id, _) = from_node else {
+                            unreachable!()
+                        };
+                        st.live(c).meta_text(id).unwrap_or_default()
+                    }
+                    Name::Metadata => st.live(c).metadata_text().unwrap_or_default(),
+                };
+                let bad = match &to {
+                    Name::Metadata => crate::checkpoint::meta::parse_metadata(&text).err(),
+                    _ => match crate::checkpoint::Meta::parse(&text) {
+                        crate::checkpoint::Meta::Invalid { error, .. } => Some(error),
+                        _ => None,
+                    },
+                };
+                if let Some(why) = bad {
+                    return Err(FsError::Invalid(format!(
+                        "{name:?} cannot become {new_name:?}: {why}"
+                    )));
+                }
+                {
+                    let live = st.live_mut(c);
+                    match &from {
+                        Name::Tensor(TensorFile::Data, source) => live.unlink_data(source)?,
+                        Name::Tensor(TensorFile::Meta, source) => live.unlink_meta(source)?,
+                        Name::Metadata => live.remove_metadata(),
+                    }
+                }
+                let live = st.live_mut(nc);
+                match &to {
+                    Name::Tensor(_, target) => {
+                        live.set_meta(target, &text)?;
+                    }
+                    Name::Metadata => {
+                        live.set_metadata(&text)?;
+                    }
+                }
+            }
+        }
+        info!(from = name, to = new_name, "renamed");
+        Ok(())
+    }
+
+    /// Commits every checkpoint of the mount, all or none: every plan is made
+    /// (and every edit validated) before anything is written, and every new
+    /// file is written before the first rename. Returns a line per file.
+    pub fn commit(&self, force: bool, caller: u32) -> Result<Vec<String>, FsError> {
+        self.allowed(caller, "commit")?;
+        if self.tainted.load(Ordering::Relaxed) {
+            return Err(CommitError::Tainted.into());
+        }
+        let _one = lock(&self.commit_lock);
+        let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
+        let (plans, index_updates) = {
+            let mut st = self.write_state();
+            // Every shard is validated before any is checked against its source.
+            for m in &st.checkpoints {
+                let problems = if m.live.is_dirty() {
+                    m.live.problems()
+                } else {
+                    Vec::new()
+                };
+                if !problems.is_empty() {
+                    let e = CommitError::Refused {
+                        file: m.live.source().path().to_path_buf(),
+                        problems,
+                    };
                     warn!("commit refused: {e}");
-                    return Err(e);
+                    return Err(e.into());
                 }
-            };
+            }
+            let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
+            for c in 0..st.checkpoints.len() {
+                match st.live_mut(c).plan(commit, force) {
+                    Ok(Some(plan)) => plans.push((c, plan)),
+                    Ok(None) => {}
+                    Err(e) => {
+                        plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                        warn!("commit refused: {e}");
+                        return Err(e.into());
+                    }
+                }
+            }
+            let updates = index_updates(&st, &plans);
+            (plans, updates)
+        };
+        if plans.is_empty() {
+            let st = self.read_state();
+            return Ok(st
+                .checkpoints
+                .iter()
+                .map(|m| format!("{}: nothing to commit", m.live.source().path().display()))
+                .collect());
+        }
+        let abandon = |written: &[Written]| {
+            written.iter().for_each(Written::remove);
+            let mut st = self.write_state();
+            plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+        };
+        let mut written = Vec::new();
+        for (_, plan) in &plans {
+            let path = plan.source.path().display().to_string();
             let mut last_report = std::time::Instant::now();
             let mut progress = |done: u64, total: u64| {
                 if last_report.elapsed().as_secs() >= 2 {
@@ -1002,15 +1271,62 @@ impl Fs {
                     last_report = std::time::Instant::now();
                 }
             };
-            let written = plan
-                .write(&mut progress)
-                .inspect_err(|e| warn!("commit failed: {e}"))?;
-            self.write_state().checkpoints[c]
-                .live
-                .finish_commit(written)?;
-            done.push(format!("{path}: committed"));
+            match plan.write(&mut progress) {
+                Ok(w) => written.push(w),
+                Err(e) => {
+                    warn!("commit failed: {e}");
+                    abandon(&written);
+                    return Err(e.into());
+                }
+            }
         }
-        Ok(done)
+        for (folder, name, stat, bytes) in &index_updates {
+            let fill = |f: &std::fs::File| {
+                use std::os::unix::fs::FileExt;
+                f.write_all_at(bytes, 0).map_err(|source| CommitError::Io {
+                    what: format!("writing {}", folder.path.join(name).display()),
+                    source,
+                })
+            };
+            match Written::create(folder, std::ffi::OsStr::new(name), stat, fill) {
+                Ok(w) => written.push(w),
+                Err(e) => {
+                    warn!("commit failed: {e}");
+                    abandon(&written);
+                    return Err(e.into());
+                }
+            }
+        }
+        let mut st = self.write_state();
+        for ((c, _), w) in plans.iter().zip(&written) {
+            if let Err(e) = st.live_mut(*c).landing(commit, w.stat()) {
+                drop(st);
+                abandon(&written);
+                return Err(e.into());
+            }
+        }
+        if let Err(e) = land(commit, &written, &self.staging) {
+            warn!("commit failed: {e}");
+            plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+            return Err(e.into());
+        }
+        let mut lines = Vec::new();
+        let mut written = written.into_iter();
+        for (c, plan) in plans {
+            let w = written.next().expect("one written file per plan");
+            let path = st.live(c).source().path().display().to_string();
+            st.live_mut(c).finish(plan, w)?;
+            info!(file = %path, "committed");
+            lines.push(format!("{path}: committed"));
+        }
+        for ((_, name, _, bytes), w) in index_updates.into_iter().zip(written) {
+            if let Some((ix, _)) = st.indexes.iter_mut().find(|(ix, _)| ix.name == name) {
+                ix.bytes = bytes;
+                ix.stat = w.stat();
+            }
+            lines.push(format!("{}: rewritten", w.target().display()));
+        }
+        Ok(lines)
     }
 
     /// Whether any checkpoint has staged edits.
@@ -1021,45 +1337,268 @@ impl Fs {
             .any(|m| m.live.is_dirty())
     }
 
-    /// Drops every staged edit. Tensors get new ids (and inodes).
-    pub fn discard(&self) {
-        let _edit = lock(&self.commit_lock);
+    /// Drops every staged edit. Tensors whose bytes were not edited keep their inodes.
+    pub fn discard(&self, caller: u32) -> Result<(), FsError> {
+        self.allowed(caller, "discard")?;
+        let _one = lock(&self.commit_lock);
         let mut st = self.write_state();
-        for c in 0..st.checkpoints.len() {
-            let count = st.live(c).source().header().tensors.len();
-            let first_id = st.owner.len() as TensorId;
-            st.owner.extend(std::iter::repeat_n(c as u32, count));
-            st.checkpoints[c].live.discard(first_id);
+        for m in &mut st.checkpoints {
+            m.live.discard();
         }
         info!("staged edits discarded");
+        Ok(())
     }
 
-    /// Keeps every uncommitted edit on disk with a manifest (a commit at
-    /// unmount failed); returns the folders.
-    pub fn keep_edits(&self) -> Vec<String> {
-        let mut st = self.write_state();
-        st.checkpoints
-            .iter_mut()
-            .filter(|m| m.live.is_dirty())
-            .map(|m| match m.live.keep_edits() {
-                Ok(dir) => dir.display().to_string(),
-                Err(e) => format!(
-                    "(could not keep the edits of {}: {e})",
-                    m.live.source().path().display()
+    /// `stfs status`: staged changes and problems, one line each; true when a
+    /// commit would be refused.
+    pub fn status(&self) -> (String, bool) {
+        let st = self.read_state();
+        let mut out = String::new();
+        let mut refused = self.tainted.load(Ordering::Relaxed);
+        if refused {
+            out.push_str(&format!("{}\n", CommitError::Tainted));
+        }
+        for m in &st.checkpoints {
+            let s = m.live.status();
+            refused |= !s.problems.is_empty();
+            let head = match (s.changes.len(), s.problems.len()) {
+                (0, 0) => "no changes".to_string(),
+                (n, 0) => format!("{n} change{} staged", plural(n)),
+                (n, p) => format!(
+                    "{n} change{} staged, {p} problem{} (a commit would refuse)",
+                    plural(n),
+                    plural(p)
                 ),
-            })
-            .collect()
+            };
+            out.push_str(&format!("{}: {head}\n", s.file.display()));
+            for line in &s.changes {
+                out.push_str(&format!("  {line}\n"));
+            }
+            for p in &s.problems {
+                out.push_str(&format!("  problem    {p}\n"));
+            }
+        }
+        (out, refused)
     }
 
-    /// The folder holding the source, for statfs.
+    /// Prefetches the tensor of an open data file; a CUDA buffer lives until
+    /// the handle closes. Stops early (returning where) when `keep_going` says so.
+    pub fn prefetch(
+        &self,
+        ino: Ino,
+        fh: u64,
+        req: PrefetchRequest,
+        keep_going: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Prefetched, FsError> {
+        let PrefetchRequest {
+            target,
+            offset,
+            len,
+            caller,
+        } = req;
+        self.allowed(caller, "prefetch")?;
+        let object = match lock(&self.handles).get(&fh) {
+            Some(Handle::Data { object, .. }) => object.clone(),
+            _ => {
+                return match self.read_state().node(ino)? {
+                    Node::File(_, _, TensorFile::Data) => Err(FsError::Invalid(
+                        "prefetch needs an open tensor file".into(),
+                    )),
+                    _ => Err(FsError::NotATensor),
+                }
+            }
+        };
+        let (dtype, shape) = {
+            let st = self.read_state();
+            let meta = st.home(&object).and_then(|c| {
+                st.live(c)
+                    .entry(object.home().1)
+                    .filter(|e| e.data.is_some())
+                    .map(|e| e.meta.to_owned())
+            });
+            match meta {
+                Some(crate::checkpoint::Meta::Valid { dtype, shape }) => (Some(dtype), Some(shape)),
+                _ => (None, None),
+            }
+        };
+        let bytes = object.bytes();
+        let nbytes = bytes.len();
+        let mut done = Prefetched {
+            bytes: 0,
+            nbytes,
+            next: nbytes,
+            dtype,
+            shape,
+            ipc: None,
+        };
+        let Some(backing) = bytes.backing()? else {
+            return Ok(done);
+        };
+        match target {
+            PrefetchTarget::PageCache => {
+                let start = offset.min(nbytes);
+                let end = match len {
+                    0 => nbytes,
+                    n => start.saturating_add(n).min(nbytes),
+                };
+                let (reached, resident) =
+                    crate::prefetch::to_page_cache(&backing, start, end, keep_going)?;
+                done.next = reached;
+                done.bytes = resident;
+            }
+            PrefetchTarget::Cuda(device) => {
+                let buffer = crate::prefetch::cuda::to_device(device, &backing, keep_going)?;
+                done.bytes = nbytes;
+                done.ipc = Some((buffer.ipc_handle, buffer.len() as u64));
+                if let Some(Handle::Data { device, .. }) = lock(&self.handles).get_mut(&fh) {
+                    device.push(buffer);
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// A request handler panicked: commit nothing of this mount from now on.
+    pub fn taint(&self) {
+        if !self.tainted.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                "a request handler panicked: this mount will not commit; its edits stay in the \
+                 staging folder and the next mount takes them back"
+            );
+        }
+    }
+
+    pub fn is_tainted(&self) -> bool {
+        self.tainted.load(Ordering::Relaxed)
+    }
+
+    /// The unmount's policy: commit what is staged; if that cannot be done,
+    /// keep the edits on disk (staging files and journal) for the next mount.
+    /// Returns what happened, for the log.
+    pub fn unmount(&self) -> Result<(), String> {
+        let result = if !self.is_dirty() {
+            Ok(())
+        } else if self.is_tainted() {
+            Err(CommitError::Tainted.to_string())
+        } else {
+            self.commit(false, self.settings.owner)
+                .map(|lines| lines.iter().for_each(|l| info!("at unmount: {l}")))
+                .map_err(|e| e.to_string())
+        };
+        match &result {
+            Ok(()) if !self.is_dirty() => self.staging.remove(),
+            _ => self.keep_edits(),
+        }
+        result.map_err(|e| {
+            format!(
+                "commit at unmount failed: {e}. The source is unchanged; the staged edits are kept in {} \
+                 and the next `stfs mount` of this source takes them back (`stfs status` then lists them)",
+                self.staging
+                    .current()
+                    .map_or("(no staging folder)".into(), |d| d.path().display().to_string())
+            )
+        })
+    }
+
+    /// Leaves the staging folder and a complete journal on disk.
+    fn keep_edits(&self) {
+        if let Some(dir) = self.staging.current() {
+            dir.keep_files(true);
+        }
+        let mut st = self.write_state();
+        for m in &mut st.checkpoints {
+            if let Err(e) = m.live.sync_journal() {
+                warn!("keeping the edits: {e}");
+            }
+        }
+    }
+
+    /// The folder holding the sources, for statfs.
     pub fn backing_dir(&self) -> PathBuf {
         let st = self.read_state();
-        st.checkpoints
-            .first()
-            .and_then(|m| m.live.source().path().parent().map(Path::to_path_buf))
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or_else(|| PathBuf::from("."))
+        match &st.folder {
+            Some((f, _)) => f.path.clone(),
+            None => st
+                .checkpoints
+                .first()
+                .map(|m| m.live.source().folder().path.clone())
+                .unwrap_or_else(|| Path::new("/").to_path_buf()),
+        }
     }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+type IndexUpdate = (Arc<crate::source::local::Folder>, String, FileStat, Vec<u8>);
+
+/// The `*.index.json` files of a folder mount, rewritten to match the shards
+/// as the plans will leave them (`weight_map`, `metadata.total_size`).
+fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> {
+    let Some((folder, _)) = &st.folder else {
+        return Vec::new();
+    };
+    if plans.is_empty() {
+        return Vec::new();
+    }
+    let mut weight_map = serde_json::Map::new();
+    let mut total: u64 = 0;
+    for (c, m) in st.checkpoints.iter().enumerate() {
+        let shard = m.live.key().to_string();
+        let names: Vec<(String, u64)> = match plans.iter().find(|(pc, _)| *pc == c) {
+            Some((_, plan)) => plan
+                .layout
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.nbytes()))
+                .collect(),
+            None => m
+                .live
+                .source()
+                .header()
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.nbytes()))
+                .collect(),
+        };
+        for (name, n) in names {
+            total += n;
+            weight_map.insert(name, serde_json::Value::String(shard.clone()));
+        }
+    }
+    let mut out = Vec::new();
+    for (ix, _) in &st.indexes {
+        let Ok(mut doc) = serde_json::from_slice::<serde_json::Value>(&ix.bytes) else {
+            warn!(file = ix.name, "not JSON: left as it is");
+            continue;
+        };
+        let Some(obj) = doc.as_object_mut() else {
+            continue;
+        };
+        let before = serde_json::Value::Object(obj.clone());
+        obj.insert(
+            "weight_map".into(),
+            serde_json::Value::Object(weight_map.clone()),
+        );
+        let meta = obj
+            .entry("metadata")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert("total_size".into(), total.into());
+        }
+        if doc == before {
+            continue;
+        }
+        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
+        bytes.push(b'\n');
+        out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
+    }
+    out
 }
 
 fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
@@ -1068,81 +1607,10 @@ fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
     &data[start..end]
 }
 
-/// Content of the files stfs generates: a tensor's `.meta.json`, `__metadata__.json`.
-fn generated(st: &State, node: Node) -> Option<Vec<u8>> {
-    match node {
-        Node::Meta(c, id) => {
-            let t = st.tensor(c, id).ok()?;
-            // Written by hand to keep the documented field order.
-            let mut out = String::from("{");
-            if let (Some(dtype), Some(shape)) = (t.dtype, &t.shape) {
-                out.push_str(&format!(
-                    "\"dtype\":\"{dtype}\",\"shape\":{}",
-                    serde_json::to_string(shape).ok()?
-                ));
-            }
-            if let TensorBytes::Source(checkpoint, index) = &t.bytes {
-                let h = checkpoint.header();
-                let info = &h.tensors[*index];
-                out.push_str(&format!(
-                    ",\"data_offsets\":[{},{}],\"file_offset\":{}",
-                    info.data_offsets.0,
-                    info.data_offsets.1,
-                    h.data_start() + info.data_offsets.0
-                ));
-            }
-            if out.len() > 1 {
-                out.push(',');
-            }
-            out.push_str(&format!(
-                "\"nbytes\":{},\"name\":{}}}\n",
-                t.len(),
-                serde_json::to_string(&t.name).ok()?
-            ));
-            Some(out.into_bytes())
-        }
-        Node::Metadata(c) => {
-            let mut out = match st.live(c).metadata() {
-                Some(m) => serde_json::to_vec(m).expect("a string map serializes"),
-                None => b"{}".to_vec(),
-            };
-            out.push(b'\n');
-            Some(out)
-        }
-        _ => None,
-    }
-}
-
-/// Reads `dtype` and `shape` of a written `.meta.json`; other fields are ignored.
-fn parse_meta(data: &[u8]) -> Result<(Dtype, Vec<u64>), FsError> {
-    let bad = |why: String| FsError::Invalid(format!(".meta.json: {why}"));
-    let v: serde_json::Value =
-        serde_json::from_slice(data).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let dtype = v
-        .get("dtype")
-        .and_then(|d| d.as_str())
-        .ok_or_else(|| bad("needs \"dtype\", a string".into()))?;
-    let dtype = Dtype::from_name(dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
-    let shape = v
-        .get("shape")
-        .and_then(|s| s.as_array())
-        .ok_or_else(|| bad("needs \"shape\", an array".into()))?
-        .iter()
-        .map(|d| d.as_u64())
-        .collect::<Option<Vec<u64>>>()
-        .ok_or_else(|| bad("shape must hold non-negative integers".into()))?;
-    Ok((dtype, shape))
-}
-
-/// Reads a written `__metadata__.json`: an object of string values; `{}` means none.
-fn parse_metadata(data: &[u8]) -> Result<Option<Metadata>, FsError> {
-    let meta: Metadata = serde_json::from_slice(data).map_err(|e| {
-        FsError::Invalid(format!(
-            "__metadata__.json must be a JSON object of string values: {e}"
-        ))
-    })?;
-    Ok((!meta.is_empty()).then_some(meta))
-}
+/// How long a prefetch request may run before it returns (the client asks
+/// again for the rest): a FUSE request cannot be interrupted once the daemon
+/// has it, so its caller is unkillable until it is answered.
+pub const PREFETCH_SLICE: Duration = Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests;

@@ -37,6 +37,11 @@ pub fn is_hashed(name: &str) -> bool {
     name.len() * 3 + 4 > MAX_TENSOR_FILE && escape(name).len() > MAX_TENSOR_FILE
 }
 
+/// Whether a file name that does not decode may be the hashed form of a long name.
+pub fn maybe_hashed(file_name: &str) -> bool {
+    file_name.len() > 17 && file_name.as_bytes()[file_name.len() - 17] == b'~'
+}
+
 /// The tensor name a file name stands for, if it is a valid (canonical) escape
 /// of a short name. Hashed long names return None: they are looked up instead.
 pub fn tensor_name(file_name: &str) -> Option<String> {

@@ -1,7 +1,9 @@
 use std::path::Path;
 
 use super::*;
+use crate::checkpoint::staging::Staging;
 use crate::format::{layout, Dtype, Metadata, TensorSpec};
+use crate::source::SourceFile;
 
 fn write_checkpoint(
     path: &Path,
@@ -31,20 +33,33 @@ fn write_checkpoint(
 }
 
 fn settings() -> Settings {
-    Settings {
-        read_only: false,
-        uid: 1000,
-        gid: 100,
-        staging_dir: None,
-        resume: None,
-    }
+    Settings::default()
+}
+
+/// A mount of `path` with staging beside it.
+fn mount(path: &Path, settings: Settings) -> Fs {
+    let source = SourceFile::open(path).unwrap();
+    let staging = staging_beside(path);
+    Fs::new(Source::File(source), settings, staging)
+}
+
+fn staging_beside(path: &Path) -> Arc<Staging> {
+    let dir = path.parent().unwrap();
+    Arc::new(Staging::new(
+        Arc::new(crate::source::local::Folder::open(dir).unwrap()),
+        path.file_name().unwrap().to_string_lossy(),
+    ))
+}
+
+fn errno<T: std::fmt::Debug>(r: Result<T, FsError>) -> i32 {
+    r.expect_err("an error").errno()
 }
 
 fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
         let chunk = fs
-            .read(ino, 0, out.len() as u64, 7, |b| b.to_vec())
+            .read(ino, 0, out.len() as u64, 7, |b| b.concat())
             .unwrap();
         if chunk.is_empty() {
             return out;
@@ -80,7 +95,7 @@ fn file_mount_lists_reads_and_stats() {
         ],
         Some([("k".to_string(), "v".to_string())].into()),
     );
-    let fs = Fs::new(Source::File(Checkpoint::open(&path).unwrap()), settings());
+    let fs = mount(&path, settings());
 
     let listing = list(&fs, ROOT_INO);
     assert_eq!(listing.len(), 2 + 1 + 2 * names.len());
@@ -95,13 +110,21 @@ fn file_mount_lists_reads_and_stats() {
     for (name, want) in names.iter().zip(&contents) {
         let file = names::tensor_file_name(name);
         let a = fs.lookup(ROOT_INO, &file).unwrap();
+        let src = std::fs::metadata(&path).unwrap();
+        use std::os::unix::fs::MetadataExt;
         assert_eq!(
-            (a.kind, a.size, a.perm, a.uid, a.gid),
-            (Kind::File, want.len() as u64, 0o644, 1000, 100)
+            (a.kind, a.size, a.perm as u32, a.uid, a.gid),
+            (
+                Kind::File,
+                want.len() as u64,
+                src.mode() & 0o777,
+                src.uid(),
+                src.gid()
+            )
         );
         assert_eq!(&read_all(&fs, a.ino), want, "{name:?}");
         let m = fs
-            .lookup(ROOT_INO, &format!("{file}{META_SUFFIX}"))
+            .lookup(ROOT_INO, &TensorFile::Meta.file_name(name))
             .unwrap();
         let meta: serde_json::Value = serde_json::from_slice(&read_all(&fs, m.ino)).unwrap();
         assert_eq!(meta["name"], *name);
@@ -109,6 +132,7 @@ fn file_mount_lists_reads_and_stats() {
         assert_eq!(m.size as usize, read_all(&fs, m.ino).len());
         let o = fs.open(a.ino, false, false).unwrap();
         assert!(o.keep_cache && !o.direct_io);
+        fs.release(o.fh).unwrap();
     }
     let md = fs.lookup(ROOT_INO, "__metadata__.json").unwrap();
     assert_eq!(read_all(&fs, md.ino), b"{\"k\":\"v\"}\n");
@@ -116,22 +140,25 @@ fn file_mount_lists_reads_and_stats() {
     // Reads past the end and at odd offsets.
     let w = fs.lookup(ROOT_INO, "w").unwrap();
     assert_eq!(
-        fs.read(w.ino, 0, 20, 100, |b| b.to_vec()).unwrap(),
+        fs.read(w.ino, 0, 20, 100, |b| b.concat()).unwrap(),
         contents[0][20..]
     );
-    assert!(fs.read(w.ino, 0, 1000, 100, |b| b.len()).unwrap() == 0);
+    assert!(fs.read(w.ino, 0, 1000, 100, |b| b.concat().len()).unwrap() == 0);
 
     for bad in ["nope", "w.meta", "%2f", "W", "a/b"] {
-        assert_eq!(fs.lookup(ROOT_INO, bad), Err(FsError::NotFound), "{bad}");
+        assert_eq!(errno(fs.lookup(ROOT_INO, bad)), libc::ENOENT, "{bad}");
     }
-    assert_eq!(fs.lookup(w.ino, "x"), Err(FsError::NotADirectory));
+    assert_eq!(errno(fs.lookup(w.ino, "x")), libc::ENOTDIR);
     assert_eq!(
-        fs.lookup(ROOT_INO, &"n".repeat(256)),
-        Err(FsError::NameTooLong)
+        errno(fs.lookup(ROOT_INO, &"n".repeat(256))),
+        libc::ENAMETOOLONG
     );
-    assert_eq!(fs.getattr(999_999), Err(FsError::NotFound));
-    assert_eq!(fs.open(ROOT_INO, false, false), Err(FsError::IsADirectory));
-    assert_eq!(fs.getattr(ROOT_INO).unwrap().perm, 0o755);
+    assert_eq!(errno(fs.getattr(999_999, None)), libc::ENOENT);
+    assert_eq!(errno(fs.open(ROOT_INO, false, false)), libc::EISDIR);
+    // A directory gets x where its file has r.
+    let file_mode = fs.getattr(w.ino, None).unwrap().perm;
+    let dir_mode = fs.getattr(ROOT_INO, None).unwrap().perm;
+    assert_eq!(dir_mode, file_mode | ((file_mode & 0o444) >> 2));
 }
 
 #[test]
@@ -144,7 +171,7 @@ fn readdir_resumes_at_every_offset() {
         .map(|n| (n.as_str(), Dtype::U8, &[1u64][..]))
         .collect();
     write_checkpoint(&path, &tensors, None);
-    let fs = Fs::new(Source::File(Checkpoint::open(&path).unwrap()), settings());
+    let fs = mount(&path, settings());
     let full = list(&fs, ROOT_INO);
     // Page through in small batches, as the kernel does.
     let mut paged = Vec::new();
@@ -186,35 +213,35 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
         &[("a", Dtype::U8, &[3])],
         None,
     );
+    let open = |n: &str| SourceFile::open(&dir.path().join(n)).unwrap();
+    let stat = |p: &Path| crate::source::FileStat::of(&std::fs::File::open(p).unwrap()).unwrap();
     let source = Source::Folder {
+        folder: Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+        stat: stat(dir.path()),
         checkpoints: vec![
-            (
-                "s1".into(),
-                Checkpoint::open(&dir.path().join("s1.safetensors")).unwrap(),
-            ),
-            (
-                "s2".into(),
-                Checkpoint::open(&dir.path().join("s2.safetensors")).unwrap(),
-            ),
+            ("s1".into(), open("s1.safetensors")),
+            ("s2".into(), open("s2.safetensors")),
         ],
-        indexes: vec![("m.index.json".into(), b"{}".to_vec())],
+        indexes: vec![IndexFile {
+            name: "m.index.json".into(),
+            bytes: b"{}".to_vec(),
+            stat: stat(&dir.path().join("s1.safetensors")),
+        }],
     };
     let fs = Fs::new(
         source,
         Settings {
             read_only: true,
-            uid: 0,
-            gid: 0,
-            staging_dir: None,
-            resume: None,
+            ..Settings::default()
         },
+        staging_beside(&dir.path().join("x")),
     );
     assert_eq!(list(&fs, ROOT_INO), [".", "..", "s1", "s2", "m.index.json"]);
     let s2 = fs.lookup(ROOT_INO, "s2").unwrap();
     assert_eq!(s2.kind, Kind::Directory);
     let a = fs.lookup(s2.ino, "a").unwrap();
-    assert_eq!((a.size, a.perm), (3, 0o444));
-    assert_eq!(fs.open(a.ino, true, false), Err(FsError::ReadOnly));
+    assert_eq!((a.size, a.perm & 0o222), (3, 0));
+    assert_eq!(errno(fs.open(a.ino, true, false)), libc::EROFS);
     assert_ne!(
         a.ino,
         fs.lookup(fs.lookup(ROOT_INO, "s1").unwrap().ino, "a")
@@ -223,5 +250,155 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
     );
     let ix = fs.lookup(ROOT_INO, "m.index.json").unwrap();
     assert_eq!(read_all(&fs, ix.ino), b"{}");
-    assert_eq!(fs.readdir(a.ino, 0, |_| false), Err(FsError::NotADirectory));
+    assert_eq!(errno(fs.readdir(a.ino, 0, |_| false)), libc::ENOTDIR);
+}
+
+/// A small checkpoint mounted read-write: tensors `a` (F32 [2]) and `b` (U8 [3]).
+fn small() -> (tempfile::TempDir, std::path::PathBuf, Fs) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    write_checkpoint(
+        &path,
+        &[("a", Dtype::F32, &[2]), ("b", Dtype::U8, &[3])],
+        None,
+    );
+    let fs = mount(&path, settings());
+    (dir, path, fs)
+}
+
+fn write_file(fs: &Fs, name: &str, data: &[u8]) -> u64 {
+    let (a, o) = fs.create(ROOT_INO, name, true, false).unwrap();
+    fs.write(a.ino, o.fh, 0, data).unwrap();
+    fs.flush(o.fh).unwrap();
+    fs.release(o.fh).unwrap();
+    a.ino
+}
+
+fn cat(fs: &Fs, name: &str) -> Vec<u8> {
+    let a = fs.lookup(ROOT_INO, name).unwrap();
+    let o = fs.open(a.ino, false, false).unwrap();
+    let data = fs.read(a.ino, o.fh, 0, 1 << 20, |b| b.concat()).unwrap();
+    fs.release(o.fh).unwrap();
+    data
+}
+
+#[test]
+fn replacing_the_bytes_keeps_the_names_meta() {
+    let (_dir, _path, fs) = small();
+    // unlink then create (install, tar): the meta stays with the name.
+    fs.unlink(ROOT_INO, "b").unwrap();
+    assert!(
+        fs.lookup(ROOT_INO, "b.meta.json").is_ok(),
+        "the meta outlives the data file"
+    );
+    write_file(&fs, "b", b"xyz");
+    assert!(String::from_utf8(cat(&fs, "b.meta.json"))
+        .unwrap()
+        .contains("\"U8\""));
+    // temp + rename onto the name (os.replace): the meta stays too.
+    write_file(&fs, ".a.tmp", &[1, 2, 3, 4, 5, 6, 7, 8]);
+    fs.rename(ROOT_INO, ".a.tmp", ROOT_INO, "a", false).unwrap();
+    assert_eq!(cat(&fs, "a"), [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
+        .unwrap()
+        .contains("\"F32\""));
+    let (status, refused) = fs.status();
+    assert!(!refused, "{status}");
+    fs.commit(false, 0).unwrap();
+    assert_eq!(cat(&fs, "a"), [1, 2, 3, 4, 5, 6, 7, 8]);
+}
+
+#[test]
+fn files_renamed_onto_a_meta_become_its_json() {
+    let (_dir, _path, fs) = small();
+    write_file(&fs, "sedTmp", br#"{"dtype":"U8","shape":[8]}"#);
+    fs.rename(ROOT_INO, "sedTmp", ROOT_INO, "a.meta.json", false)
+        .unwrap();
+    assert_eq!(errno(fs.lookup(ROOT_INO, "sedTmp")), libc::ENOENT);
+    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
+        .unwrap()
+        .starts_with(r#"{"dtype":"U8","shape":[8]"#));
+    // Not JSON: EINVAL, and nothing changes.
+    write_file(&fs, "junk", b"not json");
+    assert_eq!(
+        errno(fs.rename(ROOT_INO, "junk", ROOT_INO, "a.meta.json", false)),
+        libc::EINVAL
+    );
+    assert_eq!(cat(&fs, "junk"), b"not json");
+    // A meta renamed onto a data name is a plain file (vim's backup).
+    fs.rename(ROOT_INO, "a.meta.json", ROOT_INO, "a.meta.json~", false)
+        .unwrap();
+    assert_eq!(errno(fs.lookup(ROOT_INO, "a.meta.json")), libc::ENOENT);
+    assert!(cat(&fs, "a.meta.json~").starts_with(b"{\"dtype\":\"U8\""));
+    // __metadata__.json by rename.
+    write_file(&fs, "m", br#"{"k":"v"}"#);
+    fs.rename(ROOT_INO, "m", ROOT_INO, "__metadata__.json", false)
+        .unwrap();
+    assert_eq!(cat(&fs, "__metadata__.json"), b"{\"k\":\"v\"}\n");
+}
+
+#[test]
+fn invalid_meta_is_kept_and_refused_at_commit() {
+    let (_dir, path, fs) = small();
+    let before = std::fs::read(&path).unwrap();
+    let (_, o) = fs.create(ROOT_INO, "a.meta.json", true, false).unwrap();
+    let ino = fs.lookup(ROOT_INO, "a.meta.json").unwrap().ino;
+    fs.write(ino, o.fh, 0, br#"{"dtype":"f32","shape":[2]}"#)
+        .unwrap();
+    assert_eq!(errno(fs.flush(o.fh)), libc::EINVAL, "close reports it");
+    let _ = fs.release(o.fh);
+    assert_eq!(cat(&fs, "a.meta.json"), br#"{"dtype":"f32","shape":[2]}"#);
+    let (status, refused) = fs.status();
+    assert!(
+        refused && status.contains("unknown dtype \"f32\""),
+        "{status}"
+    );
+    let e = fs.commit(false, 0).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL);
+    assert!(e.to_string().contains("tensor \"a\""), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+#[test]
+fn discard_keeps_the_inodes_of_unedited_tensors() {
+    let (_dir, _path, fs) = small();
+    let a = fs.lookup(ROOT_INO, "a").unwrap().ino;
+    let b = fs.lookup(ROOT_INO, "b").unwrap().ino;
+    fs.rename(ROOT_INO, "a", ROOT_INO, "c", false).unwrap();
+    write_file(&fs, "b", b"new");
+    fs.discard(0).unwrap();
+    assert_eq!(
+        fs.lookup(ROOT_INO, "a").unwrap().ino,
+        a,
+        "unedited bytes keep their inode"
+    );
+    assert_ne!(
+        fs.lookup(ROOT_INO, "b").unwrap().ino,
+        b,
+        "edited bytes get a fresh one"
+    );
+    assert_eq!(errno(fs.lookup(ROOT_INO, "c")), libc::ENOENT);
+    assert_eq!(cat(&fs, "b").len(), 3);
+    assert!(!fs.is_dirty());
+}
+
+#[test]
+fn only_the_owner_and_root_commit() {
+    let (_dir, _path, fs) = small();
+    write_file(&fs, "b", b"xyz");
+    let stranger = fs.settings().owner + 4242;
+    assert_eq!(errno(fs.commit(false, stranger)), libc::EACCES);
+    assert_eq!(errno(fs.discard(stranger)), libc::EACCES);
+    fs.commit(false, 0).unwrap();
+}
+
+#[test]
+fn a_tainted_mount_does_not_commit() {
+    let (_dir, path, fs) = small();
+    write_file(&fs, "b", b"xyz");
+    fs.taint();
+    assert_eq!(errno(fs.commit(false, 0)), libc::EIO);
+    let before = std::fs::read(&path).unwrap();
+    assert!(fs.unmount().is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
 }

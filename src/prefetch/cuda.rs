@@ -24,27 +24,52 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::result;
+
+use crate::source::Backing;
 use cudarc::driver::sys;
 
 /// Bytes a worker reads and copies at a time.
 const SLAB: usize = 16 << 20;
 const WORKERS: usize = 4;
 
+/// Why a CUDA prefetch failed.
 #[derive(Debug)]
-pub struct CudaError {
-    pub errno: i32,
-    pub message: String,
+pub enum CudaError {
+    /// No driver library on this machine (ENODEV).
+    NoDriver(String),
+    /// No such device, or the driver did not initialize (ENODEV).
+    NoDevice(String),
+    /// The device allocation failed (ENOMEM).
+    OutOfMemory(String),
+    /// Another driver call failed (EIO).
+    Driver(String),
+    /// Reading the tensor's bytes failed, or the caller went away.
+    Io(std::io::Error),
 }
 
-fn fail(errno: i32, message: impl Into<String>) -> CudaError {
-    CudaError {
-        errno,
-        message: message.into(),
+impl std::fmt::Display for CudaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CudaError::NoDriver(m)
+            | CudaError::NoDevice(m)
+            | CudaError::OutOfMemory(m)
+            | CudaError::Driver(m) => f.write_str(m),
+            CudaError::Io(e) => write!(f, "reading the tensor: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for CudaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CudaError::Io(e) => Some(e),
+            _ => None,
+        }
     }
 }
 
 fn driver(what: &str) -> impl Fn(result::DriverError) -> CudaError + '_ {
-    move |e| fail(libc::EIO, format!("{what}: {e}"))
+    move |e| CudaError::Driver(format!("{what}: {e}"))
 }
 
 /// Whether a CUDA driver library can be loaded on this machine.
@@ -115,24 +140,22 @@ impl Drop for Lane {
 /// device `ordinal`. Returns the buffer, with its IPC handle.
 pub fn to_device(
     ordinal: i32,
-    file: &File,
-    offset: u64,
-    len: u64,
+    backing: &Backing,
+    keep_going: &(dyn Fn() -> bool + Sync),
 ) -> Result<DeviceBuffer, CudaError> {
+    let (file, offset, len) = (&*backing.file, backing.offset, backing.len);
     if !driver_present() {
-        return Err(fail(
-            libc::ENODEV,
-            "no CUDA driver (libcuda.so) on this machine",
+        return Err(CudaError::NoDriver(
+            "no CUDA driver (libcuda.so) on this machine".into(),
         ));
     }
     result::init()
-        .map_err(|e| fail(libc::ENODEV, format!("CUDA driver did not initialize: {e}")))?;
+        .map_err(|e| CudaError::NoDevice(format!("CUDA driver did not initialize: {e}")))?;
     let count = result::device::get_count().map_err(driver("cuDeviceGetCount"))?;
     if ordinal < 0 || ordinal >= count {
-        return Err(fail(
-            libc::ENODEV,
-            format!("no CUDA device {ordinal} ({count} present)"),
-        ));
+        return Err(CudaError::NoDevice(format!(
+            "no CUDA device {ordinal} ({count} present)"
+        )));
     }
     let device = result::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
     // SAFETY: device is valid; the retained context is released by DeviceBuffer.
@@ -152,10 +175,9 @@ pub fn to_device(
     let size = (len as usize).max(1);
     // SAFETY: a plain allocation in the current context.
     let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| {
-        release(fail(
-            libc::ENOMEM,
-            format!("cuMemAlloc of {size} bytes: {e}"),
-        ))
+        release(CudaError::OutOfMemory(format!(
+            "cuMemAlloc of {size} bytes: {e}"
+        )))
     })?;
     let buffer = DeviceBuffer {
         ptr,
@@ -164,7 +186,7 @@ pub fn to_device(
         device,
         ipc_handle: [0; 64],
     };
-    copy_in(&buffer, file, offset, len)?;
+    copy_in(&buffer, file, offset, len, keep_going)?;
     let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
     // SAFETY: ptr is a cuMemAlloc allocation, which can be exported.
     unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), buffer.ptr) }
@@ -179,7 +201,13 @@ pub fn to_device(
     Ok(buffer)
 }
 
-fn copy_in(buffer: &DeviceBuffer, file: &File, offset: u64, len: u64) -> Result<(), CudaError> {
+fn copy_in(
+    buffer: &DeviceBuffer,
+    file: &File,
+    offset: u64,
+    len: u64,
+    keep_going: &(dyn Fn() -> bool + Sync),
+) -> Result<(), CudaError> {
     let chunks = len.div_ceil(SLAB as u64);
     let next = AtomicU64::new(0);
     let workers = WORKERS.min(chunks.max(1) as usize);
@@ -214,6 +242,11 @@ fn copy_in(buffer: &DeviceBuffer, file: &File, offset: u64, len: u64) -> Result<
                         pending: false,
                     };
                     loop {
+                        if !keep_going() {
+                            return Err(CudaError::Io(std::io::Error::from_raw_os_error(
+                                libc::EINTR,
+                            )));
+                        }
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= chunks {
                             break;
@@ -231,16 +264,14 @@ fn copy_in(buffer: &DeviceBuffer, file: &File, offset: u64, len: u64) -> Result<
                         while done < n {
                             match file.read_at(&mut host[done..], offset + start + done as u64) {
                                 Ok(0) => {
-                                    return Err(fail(libc::EIO, "file ended before the tensor did"))
+                                    return Err(CudaError::Io(std::io::Error::new(
+                                        std::io::ErrorKind::UnexpectedEof,
+                                        "the file ended before the tensor did",
+                                    )))
                                 }
                                 Ok(k) => done += k,
                                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                                Err(e) => {
-                                    return Err(fail(
-                                        e.raw_os_error().unwrap_or(libc::EIO),
-                                        e.to_string(),
-                                    ))
-                                }
+                                Err(e) => return Err(CudaError::Io(e)),
                             }
                         }
                         // SAFETY: destination range lies inside the allocation; the slab
@@ -280,9 +311,16 @@ mod tests {
             eprintln!("a CUDA driver is present: scripts/gpu-check.sh covers this machine");
             return;
         }
-        let f = tempfile::tempfile().unwrap();
-        let e = to_device(0, &f, 0, 16).err().expect("no driver, no buffer");
-        assert_eq!(e.errno, libc::ENODEV);
-        assert!(e.message.contains("no CUDA driver"));
+        let backing = Backing {
+            file: std::sync::Arc::new(tempfile::tempfile().unwrap()),
+            offset: 0,
+            len: 16,
+            sparse: false,
+        };
+        let e = to_device(0, &backing, &|| true)
+            .err()
+            .expect("no driver, no buffer");
+        assert!(matches!(e, CudaError::NoDriver(_)), "{e}");
+        assert!(e.to_string().contains("no CUDA driver"));
     }
 }

@@ -6,51 +6,65 @@ pub mod cuda;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::source::Backing;
 
 /// Chunk read by each worker at a time.
 const CHUNK: u64 = 8 << 20;
 
-/// Brings `len` bytes at `offset` of `file` into the page cache: one
-/// WILLNEED advice, then reads by several threads so that many requests are in
-/// flight on a cold disk. Returns the bytes of the range now resident.
-pub fn to_page_cache(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
-    if len == 0 {
-        return Ok(0);
+/// Brings bytes `start..end` of a tensor into the page cache: WILLNEED advice,
+/// then reads by several threads so that many requests are in flight on a
+/// cold disk. Holes of a sparse staging file are skipped, not read. Stops
+/// when `keep_going` says so (the caller is gone, or time is up). Returns
+/// where it stopped and the bytes of `start..` that far now resident.
+pub fn to_page_cache(
+    backing: &Backing,
+    start: u64,
+    end: u64,
+    keep_going: &(dyn Fn() -> bool + Sync),
+) -> std::io::Result<(u64, u64)> {
+    if end <= start {
+        return Ok((end, 0));
     }
+    let file = &*backing.file;
+    let base = backing.offset;
     // SAFETY: plain advice on a valid descriptor.
     unsafe {
         libc::posix_fadvise(
             file.as_raw_fd(),
-            offset as i64,
-            len as i64,
+            (base + start) as i64,
+            (end - start) as i64,
             libc::POSIX_FADV_WILLNEED,
         )
     };
-    let chunks = len.div_ceil(CHUNK);
+    let chunks = (end - start).div_ceil(CHUNK);
     let workers = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .clamp(2, 8)
         .min(chunks as usize);
-    let next = std::sync::atomic::AtomicU64::new(0);
+    let next = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    // Chunks below this all finished.
+    let finished = std::sync::Mutex::new(vec![false; chunks as usize]);
     std::thread::scope(|s| -> std::io::Result<()> {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 s.spawn(|| -> std::io::Result<()> {
                     let mut buf = vec![0u8; CHUNK as usize];
                     loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if stop.load(Ordering::Relaxed) || !keep_going() {
+                            stop.store(true, Ordering::Relaxed);
+                            return Ok(());
+                        }
+                        let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= chunks {
                             return Ok(());
                         }
-                        let start = offset + i * CHUNK;
-                        let n = CHUNK.min(offset + len - start) as usize;
-                        let mut done = 0;
-                        while done < n {
-                            match file.read_at(&mut buf[done..n], start + done as u64)? {
-                                0 => break,
-                                k => done += k,
-                            }
-                        }
+                        let from = start + i * CHUNK;
+                        let to = (from + CHUNK).min(end);
+                        read_range(file, base, from, to, backing.sparse, &mut buf)?;
+                        finished.lock().unwrap_or_else(|p| p.into_inner())[i as usize] = true;
                     }
                 })
             })
@@ -60,11 +74,85 @@ pub fn to_page_cache(file: &File, offset: u64, len: u64) -> std::io::Result<u64>
         }
         Ok(())
     })?;
-    resident_bytes(file, offset, len)
+    let done_chunks = finished
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .take_while(|&&d| d)
+        .count() as u64;
+    let reached = (start + done_chunks * CHUNK).min(end);
+    let resident = if backing.sparse {
+        // Only the data segments can hold pages.
+        let (mut pos, stop, mut sum) = (base + start, base + reached, 0);
+        while let Some(data) = seek(file, pos, libc::SEEK_DATA).filter(|&d| d < stop) {
+            let hole = seek(file, data, libc::SEEK_HOLE).unwrap_or(stop).min(stop);
+            sum += resident_bytes(file, data, hole - data)?;
+            pos = hole;
+        }
+        sum
+    } else {
+        resident_bytes(file, base + start, reached - start)?
+    };
+    Ok((reached, resident))
 }
 
-/// Bytes of a file range that are in the page cache (mincore on a temporary map).
+/// Reads `base+from..base+to`, skipping holes when the file may have them.
+fn read_range(
+    file: &File,
+    base: u64,
+    from: u64,
+    to: u64,
+    sparse: bool,
+    buf: &mut [u8],
+) -> std::io::Result<()> {
+    let (mut pos, stop) = (base + from, base + to);
+    while pos < stop {
+        if sparse {
+            match seek(file, pos, libc::SEEK_DATA) {
+                Some(data) if data < stop => pos = data,
+                _ => return Ok(()), // only a hole (or the end) is left
+            }
+        }
+        let hole = if sparse {
+            seek(file, pos, libc::SEEK_HOLE).unwrap_or(stop).min(stop)
+        } else {
+            stop
+        };
+        while pos < hole {
+            let n = ((hole - pos) as usize).min(buf.len());
+            match file.read_at(&mut buf[..n], pos) {
+                Ok(0) => return Ok(()),
+                Ok(k) => pos += k as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn seek(file: &File, pos: u64, whence: i32) -> Option<u64> {
+    // SAFETY: lseek on a valid descriptor; the position is not shared with
+    // anything that depends on it (reads use pread).
+    let r = unsafe { libc::lseek(file.as_raw_fd(), pos as i64, whence) };
+    (r >= 0).then_some(r as u64)
+}
+
+/// Bytes of a file range that are in the page cache (mincore on a temporary
+/// map, a window at a time).
 pub fn resident_bytes(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
+    const WINDOW: u64 = 1 << 30;
+    let mut sum = 0;
+    let mut at = offset;
+    while at < offset + len {
+        let n = WINDOW.min(offset + len - at);
+        sum += resident_window(file, at, n)?;
+        at += n;
+    }
+    Ok(sum)
+}
+
+fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
     if len == 0 {
         return Ok(0);
     }
@@ -98,14 +186,41 @@ pub fn resident_bytes(file: &File, offset: u64, len: u64) -> std::io::Result<u64
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    fn backing(file: File, offset: u64, len: u64, sparse: bool) -> Backing {
+        Backing {
+            file: Arc::new(file),
+            offset,
+            len,
+            sparse,
+        }
+    }
 
     #[test]
     fn prefetch_reports_the_range_resident() {
         let mut f = tempfile::tempfile().unwrap();
         std::io::Write::write_all(&mut f, &vec![7u8; 20 << 20]).unwrap();
         f.sync_all().unwrap();
-        let got = to_page_cache(&f, 12345, 10 << 20).unwrap();
-        assert_eq!(got, 10 << 20);
-        assert_eq!(to_page_cache(&f, 0, 0).unwrap(), 0);
+        let b = backing(f, 12345, 10 << 20, false);
+        assert_eq!(
+            to_page_cache(&b, 0, 10 << 20, &|| true).unwrap(),
+            (10 << 20, 10 << 20)
+        );
+        assert_eq!(to_page_cache(&b, 5, 5, &|| true).unwrap(), (5, 0));
+    }
+
+    #[test]
+    fn holes_are_skipped_and_a_stop_is_reported() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(1 << 40).unwrap(); // 1 TiB of hole
+        f.write_all_at(b"data", 5 << 30).unwrap();
+        let b = backing(f, 0, 1 << 40, true);
+        let started = std::time::Instant::now();
+        let (reached, _) = to_page_cache(&b, 0, 1 << 40, &|| true).unwrap();
+        assert_eq!(reached, 1 << 40);
+        assert!(started.elapsed().as_secs() < 60, "holes must not be read");
+        let (reached, resident) = to_page_cache(&b, 0, 1 << 40, &|| false).unwrap();
+        assert_eq!((reached, resident), (0, 0));
     }
 }

@@ -81,16 +81,19 @@ def test_stat_modes_owner_and_times(tmp_path, mount):
     m = mount(src)
     st = os.stat(os.path.join(m.path, "w"))
     src_st = os.stat(src)
-    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_size) == (0o644, os.getuid(), os.getgid(), 64)
+    # Files show the source's owner, group and mode; the directory gets x where it has r.
+    mode = src_st.st_mode & 0o777
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_size) == (mode, src_st.st_uid, src_st.st_gid, 64)
+    assert os.stat(os.path.join(m.path, "w.meta.json")).st_mode & 0o777 == mode
     assert int(st.st_mtime) == int(src_st.st_mtime)
-    assert os.stat(m.path).st_mode & 0o7777 == 0o755
+    assert os.stat(m.path).st_mode & 0o7777 == mode | ((mode & 0o444) >> 2)
     out = subprocess.run(["stat", "-c", "%s %F", os.path.join(m.path, "w")], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "64 regular file"
     vfs, back = os.statvfs(m.path), os.statvfs(tmp_path)
     assert (vfs.f_blocks, vfs.f_bsize, vfs.f_namemax) == (back.f_blocks, back.f_bsize, 255)
 
     ro = mount(src, "-o", "ro")
-    assert os.stat(os.path.join(ro.path, "w")).st_mode & 0o777 == 0o444
+    assert os.stat(os.path.join(ro.path, "w")).st_mode & 0o777 == mode & ~0o222
 
 
 def test_dd_skip_count_and_reads_at_any_offset(tmp_path, mount):

@@ -1,0 +1,431 @@
+//! The journal of a checkpoint's staged edits, in its staging folder: one
+//! line of JSON per edit (a list of records), appended as edits happen and
+//! fsynced on fsync and close. After a crash, replaying it over the source it
+//! began on gives back every edit that reached it. It is rewritten whole (a
+//! snapshot) after a commit, and when it grows past twice the live edits.
+//!
+//! A commit marks its plan (`Plan`) and, just before its rename, the file it
+//! is about to put in place (`Landing`). Replay after a crash in between
+//! finds out which file is there: the old one (replay everything) or the new
+//! one (the planned edits are in it: replay only what came after `Plan`,
+//! reading source tensors at their place in the new file).
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::meta::{Meta, MetadataDoc};
+use crate::source::FileStat;
+
+pub const VERSION: u32 = 1;
+
+/// Where a name's bytes are, as the journal records them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataRef {
+    Empty,
+    /// Tensor `index` of a source file (`shard`: another checkpoint of a folder
+    /// mount, by file name); `committed`: its index in the file of the commit
+    /// in flight, if it is in it.
+    Source {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<String>,
+        index: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        committed: Option<u32>,
+    },
+    /// A file of the staging folder.
+    Staged {
+        file: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Record {
+    /// First record: the source these edits apply to.
+    Begin {
+        version: u32,
+        source: PathBuf,
+        stat: FileStat,
+    },
+    /// The whole state of a name (replaces what came before for it).
+    Entry {
+        name: String,
+        meta: Meta,
+        data: Option<DataRef>,
+    },
+    /// The name is gone (nothing to list under it).
+    Gone {
+        name: String,
+    },
+    Metadata {
+        doc: MetadataDoc,
+    },
+    /// A commit took its plan: edits before this are in it.
+    Plan {
+        commit: u64,
+    },
+    /// That commit is about to rename this file over the source.
+    Landing {
+        commit: u64,
+        stat: FileStat,
+    },
+}
+
+/// A journal file, opened for appending once the first edit needs it.
+pub struct Journal {
+    name: String,
+    file: Option<std::sync::Arc<File>>,
+    /// Records since the last snapshot.
+    pub appended: usize,
+    /// An append failed: durability is lost until a snapshot succeeds.
+    pub broken: bool,
+}
+
+impl Journal {
+    pub fn new(name: String) -> Journal {
+        Journal {
+            name,
+            file: None,
+            appended: 0,
+            broken: false,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn exists(&self) -> bool {
+        self.file.is_some()
+    }
+
+    /// Appends one line; `begin` is written first when the file is new.
+    pub fn append(
+        &mut self,
+        folder: &crate::source::local::Folder,
+        begin: impl FnOnce() -> Record,
+        records: &[Record],
+    ) -> std::io::Result<()> {
+        if self.file.is_none() {
+            let f = folder.open_file(
+                OsStr::new(&self.name),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_APPEND,
+                0o600,
+            )?;
+            let mut line = serde_json::to_vec(&[begin()]).expect("records serialize");
+            line.push(b'\n');
+            (&f).write_all(&line)?;
+            self.file = Some(std::sync::Arc::new(f));
+        }
+        let mut line = serde_json::to_vec(records).expect("records serialize");
+        line.push(b'\n');
+        let f = self.file.as_ref().expect("opened above");
+        // One write per line: a crash tears at most the last line, which replay skips.
+        (&**f).write_all(&line)?;
+        self.appended += records.len();
+        Ok(())
+    }
+
+    pub fn sync(&self) -> std::io::Result<()> {
+        match &self.file {
+            Some(f) => f.sync_data(),
+            None => Ok(()),
+        }
+    }
+
+    /// The open journal, to fsync without holding the state (None when
+    /// nothing was journaled). Not to be used while `broken`.
+    pub fn handle(&self) -> Option<std::sync::Arc<File>> {
+        self.file.clone()
+    }
+
+    /// Replaces the journal with `records` (a Begin first), atomically.
+    pub fn rewrite(
+        &mut self,
+        staging: &crate::source::StagingDir,
+        records: &[Record],
+    ) -> std::io::Result<()> {
+        let mut text = Vec::new();
+        for r in records {
+            serde_json::to_writer(&mut text, &[r]).expect("records serialize");
+            text.push(b'\n');
+        }
+        self.file = None;
+        staging.write_atomic(&self.name, &text)?;
+        let folder = staging.folder()?;
+        self.file = Some(std::sync::Arc::new(folder.open_file(
+            OsStr::new(&self.name),
+            libc::O_WRONLY | libc::O_APPEND,
+            0,
+        )?));
+        self.appended = 0;
+        self.broken = false;
+        Ok(())
+    }
+
+    pub fn remove(&mut self, staging: &crate::source::StagingDir) {
+        self.file = None;
+        if let Ok(folder) = staging.folder() {
+            let _ = folder.unlink(OsStr::new(&self.name));
+        }
+        self.appended = 0;
+        self.broken = false;
+    }
+}
+
+/// A journal read back: its first record and the lines after it.
+pub struct Replay {
+    pub source: PathBuf,
+    pub stat: FileStat,
+    pub records: Vec<Record>,
+    /// A torn last line was skipped.
+    pub torn: bool,
+}
+
+pub fn read(text: &[u8]) -> Result<Replay, String> {
+    let mut lines = text.split(|&b| b == b'\n').filter(|l| !l.is_empty());
+    let first = lines.next().ok_or("empty journal")?;
+    let begin: Vec<Record> =
+        serde_json::from_slice(first).map_err(|e| format!("first line: {e}"))?;
+    let (source, stat) = match begin.first() {
+        Some(Record::Begin {
+            version: VERSION,
+            source,
+            stat,
+        }) => (source.clone(), *stat),
+        Some(Record::Begin { version, .. }) => {
+            return Err(format!(
+                "journal version {version}, this stfs reads {VERSION}"
+            ))
+        }
+        _ => return Err("does not start with a Begin record".into()),
+    };
+    let mut records = Vec::new();
+    let mut torn = false;
+    let rest: Vec<&[u8]> = lines.collect();
+    for (k, line) in rest.iter().enumerate() {
+        match serde_json::from_slice::<Vec<Record>>(line) {
+            Ok(batch) => records.extend(batch),
+            // Only the last line may be torn by a crash.
+            Err(_) if k + 1 == rest.len() => torn = true,
+            Err(e) => return Err(format!("line {}: {e}", k + 2)),
+        }
+    }
+    Ok(Replay {
+        source,
+        stat,
+        records,
+        torn,
+    })
+}
+
+/// The final state of every name the records touch, in order of first touch:
+/// `None` for a name that is gone. With `after_plan`, only records after the
+/// `Plan` of that commit count, and source references are taken at their
+/// place in that commit's file.
+/// A name's final state in a journal: its meta and data, or gone.
+pub type NameState = Option<(Meta, Option<DataRef>)>;
+
+pub struct Folded {
+    pub names: Vec<(String, NameState)>,
+    pub metadata: Option<MetadataDoc>,
+    /// References to tensors that the landed commit did not keep.
+    pub dropped: Vec<String>,
+}
+
+pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
+    let start = match after_plan {
+        Some(commit) => records
+            .iter()
+            .rposition(|r| matches!(r, Record::Plan { commit: c } if *c == commit))
+            .map_or(records.len(), |p| p + 1),
+        None => 0,
+    };
+    let mut order: Vec<String> = Vec::new();
+    let mut state: std::collections::HashMap<String, NameState> = std::collections::HashMap::new();
+    let mut metadata = None;
+    let mut dropped = Vec::new();
+    for r in &records[start..] {
+        let (name, value) = match r {
+            Record::Entry { name, meta, data } => {
+                let data = match (data, after_plan) {
+                    (
+                        Some(DataRef::Source {
+                            shard, committed, ..
+                        }),
+                        Some(_),
+                    ) => match committed {
+                        Some(j) => Some(DataRef::Source {
+                            shard: shard.clone(),
+                            index: *j,
+                            committed: None,
+                        }),
+                        None => {
+                            dropped.push(name.clone());
+                            continue;
+                        }
+                    },
+                    (d, _) => d.clone(),
+                };
+                (name, Some((meta.clone(), data)))
+            }
+            Record::Gone { name } => (name, None),
+            Record::Metadata { doc } => {
+                metadata = Some(doc.clone());
+                continue;
+            }
+            _ => continue,
+        };
+        if !state.contains_key(name) {
+            order.push(name.clone());
+        }
+        state.insert(name.clone(), value);
+    }
+    Folded {
+        names: order
+            .into_iter()
+            .map(|n| {
+                let v = state.remove(&n).expect("recorded");
+                (n, v)
+            })
+            .collect(),
+        metadata,
+        dropped,
+    }
+}
+
+/// The commit whose `Landing` names `stat`, if any.
+pub fn landed(records: &[Record], stat: &FileStat) -> Option<u64> {
+    records.iter().rev().find_map(|r| match r {
+        Record::Landing { commit, stat: s } if s.same_version(stat) => Some(*commit),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Dtype;
+
+    fn stat(ino: u64) -> FileStat {
+        FileStat {
+            dev: 1,
+            ino,
+            len: 10,
+            mtime: (1, 2),
+            mode: 0o100644,
+            uid: 0,
+            gid: 0,
+        }
+    }
+
+    fn valid() -> Meta {
+        Meta::Valid {
+            dtype: Dtype::U8,
+            shape: vec![2],
+        }
+    }
+
+    fn text(records: &[Vec<Record>]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for line in records {
+            serde_json::to_writer(&mut out, line).unwrap();
+            out.push(b'\n');
+        }
+        out
+    }
+
+    #[test]
+    fn replays_in_order_and_skips_a_torn_last_line() {
+        let begin = Record::Begin {
+            version: VERSION,
+            source: "/m.safetensors".into(),
+            stat: stat(1),
+        };
+        let mut t = text(&[
+            vec![begin],
+            vec![Record::Entry {
+                name: "b".into(),
+                meta: valid(),
+                data: Some(DataRef::Source {
+                    shard: None,
+                    index: 0,
+                    committed: None,
+                }),
+            }],
+            vec![Record::Gone { name: "a".into() }],
+            vec![Record::Entry {
+                name: "b".into(),
+                meta: Meta::None,
+                data: Some(DataRef::Staged { file: "s1".into() }),
+            }],
+        ]);
+        t.extend_from_slice(b"[{\"op\":\"gone\",\"na");
+        let r = read(&t).unwrap();
+        assert!(r.torn);
+        assert_eq!(r.stat, stat(1));
+        let f = fold(&r.records, None);
+        assert_eq!(f.names.len(), 2);
+        assert_eq!(f.names[0].0, "b");
+        assert_eq!(
+            f.names[0].1,
+            Some((Meta::None, Some(DataRef::Staged { file: "s1".into() })))
+        );
+        assert_eq!(f.names[1], ("a".to_string(), None));
+        // A torn line in the middle is corruption, not a crash.
+        let mut bad = t.clone();
+        bad.extend_from_slice(b"\n[]\n");
+        assert!(read(&bad).is_err());
+    }
+
+    #[test]
+    fn after_a_landed_commit_only_later_edits_count() {
+        let records = vec![
+            Record::Entry {
+                name: "x".into(),
+                meta: valid(),
+                data: Some(DataRef::Staged { file: "s1".into() }),
+            },
+            Record::Plan { commit: 3 },
+            Record::Entry {
+                name: "y".into(),
+                meta: valid(),
+                data: Some(DataRef::Source {
+                    shard: None,
+                    index: 5,
+                    committed: Some(1),
+                }),
+            },
+            Record::Entry {
+                name: "z".into(),
+                meta: valid(),
+                data: Some(DataRef::Source {
+                    shard: None,
+                    index: 6,
+                    committed: None,
+                }),
+            },
+            Record::Landing {
+                commit: 3,
+                stat: stat(9),
+            },
+        ];
+        assert_eq!(landed(&records, &stat(9)), Some(3));
+        assert_eq!(landed(&records, &stat(1)), None);
+        let f = fold(&records, Some(3));
+        assert_eq!(f.names.len(), 1);
+        assert_eq!(
+            f.names[0].1.as_ref().unwrap().1,
+            Some(DataRef::Source {
+                shard: None,
+                index: 1,
+                committed: None
+            })
+        );
+        assert_eq!(f.dropped, vec!["z".to_string()]);
+    }
+}

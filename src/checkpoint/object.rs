@@ -1,0 +1,123 @@
+//! A data file of a checkpoint directory: bytes with an identity of their own
+//! (the kernel's inode), whatever name they are listed under. Open file
+//! handles hold it, so a handle keeps reading it after an unlink or a rename,
+//! and every handle sees every write.
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
+
+use super::staging::Staging;
+use super::{next_gen, EditError, Id};
+use crate::source::Bytes;
+
+pub struct DataObject {
+    state: RwLock<ObjectState>,
+    /// One writer at a time: a first write copies the bytes into staging
+    /// without blocking readers, who keep reading the old bytes meanwhile.
+    writer: Mutex<()>,
+    /// The checkpoint (by `Live::serial`) and entry that list it, kept by
+    /// the checkpoint: a write through a handle finds there whose edit it is.
+    home: Mutex<(u64, Id)>,
+}
+
+#[derive(Clone)]
+pub struct ObjectState {
+    pub bytes: Bytes,
+    /// Time of the last edit; None while unchanged since the source was mapped.
+    pub edited: Option<SystemTime>,
+    /// Changes with every edit (0: never edited).
+    pub gen: u64,
+}
+
+impl DataObject {
+    pub fn new(bytes: Bytes, edited: Option<SystemTime>) -> Arc<DataObject> {
+        let gen = if edited.is_some() { next_gen() } else { 0 };
+        Arc::new(DataObject {
+            state: RwLock::new(ObjectState { bytes, edited, gen }),
+            writer: Mutex::new(()),
+            home: Mutex::new((u64::MAX, Id::MAX)),
+        })
+    }
+
+    pub fn state(&self) -> ObjectState {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn bytes(&self) -> Bytes {
+        self.state
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes
+            .clone()
+    }
+
+    pub fn gen(&self) -> u64 {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).gen
+    }
+
+    /// The checkpoint serial and entry that list it.
+    pub fn home(&self) -> (u64, Id) {
+        *self.home.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn set_home(&self, serial: u64, entry: Id) {
+        *self.home.lock().unwrap_or_else(|p| p.into_inner()) = (serial, entry);
+    }
+
+    fn set(&self, bytes: Bytes, edited: Option<SystemTime>, gen: u64) {
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = ObjectState { bytes, edited, gen };
+    }
+
+    /// The same bytes, found elsewhere (a commit put them in the new file):
+    /// not an edit.
+    pub fn rebase(&self, bytes: Bytes) {
+        self.set(bytes, None, 0);
+    }
+
+    /// Writes at `offset`, first copying the bytes into a private staging file
+    /// if they are not in one (or a commit is copying from it). Returns true
+    /// when the bytes moved to a new staging file (the journal must say so).
+    pub fn write(&self, staging: &Staging, offset: u64, data: &[u8]) -> Result<bool, EditError> {
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let (staged, moved) = self.private_copy(staging, u64::MAX)?;
+        staged.write_at(data, offset)?;
+        self.set(Bytes::Staged(staged), Some(SystemTime::now()), next_gen());
+        Ok(moved)
+    }
+
+    /// Cuts or extends (with a hole) to `len`. To 0, nothing is copied.
+    pub fn truncate(&self, staging: &Staging, len: u64) -> Result<bool, EditError> {
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if len == 0 {
+            let was_empty = matches!(self.bytes(), Bytes::Empty);
+            self.set(Bytes::Empty, Some(SystemTime::now()), next_gen());
+            return Ok(!was_empty);
+        }
+        if len == self.bytes().len() {
+            return Ok(false);
+        }
+        let (staged, moved) = self.private_copy(staging, len)?;
+        staged.set_len(len)?;
+        self.set(Bytes::Staged(staged), Some(SystemTime::now()), next_gen());
+        Ok(moved)
+    }
+
+    fn private_copy(
+        &self,
+        staging: &Staging,
+        keep: u64,
+    ) -> Result<(Arc<crate::source::StagedFile>, bool), EditError> {
+        match self.bytes() {
+            Bytes::Staged(s) if !s.pinned() => Ok((s, false)),
+            other => Ok((staging.dir()?.copy_of(&other, keep)?, true)),
+        }
+    }
+
+    /// Makes written bytes durable.
+    pub fn sync(&self) -> std::io::Result<()> {
+        match self.bytes() {
+            Bytes::Staged(s) => s.sync(),
+            _ => Ok(()),
+        }
+    }
+}

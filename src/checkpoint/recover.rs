@@ -1,0 +1,228 @@
+//! What a mount does with what earlier mounts of the same source left: the
+//! renames of a commit that a crash interrupted are finished (before the
+//! sources are opened), then the edits of a staging folder that no daemon
+//! holds are taken back from its journals, and the temp files of commits
+//! whose daemon died are removed.
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
+
+use tracing::info;
+
+use super::journal;
+use super::staging::{kept, Renames, Staging};
+use super::Live;
+use crate::source::local::Folder;
+use crate::source::{SourceFile, StagingDir};
+
+/// Which kept edits a mount takes back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// The newest staging folder whose journals apply to the sources.
+    Auto,
+    /// This folder (a name in the staging location), or fail.
+    Only(OsString),
+    /// None: they stay on disk.
+    Never,
+}
+
+/// Before the sources are opened: finishes the renames of a commit that a
+/// crash interrupted (all of its new files were written and fsynced).
+pub fn finish_renames(base: &Arc<Folder>, stem: &str, sources: &Folder) -> Vec<String> {
+    let mut notes = Vec::new();
+    let (dirs, _) = kept(base, stem);
+    for dir in dirs {
+        if let Some(r) = Renames::read(&dir) {
+            let done = r.finish(sources);
+            Renames::clear(&dir);
+            for path in done {
+                notes.push(format!(
+                    "{}: finished a commit that was interrupted (renamed its new file into place)",
+                    path.display()
+                ));
+            }
+        }
+    }
+    notes
+}
+
+/// Removes the temp files that commits of dead daemons left beside `names`
+/// in `folder`: `.<name>.stfs-tmp-<pid>-*`, owned by this user.
+pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let mut notes = Vec::new();
+    let entries: Vec<OsString> = std::fs::read_dir(&folder.path)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    for entry in entries {
+        for name in names {
+            let prefix = [b".", name.as_bytes(), b".stfs-tmp-"].concat();
+            let Some(rest) = entry.as_bytes().strip_prefix(&prefix[..]) else {
+                continue;
+            };
+            let pid = rest.split(|&b| b == b'-').next().unwrap_or_default();
+            let dead = std::str::from_utf8(pid)
+                .ok()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(process_gone);
+            let ours = folder
+                .stat_at(&entry)
+                .is_ok_and(|st| st.st_uid == euid && st.st_mode & libc::S_IFMT == libc::S_IFREG);
+            if dead && ours && folder.unlink(&entry).is_ok() {
+                notes.push(format!(
+                    "{}: removed the temp file of an interrupted commit",
+                    folder.path.join(&entry).display()
+                ));
+            }
+        }
+    }
+    notes
+}
+
+/// Gone, or a zombie waiting to be reaped.
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// Takes back the edits kept by an earlier mount. Returns notes for the user.
+pub fn resume(
+    lives: &mut [&mut Live],
+    staging: &Staging,
+    how: &Resume,
+) -> Result<Vec<String>, String> {
+    let (mut found, mut notes) = kept(staging.base(), staging.stem());
+    // Folders without a journal hold nothing to take back (a mount that
+    // died before its first edit was journaled): they go.
+    found.retain(|d| {
+        let has_journal = d
+            .list()
+            .unwrap_or_default()
+            .iter()
+            .any(|n| n.as_bytes().ends_with(b".journal"));
+        if !has_journal {
+            let _ = d.remove();
+        }
+        has_journal
+    });
+    if let Resume::Only(name) = how {
+        found.retain(|d| d.path().file_name() == Some(name.as_os_str()));
+        if found.is_empty() {
+            return Err(format!(
+                "{}: not a staging folder of this source that stfs can take over \
+                 (it must be a folder .{}.stfs-* beside the source or in --staging-dir, \
+                 made by stfs, and not in use)",
+                staging.base().path.join(name).display(),
+                staging.stem()
+            ));
+        }
+    }
+    if found.is_empty() {
+        return Ok(notes);
+    }
+    if *how == Resume::Never {
+        for d in &found {
+            notes.push(format!(
+                "{}: edits of an earlier mount, left as they are (--no-resume)",
+                d.path().display()
+            ));
+        }
+        return Ok(notes);
+    }
+    // The newest first.
+    found.sort_by_key(|d| std::cmp::Reverse(newest_journal(d)));
+    let sources: HashMap<String, Arc<SourceFile>> = lives
+        .iter()
+        .map(|l| (l.key().to_string(), l.source().clone()))
+        .collect();
+    let shard = |key: &str| sources.get(key).cloned();
+    for (k, dir) in found.into_iter().enumerate() {
+        if k > 0 || staging.current().is_some() {
+            notes.push(format!(
+                "{}: older edits of an earlier mount, left as they are (stfs mount --resume {} takes them instead)",
+                dir.path().display(),
+                dir.path().display()
+            ));
+            continue;
+        }
+        let mut folds = Vec::new();
+        let mut refused = None;
+        for live in lives.iter() {
+            match read_journal(&dir, live) {
+                Ok(Some(f)) => folds.push(Some(f)),
+                Ok(None) => folds.push(None),
+                Err(why) => {
+                    refused = Some(why);
+                    break;
+                }
+            }
+        }
+        if let Some(why) = refused {
+            if matches!(how, Resume::Only(_)) {
+                return Err(format!("{}: {why}", dir.path().display()));
+            }
+            notes.push(format!("{}: {why}; left as it is", dir.path().display()));
+            continue;
+        }
+        staging.adopt(dir.clone());
+        let mut restored = 0;
+        for (live, fold) in lives.iter_mut().zip(folds) {
+            if let Some(fold) = fold {
+                let (n, more) = live.replay(fold, &dir, &shard);
+                restored += n;
+                notes.extend(more);
+            }
+        }
+        info!(dir = %dir.path().display(), restored, "took back the edits of an earlier mount");
+        notes.push(format!(
+            "{}: took back {restored} staged change{} of an earlier mount (stfs status lists them)",
+            dir.path().display(),
+            if restored == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(notes)
+}
+
+fn newest_journal(dir: &StagingDir) -> std::time::SystemTime {
+    dir.list()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|n| std::fs::metadata(dir.path().join(n)).ok()?.modified().ok())
+        .max()
+        .unwrap_or(std::time::UNIX_EPOCH)
+}
+
+/// A checkpoint's journal in `dir`, folded for the source as it is now.
+fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>, String> {
+    let folder = dir.folder().map_err(|e| e.to_string())?;
+    let f = match folder.open_file(OsStr::new(live.journal_name()), libc::O_RDONLY, 0) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", live.journal_name())),
+    };
+    let mut text = Vec::new();
+    std::io::Read::read_to_end(&mut &f, &mut text).map_err(|e| e.to_string())?;
+    let replay = journal::read(&text).map_err(|e| format!("{}: {e}", live.journal_name()))?;
+    let now = live.source().stat();
+    if replay.stat.same_version(now) {
+        return Ok(Some(journal::fold(&replay.records, None)));
+    }
+    if let Some(commit) = journal::landed(&replay.records, now) {
+        // The commit in flight landed: what it planned is in the source now.
+        return Ok(Some(journal::fold(&replay.records, Some(commit))));
+    }
+    Err(format!(
+        "its edits were made on another version of {} (changed since), so they are not taken back",
+        live.source().path().display()
+    ))
+}

@@ -1,0 +1,161 @@
+//! The staging folder of a mount, made on the first edit; finding the folders
+//! that earlier mounts of the same source left with edits in them; and the
+//! record of a commit's renames (`commit.json`) that lets the next mount
+//! finish a commit of several shards that a crash interrupted.
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::source::local::Folder;
+use crate::source::staged::StagingError;
+use crate::source::{FileStat, StagingDir};
+
+/// Where a mount's staging folder goes, and the folder once made.
+pub struct Staging {
+    base: Arc<Folder>,
+    stem: String,
+    dir: Mutex<Option<Arc<StagingDir>>>,
+}
+
+impl Staging {
+    /// Staging folders will be `.<stem>.stfs-XXXXXX` in `base`.
+    pub fn new(base: Arc<Folder>, stem: impl Into<String>) -> Staging {
+        Staging {
+            base,
+            stem: stem.into(),
+            dir: Mutex::new(None),
+        }
+    }
+
+    /// Takes over a folder an earlier mount left (see `kept`).
+    pub fn adopt(&self, dir: Arc<StagingDir>) {
+        *lock(&self.dir) = Some(dir);
+    }
+
+    /// The folder, made now if this is the first edit.
+    pub fn dir(&self) -> Result<Arc<StagingDir>, StagingError> {
+        let mut dir = lock(&self.dir);
+        if let Some(d) = &*dir {
+            return Ok(d.clone());
+        }
+        let made = Arc::new(StagingDir::create(self.base.clone(), &self.stem)?);
+        info!(dir = %made.path().display(), "staging folder made");
+        *dir = Some(made.clone());
+        Ok(made)
+    }
+
+    /// The folder, if it was made.
+    pub fn current(&self) -> Option<Arc<StagingDir>> {
+        lock(&self.dir).clone()
+    }
+
+    pub fn base(&self) -> &Arc<Folder> {
+        &self.base
+    }
+
+    pub fn stem(&self) -> &str {
+        &self.stem
+    }
+
+    /// Removes the folder (after a commit or a discard left nothing in it).
+    pub fn remove(&self) {
+        if let Some(d) = lock(&self.dir).take() {
+            match d.remove() {
+                Ok(()) => info!(dir = %d.path().display(), "staging folder removed"),
+                Err(e) => warn!(dir = %d.path().display(), "removing the staging folder: {e}"),
+            }
+        }
+    }
+}
+
+/// The staging folders of `stem` in `base` that no live daemon holds, each
+/// checked (a real folder, ours, closed to others). Others are reported.
+pub fn kept(base: &Arc<Folder>, stem: &str) -> (Vec<Arc<StagingDir>>, Vec<String>) {
+    let mut found = Vec::new();
+    let mut notes = Vec::new();
+    for name in StagingDir::candidates(base, stem) {
+        match StagingDir::adopt(base.clone(), &name) {
+            Ok(d) => found.push(Arc::new(d)),
+            Err(StagingError::Busy { .. }) => {}
+            Err(e) => notes.push(format!("ignored: {e}")),
+        }
+    }
+    (found, notes)
+}
+
+/// The renames of a commit of several files, written before the first of
+/// them: a crash between two renames is finished by the next mount.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Renames {
+    pub commit: u64,
+    pub files: Vec<PendingRename>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PendingRename {
+    /// The temp file's name, beside the target.
+    pub tmp: String,
+    pub target: String,
+    /// The temp file as written.
+    pub stat: FileStat,
+}
+
+pub const RENAMES: &str = "commit.json";
+
+impl Renames {
+    pub fn write(&self, dir: &StagingDir) -> std::io::Result<()> {
+        dir.write_atomic(
+            RENAMES,
+            &serde_json::to_vec_pretty(self).expect("serializes"),
+        )
+    }
+
+    pub fn read(dir: &StagingDir) -> Option<Renames> {
+        let folder = dir.folder().ok()?;
+        let f = folder
+            .open_file(OsStr::new(RENAMES), libc::O_RDONLY, 0)
+            .ok()?;
+        serde_json::from_reader(f).ok()
+    }
+
+    pub fn clear(dir: &StagingDir) {
+        if let Ok(folder) = dir.folder() {
+            let _ = folder.unlink(OsStr::new(RENAMES));
+            let _ = folder.sync();
+        }
+    }
+
+    /// Finishes the renames still to do, in `folder` (the sources' folder):
+    /// a temp file is renamed only if it is still the file the commit wrote.
+    /// Returns the targets renamed.
+    pub fn finish(&self, folder: &Folder) -> Vec<PathBuf> {
+        let mut done = Vec::new();
+        for r in &self.files {
+            let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
+                continue; // renamed already
+            };
+            if st.st_ino != r.stat.ino || st.st_dev != r.stat.dev || st.st_size as u64 != r.stat.len
+            {
+                warn!(
+                    file = r.tmp,
+                    "not the file the interrupted commit wrote: left alone"
+                );
+                continue;
+            }
+            match folder.rename(OsStr::new(&r.tmp), OsStr::new(&r.target)) {
+                Ok(()) => done.push(folder.path.join(&r.target)),
+                Err(e) => warn!(file = r.tmp, "finishing an interrupted commit: {e}"),
+            }
+        }
+        let _ = folder.sync();
+        done
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

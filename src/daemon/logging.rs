@@ -1,0 +1,147 @@
+//! The daemon's log: per user and private by default, opened without
+//! following links, never a file another user owns. The daemon often runs as
+//! root; a log in a folder others can write (/tmp) is theirs to redirect.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::IsTerminal;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use tracing::error;
+
+use crate::source::local::Folder;
+
+fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Where the log goes without --log-file: `$XDG_STATE_HOME/stfs/stfs.log`,
+/// else `~/.local/state/stfs/stfs.log`.
+pub fn default_log_file() -> Result<PathBuf, String> {
+    let state = match std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+            Some(home) => PathBuf::from(home).join(".local/state"),
+            None => {
+                return Err("no HOME or XDG_STATE_HOME for the log: give --log-file FILE".into())
+            }
+        },
+    };
+    Ok(state.join("stfs").join("stfs.log"))
+}
+
+/// Opens a file to append to, creating it 0600: never through a link, never
+/// one owned by another user. With `private_folder`, its folder is created
+/// 0700 if missing and must not be open to others.
+pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result<File, String> {
+    let what = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let (dir, name) = match (path.parent(), path.file_name()) {
+        (Some(d), Some(n)) => (
+            if d.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                d
+            },
+            n,
+        ),
+        _ => return Err(what(&"not a file path")),
+    };
+    if private_folder {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| what(&e))?;
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| what(&e))?;
+        if !meta.is_dir() || meta.uid() != euid() || meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "{}: refused for the log: not a folder of uid {} closed to others",
+                dir.display(),
+                euid()
+            ));
+        }
+    }
+    let folder = Folder::open(dir).map_err(|e| what(&e))?;
+    let flags = libc::O_WRONLY
+        | libc::O_CREAT
+        | if truncate {
+            libc::O_TRUNC
+        } else {
+            libc::O_APPEND
+        };
+    let file = folder
+        .open_file(OsStr::new(name), flags, 0o600)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => what(&"a symbolic link: refused"),
+            _ => what(&e),
+        })?;
+    let meta = file.metadata().map_err(|e| what(&e))?;
+    if !meta.is_file() || meta.uid() != euid() {
+        return Err(what(&format_args!(
+            "refused: owned by uid {}, not by uid {}, or not a regular file",
+            meta.uid(),
+            euid()
+        )));
+    }
+    Ok(file)
+}
+
+/// Sets up tracing: to `log_file` if given, else to stderr in the foreground
+/// (colour only on a terminal), else to the private default log.
+pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<PathBuf>, String> {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,fuser=error"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_thread_names(true);
+    let path = match (log_file, foreground) {
+        (Some(p), _) => p.to_path_buf(),
+        (None, true) => {
+            let _ = builder
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_writer(std::io::stderr)
+                .try_init();
+            return Ok(None);
+        }
+        (None, false) => default_log_file()?,
+    };
+    let file = open_private(&path, log_file.is_none(), false)?;
+    // A daemon's stderr is /dev/null: panics must reach the log too.
+    std::panic::set_hook(Box::new(|info| {
+        error!(
+            "panic: {info}\n{}",
+            std::backtrace::Backtrace::force_capture()
+        );
+    }));
+    let _ = builder
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .try_init();
+    Ok(Some(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("victim");
+        std::fs::write(&target, b"precious").unwrap();
+        let link = dir.path().join("stfs.log");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = open_private(&link, false, false).unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+        let ok = dir.path().join("private/stfs/stfs.log");
+        open_private(&ok, true, false).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&ok).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+}

@@ -1,0 +1,606 @@
+//! `stfs mount`: check the mount point, validate the source, take back the
+//! edits an earlier mount kept, daemonize with a readiness pipe, serve the
+//! FUSE session, and unmount cleanly on signals.
+
+mod fusermount;
+pub mod logging;
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use fuser::{Config, MountOption, SessionACL};
+use tracing::{error, info, warn};
+
+use crate::checkpoint::recover::{self, Resume};
+use crate::checkpoint::staging::Staging;
+use crate::format::{index, Header};
+use crate::fs::fuse::FuseAdapter;
+use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
+use crate::inspect::list_dir;
+use crate::source::local::Folder;
+use crate::source::{FileStat, SourceFile};
+
+pub use fusermount::unmount as fusermount_unmount;
+
+/// Everything `stfs mount` was asked for.
+#[derive(Debug, Clone)]
+pub struct MountRequest {
+    pub source: PathBuf,
+    pub mountpoint: PathBuf,
+    pub foreground: bool,
+    pub options: Vec<String>,
+    pub threads: Option<usize>,
+    pub log_file: Option<PathBuf>,
+    pub pid_file: Option<PathBuf>,
+    pub staging_dir: Option<PathBuf>,
+    pub resume: Resume,
+}
+
+/// Parsed `-o` options.
+#[derive(Debug, Clone)]
+struct MountOptions {
+    read_only: bool,
+    acl: SessionACL,
+    nonempty: bool,
+    cache: CacheMode,
+    kernel: Vec<MountOption>,
+}
+
+const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache=keep|direct, \
+                     default_permissions (always on), nodev, nosuid, noexec, noatime";
+
+fn parse_options(list: &[String]) -> Result<MountOptions, String> {
+    let mut o = MountOptions {
+        read_only: false,
+        acl: SessionACL::Owner,
+        nonempty: false,
+        cache: CacheMode::Keep,
+        kernel: Vec::new(),
+    };
+    for opt in list
+        .iter()
+        .flat_map(|s| s.split(','))
+        .filter(|s| !s.is_empty())
+    {
+        match opt {
+            "ro" => o.read_only = true,
+            "rw" => o.read_only = false,
+            "allow_other" => o.acl = SessionACL::All,
+            "allow_root" => o.acl = SessionACL::RootAndOwner,
+            "nonempty" => o.nonempty = true,
+            "cache=keep" => o.cache = CacheMode::Keep,
+            "cache=direct" => o.cache = CacheMode::Direct,
+            "default_permissions" => {}
+            "nodev" | "nosuid" => {}
+            "noexec" => o.kernel.push(MountOption::NoExec),
+            "noatime" => o.kernel.push(MountOption::NoAtime),
+            other => return Err(format!("unknown mount option {other:?} (known: {KNOWN})")),
+        }
+    }
+    Ok(o)
+}
+
+/// Opens and validates what is to be mounted. Index problems are warnings:
+/// the shards themselves are valid, and the index is shown as it is.
+pub fn open_source(path: &Path) -> Result<(Source, Vec<String>), String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_dir() {
+        let file = SourceFile::open(path).map_err(|e| e.to_string())?;
+        return Ok((Source::File(file), Vec::new()));
+    }
+    let listing = list_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if listing.checkpoints.is_empty() {
+        return Err(format!(
+            "{}: no *.safetensors files in this folder",
+            path.display()
+        ));
+    }
+    let folder = Arc::new(Folder::open(path).map_err(|e| format!("{}: {e}", path.display()))?);
+    let stat = FileStat::of(&File::open(path).map_err(|e| format!("{}: {e}", path.display()))?)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut checkpoints = Vec::new();
+    for (name, file) in &listing.checkpoints {
+        let stem = name
+            .strip_suffix(".safetensors")
+            .unwrap_or(name)
+            .to_string();
+        checkpoints.push((stem, SourceFile::open(file).map_err(|e| e.to_string())?));
+    }
+    let mut indexes = Vec::new();
+    let mut warnings = Vec::new();
+    let shards: BTreeMap<String, &Header> = listing
+        .checkpoints
+        .iter()
+        .zip(&checkpoints)
+        .map(|((file, _), (_, c))| (file.clone(), c.header()))
+        .collect();
+    for ix in &listing.indexes {
+        let f = File::open(ix).map_err(|e| format!("{}: {e}", ix.display()))?;
+        let mut bytes = Vec::new();
+        (&f).read_to_end(&mut bytes)
+            .map_err(|e| format!("{}: {e}", ix.display()))?;
+        let problems = match index::parse_index(&bytes) {
+            Ok(parsed) => index::check_index(&parsed, &shards),
+            Err(e) => vec![e],
+        };
+        warnings.extend(
+            problems
+                .into_iter()
+                .map(|p| format!("{}: {p}", ix.display())),
+        );
+        let name = ix
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        indexes.push(IndexFile {
+            name,
+            bytes,
+            stat: FileStat::of(&f).map_err(|e| format!("{}: {e}", ix.display()))?,
+        });
+    }
+    Ok((
+        Source::Folder {
+            folder,
+            stat,
+            checkpoints,
+            indexes,
+        },
+        warnings,
+    ))
+}
+
+/// What is at the mount point, as far as mounting there goes.
+fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
+    let shown = mountpoint.display();
+    if let Some(m) = crate::mountinfo::mount_at(mountpoint) {
+        return Err(if m.fstype == "fuse.stfs" && dead(mountpoint) {
+            format!(
+                "{shown} is a stfs mount whose daemon is gone: run `stfs umount {shown}` first \
+                 (its staged edits, if any, are kept and taken back by the next mount)"
+            )
+        } else {
+            format!(
+                "{shown} is already a mount point ({} of {}): unmount it first; stfs does not stack mounts",
+                m.fstype, m.source
+            )
+        });
+    }
+    match std::fs::read_dir(mountpoint) {
+        Ok(mut entries) => {
+            if entries.next().is_some() && !nonempty {
+                return Err(format!(
+                    "{shown} is not empty: mounting there would hide what it holds \
+                     (use an empty folder, or -o nonempty to mount anyway)"
+                ));
+            }
+            Ok(())
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Err(format!(
+            "{shown}: no such folder to mount on (create it first: mkdir -p {shown})"
+        )),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+            Err(format!("{shown}: not a folder: a mount point must be one"))
+        }
+        Err(e) => Err(format!("{shown}: {e}")),
+    }
+}
+
+/// A FUSE mount whose daemon is gone answers ENOTCONN.
+pub fn dead(mountpoint: &Path) -> bool {
+    std::fs::metadata(mountpoint).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
+}
+
+/// Where staging folders go, and their stem: beside the source (inside a
+/// folder mount's folder), or in --staging-dir.
+fn staging_for(
+    source: &Path,
+    dir: Option<&Path>,
+) -> Result<(Arc<Folder>, String, Arc<Folder>), String> {
+    let real = std::fs::canonicalize(source).map_err(|e| format!("{}: {e}", source.display()))?;
+    let is_dir = real.is_dir();
+    let sources = if is_dir {
+        real.clone()
+    } else {
+        real.parent().unwrap_or(Path::new("/")).to_path_buf()
+    };
+    let stem = real
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let base = match dir {
+        Some(d) => {
+            let d = std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&d)
+                .map_err(|e| format!("{}: {e}", d.display()))?;
+            d
+        }
+        None => sources.clone(),
+    };
+    let open = |p: &Path| {
+        Folder::open(p)
+            .map(Arc::new)
+            .map_err(|e| format!("{}: {e}", p.display()))
+    };
+    Ok((open(&base)?, stem, open(&sources)?))
+}
+
+pub fn mount(mut req: MountRequest) -> Result<(), String> {
+    let options = parse_options(&req.options)?;
+    req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
+    req.mountpoint = std::path::absolute(&req.mountpoint).map_err(|e| e.to_string())?;
+    check_mountpoint(&req.mountpoint, options.nonempty)?;
+    // Commits that a crash interrupted between two renames are finished
+    // before the sources are read.
+    let (base, stem, sources_folder) = staging_for(&req.source, req.staging_dir.as_deref())?;
+    let mut notes = recover::finish_renames(&base, &stem, &sources_folder);
+    let (source, warnings) = open_source(&req.source)?;
+    let names: Vec<OsString> = match &source {
+        Source::File(s) => vec![s.file_name().to_os_string()],
+        Source::Folder { checkpoints, .. } => checkpoints
+            .iter()
+            .map(|(_, s)| s.file_name().to_os_string())
+            .collect(),
+    };
+    let name_refs: Vec<&std::ffi::OsStr> = names.iter().map(|n| n.as_os_str()).collect();
+    notes.extend(recover::remove_dead_temps(&sources_folder, &name_refs));
+    let settings = Settings {
+        read_only: options.read_only,
+        // SAFETY: getuid cannot fail.
+        owner: unsafe { libc::getuid() },
+        cache: options.cache,
+        release_after_read: false,
+    };
+    let staging = Arc::new(Staging::new(base, stem));
+    let fs = Fs::new(source, settings, staging.clone());
+    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, &req.resume))?);
+    for w in warnings.iter().chain(&notes) {
+        eprintln!("stfs: {w}");
+    }
+    let report: Vec<String> = warnings.into_iter().chain(notes).collect();
+    if req.foreground {
+        logging::init(req.log_file.as_deref(), true)?;
+        return serve(fs, &req, options, &report, None);
+    }
+    daemonize(fs, &req, options, &report)
+}
+
+/// Forks; the child serves the mount and reports through a pipe once the mount
+/// answers (or why it failed); the parent returns only then. Must be called
+/// before any thread is started.
+fn daemonize(
+    fs: Fs,
+    req: &MountRequest,
+    options: MountOptions,
+    report: &[String],
+) -> Result<(), String> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid out-array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: pipe2 returned two fresh descriptors that we now own.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: stfs has started no threads yet, so the child may run Rust code freely.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            drop(read_end);
+            // SAFETY: plain syscalls in the child.
+            unsafe { libc::setsid() };
+            detach_stdio();
+            let mut ready = Some(write_end);
+            let code = match logging::init(req.log_file.as_deref(), false) {
+                Err(e) => {
+                    say(&mut ready, &e);
+                    1
+                }
+                Ok(_) => match serve(fs, req, options, report, ready) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        error!("{e}");
+                        1
+                    }
+                },
+            };
+            std::process::exit(code);
+        }
+        _child => {
+            drop(write_end);
+            // The parent only waits and exits: skip freeing a large state.
+            std::mem::forget(fs);
+            let mut answer = String::new();
+            File::from(read_end)
+                .read_to_string(&mut answer)
+                .map_err(|e| format!("waiting for the daemon: {e}"))?;
+            match answer.strip_prefix("ok") {
+                Some(_) => Ok(()),
+                None if answer.is_empty() => {
+                    Err("the daemon exited before the mount was ready (see its log)".into())
+                }
+                None => Err(answer.trim_end().to_string()),
+            }
+        }
+    }
+}
+
+fn detach_stdio() {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            // SAFETY: replacing the standard descriptors with /dev/null.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+}
+
+fn say(ready: &mut Option<OwnedFd>, message: &str) {
+    if let Some(fd) = ready.take() {
+        let _ = File::from(fd).write_all(message.as_bytes());
+    }
+}
+
+/// Raises the soft limit of open files to the hard one: staging files are
+/// opened on use, but a busy mount still holds many.
+fn raise_open_files() {
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let old = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                info!("open file limit raised from {old} to {}", lim.rlim_max);
+            }
+        }
+    }
+}
+
+/// Mounts and serves until unmounted (by `umount`, `stfs umount`, or a signal).
+fn serve(
+    fs: Fs,
+    req: &MountRequest,
+    options: MountOptions,
+    report: &[String],
+    mut ready: Option<OwnedFd>,
+) -> Result<(), String> {
+    for w in report {
+        warn!("{w}");
+    }
+    raise_open_files();
+    let threads = req
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)));
+    let mut mount_options = vec![
+        MountOption::FSName(req.source.display().to_string()),
+        MountOption::Subtype("stfs".into()),
+        // The kernel enforces the modes and owners shown (the source's).
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+    ];
+    if options.read_only {
+        mount_options.push(MountOption::RO);
+    }
+    mount_options.extend(options.kernel.iter().cloned());
+    let mut config = Config::default();
+    config.mount_options = mount_options;
+    config.acl = options.acl;
+    config.n_threads = Some(threads.max(1));
+
+    // Signals are taken by one thread (below): block them before fuser starts its threads.
+    let signals = blocked_signals();
+    let fs = Arc::new(fs);
+    let adapter = FuseAdapter::new(fs.clone());
+    // SAFETY: geteuid cannot fail.
+    let as_root = unsafe { libc::geteuid() } == 0;
+    let fd = if as_root {
+        mount_direct(&req.mountpoint, &req.source, &options)
+    } else {
+        fusermount::mount(&req.mountpoint, &fusermount_options(&req.source, &options))
+    };
+    let session =
+        fd.and_then(|fd| fuser::Session::from_fd(adapter, fd, options.acl, config.clone()));
+    let session = match session {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = format!(
+                "cannot mount {} on {}: {e}",
+                req.source.display(),
+                req.mountpoint.display()
+            );
+            say(&mut ready, &msg);
+            return Err(msg);
+        }
+    };
+    raise_read_ahead(&req.mountpoint);
+    if let Some(pid_file) = &req.pid_file {
+        match logging::open_private(pid_file, false, true) {
+            Ok(mut f) => {
+                let _ = writeln!(f, "{}", std::process::id());
+            }
+            Err(e) => warn!("pid file: {e}"),
+        }
+    }
+    info!(
+        source = %req.source.display(),
+        mountpoint = %req.mountpoint.display(),
+        threads,
+        read_only = options.read_only,
+        cache = ?options.cache,
+        "mounted"
+    );
+    say(&mut ready, "ok\n");
+
+    let mountpoint = req.mountpoint.clone();
+    std::thread::Builder::new()
+        .name("stfs-signals".into())
+        .spawn(move || {
+            let mut sig = 0;
+            // SAFETY: signals is a valid, initialized set; sig an out-parameter.
+            if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
+                info!(
+                    signal = sig,
+                    "unmounting {} on signal",
+                    mountpoint.display()
+                );
+                let result = if as_root {
+                    detach(&mountpoint)
+                } else {
+                    fusermount::unmount(&mountpoint, true)
+                };
+                if let Err(e) = result {
+                    error!("unmount of {} failed: {e}", mountpoint.display());
+                }
+            }
+        })
+        .map_err(|e| e.to_string())?;
+
+    let result = session.run();
+    if let Some(pid_file) = &req.pid_file {
+        let _ = std::fs::remove_file(pid_file);
+    }
+    info!(mountpoint = %req.mountpoint.display(), "unmounted");
+    result.map_err(|e| {
+        format!(
+            "FUSE session on {} ended with an error: {e}",
+            req.mountpoint.display()
+        )
+    })
+}
+
+/// Mounts as root: the filesystem type is `fuse.stfs`, so that the mount
+/// table says what it is, and `default_permissions` is always on.
+fn mount_direct(
+    mountpoint: &Path,
+    source: &Path,
+    options: &MountOptions,
+) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")?;
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let mut data = format!(
+        "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions",
+        dev.as_raw_fd()
+    );
+    if options.acl != SessionACL::Owner {
+        data.push_str(",allow_other");
+    }
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    if options.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    for k in &options.kernel {
+        match k {
+            MountOption::NoExec => flags |= libc::MS_NOEXEC,
+            MountOption::NoAtime => flags |= libc::MS_NOATIME,
+            _ => {}
+        }
+    }
+    let c = |b: &[u8]| {
+        std::ffi::CString::new(b).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+    };
+    let (src, target, fstype, data) = (
+        c(source.as_os_str().as_bytes())?,
+        c(mountpoint.as_os_str().as_bytes())?,
+        c(b"fuse.stfs")?,
+        c(data.as_bytes())?,
+    );
+    // SAFETY: valid NUL-terminated strings; the kernel copies them.
+    if unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    } != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(OwnedFd::from(dev))
+}
+
+/// Detaches a mount now; the session ends once its files are closed.
+fn detach(mountpoint: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    // SAFETY: c is a valid path string.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `-o` for fusermount3: it adds nosuid and nodev itself.
+fn fusermount_options(source: &Path, options: &MountOptions) -> String {
+    let mut o = vec![
+        format!("fsname={}", source.display().to_string().replace(',', "_")),
+        "subtype=stfs".into(),
+        "default_permissions".into(),
+    ];
+    o.push(if options.read_only { "ro" } else { "rw" }.into());
+    match options.acl {
+        SessionACL::All | SessionACL::RootAndOwner => o.push("allow_other".into()),
+        SessionACL::Owner => {}
+    }
+    o.join(",")
+}
+
+fn blocked_signals() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a zeroed, then emptied set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// The kernel caps a FUSE mount's read-ahead at 128 KiB; root can raise it
+/// through the mount's backing device info, which makes buffered reads
+/// arrive as 1 MiB requests (../shared/PERF-NOTES.md). The log says what changed.
+fn raise_read_ahead(mountpoint: &Path) {
+    // The mount's device number comes from mountinfo: a stat of the mount point
+    // would be a FUSE request, and nothing serves requests yet.
+    let Some(dev) = crate::mountinfo::mount_at(mountpoint).map(|m| m.device) else {
+        info!(
+            "read-ahead left at the kernel default: {} not found in mountinfo",
+            mountpoint.display()
+        );
+        return;
+    };
+    let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    let before = std::fs::read_to_string(&knob).unwrap_or_default();
+    match std::fs::write(&knob, "1024") {
+        Ok(()) => info!(
+            "read-ahead of this mount raised from {} to 1024 KiB ({knob})",
+            before.trim()
+        ),
+        Err(e) => info!("read-ahead left at the kernel default: {knob}: {e}"),
+    }
+}

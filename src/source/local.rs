@@ -1,0 +1,435 @@
+//! A local checkpoint file: opened once through its folder's descriptor,
+//! validated, mapped read-only. Reads are served from the mapping; commits
+//! write beside it through the same folder descriptor and rename over it.
+
+use std::ffi::{CString, OsStr, OsString};
+use std::fmt;
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use memmap2::{Advice, Mmap, UncheckedAdvice};
+use tracing::warn;
+
+use crate::format::{FormatError, Header};
+
+/// Why a source could not be opened.
+#[derive(Debug)]
+pub enum SourceError {
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    NotRegular {
+        path: PathBuf,
+    },
+    Format {
+        path: PathBuf,
+        error: FormatError,
+    },
+}
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourceError::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            SourceError::NotRegular { path } => write!(f, "{}: not a regular file", path.display()),
+            SourceError::Format { path, error } => {
+                write!(f, "{}: {error}", path.display())?;
+                if looks_foreign(error) {
+                    f.write_str(" (not a safetensors file?)")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Errors that a file of another format typically gets at its first bytes.
+fn looks_foreign(e: &FormatError) -> bool {
+    matches!(
+        e,
+        FormatError::TooShort { .. }
+            | FormatError::HeaderTooLarge { .. }
+            | FormatError::HeaderTruncated { .. }
+            | FormatError::HeaderNotUtf8 { .. }
+            | FormatError::HeaderJson { tensor: None, .. }
+    )
+}
+
+impl std::error::Error for SourceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SourceError::Io { source, .. } => Some(source),
+            SourceError::Format { error, .. } => Some(error),
+            SourceError::NotRegular { .. } => None,
+        }
+    }
+}
+
+/// What `stat` said of a file: identity, size, times, owner and mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileStat {
+    pub dev: u64,
+    pub ino: u64,
+    pub len: u64,
+    pub mtime: (i64, i64),
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl FileStat {
+    pub fn of(file: &File) -> std::io::Result<FileStat> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(FileStat {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
+        })
+    }
+
+    /// Same file, same length, same modification time: the bytes stfs validated.
+    pub fn same_version(&self, other: &FileStat) -> bool {
+        (self.dev, self.ino, self.len, self.mtime) == (other.dev, other.ino, other.len, other.mtime)
+    }
+
+    pub fn modified(&self) -> SystemTime {
+        let (s, ns) = self.mtime;
+        if s >= 0 {
+            SystemTime::UNIX_EPOCH + std::time::Duration::new(s as u64, ns as u32)
+        } else {
+            SystemTime::UNIX_EPOCH
+        }
+    }
+}
+
+/// A folder, opened: files in it are opened, created and renamed relative to
+/// this descriptor, so a rename of a path component cannot redirect them.
+pub struct Folder {
+    pub path: PathBuf,
+    pub fd: OwnedFd,
+}
+
+impl Folder {
+    pub fn open(path: &Path) -> std::io::Result<Folder> {
+        let c = cstr(path.as_os_str())?;
+        // SAFETY: c is a valid NUL-terminated path.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: open returned a fresh descriptor we now own.
+        Ok(Folder {
+            path: path.to_path_buf(),
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Opens `name` in this folder without following a symbolic link there.
+    pub fn open_file(&self, name: &OsStr, flags: i32, mode: u32) -> std::io::Result<File> {
+        let c = cstr(name)?;
+        // SAFETY: valid directory fd and NUL-terminated name.
+        let fd = unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                mode as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: openat returned a fresh descriptor we now own.
+        Ok(unsafe { File::from_raw_fd(fd) })
+    }
+
+    pub fn rename(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        let (a, b) = (cstr(from)?, cstr(to)?);
+        let dir = self.fd.as_raw_fd();
+        // SAFETY: valid directory fd and NUL-terminated names.
+        if unsafe { libc::renameat(dir, a.as_ptr(), dir, b.as_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
+    pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
+        let c = cstr(name)?;
+        // SAFETY: valid directory fd and NUL-terminated name.
+        if unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// lstat of a name in this folder.
+    pub fn stat_at(&self, name: &OsStr) -> std::io::Result<libc::stat> {
+        let c = cstr(name)?;
+        // SAFETY: zeroed stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid directory fd, NUL-terminated name, sized out-parameter.
+        if unsafe {
+            libc::fstatat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        } != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(st)
+    }
+
+    pub fn sync(&self) -> std::io::Result<()> {
+        // SAFETY: fsync of a valid descriptor.
+        if unsafe { libc::fsync(self.fd.as_raw_fd()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+pub fn cstr(s: &OsStr) -> std::io::Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+pub struct SourceFile {
+    /// The path the user gave, made absolute (may be a symbolic link).
+    path: PathBuf,
+    /// The folder holding the file itself (the link's target when `path` is a link).
+    folder: Arc<Folder>,
+    /// Its name in `folder`.
+    name: OsString,
+    /// Kept open: commits copy unchanged bytes from it with copy_file_range.
+    file: Arc<File>,
+    stat: FileStat,
+    /// The whole file, mapped read-only and shared with the page cache.
+    map: Mmap,
+    header: Header,
+    /// Drop the daemon's page-table references after each read.
+    release_after_read: AtomicBool,
+    /// The file changed behind the mount: said once in the log.
+    warned_stale: AtomicBool,
+}
+
+impl SourceFile {
+    /// Opens, maps and validates a checkpoint. A symbolic link is followed to
+    /// the file it names; commits replace that file and keep the link.
+    pub fn open(path: &Path) -> Result<SourceFile, SourceError> {
+        let io = |source| SourceError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let path = std::path::absolute(path).map_err(io)?;
+        let real = std::fs::canonicalize(&path).map_err(io)?;
+        let (dir, name) = match (real.parent(), real.file_name()) {
+            (Some(d), Some(n)) => (d, n.to_os_string()),
+            _ => return Err(SourceError::NotRegular { path }),
+        };
+        let folder = Arc::new(Folder::open(dir).map_err(io)?);
+        let file = folder.open_file(&name, libc::O_RDONLY, 0).map_err(io)?;
+        let stat = FileStat::of(&file).map_err(io)?;
+        if stat.mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(SourceError::NotRegular { path });
+        }
+        let format = |error| SourceError::Format {
+            path: path.clone(),
+            error,
+        };
+        if stat.len < 8 {
+            return Err(format(FormatError::TooShort { file_len: stat.len }));
+        }
+        // SAFETY: the mapping is read-only. stfs never writes the source in
+        // place (commits replace it by rename); another program that does is
+        // detected before each read (`check_unchanged`), and the bytes are only
+        // ever read by the kernel on stfs's behalf, where a page that vanished
+        // gives EFAULT, never SIGBUS.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let header = Header::parse(&map).map_err(format)?;
+        Ok(SourceFile::assemble(
+            path, folder, name, file, stat, map, header,
+        ))
+    }
+
+    /// The file a commit just renamed into place: `file` is it, opened
+    /// read-only, and `header` its already validated header.
+    pub fn committed(
+        previous: &SourceFile,
+        file: File,
+        header: Header,
+    ) -> std::io::Result<SourceFile> {
+        let stat = FileStat::of(&file)?;
+        // SAFETY: as in `open`.
+        let map = unsafe { Mmap::map(&file) }?;
+        let fresh = SourceFile::assemble(
+            previous.path.clone(),
+            previous.folder.clone(),
+            previous.name.clone(),
+            file,
+            stat,
+            map,
+            header,
+        );
+        fresh.release_after_read.store(
+            previous.release_after_read.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        Ok(fresh)
+    }
+
+    fn assemble(
+        path: PathBuf,
+        folder: Arc<Folder>,
+        name: OsString,
+        file: File,
+        stat: FileStat,
+        map: Mmap,
+        header: Header,
+    ) -> SourceFile {
+        // The header's pages were read once, to parse: they need not stay in
+        // the daemon's resident memory.
+        let header_end = header.data_start() as usize;
+        if header_end > 0 {
+            // SAFETY: read-only shared file mapping; a later access faults the
+            // same bytes back in from the page cache.
+            let _ = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, 0, header_end) };
+        }
+        SourceFile {
+            path,
+            folder,
+            name,
+            file: Arc::new(file),
+            stat,
+            map,
+            header,
+            release_after_read: AtomicBool::new(false),
+            warned_stale: AtomicBool::new(false),
+        }
+    }
+
+    /// The absolute path the user named.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn folder(&self) -> &Arc<Folder> {
+        &self.folder
+    }
+
+    /// The file's own name in `folder` (the link's target for a linked source).
+    pub fn file_name(&self) -> &OsStr {
+        &self.name
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn shared_file(&self) -> Arc<File> {
+        self.file.clone()
+    }
+
+    /// The file as validated and mapped.
+    pub fn stat(&self) -> &FileStat {
+        &self.stat
+    }
+
+    pub fn modified(&self) -> SystemTime {
+        self.stat.modified()
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Whether reads drop the daemon's page-table references after each reply.
+    pub fn set_release_after_read(&self, release: bool) {
+        self.release_after_read.store(release, Ordering::Relaxed);
+    }
+
+    /// Byte range of tensor `index` in the file.
+    pub fn tensor_range(&self, index: usize) -> Range<u64> {
+        let t = &self.header.tensors[index];
+        let start = self.header.data_start();
+        start + t.data_offsets.0..start + t.data_offsets.1
+    }
+
+    /// EIO (with the reason logged once) if another program truncated or
+    /// rewrote the file since it was validated.
+    pub fn check_unchanged(&self) -> std::io::Result<()> {
+        let now = FileStat::of(&self.file)?;
+        if now.len == self.stat.len && now.mtime == self.stat.mtime {
+            return Ok(());
+        }
+        if !self.warned_stale.swap(true, Ordering::Relaxed) {
+            warn!(
+                file = %self.path.display(),
+                "the source was {} behind the mount: its reads now fail with EIO (staged edits are kept; \
+                 unmount with --discard or commit --force)",
+                if now.len < self.stat.len { "truncated" } else { "rewritten" }
+            );
+        }
+        Err(std::io::Error::from_raw_os_error(libc::EIO))
+    }
+
+    /// Serves bytes `offset..offset+size` of tensor `index` (clamped to its end)
+    /// straight from the mapping. The range is faulted in with one
+    /// MADV_POPULATE_READ first (faster than a fault per page, and it fails
+    /// with EFAULT, not SIGBUS, if the file was cut short).
+    pub fn serve<R>(
+        &self,
+        index: usize,
+        offset: u64,
+        size: u32,
+        serve: impl FnOnce(&[u8]) -> R,
+    ) -> std::io::Result<R> {
+        let range = self.tensor_range(index);
+        let start = range.start.saturating_add(offset).min(range.end);
+        let end = start.saturating_add(size as u64).min(range.end);
+        let (start, end) = (start as usize, end as usize);
+        if end == start {
+            return Ok(serve(&[]));
+        }
+        self.check_unchanged()?;
+        if let Err(e) = self
+            .map
+            .advise_range(Advice::PopulateRead, start, end - start)
+        {
+            // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                warn!(file = %self.path.display(), "reading the source: {e}");
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+        }
+        let result = serve(&self.map[start..end]);
+        if self.release_after_read.load(Ordering::Relaxed) {
+            // SAFETY: shared, read-only, file-backed mapping: dropping its pages
+            // only makes a later access fault them in again, same contents.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+        Ok(result)
+    }
+}

@@ -1,0 +1,221 @@
+//! Where tensor bytes come from. `Bytes` is the one type the rest of stfs asks
+//! to measure, read, copy or prefetch a tensor's bytes: the validated, mapped
+//! source file (`local`), a private staging file (`staged`), or nothing yet.
+//! A new kind of source (a remote object with a local cache) is a new variant
+//! here, not an edit across `fs/`.
+
+pub mod local;
+pub mod staged;
+
+use std::fs::File;
+use std::sync::Arc;
+
+pub use local::{FileStat, SourceError, SourceFile};
+pub use staged::{StagedFile, StagingDir};
+
+/// A tensor's bytes, wherever they are now. Cheap to clone.
+#[derive(Clone)]
+pub enum Bytes {
+    /// A new, empty file: nothing staged yet.
+    Empty,
+    /// Tensor `index` of a mapped source file, unchanged.
+    Source(Arc<SourceFile>, u32),
+    /// A (possibly sparse) staging file.
+    Staged(Arc<StagedFile>),
+}
+
+/// A file and a byte range in it: what prefetch reads.
+pub struct Backing {
+    pub file: Arc<File>,
+    pub offset: u64,
+    pub len: u64,
+    /// Holes may exist (a sparse staging file): skip them instead of reading zeros.
+    pub sparse: bool,
+}
+
+impl Bytes {
+    pub fn len(&self) -> u64 {
+        match self {
+            Bytes::Empty => 0,
+            Bytes::Source(s, i) => s.header().tensors[*i as usize].nbytes(),
+            Bytes::Staged(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Serves up to `size` bytes at `offset` (fewer at the end) to `reply`.
+    /// Source bytes go out straight from the mapping; staged bytes through a buffer.
+    pub fn read<R>(
+        &self,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[u8]) -> R,
+    ) -> std::io::Result<R> {
+        match self {
+            Bytes::Empty => Ok(reply(&[])),
+            Bytes::Source(s, i) => s.serve(*i as usize, offset, size, reply),
+            Bytes::Staged(s) => {
+                let want = (size as u64).min(s.len().saturating_sub(offset)) as usize;
+                let mut buf = vec![0u8; want];
+                let got = s.read_at(&mut buf, offset)?;
+                buf.truncate(got);
+                Ok(reply(&buf))
+            }
+        }
+    }
+
+    /// Copies bytes `from..from+len` into `to` at `to_off`. Running out of
+    /// bytes early is an error (EIO): a copy never pads with zeros.
+    pub fn copy_to(&self, from: u64, to: &File, to_off: u64, len: u64) -> std::io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if from.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(short_read("the tensor is shorter than the range copied"));
+        }
+        match self {
+            Bytes::Empty => Ok(()),
+            Bytes::Source(s, i) => {
+                s.check_unchanged()?;
+                let start = s.tensor_range(*i as usize).start;
+                copy_range(s.file(), start + from, to, to_off, len)
+            }
+            Bytes::Staged(s) => copy_range(&*s.file()?, from, to, to_off, len),
+        }
+    }
+
+    /// The file and range holding the bytes, for prefetch.
+    pub fn backing(&self) -> std::io::Result<Option<Backing>> {
+        Ok(match self {
+            Bytes::Empty => None,
+            Bytes::Source(s, i) => {
+                s.check_unchanged()?;
+                let r = s.tensor_range(*i as usize);
+                Some(Backing {
+                    file: s.shared_file(),
+                    offset: r.start,
+                    len: r.end - r.start,
+                    sparse: false,
+                })
+            }
+            Bytes::Staged(s) => Some(Backing {
+                file: s.file()?,
+                offset: 0,
+                len: s.len(),
+                sparse: true,
+            }),
+        })
+    }
+
+    /// Whether both are the same bytes (the same source tensor or staging file).
+    pub fn same(&self, other: &Bytes) -> bool {
+        match (self, other) {
+            (Bytes::Empty, Bytes::Empty) => true,
+            (Bytes::Source(a, i), Bytes::Source(b, j)) => Arc::ptr_eq(a, b) && i == j,
+            (Bytes::Staged(a), Bytes::Staged(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+fn short_read(why: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, why.to_string())
+}
+
+/// Copies `len` bytes between files at offsets with copy_file_range (which can
+/// share extents), falling back to pread/pwrite across filesystems. Reaching
+/// the end of `from` early is an error: a copy never invents bytes.
+pub fn copy_range(
+    from: &File,
+    mut from_off: u64,
+    to: &File,
+    mut to_off: u64,
+    len: u64,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut left = len;
+    while left > 0 {
+        let mut off_in = from_off as libc::loff_t;
+        let mut off_out = to_off as libc::loff_t;
+        let chunk = left.min(1 << 30) as usize;
+        // SAFETY: valid fds and offset pointers; the kernel bounds the copy.
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                &mut off_in,
+                to.as_raw_fd(),
+                &mut off_out,
+                chunk,
+                0,
+            )
+        };
+        if n > 0 {
+            let n = n as u64;
+            left -= n;
+            from_off += n;
+            to_off += n;
+            continue;
+        }
+        if n == 0 {
+            return Err(short_read(
+                "the file ended before the tensor did (truncated behind the mount?)",
+            ));
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                return copy_by_buffer(from, from_off, to, to_off, left);
+            }
+            Some(libc::EINTR) => continue,
+            _ => return Err(err),
+        }
+    }
+    Ok(())
+}
+
+fn copy_by_buffer(
+    from: &File,
+    mut from_off: u64,
+    to: &File,
+    mut to_off: u64,
+    mut left: u64,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; (8 << 20).min(left as usize)];
+    while left > 0 {
+        let want = left.min(buf.len() as u64) as usize;
+        let n = from.read_at(&mut buf[..want], from_off)?;
+        if n == 0 {
+            return Err(short_read(
+                "the file ended before the tensor did (truncated behind the mount?)",
+            ));
+        }
+        to.write_all_at(&buf[..n], to_off)?;
+        left -= n as u64;
+        from_off += n as u64;
+        to_off += n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn copy_range_refuses_to_pad() {
+        let mut from = tempfile::tempfile().unwrap();
+        from.write_all(&[7u8; 100]).unwrap();
+        let to = tempfile::tempfile().unwrap();
+        copy_range(&from, 10, &to, 0, 90).unwrap();
+        assert_eq!(to.metadata().unwrap().len(), 90);
+        let e = copy_range(&from, 10, &to, 0, 91).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        let e = copy_by_buffer(&from, 50, &to, 0, 60).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}
