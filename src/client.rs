@@ -191,14 +191,20 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
         ));
     }
     let mut lines = Vec::new();
-    if crate::daemon::dead(&abs) {
-        unmount(&abs, lazy)?;
+    let gone = |lines: &mut Vec<String>| -> Result<(), String> {
+        // Nothing can be served any more: a program that still holds a file
+        // of it must not keep the dead mount in place.
+        unmount(&abs, true)?;
         lines.push(format!(
             "{}: its daemon was gone; unmounted. Staged edits of {}, if any, are kept beside it \
              and taken back by the next `stfs mount`",
             abs.display(),
             m.source
         ));
+        Ok(())
+    };
+    if crate::daemon::dead(&abs) {
+        gone(&mut lines)?;
         return Ok(lines);
     }
     match commit(&abs, if discard { COMMIT_DISCARD } else { 0 }) {
@@ -208,6 +214,10 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
                 .filter(|l| !l.ends_with("nothing to commit"))
                 .map(str::to_string),
         ),
+        Err(ClientError::Dead(_)) => {
+            gone(&mut lines)?;
+            return Ok(lines);
+        }
         Err(e) => {
             return Err(format!(
                 "{e}\nstfs: {} is still mounted with its edits staged: fix them (stfs status lists \

@@ -226,3 +226,57 @@ fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>
         live.source().path().display()
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::staging::PendingRename;
+
+    #[test]
+    fn an_interrupted_rename_is_finished_by_the_next_mount() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = Arc::new(Folder::open(dir.path()).unwrap());
+        std::fs::write(dir.path().join("a.safetensors"), b"old a").unwrap();
+        std::fs::write(dir.path().join("b.safetensors"), b"new b").unwrap(); // renamed already
+        let tmp = dir.path().join(".a.safetensors.stfs-tmp-1-1");
+        std::fs::write(&tmp, b"new a").unwrap();
+        let stat = file_stat(&tmp);
+        {
+            let staging = StagingDir::create(folder.clone(), "f").unwrap();
+            Renames {
+                commit: 7,
+                files: vec![
+                    PendingRename {
+                        tmp: ".a.safetensors.stfs-tmp-1-1".into(),
+                        target: "a.safetensors".into(),
+                        stat,
+                    },
+                    PendingRename {
+                        tmp: ".b.safetensors.stfs-tmp-1-2".into(),
+                        target: "b.safetensors".into(),
+                        stat,
+                    },
+                ],
+            }
+            .write(&staging)
+            .unwrap();
+        } // the daemon is gone: its folder is unlocked
+        let notes = finish_renames(&folder, "f", &folder);
+        assert_eq!(
+            std::fs::read(dir.path().join("a.safetensors")).unwrap(),
+            b"new a"
+        );
+        assert_eq!(
+            std::fs::read(dir.path().join("b.safetensors")).unwrap(),
+            b"new b"
+        );
+        assert!(!tmp.exists());
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        // Done once: the record is gone.
+        assert!(finish_renames(&folder, "f", &folder).is_empty());
+    }
+
+    fn file_stat(path: &std::path::Path) -> crate::source::FileStat {
+        crate::source::FileStat::of(&std::fs::File::open(path).unwrap()).unwrap()
+    }
+}

@@ -191,9 +191,18 @@ fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
     }
 }
 
-/// A FUSE mount whose daemon is gone answers ENOTCONN.
+/// A FUSE mount whose daemon is gone answers ENOTCONN (statfs: never
+/// answered from the kernel's caches).
 pub fn dead(mountpoint: &Path) -> bool {
-    std::fs::metadata(mountpoint).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: zeroed statfs is a valid out-parameter; c is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let failed = unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0;
+    failed && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
 }
 
 /// Where staging folders go, and their stem: beside the source (inside a

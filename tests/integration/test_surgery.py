@@ -14,32 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-
-def base(path, metadata=None):
-    tensors = {
-        "a": np.arange(8, dtype=np.float32),
-        "b": np.arange(6, dtype=np.int64).reshape(2, 3),
-        "c": np.ones(5, np.uint8),
-    }
-    save_file(tensors, str(path), metadata=metadata)
-    return tensors
-
-
-def assert_checkpoint(path, expected, metadata=None):
-    """Loads with the official package and compares values, then bytes with its save_file."""
-    got = load_file(str(path))
-    assert sorted(got) == sorted(expected)
-    for k, v in expected.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        assert got[k].tobytes() == v.tobytes(), k
-    with safe_open(str(path), framework="np") as f:
-        assert (f.metadata() or None) == (metadata or None)
-    ref = str(path) + ".ref"
-    save_file(expected, ref, metadata=metadata)
-    try:
-        assert open(path, "rb").read() == open(ref, "rb").read(), "not byte-identical to save_file"
-    finally:
-        os.unlink(ref)
+from ckpt import assert_checkpoint, base
 
 
 def commit(run, path, *flags):
