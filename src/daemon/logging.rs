@@ -74,8 +74,13 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
         };
     let file = folder
         .open_file(OsStr::new(name), flags, 0o600)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => what(&"a symbolic link: refused"),
+        .map_err(|e| match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => what(&"a symbolic link: refused"),
+            Ok(m) if m.uid() != euid() => what(&format_args!(
+                "owned by uid {}, not by uid {}: refused",
+                m.uid(),
+                euid()
+            )),
             _ => what(&e),
         })?;
     let meta = file.metadata().map_err(|e| what(&e))?;

@@ -83,9 +83,11 @@ def mount(stfs, tmp_path):
     whether the test passed or not."""
     made = []
 
-    def _mount(source, *options, expect_ok=True):
-        mnt = tmp_path / f"mnt{len(made)}"
+    def _mount(source, *options, expect_ok=True, at=None):
+        """at: the folder to make the mount point in (default: the test's tmp_path)."""
+        mnt = pathlib.Path(at or tmp_path) / f"mnt{len(made)}"
         mnt.mkdir()
+        os.chmod(mnt, 0o755)
         m = Mount(stfs, source, mnt, options, tmp_path / f"stfs{len(made)}.log")
         made.append(m)
         if expect_ok:
