@@ -80,7 +80,7 @@ pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), St
     )
     .map_err(io)?;
     for t in &h.tensors {
-        let shape = ShapeDisplay(&t.shape).to_string();
+        let shape = ShapeDisplay(t.shape).to_string();
         writeln!(
             out,
             "  {:width$}  {:<11} {:<20} {:>14}  [{}, {}]",

@@ -31,8 +31,8 @@ fn ours(bytes: &[u8]) -> Verdict {
                 .iter()
                 .map(|t| {
                     (
-                        t.name.clone(),
-                        (t.dtype.name().to_string(), t.shape.clone(), t.data_offsets),
+                        t.name.to_string(),
+                        (t.dtype.name().to_string(), t.shape.to_vec(), t.data_offsets),
                     )
                 })
                 .collect(),
@@ -276,7 +276,7 @@ proptest! {
             let data = &ours[l.header.len() + t.data_offsets.0 as usize..l.header.len() + t.data_offsets.1 as usize];
             let dtype: safetensors::Dtype = serde_json::from_str(&format!("\"{}\"", t.dtype)).unwrap();
             let shape = t.shape.iter().map(|&d| d as usize).collect();
-            (t.name.clone(), safetensors::tensor::TensorView::new(dtype, shape, data).unwrap())
+            (t.name.to_string(), safetensors::tensor::TensorView::new(dtype, shape, data).unwrap())
         }).collect();
         let meta_map: Option<HashMap<String, String>> = meta.map(|m| m.into_iter().collect());
         let theirs = safetensors::serialize(views, meta_map).unwrap();

@@ -10,15 +10,15 @@ fuzz_target!(|data: &[u8]| {
     let specs: Vec<TensorSpec> = h
         .tensors
         .iter()
-        .map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .map(|t| TensorSpec { name: t.name.to_string(), dtype: t.dtype, shape: t.shape.to_vec() })
         .collect();
     let l = layout(&specs, h.metadata.as_ref()).expect("an accepted header re-serializes");
     let mut bytes = l.header.clone();
     bytes.resize(l.file_len() as usize, 0);
     let again = Header::parse(&bytes).expect("a serialized header parses");
     assert_eq!(again.tensors.len(), h.tensors.len());
-    for t in &h.tensors {
-        let u = again.get(&t.name).expect("same names");
-        assert_eq!((u.dtype, &u.shape, u.nbytes()), (t.dtype, &t.shape, t.nbytes()));
+    for t in h.tensors.iter() {
+        let u = again.get(t.name).expect("same names");
+        assert_eq!((u.dtype, u.shape, u.nbytes()), (t.dtype, t.shape, t.nbytes()));
     }
 });

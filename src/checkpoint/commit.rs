@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use super::journal::Record;
 use super::staging::{PendingRename, Renames, Staging};
 use super::{next_gen, DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot};
-use crate::format::{layout, FormatError, Header, Layout, TensorSpec};
+use crate::format::{layout_of, FormatError, Header, Layout};
 use crate::source::local::Folder;
 use crate::source::staged::StagingError;
 use crate::source::{Bytes, FileStat, SourceFile, StagedFile};
@@ -242,6 +242,7 @@ impl Live {
         if !problems.is_empty() {
             return Err(refused(problems));
         }
+        // Names and shapes are borrowed from the state for the layout, not copied.
         let mut specs = Vec::new();
         let mut inputs = Vec::new();
         let mut members = Vec::new();
@@ -250,11 +251,7 @@ impl Live {
                 continue; // a meta without data: not a tensor
             };
             let state = self.object(object).expect("an entry's data exists");
-            specs.push(TensorSpec {
-                name: e.name.to_string(),
-                dtype,
-                shape: shape.to_vec(),
-            });
+            specs.push((e.name, dtype, shape));
             inputs.push(state.bytes);
             members.push(Member {
                 entry: id,
@@ -270,12 +267,14 @@ impl Live {
             .metadata()
             .expect("problems() refuses invalid metadata")
             .cloned();
-        let layout = layout(&specs, metadata.as_ref()).map_err(|e: FormatError| {
-            refused(vec![Problem {
-                tensor: e.tensor().map(str::to_string),
-                rule: e.to_string(),
-            }])
-        })?;
+        let layout =
+            layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(|e: FormatError| {
+                refused(vec![Problem {
+                    tensor: e.tensor().map(str::to_string),
+                    rule: e.to_string(),
+                }])
+            })?;
+        drop(specs);
         // The file now at the source's name (gone: changed too).
         let mapped = self.source.stat();
         let same = match self.source.folder().stat_at(self.source.file_name()) {
@@ -326,13 +325,16 @@ impl Live {
     }
 
     /// Step 3: the new file is in place; `written` is it.
-    pub fn finish(&mut self, plan: CommitPlan, written: Written) -> Result<(), CommitError> {
+    pub fn finish(&mut self, mut plan: CommitPlan, written: Written) -> Result<(), CommitError> {
         let what = || written.target().display().to_string();
         self.committing = None;
         // Read-only descriptor of the very file written (not of whatever has the name now).
         let file = File::open(format!("/proc/self/fd/{}", written.file.as_raw_fd()))
             .map_err(io_err(what()))?;
-        let header = Header::from_layout(&plan.layout, plan.metadata.clone());
+        let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
+        plan.layout.header = Vec::new();
+        let tensors = std::mem::take(&mut plan.layout.tensors);
+        let header = Header::from_parts(header_len, tensors, plan.metadata.clone());
         let fresh =
             Arc::new(SourceFile::committed(&self.source, file, header).map_err(io_err(what()))?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
@@ -388,12 +390,12 @@ impl Live {
                 };
                 if let EntrySlot::Live(e) = &mut self.entries[id] {
                     if let Some(i) = e.origin.take() {
-                        let t = &header.tensors[i as usize];
-                        e.name.get_or_insert_with(|| t.name.as_str().into());
+                        let t = header.tensors.get(i as usize);
+                        e.name.get_or_insert_with(|| t.name.into());
                         if matches!(e.meta, EntryMeta::Source) {
                             e.meta = EntryMeta::Own(super::Meta::Valid {
                                 dtype: t.dtype,
-                                shape: t.shape.clone(),
+                                shape: t.shape.to_vec(),
                             });
                         }
                     }
@@ -445,7 +447,10 @@ impl Live {
         // takes a while for a large file: let the commit return first.
         let _ = std::thread::Builder::new()
             .name("stfs-unmap".into())
-            .spawn(move || drop(old));
+            .spawn(move || {
+                drop(old);
+                super::trim_memory();
+            });
         Ok(())
     }
 

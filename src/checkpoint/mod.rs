@@ -52,6 +52,16 @@ pub fn next_gen() -> u64 {
     GEN.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Hands memory freed by a commit (its plan, the old header) back to the
+/// system, so that a long-lived daemon stays at the size of its state.
+pub fn trim_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Why an edit was refused.
 #[derive(Debug)]
 pub enum EditError {
@@ -236,7 +246,7 @@ pub struct Live {
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
-    &source.header().tensors[i as usize].name
+    source.header().tensors.name(i as usize)
 }
 
 impl Live {
@@ -317,23 +327,23 @@ impl Live {
         match self.entries.get(id as usize)? {
             EntrySlot::Gone => None,
             EntrySlot::Source(i) => {
-                let t = &header.tensors[*i as usize];
+                let t = header.tensors.get(*i as usize);
                 Some(EntryView {
-                    name: &t.name,
-                    meta: MetaView::Valid(t.dtype, &t.shape),
+                    name: t.name,
+                    meta: MetaView::Valid(t.dtype, t.shape),
                     data: Some(id),
                 })
             }
             EntrySlot::Live(e) => Some(EntryView {
                 name: match (&e.name, e.origin) {
                     (Some(n), _) => n,
-                    (None, Some(i)) => &header.tensors[i as usize].name,
+                    (None, Some(i)) => header.tensors.name(i as usize),
                     (None, None) => "",
                 },
                 meta: match (&e.meta, e.origin) {
                     (EntryMeta::Source, Some(i)) => {
-                        let t = &header.tensors[i as usize];
-                        MetaView::Valid(t.dtype, &t.shape)
+                        let t = header.tensors.get(i as usize);
+                        MetaView::Valid(t.dtype, t.shape)
                     }
                     (EntryMeta::Source, None) => MetaView::None,
                     (EntryMeta::Own(m), _) => view(m),
@@ -364,7 +374,7 @@ impl Live {
     pub fn object_len(&self, id: Id) -> Option<u64> {
         match self.objects.get(id as usize)? {
             ObjectSlot::Gone => None,
-            ObjectSlot::Source(i) => Some(self.source.header().tensors[*i as usize].nbytes()),
+            ObjectSlot::Source(i) => Some(self.source.header().tensors.nbytes(*i as usize)),
             ObjectSlot::Live(o) => Some(o.bytes().len()),
         }
     }
@@ -398,7 +408,7 @@ impl Live {
                 let offsets = match object.map(|o| o.bytes) {
                     Some(Bytes::Source(src, i)) => {
                         let h = src.header();
-                        let t = &h.tensors[i as usize];
+                        let t = h.tensors.get(i as usize);
                         Some((t.data_offsets, h.data_start() + t.data_offsets.0))
                     }
                     _ => None,
@@ -893,10 +903,10 @@ impl Live {
                     && match &e.meta {
                         EntryMeta::Source => true,
                         EntryMeta::Own(m) => {
-                            let t = &self.source.header().tensors[i as usize];
+                            let t = self.source.header().tensors.get(i as usize);
                             *m == Meta::Valid {
                                 dtype: t.dtype,
-                                shape: t.shape.clone(),
+                                shape: t.shape.to_vec(),
                             }
                         }
                     }
@@ -985,8 +995,8 @@ impl Live {
             let Some(i) = origin.or(bytes_from) else {
                 continue;
             };
-            let t = &header.tensors[i as usize];
-            let source_meta = MetaView::Valid(t.dtype, &t.shape);
+            let t = header.tensors.get(i as usize);
+            let source_meta = MetaView::Valid(t.dtype, t.shape);
             if e.meta != source_meta {
                 changes.push(format!(
                     "reshaped   {}: {} -> {}",

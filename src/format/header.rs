@@ -11,6 +11,7 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
+use super::tensors::{TensorRef, Tensors};
 use super::{Dtype, FormatError};
 
 /// Length of the little-endian header size prefix.
@@ -20,22 +21,6 @@ pub const MAX_HEADER_LEN: u64 = 100_000_000;
 
 /// The metadata map of a header (`__metadata__`), kept sorted as it is written.
 pub type Metadata = BTreeMap<String, String>;
-
-/// One tensor of a header.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TensorInfo {
-    pub name: String,
-    pub dtype: Dtype,
-    pub shape: Vec<u64>,
-    /// Byte range relative to the start of the data section.
-    pub data_offsets: (u64, u64),
-}
-
-impl TensorInfo {
-    pub fn nbytes(&self) -> u64 {
-        self.data_offsets.1 - self.data_offsets.0
-    }
-}
 
 /// Why `byte_len` refused a dtype and shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,44 +53,47 @@ pub struct Header {
     /// `__metadata__`; None when absent or `null`.
     pub metadata: Option<Metadata>,
     /// Every tensor, in data-offset order (ties broken by name).
-    pub tensors: Vec<TensorInfo>,
+    pub tensors: Tensors,
     /// Indices into `tensors`, hashed by name: lookups without a second copy of every name.
     by_name: NameIndex,
 }
 
-/// A hash index of tensor positions keyed by their names, which stay in the Vec.
+/// A hash index of tensor positions keyed by their names, which stay in `Tensors`.
 #[derive(Debug, Clone, Default)]
 struct NameIndex {
-    table: HashTable<usize>,
+    table: HashTable<u32>,
     hasher: DefaultHashBuilder,
 }
 
 impl NameIndex {
-    fn find(&self, tensors: &[TensorInfo], name: &str) -> Option<usize> {
+    fn find(&self, tensors: &Tensors, name: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(name);
-        self.table.find(hash, |&i| tensors[i].name == name).copied()
+        self.table
+            .find(hash, |&i| tensors.name(i as usize) == name)
+            .map(|&i| i as usize)
     }
 
     /// Indexes `tensors` in order; a repeated name keeps its last entry (as a
     /// HashMap insert does in the reference). Returns the positions replaced.
-    fn build(tensors: &[TensorInfo]) -> (NameIndex, Vec<usize>) {
+    fn build(tensors: &Tensors) -> (NameIndex, Vec<usize>) {
         let mut index = NameIndex {
             table: HashTable::with_capacity(tensors.len()),
             hasher: DefaultHashBuilder::default(),
         };
         let mut replaced = Vec::new();
-        for (i, t) in tensors.iter().enumerate() {
-            let hash = index.hasher.hash_one(t.name.as_str());
-            let hasher = |&j: &usize| index.hasher.hash_one(tensors[j].name.as_str());
+        for i in 0..tensors.len() {
+            let name = tensors.name(i);
+            let hash = index.hasher.hash_one(name);
+            let hasher = |&j: &u32| index.hasher.hash_one(tensors.name(j as usize));
             match index
                 .table
-                .entry(hash, |&j| tensors[j].name == t.name, hasher)
+                .entry(hash, |&j| tensors.name(j as usize) == name, hasher)
             {
                 hashbrown::hash_table::Entry::Occupied(mut e) => {
-                    replaced.push(std::mem::replace(e.get_mut(), i))
+                    replaced.push(std::mem::replace(e.get_mut(), i as u32) as usize)
                 }
                 hashbrown::hash_table::Entry::Vacant(e) => {
-                    e.insert(i);
+                    e.insert(i as u32);
                 }
             }
         }
@@ -166,28 +154,26 @@ impl Header {
             // Rare: drop the entries a repeated name overrode, and index again.
             let mut keep = vec![true; tensors.len()];
             replaced.iter().for_each(|&i| keep[i] = false);
-            let mut flags = keep.into_iter();
-            tensors.retain(|_| flags.next().unwrap_or(true));
+            tensors.retain_flags(&keep);
             by_name = NameIndex::build(&tensors).0;
         }
         // Offset order, as the reference validates; the name makes ties deterministic.
         let mut order: Vec<usize> = (0..tensors.len()).collect();
         order.sort_unstable_by(|&a, &b| {
-            let (a, b) = (&tensors[a], &tensors[b]);
+            let (a, b) = (tensors.get(a), tensors.get(b));
             a.data_offsets
                 .cmp(&b.data_offsets)
-                .then_with(|| a.name.cmp(&b.name))
+                .then_with(|| a.name.cmp(b.name))
         });
-        let mut new_position = vec![0; tensors.len()];
+        let mut new_position = vec![0u32; tensors.len()];
         for (new, &old) in order.iter().enumerate() {
-            new_position[old] = new;
+            new_position[old] = new as u32;
         }
-        by_name.table.iter_mut().for_each(|i| *i = new_position[*i]);
-        let mut slots: Vec<Option<TensorInfo>> = tensors.into_iter().map(Some).collect();
-        let tensors: Vec<TensorInfo> = order
-            .iter()
-            .map(|&i| slots[i].take().expect("a permutation"))
-            .collect();
+        by_name
+            .table
+            .iter_mut()
+            .for_each(|i| *i = new_position[*i as usize]);
+        tensors.reorder(&order);
         let data_len = validate_layout(&tensors)?;
         let expected = PREFIX_LEN as u128 + header_len as u128 + data_len as u128;
         if expected != file_len as u128 {
@@ -205,13 +191,12 @@ impl Header {
         })
     }
 
-    /// The header a layout describes (as written by a commit): its tensors are
+    /// The header of a file a commit wrote from a layout: its tensors are
     /// already validated and in file order.
-    pub fn from_layout(layout: &super::Layout, metadata: Option<Metadata>) -> Header {
-        let tensors = layout.tensors.clone();
+    pub fn from_parts(header_len: u64, tensors: Tensors, metadata: Option<Metadata>) -> Header {
         let (by_name, _) = NameIndex::build(&tensors);
         Header {
-            header_len: layout.header.len() as u64 - PREFIX_LEN,
+            header_len,
             metadata,
             tensors,
             by_name,
@@ -228,8 +213,8 @@ impl Header {
         self.tensors.last().map_or(0, |t| t.data_offsets.1)
     }
 
-    pub fn get(&self, name: &str) -> Option<&TensorInfo> {
-        self.index_of(name).map(|i| &self.tensors[i])
+    pub fn get(&self, name: &str) -> Option<TensorRef<'_>> {
+        self.index_of(name).map(|i| self.tensors.get(i))
     }
 
     /// Position of a tensor in `tensors`.
@@ -274,25 +259,26 @@ fn header_len_of(prefix: &[u8], file_len: u64) -> Result<u64, FormatError> {
 }
 
 /// Checks offsets and sizes of tensors sorted by offset; returns the data length.
-fn validate_layout(tensors: &[TensorInfo]) -> Result<u64, FormatError> {
+fn validate_layout(tensors: &Tensors) -> Result<u64, FormatError> {
     let mut next = 0u64;
-    for t in tensors {
+    for t in tensors.iter() {
         let (begin, end) = t.data_offsets;
         if begin != next || end < begin {
             return Err(FormatError::InvalidOffsets {
-                tensor: t.name.clone(),
+                tensor: t.name.to_string(),
                 begin,
                 end,
                 expected_begin: next,
             });
         }
         next = end;
-        let needed = byte_len(t.dtype, &t.shape).map_err(|e| size_error(e, t))?;
+        let needed =
+            byte_len(t.dtype, t.shape).map_err(|e| size_error(e, t.name, t.dtype, t.shape))?;
         if end - begin != needed {
             return Err(FormatError::SizeMismatch {
-                tensor: t.name.clone(),
+                tensor: t.name.to_string(),
                 dtype: t.dtype,
-                shape: t.shape.clone(),
+                shape: t.shape.to_vec(),
                 begin,
                 end,
                 needed,
@@ -302,16 +288,16 @@ fn validate_layout(tensors: &[TensorInfo]) -> Result<u64, FormatError> {
     Ok(next)
 }
 
-pub(crate) fn size_error(e: SizeError, t: &TensorInfo) -> FormatError {
+pub(crate) fn size_error(e: SizeError, name: &str, dtype: Dtype, shape: &[u64]) -> FormatError {
     match e {
         SizeError::Overflow => FormatError::Overflow {
-            tensor: t.name.clone(),
-            shape: t.shape.clone(),
+            tensor: name.to_string(),
+            shape: shape.to_vec(),
         },
         SizeError::NotByteAligned => FormatError::NotByteAligned {
-            tensor: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
+            tensor: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
         },
     }
 }
@@ -328,7 +314,7 @@ pub(crate) fn size_error(e: SizeError, t: &TensorInfo) -> FormatError {
 
 struct RawHeader {
     metadata: Option<Metadata>,
-    tensors: Vec<TensorInfo>,
+    tensors: Tensors,
 }
 
 #[derive(Deserialize)]
@@ -365,7 +351,7 @@ impl<'de> Visitor<'de> for HeaderVisitor<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
         let mut metadata: Option<Option<Metadata>> = None;
-        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut tensors = Tensors::default();
         while let Some(key) = map.next_key::<String>()? {
             if key == "__metadata__" {
                 if metadata.is_some() {
@@ -382,12 +368,9 @@ impl<'de> Visitor<'de> for HeaderVisitor<'_> {
                 }
             };
             // Repeated names are resolved by NameIndex::build.
-            tensors.push(TensorInfo {
-                name: key,
-                dtype: entry.dtype,
-                shape: entry.shape,
-                data_offsets: entry.data_offsets,
-            });
+            tensors
+                .push(&key, entry.dtype, &entry.shape, entry.data_offsets)
+                .map_err(|_| de::Error::custom("header too large to hold"))?;
         }
         Ok(RawHeader {
             metadata: metadata.flatten(),

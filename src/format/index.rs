@@ -69,7 +69,7 @@ pub fn check_index(index: &ShardIndex, shards: &BTreeMap<String, &Header>) -> Ve
     for (file, header) in shards {
         for t in &header.tensors {
             total += t.nbytes() as u128;
-            match index.weight_map.get(&t.name) {
+            match index.weight_map.get(t.name) {
                 None => problems.push(format!(
                     "tensor {:?} of {file:?} is missing from weight_map",
                     t.name

@@ -5,14 +5,16 @@ mod error;
 mod header;
 pub mod index;
 mod serialize;
+mod tensors;
 
 pub use dtype::Dtype;
 pub(crate) use error::ShapeDisplay;
 pub use error::{FormatError, InFile};
 pub use header::{
-    byte_len, element_count, Header, Metadata, SizeError, TensorInfo, MAX_HEADER_LEN, PREFIX_LEN,
+    byte_len, element_count, Header, Metadata, SizeError, MAX_HEADER_LEN, PREFIX_LEN,
 };
-pub use serialize::{header_bytes, layout, write_entry, Layout, TensorSpec};
+pub use serialize::{header_bytes, layout, layout_of, write_entry, Layout, TensorSpec};
+pub use tensors::{TensorInfo, TensorRef, Tensors};
 
 #[cfg(test)]
 mod tests;

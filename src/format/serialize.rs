@@ -2,7 +2,8 @@
 
 use std::collections::HashSet;
 
-use super::header::{byte_len, size_error, Metadata, TensorInfo, MAX_HEADER_LEN, PREFIX_LEN};
+use super::header::{byte_len, size_error, Metadata, MAX_HEADER_LEN, PREFIX_LEN};
+use super::tensors::{TensorRef, Tensors};
 use super::{Dtype, FormatError};
 
 /// A tensor to be written: what the header says of it, before offsets exist.
@@ -14,12 +15,12 @@ pub struct TensorSpec {
 }
 
 /// Where everything goes in a new file.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Layout {
     /// The 8-byte length prefix followed by the space-padded JSON header.
     pub header: Vec<u8>,
     /// The tensors in file order, with their data offsets.
-    pub tensors: Vec<TensorInfo>,
+    pub tensors: Tensors,
     /// For each entry of `tensors`, its index in the caller's input.
     pub source_index: Vec<usize>,
 }
@@ -39,40 +40,59 @@ impl Layout {
 /// dtype declaration order), then name ascending; `__metadata__` first with its
 /// keys sorted; the JSON padded with spaces to a multiple of 8.
 pub fn layout(tensors: &[TensorSpec], metadata: Option<&Metadata>) -> Result<Layout, FormatError> {
-    let mut names = HashSet::with_capacity(tensors.len());
-    for t in tensors {
-        if !names.insert(t.name.as_str()) {
+    layout_of(
+        tensors.len(),
+        |i| {
+            (
+                tensors[i].name.as_str(),
+                tensors[i].dtype,
+                tensors[i].shape.as_slice(),
+            )
+        },
+        metadata,
+    )
+}
+
+/// `layout` of `count` tensors that `spec(i)` describes (name, dtype, shape),
+/// borrowed from wherever they are: nothing is copied but into the result.
+pub fn layout_of<'a>(
+    count: usize,
+    spec: impl Fn(usize) -> (&'a str, Dtype, &'a [u64]),
+    metadata: Option<&Metadata>,
+) -> Result<Layout, FormatError> {
+    let mut names = HashSet::with_capacity(count);
+    for i in 0..count {
+        let name = spec(i).0;
+        if !names.insert(name) {
             return Err(FormatError::DuplicateName {
-                tensor: t.name.clone(),
+                tensor: name.to_string(),
             });
         }
     }
-    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    drop(names);
+    let mut order: Vec<usize> = (0..count).collect();
     order.sort_by(|&a, &b| {
-        let (a, b) = (&tensors[a], &tensors[b]);
-        b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name))
+        let (a, b) = (spec(a), spec(b));
+        b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0))
     });
 
-    let mut placed = Vec::with_capacity(tensors.len());
+    let mut placed = Tensors::with_capacity(count);
     let mut offset = 0u64;
     for &i in &order {
-        let spec = &tensors[i];
-        let mut info = TensorInfo {
-            name: spec.name.clone(),
-            dtype: spec.dtype,
-            shape: spec.shape.clone(),
-            data_offsets: (offset, offset),
-        };
-        let len = byte_len(spec.dtype, &spec.shape).map_err(|e| size_error(e, &info))?;
+        let (name, dtype, shape) = spec(i);
+        let len = byte_len(dtype, shape).map_err(|e| size_error(e, name, dtype, shape))?;
         let end = offset
             .checked_add(len)
             .ok_or_else(|| FormatError::Overflow {
-                tensor: spec.name.clone(),
-                shape: spec.shape.clone(),
+                tensor: name.to_string(),
+                shape: shape.to_vec(),
             })?;
-        info.data_offsets.1 = end;
+        placed
+            .push(name, dtype, shape, (offset, end))
+            .map_err(|_| FormatError::HeaderTooLarge {
+                header_len: u64::MAX,
+            })?;
         offset = end;
-        placed.push(info);
     }
 
     let header = header_bytes(&placed, metadata)?;
@@ -85,7 +105,7 @@ pub fn layout(tensors: &[TensorSpec], metadata: Option<&Metadata>) -> Result<Lay
 
 /// The prefix and padded JSON for tensors already in file order.
 pub fn header_bytes(
-    tensors: &[TensorInfo],
+    tensors: &Tensors,
     metadata: Option<&Metadata>,
 ) -> Result<Vec<u8>, FormatError> {
     let mut out = Vec::with_capacity(PREFIX_LEN as usize + 2 + tensors.len() * 80);
@@ -105,14 +125,14 @@ pub fn header_bytes(
         out.push(b'}');
         first = false;
     }
-    for t in tensors {
+    for t in tensors.iter() {
         if !first {
             out.push(b',');
         }
         first = false;
-        write_json_string(&mut out, &t.name);
+        write_json_string(&mut out, t.name);
         out.push(b':');
-        write_entry(&mut out, t);
+        write_entry(&mut out, &t);
     }
     out.push(b'}');
     // Pad the JSON (not the prefix) with spaces to a multiple of 8.
@@ -128,7 +148,7 @@ pub fn header_bytes(
 }
 
 /// `{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}`, the reference's field order.
-pub fn write_entry(out: &mut Vec<u8>, t: &TensorInfo) {
+pub fn write_entry(out: &mut Vec<u8>, t: &TensorRef) {
     out.extend_from_slice(b"{\"dtype\":\"");
     out.extend_from_slice(t.dtype.name().as_bytes());
     out.extend_from_slice(b"\",\"shape\":[");

@@ -269,7 +269,7 @@ fn serializer_orders_pads_and_round_trips() {
     meta.insert("k".into(), "v\"".into());
     meta.insert("a".into(), "1".into());
     let l = layout(&specs, Some(&meta)).unwrap();
-    let names: Vec<_> = l.tensors.iter().map(|t| t.name.as_str()).collect();
+    let names: Vec<_> = l.tensors.iter().map(|t| t.name).collect();
     assert_eq!(names, ["w", "a", "b", "z"]);
     assert_eq!(l.source_index, [2, 1, 0, 3]);
     assert_eq!(l.header.len() % 8, 0);

@@ -1316,6 +1316,7 @@ impl Fs {
             let w = written.next().expect("one written file per plan");
             let path = st.live(c).source().path().display().to_string();
             st.live_mut(c).finish(plan, w)?;
+            crate::checkpoint::trim_memory();
             info!(file = %path, "committed");
             lines.push(format!("{path}: committed"));
         }
@@ -1555,7 +1556,7 @@ fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> 
                 .layout
                 .tensors
                 .iter()
-                .map(|t| (t.name.clone(), t.nbytes()))
+                .map(|t| (t.name.to_string(), t.nbytes()))
                 .collect(),
             None => m
                 .live
@@ -1563,7 +1564,7 @@ fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> 
                 .header()
                 .tensors
                 .iter()
-                .map(|t| (t.name.clone(), t.nbytes()))
+                .map(|t| (t.name.to_string(), t.nbytes()))
                 .collect(),
         };
         for (name, n) in names {

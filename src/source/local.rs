@@ -369,7 +369,7 @@ impl SourceFile {
 
     /// Byte range of tensor `index` in the file.
     pub fn tensor_range(&self, index: usize) -> Range<u64> {
-        let t = &self.header.tensors[index];
+        let t = self.header.tensors.get(index);
         let start = self.header.data_start();
         start + t.data_offsets.0..start + t.data_offsets.1
     }

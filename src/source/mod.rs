@@ -37,7 +37,7 @@ impl Bytes {
     pub fn len(&self) -> u64 {
         match self {
             Bytes::Empty => 0,
-            Bytes::Source(s, i) => s.header().tensors[*i as usize].nbytes(),
+            Bytes::Source(s, i) => s.header().tensors.nbytes(*i as usize),
             Bytes::Staged(s) => s.len(),
         }
     }
