@@ -131,6 +131,8 @@ enum Op {
     /// Another program replaces the source file behind the mount.
     ReplaceSource(usize),
     Status,
+    /// fsync of a handle, or of the directories: durable, never a commit.
+    Fsync(Option<usize>),
 }
 
 fn meta_text() -> impl Strategy<Value = Text> {
@@ -186,6 +188,7 @@ fn op(dirs: usize) -> impl Strategy<Value = Op> {
         1 => Just(Op::Discard),
         1 => d.prop_map(Op::ReplaceSource),
         1 => Just(Op::Status),
+        1 => prop::option::of(0..MAX_HANDLES).prop_map(Op::Fsync),
     ]
 }
 
@@ -857,6 +860,20 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             let (report, refused) = fs.status();
             assert_eq!(refused, model.problems(), "{report}");
         }
+        Op::Fsync(k) => {
+            let fh = k.and_then(|k| model.handles[k]).map(|(fh, _, _)| fh);
+            if k.is_some() && fh.is_none() {
+                return;
+            }
+            fs.fsync(fh).unwrap();
+            for d in &model.dirs {
+                assert_eq!(
+                    std::fs::read(&d.path).unwrap(),
+                    d.disk,
+                    "fsync must not commit"
+                );
+            }
+        }
     }
 }
 
@@ -1156,7 +1173,23 @@ fn run(folder: bool, ops: &[Op]) {
     for k in 0..MAX_HANDLES {
         apply(&m, &mut model, &Op::Close(k));
     }
-    apply(&m, &mut model, &Op::Commit { force: true });
+    // The unmount's policy: commit what is valid; keep edits it cannot commit.
+    let dirty = model.dirs.iter().any(|d| d.dirty);
+    let refused = dirty && (model.problems() || model.dirs.iter().any(|d| d.dirty && d.replaced));
+    let result = m.fs.unmount();
+    assert_eq!(result.is_err(), refused, "unmount: {result:?}");
+    for dir in 0..model.dirs.len() {
+        let want = if model.dirs[dir].dirty && !refused {
+            model.serialized(dir)
+        } else {
+            model.dirs[dir].disk.clone()
+        };
+        assert_eq!(
+            std::fs::read(&model.dirs[dir].path).unwrap(),
+            want,
+            "shard {dir} after unmount"
+        );
+    }
 }
 
 proptest! {
