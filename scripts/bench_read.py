@@ -7,7 +7,14 @@ in the same run (never as pass/fail thresholds):
    file, and against the Python reference's get_tensor;
 2. mount + `ls | wc -l` of a 100,000-tensor checkpoint against the reference's
    `safe_open(f, "np").keys()`;
-3. the daemon's peak RSS (VmHWM) after reading every tensor of a 2 GiB checkpoint.
+3. the daemon's private memory (RssAnon) after reading every tensor of a 2 GiB
+   checkpoint.
+
+The throughput part runs every cache mode (-o cache=keep|direct) with the
+daemon's mapping kept populated or released after each read (-o
+mapping=keep|release), and reports for each the first, second and third read,
+the page cache the reads added (1.0x: the bytes are cached twice), and the READ
+requests the daemon saw during the second read.
 
 Usage: scripts/bench_read.py [--stfs target/release/stfs] [--dir DIR] [--runs 5]
 Needs root (or fusermount3), numpy and safetensors.
@@ -43,15 +50,16 @@ def dd(path, skip=0, count=None):
 
 
 class Mounted:
-    def __init__(self, stfs, src, mnt, log):
+    def __init__(self, stfs, src, mnt, log, options=()):
         self.stfs, self.mnt = stfs, mnt
         self.pid_file = log + ".pid"
-        subprocess.run([stfs, "mount", "--pid-file", self.pid_file, "--log-file", log, src, mnt], check=True)
+        subprocess.run([stfs, "mount", "--pid-file", self.pid_file, "--log-file", log, *options, src, mnt],
+                       check=True)
         self.pid = int(open(self.pid_file).read())
 
-    def peak_rss_kib(self):
+    def status_kib(self, field):
         for line in open(f"/proc/{self.pid}/status"):
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
 
     def close(self):
@@ -70,6 +78,20 @@ def header_offset(path, name):
     return 8 + n + b, e - b
 
 
+def cached_kib():
+    """The page cache of the whole machine, in KiB (/proc/meminfo Cached)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith("Cached:"):
+            return int(line.split()[1])
+
+
+def served_reads(stfs, mnt):
+    """READ requests the daemon has served (from `stfs status`)."""
+    out = subprocess.run([stfs, "status", mnt], capture_output=True, text=True).stdout
+    line = [l for l in out.splitlines() if l.startswith("served ")][0]
+    return int(line.split()[1])
+
+
 def bench_throughput(stfs, work, runs):
     src = os.path.join(work, "one.safetensors")
     size = 1 << 30
@@ -78,29 +100,40 @@ def bench_throughput(stfs, work, runs):
     dd(src)  # warm the source's page cache
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    direct, first, second, python = [], [], [], []
-    for i in range(runs):
-        direct.append(timed(lambda: dd(src, off, length)))
-        m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
-        try:
-            first.append(timed(lambda: dd(os.path.join(mnt, "t"))))
-            second.append(timed(lambda: dd(os.path.join(mnt, "t"))))
-        finally:
-            m.close()
-
+    print(f"1 GiB tensor, source page cache warm, median of {runs} (ratios to dd of the range from the source):")
+    print(f"  {'mode':34s} {'1st':>6s} {'2nd':>6s} {'3rd':>6s}  {'cache held':>10s}  {'READs (2nd)':>11s}")
+    python = []
+    for cache in ("keep", "direct"):
+        for mapping in ("keep", "release"):
+            direct, reads, held, served = [], [[], [], []], [], []
+            for _ in range(runs):
+                direct.append(timed(lambda: dd(src, off, length)))
+                m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"),
+                            ["-o", f"cache={cache},mapping={mapping}"])
+                try:
+                    before = cached_kib()
+                    reads[0].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                    held.append((cached_kib() - before) / (size / 1024))
+                    n = served_reads(stfs, mnt)
+                    reads[1].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                    served.append(served_reads(stfs, mnt) - n)
+                    reads[2].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                finally:
+                    m.close()
+            base = statistics.median(direct)
+            r = [base / statistics.median(x) for x in reads]
+            print(f"  cache={cache:6s} mapping={mapping:7s}         {r[0]:6.2f} {r[1]:6.2f} {r[2]:6.2f}"
+                  f"  {statistics.median(held):9.2f}x  {statistics.median(served):11.0f}")
+    for _ in range(runs):
         def ref():
             with safe_open(src, framework="np") as f:
                 f.get_tensor("t")
-
         python.append(timed(ref))
-    gbps = lambda ts: size / statistics.median(ts) / 1e9
-    d = gbps(direct)
-    print(f"1 GiB tensor, source page cache warm, median of {runs}:")
-    print(f"  dd of the range from the source   {d:6.2f} GB/s  1.00x")
-    print(f"  first read through a fresh mount  {gbps(first):6.2f} GB/s  {gbps(first) / d:.2f}x")
-    print(f"  second read (kernel cache kept)   {gbps(second):6.2f} GB/s  {gbps(second) / d:.2f}x")
-    print(f"  Python safe_open().get_tensor     {gbps(python):6.2f} GB/s  {gbps(python) / d:.2f}x")
-    print(f"  first read vs Python get_tensor   {gbps(first) / gbps(python):.2f}x faster")
+    d = size / statistics.median(direct) / 1e9
+    py = size / statistics.median(python) / 1e9
+    print(f"  dd of the range from the source: {d:.2f} GB/s; Python safe_open().get_tensor: {py:.2f} GB/s ({py / d:.2f}x)")
+    print("  (cache held: growth of the machine's page cache per byte read the first time; the source's")
+    print("   pages were cached already, so 0 means one copy in memory, 1 means two)")
     os.unlink(src)
 
 
@@ -147,10 +180,11 @@ def bench_rss(stfs, work):
     try:
         for i in range(16):
             dd(os.path.join(mnt, f"t{i}"))
-        rss = m.peak_rss_kib()
+        anon, files = m.status_kib("RssAnon"), m.status_kib("RssFile")
     finally:
         m.close()
-    print(f"2 GiB checkpoint, every tensor read: daemon peak RSS {rss / 1024:.1f} MiB")
+    print(f"2 GiB checkpoint, every tensor read: daemon private memory (RssAnon) {anon / 1024:.1f} MiB;"
+          f" source pages it keeps mapped (RssFile, page cache shared with readers) {files / 1024:.0f} MiB")
     os.unlink(src)
 
 

@@ -114,6 +114,11 @@ fn parse_key_value(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
 }
 
+/// Paths in messages are absolute.
+fn absolute(p: PathBuf) -> PathBuf {
+    std::path::absolute(&p).unwrap_or(p)
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let stdout = &mut std::io::stdout().lock();
@@ -158,9 +163,9 @@ pub fn main() -> ExitCode {
             lazy,
             discard,
             mountpoint,
-        } => crate::client::umount(&mountpoint, lazy, discard)
+        } => crate::client::umount(&absolute(mountpoint), lazy, discard)
             .map(|lines| lines.iter().for_each(|l| println!("{l}"))),
-        Command::Status { path } => match crate::client::status(&path) {
+        Command::Status { path } => match crate::client::status(&absolute(path)) {
             Ok((report, refused)) => {
                 print!("{report}");
                 if refused {
@@ -176,12 +181,13 @@ pub fn main() -> ExitCode {
             } else {
                 0
             };
-            crate::client::commit(&path, flags)
+            crate::client::commit(&absolute(path), flags)
                 .map(|message| println!("{message}"))
                 .map_err(|e| e.to_string())
         }
         Command::Prefetch { device, paths } => {
             let mut failed = 0;
+            let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
             for path in crate::client::tensor_files(&paths) {
                 match crate::client::prefetch(&path, device).map_err(|e| e.to_string()) {
                     Ok(line) => println!("{line}"),

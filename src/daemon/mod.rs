@@ -48,18 +48,21 @@ struct MountOptions {
     acl: SessionACL,
     nonempty: bool,
     cache: CacheMode,
+    release_after_read: bool,
     kernel: Vec<MountOption>,
 }
 
 const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache=keep|direct, \
-                     default_permissions (always on), nodev, nosuid, noexec, noatime";
+                     mapping=keep|release, default_permissions (always on), nodev, nosuid, \
+                     noexec, noatime";
 
 fn parse_options(list: &[String]) -> Result<MountOptions, String> {
     let mut o = MountOptions {
         read_only: false,
         acl: SessionACL::Owner,
         nonempty: false,
-        cache: CacheMode::Keep,
+        cache: CacheMode::Direct,
+        release_after_read: false,
         kernel: Vec::new(),
     };
     for opt in list
@@ -75,6 +78,8 @@ fn parse_options(list: &[String]) -> Result<MountOptions, String> {
             "nonempty" => o.nonempty = true,
             "cache=keep" => o.cache = CacheMode::Keep,
             "cache=direct" => o.cache = CacheMode::Direct,
+            "mapping=keep" => o.release_after_read = false,
+            "mapping=release" => o.release_after_read = true,
             "default_permissions" => {}
             "nodev" | "nosuid" => {}
             "noexec" => o.kernel.push(MountOption::NoExec),
@@ -268,7 +273,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         // SAFETY: getuid cannot fail.
         owner: unsafe { libc::getuid() },
         cache: options.cache,
-        release_after_read: false,
+        release_after_read: options.release_after_read,
     };
     let staging = Arc::new(Staging::new(base, stem));
     let fs = Fs::new(source, settings, staging.clone());

@@ -62,15 +62,16 @@ pub struct Attr {
     pub volatile: bool,
 }
 
-/// How the kernel caches tensor bytes read through the mount.
+/// How the kernel caches tensor bytes read through the mount (measured by
+/// scripts/bench_read.py; docs/SEMANTICS.md, "Reads").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheMode {
     /// The mount's pages stay cached across opens (FOPEN_KEEP_CACHE): a
-    /// second read is served by the kernel alone, but every byte read sits in
-    /// the page cache twice (the source's pages and the mount's).
+    /// third read of hot bytes is served by the kernel alone, but every byte
+    /// read sits in the page cache twice (the source's pages and the mount's).
     Keep,
     /// No page cache of the mount's own (FOPEN_DIRECT_IO; mmap still works):
-    /// one copy in memory, every read served from the source's pages.
+    /// one copy in memory, every read served from the source's pages. The default.
     Direct,
 }
 
@@ -160,7 +161,7 @@ impl Default for Settings {
             read_only: false,
             // SAFETY: getuid cannot fail.
             owner: unsafe { libc::getuid() },
-            cache: CacheMode::Keep,
+            cache: CacheMode::Direct,
             release_after_read: false,
         }
     }
@@ -235,6 +236,9 @@ pub struct Fs {
     next_commit: AtomicU64,
     /// A request handler panicked: nothing of this mount is committed.
     tainted: AtomicBool,
+    /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -422,6 +426,8 @@ impl Fs {
             next_fh: AtomicU64::new(1),
             next_commit: AtomicU64::new(1),
             tainted: AtomicBool::new(false),
+            reads: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
         }
     }
 
@@ -975,7 +981,11 @@ impl Fs {
                 return Ok(reply(&[slice_at(&text, offset, size)]));
             }
         };
-        Ok(bytes.read(offset, size, |b| reply(&[b]))?)
+        Ok(bytes.read(offset, size, |b| {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            self.read_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            reply(&[b])
+        })?)
     }
 
     pub fn write(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
@@ -1379,6 +1389,11 @@ impl Fs {
                 out.push_str(&format!("  problem    {p}\n"));
             }
         }
+        out.push_str(&format!(
+            "served {} reads of tensor bytes ({} bytes) since mounted\n",
+            self.reads.load(Ordering::Relaxed),
+            self.read_bytes.load(Ordering::Relaxed)
+        ));
         (out, refused)
     }
 

@@ -131,7 +131,10 @@ fn file_mount_lists_reads_and_stats() {
         assert_eq!(meta["nbytes"], want.len());
         assert_eq!(m.size as usize, read_all(&fs, m.ino).len());
         let o = fs.open(a.ino, false, false).unwrap();
-        assert!(o.keep_cache && !o.direct_io);
+        assert!(
+            !o.keep_cache && o.direct_io,
+            "direct I/O by default: one copy in memory"
+        );
         fs.release(o.fh).unwrap();
     }
     let md = fs.lookup(ROOT_INO, "__metadata__.json").unwrap();

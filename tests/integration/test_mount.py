@@ -297,3 +297,89 @@ def test_sparse_file_over_4gib_reads_above_2_pow_32(tmp_path, mount):
     assert out[12345 - 12288:12345 - 12288 + 10] == b"above-4GiB"
     assert open(os.path.join(m.path, "tail"), "rb").read(10) == b"tail-bytes"
     assert json.load(open(path + ".meta.json"))["file_offset"] == start
+
+
+def test_a_mount_that_is_hard_to_misuse(tmp_path, mount, run, stfs):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(2, np.float32)}, str(src))
+    # Mount points that are missing, files, or not empty: refused, saying what to do.
+    p = run("mount", src, tmp_path / "missing")
+    assert p.returncode != 0 and "no such folder to mount on" in p.stderr and "mkdir -p" in p.stderr, p.stderr
+    p = run("mount", src, src)
+    assert p.returncode != 0 and "not a folder" in p.stderr, p.stderr
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "precious").write_text("x")
+    p = run("mount", src, full)
+    assert p.returncode != 0 and "not empty" in p.stderr and "-o nonempty" in p.stderr, p.stderr
+    # A relative mount point works, and the mount table shows absolute paths.
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    p = subprocess.run([stfs, "mount", "--log-file", str(tmp_path / "rel.log"), "m.safetensors", "rel"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    try:
+        assert p.returncode == 0, p.stderr
+        [line] = [l for l in open("/proc/self/mountinfo") if l.split()[4] == str(rel)]
+        assert line.split(" - ")[1].split()[:2] == ["fuse.stfs", str(src)], line
+        assert "read-ahead of this mount raised" in (tmp_path / "rel.log").read_text()
+        # Mounting again on a live mount: refused, no stacking.
+        p = run("mount", src, rel)
+        assert p.returncode != 0 and "already a mount point" in p.stderr, p.stderr
+    finally:
+        assert run("umount", rel).returncode == 0
+    # -o nonempty mounts over a non-empty folder.
+    m = mount(src, "-o", "nonempty")
+    assert m.ok
+    # stfs umount leaves other filesystems alone, and says what is wrong.
+    tmpfs = tmp_path / "tmpfs"
+    tmpfs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tmpfs)], check=True)
+    try:
+        p = run("umount", tmpfs)
+        assert p.returncode != 0 and "not a stfs mount" in p.stderr, p.stderr
+        assert any(l.split()[4] == str(tmpfs) for l in open("/proc/self/mountinfo"))
+    finally:
+        subprocess.run(["umount", str(tmpfs)], check=True)
+    p = run("umount", tmp_path / "nowhere")
+    assert p.returncode != 0 and "no such file or folder" in p.stderr, p.stderr
+    p = run("umount", full)
+    assert p.returncode != 0 and "not a mount point" in p.stderr, p.stderr
+    # A file of another format gets a hint.
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"PK\x03\x04" + os.urandom(100))
+    p = run("mount", other, tmp_path / "rel")
+    assert p.returncode != 0 and "not a safetensors file?" in p.stderr, p.stderr
+    # A dead mount is recognised by mount and by umount, and cleaned up.
+    m = mount(src)
+    os.kill(m.pid, 9)
+    from conftest import wait_for_exit
+    wait_for_exit(m.pid, 20)
+    m.pid = None
+    p = run("mount", src, m.path)
+    assert p.returncode != 0 and "daemon is gone" in p.stderr and "stfs umount" in p.stderr, p.stderr
+    p = run("status", m.path)
+    assert p.returncode != 0 and "daemon of this mount is gone" in p.stderr, p.stderr
+    p = run("umount", m.path)
+    assert p.returncode == 0 and "daemon was gone" in p.stdout, p.stdout + p.stderr
+    assert not m.is_mounted()
+
+
+def test_discard_with_the_mount_up_keeps_paths_working(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = {"a": np.arange(4, dtype=np.int32), "b": np.ones(3, np.uint8)}
+    save_file(t, str(src))
+    m = mount(src)
+    a, b = os.path.join(m.path, "a"), os.path.join(m.path, "b")
+    ino_a = os.stat(a).st_ino
+    held = open(a, "rb")  # keeps the mount busy: --discard cannot unmount it
+    with open(b, "r+b") as f:
+        f.write(b"\x09")
+    os.rename(a, os.path.join(m.path, "z"))
+    p = run("umount", "--discard", m.path)
+    assert p.returncode != 0 and "busy" in p.stderr, p.stderr
+    # At once, no sleep: every path of the source works again, a's inode is kept.
+    assert os.stat(a).st_ino == ino_a
+    assert open(a, "rb").read() == t["a"].tobytes() and open(b, "rb").read() == t["b"].tobytes()
+    assert not os.path.exists(os.path.join(m.path, "z"))
+    held.close()
+    assert run("umount", m.path).returncode == 0
