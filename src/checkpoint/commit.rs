@@ -59,8 +59,9 @@ pub enum CommitError {
     },
     /// The source changed behind the mount (ESTALE); `--force` overrides.
     Conflict { file: PathBuf },
-    /// A request handler panicked: the state is not trusted (EIO).
-    Tainted,
+    /// The mount does not commit any more (EIO): a request handler
+    /// panicked, or a commit failed half-way; `why` says which.
+    Tainted { why: String },
     /// Writing the new file failed (ENOSPC, EIO, ...).
     Io {
         what: String,
@@ -97,10 +98,11 @@ impl fmt::Display for CommitError {
                  commit refused: commit with --force to overwrite it, or unmount with --discard",
                 file.display()
             ),
-            CommitError::Tainted => f.write_str(
-                "a request of this mount panicked (see the daemon's log), so its state is not trusted: \
-                 commit refused. The staged edits are kept on disk: unmount, mount again (the edits are \
-                 taken back from the journal) and review them with stfs status",
+            CommitError::Tainted { why } => write!(
+                f,
+                "{why}: commit refused. The staged edits are kept on disk: unmount, mount again (the \
+                 edits are taken back from the journal, an interrupted commit is finished) and review \
+                 them with stfs status"
             ),
             CommitError::Io { what, source } => write!(f, "{what}: {source}"),
             CommitError::Staging(e) => write!(f, "{e}"),
@@ -144,12 +146,17 @@ pub struct CommitPlan {
     members: Vec<Member>,
     /// Edits with a generation below this were made before the plan.
     mark: u64,
-    pinned: Vec<Arc<StagedFile>>,
+    /// Source tensor index -> its index in the new file (u32::MAX: not in it).
+    pub moved: Arc<Vec<u32>>,
+    _pins: Pins,
 }
 
-impl Drop for CommitPlan {
+/// Staging files a plan copies from, pinned (see `DataObject::take_for_commit`).
+struct Pins(Vec<Arc<StagedFile>>);
+
+impl Drop for Pins {
     fn drop(&mut self) {
-        self.pinned.iter().for_each(|s| s.unpin());
+        self.0.iter().for_each(|s| s.unpin());
     }
 }
 
@@ -250,7 +257,9 @@ impl Live {
             let (Some(object), super::MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
                 continue; // a meta without data: not a tensor
             };
-            let state = self.object(object).expect("an entry's data exists");
+            let state = self
+                .object_for_commit(object)
+                .expect("an entry's data exists");
             specs.push((e.name, dtype, shape));
             inputs.push(state.bytes);
             members.push(Member {
@@ -263,6 +272,17 @@ impl Live {
                 object_gen: state.gen,
             });
         }
+        // Staging files came back pinned: they are unpinned when the plan
+        // goes, or now if it is not made.
+        let pins = Pins(
+            inputs
+                .iter()
+                .filter_map(|b| match b {
+                    Bytes::Staged(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        );
         let metadata = self
             .metadata()
             .expect("problems() refuses invalid metadata")
@@ -291,20 +311,15 @@ impl Live {
             return Err(CommitError::Conflict { file });
         }
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
-        let mut pinned = Vec::new();
         for (j, &k) in layout.source_index.iter().enumerate() {
-            match &inputs[k] {
-                Bytes::Source(src, i) if Arc::ptr_eq(src, &self.source) => {
+            if let Bytes::Source(src, i) = &inputs[k] {
+                if Arc::ptr_eq(src, &self.source) {
                     moved[*i as usize] = j as u32
                 }
-                Bytes::Staged(s) => {
-                    s.pin();
-                    pinned.push(s.clone());
-                }
-                _ => {}
             }
         }
-        self.committing = Some((commit, Arc::new(moved)));
+        let moved = Arc::new(moved);
+        self.committing = Some((commit, moved.clone()));
         self.log(vec![Record::Plan { commit }]);
         Ok(Some(CommitPlan {
             commit,
@@ -315,7 +330,8 @@ impl Live {
             inputs,
             members,
             mark: next_gen(),
-            pinned,
+            moved,
+            _pins: pins,
         }))
     }
 
@@ -454,20 +470,39 @@ impl Live {
         Ok(())
     }
 
-    /// Before the rename: the journal says which file is about to land.
-    pub fn landing(&mut self, commit: u64, stat: FileStat) -> Result<(), CommitError> {
+    /// Before the rename: the journal says which file is about to land (the
+    /// caller fsyncs it, outside the state's lock).
+    pub fn landing(&mut self, commit: u64, stat: FileStat) {
         self.log(vec![Record::Landing { commit, stat }]);
-        self.sync_journal().map_err(|e| match e {
-            super::EditError::Staging(s) => CommitError::Staging(s),
-            super::EditError::Io(source) => CommitError::Io {
-                what: "the journal of staged edits".into(),
-                source,
-            },
-            other => CommitError::Io {
-                what: "the journal of staged edits".into(),
-                source: std::io::Error::other(other.to_string()),
-            },
-        })
+    }
+
+    /// After another checkpoint's commit (`old` became `fresh`; `moved` maps
+    /// its tensor indices): objects here that hold that checkpoint's tensors
+    /// (moved here between the shards of a folder mount) read them from the
+    /// new file, and the journal says so.
+    pub fn rebase_foreign(
+        &mut self,
+        old: &Arc<SourceFile>,
+        fresh: &Arc<SourceFile>,
+        moved: &[u32],
+    ) {
+        let mut rebased = false;
+        for slot in &self.objects {
+            let ObjectSlot::Live(o) = slot else { continue };
+            if let Bytes::Source(src, i) = o.bytes() {
+                let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
+                if Arc::ptr_eq(&src, old) && j != u32::MAX {
+                    o.rebase(Bytes::Source(fresh.clone(), j));
+                    rebased = true;
+                }
+            }
+        }
+        if rebased {
+            self.dirty = true;
+            if let Err(e) = self.snapshot() {
+                warn!("rewriting the journal: {e}");
+            }
+        }
     }
 }
 
@@ -520,25 +555,34 @@ impl CommitPlan {
 /// Puts the written files in place (each journal already says which file
 /// is landing): the renames are recorded in the staging folder, done, then
 /// forgotten. After the first rename there is no going back: a crash is
-/// finished by the next mount (`staging::Renames`).
-pub fn land(commit: u64, written: &[Written], staging: &Staging) -> Result<(), CommitError> {
-    let dir = staging.dir().map_err(CommitError::Staging)?;
+/// finished by the next mount (`staging::Renames`). On failure, says how many
+/// files were renamed (the record then stays for the next mount).
+pub fn land(
+    commit: u64,
+    written: &[Written],
+    staging: &Staging,
+) -> Result<(), (usize, CommitError)> {
+    let dir = staging.dir().map_err(|e| (0, CommitError::Staging(e)))?;
     let renames = Renames {
         commit,
         files: written
             .iter()
             .map(|w| PendingRename {
+                folder: w.folder.path.clone(),
                 tmp: w.tmp.to_string_lossy().into_owned(),
                 target: w.target.to_string_lossy().into_owned(),
                 stat: w.stat,
             })
             .collect(),
     };
-    renames.write(&dir).map_err(io_err(format!(
-        "{}/{}",
-        dir.path().display(),
-        super::staging::RENAMES
-    )))?;
+    renames
+        .write(&dir)
+        .map_err(io_err(format!(
+            "{}/{}",
+            dir.path().display(),
+            super::staging::RENAMES
+        )))
+        .map_err(|e| (0, e))?;
     for (k, w) in written.iter().enumerate() {
         if let Err(e) = w.folder.rename(&w.tmp, &w.target) {
             if k == 0 {
@@ -546,10 +590,13 @@ pub fn land(commit: u64, written: &[Written], staging: &Staging) -> Result<(), C
                 Renames::clear(&dir);
                 written.iter().for_each(Written::remove);
             }
-            return Err(CommitError::Io {
-                what: format!("renaming over {}", w.target().display()),
-                source: e,
-            });
+            return Err((
+                k,
+                CommitError::Io {
+                    what: format!("renaming over {}", w.target().display()),
+                    source: e,
+                },
+            ));
         }
     }
     for w in written {

@@ -32,6 +32,9 @@ pub enum DataRef {
     Source {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shard: Option<String>,
+        /// The version of that other shard the index is of.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<FileStat>,
         index: u32,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         committed: Option<u32>,
@@ -103,17 +106,24 @@ impl Journal {
         self.file.is_some()
     }
 
-    /// Appends one line; `begin` is written first when the file is new.
+    /// Appends one line; `begin` is written first when the file is new. A
+    /// journal that is `broken` (an append or a rewrite failed) takes no more
+    /// lines: a torn one in the middle would make all of it unreadable. Only
+    /// a rewrite (`Live::snapshot`) mends it.
     pub fn append(
         &mut self,
         folder: &crate::source::local::Folder,
         begin: impl FnOnce() -> Record,
         records: &[Record],
     ) -> std::io::Result<()> {
+        if self.broken {
+            return Err(std::io::Error::other("the journal must be rewritten first"));
+        }
         if self.file.is_none() {
+            // Never truncate one that is there: it may hold edits still to rewrite.
             let f = folder.open_file(
                 OsStr::new(&self.name),
-                libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_APPEND,
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_APPEND,
                 0o600,
             )?;
             let mut line = serde_json::to_vec(&[begin()]).expect("records serialize");
@@ -154,17 +164,24 @@ impl Journal {
             serde_json::to_writer(&mut text, &[r]).expect("records serialize");
             text.push(b'\n');
         }
-        self.file = None;
-        staging.write_atomic(&self.name, &text)?;
-        let folder = staging.folder()?;
-        self.file = Some(std::sync::Arc::new(folder.open_file(
-            OsStr::new(&self.name),
-            libc::O_WRONLY | libc::O_APPEND,
-            0,
-        )?));
-        self.appended = 0;
-        self.broken = false;
-        Ok(())
+        // The old journal stays in place (and open) until the new one is.
+        let reopened = staging.write_atomic(&self.name, &text).and_then(|()| {
+            staging
+                .folder()?
+                .open_file(OsStr::new(&self.name), libc::O_WRONLY | libc::O_APPEND, 0)
+        });
+        match reopened {
+            Ok(f) => {
+                self.file = Some(std::sync::Arc::new(f));
+                self.appended = 0;
+                self.broken = false;
+                Ok(())
+            }
+            Err(e) => {
+                self.broken = true;
+                Err(e)
+            }
+        }
     }
 
     pub fn remove(&mut self, staging: &crate::source::StagingDir) {
@@ -255,12 +272,16 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
                 let data = match (data, after_plan) {
                     (
                         Some(DataRef::Source {
-                            shard, committed, ..
+                            shard,
+                            version,
+                            committed,
+                            ..
                         }),
                         Some(_),
                     ) => match committed {
                         Some(j) => Some(DataRef::Source {
                             shard: shard.clone(),
+                            version: *version,
                             index: *j,
                             committed: None,
                         }),
@@ -353,6 +374,7 @@ mod tests {
                 meta: valid(),
                 data: Some(DataRef::Source {
                     shard: None,
+                    version: None,
                     index: 0,
                     committed: None,
                 }),
@@ -396,6 +418,7 @@ mod tests {
                 meta: valid(),
                 data: Some(DataRef::Source {
                     shard: None,
+                    version: None,
                     index: 5,
                     committed: Some(1),
                 }),
@@ -405,6 +428,7 @@ mod tests {
                 meta: valid(),
                 data: Some(DataRef::Source {
                     shard: None,
+                    version: None,
                     index: 6,
                     committed: None,
                 }),
@@ -422,6 +446,7 @@ mod tests {
             f.names[0].1.as_ref().unwrap().1,
             Some(DataRef::Source {
                 shard: None,
+                version: None,
                 index: 1,
                 committed: None
             })

@@ -44,6 +44,9 @@ use crate::source::{Bytes, SourceFile, StagingDir};
 /// The id of an entry or of an object, for the life of the mount.
 pub type Id = u64;
 
+/// The one name a tensor cannot have: the header's key for the metadata.
+pub const RESERVED: &str = "__metadata__";
+
 static GEN: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh generation number: every edit gets one, so a commit can tell
@@ -243,6 +246,8 @@ pub struct Live {
     committing: Option<(u64, Arc<Vec<u32>>)>,
     /// Some edit since the last commit, discard or mount.
     dirty: bool,
+    /// Journal records of an operation of several steps, written as one line.
+    batch: Option<Vec<Record>>,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
@@ -269,6 +274,7 @@ impl Live {
             staging,
             committing: None,
             dirty: false,
+            batch: None,
             source,
         };
         live.rebuild_index();
@@ -376,6 +382,15 @@ impl Live {
             ObjectSlot::Gone => None,
             ObjectSlot::Source(i) => Some(self.source.header().tensors.nbytes(*i as usize)),
             ObjectSlot::Live(o) => Some(o.bytes().len()),
+        }
+    }
+
+    /// An object's bytes for a commit (see `DataObject::take_for_commit`: a
+    /// staging file comes back pinned).
+    fn object_for_commit(&self, id: Id) -> Option<ObjectState> {
+        match self.objects.get(id as usize)? {
+            ObjectSlot::Live(o) => Some(o.take_for_commit()),
+            _ => self.object(id),
         }
     }
 
@@ -781,6 +796,18 @@ impl Live {
 
     // ---- journal ----
 
+    /// The journal records of the edits until `end_batch` go in one line:
+    /// an operation of several steps (a rename) is journaled whole or not at all.
+    pub fn begin_batch(&mut self) {
+        self.batch.get_or_insert_with(Vec::new);
+    }
+
+    pub fn end_batch(&mut self) {
+        if let Some(records) = self.batch.take() {
+            self.log(records);
+        }
+    }
+
     fn data_ref(&self, id: Id) -> DataRef {
         let bytes = match self.objects.get(id as usize) {
             Some(ObjectSlot::Source(i)) => Bytes::Source(self.source.clone(), *i),
@@ -794,6 +821,7 @@ impl Live {
                 let own = Arc::ptr_eq(&src, &self.source);
                 DataRef::Source {
                     shard: (!own).then(|| src.file_name().to_string_lossy().into_owned()),
+                    version: (!own).then(|| *src.stat()),
                     index,
                     committed: self
                         .committing
@@ -826,7 +854,11 @@ impl Live {
         }
     }
 
-    fn log(&mut self, records: Vec<Record>) {
+    fn log(&mut self, mut records: Vec<Record>) {
+        if let Some(batch) = &mut self.batch {
+            batch.append(&mut records);
+            return;
+        }
         if records.is_empty() {
             return;
         }
@@ -1043,6 +1075,14 @@ impl Live {
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         for (_, e) in self.entries_from(0) {
+            if e.name == RESERVED && e.data.is_some() {
+                problems.push(Problem {
+                    tensor: Some(e.name.to_string()),
+                    rule: "cannot be a tensor's name: the header keeps it for the metadata (rename it)"
+                        .into(),
+                });
+                continue;
+            }
             let rule = match (e.data, e.meta) {
                 (Some(_), MetaView::None) => {
                     Some("has no dtype and shape: write its .meta.json, or remove the file".into())
@@ -1181,15 +1221,20 @@ impl Live {
                 }
                 Some(DataRef::Source {
                     shard: Some(s),
+                    version,
                     index,
                     ..
                 }) => match shard(&s) {
-                    Some(src) if (index as usize) < src.header().tensors.len() => {
+                    // The index is of a version of that shard: not of another.
+                    Some(src)
+                        if (index as usize) < src.header().tensors.len()
+                            && version.is_none_or(|v| v.same_version(src.stat())) =>
+                    {
                         Some(Bytes::Source(src, index))
                     }
                     _ => {
                         notes.push(format!(
-                            "tensor {name:?}: its bytes were in {s}, not found; not restored"
+                            "tensor {name:?}: its bytes were in {s}, which is gone or changed since; not restored"
                         ));
                         continue;
                     }

@@ -113,6 +113,18 @@ impl DataObject {
         }
     }
 
+    /// The bytes as a commit takes them: read under the writer's lock and, if
+    /// they are a staging file, pinned before it is released, so that a later
+    /// write copies the file instead of changing it under the commit.
+    pub fn take_for_commit(&self) -> ObjectState {
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let state = self.state();
+        if let Bytes::Staged(s) = &state.bytes {
+            s.pin();
+        }
+        state
+    }
+
     /// Makes written bytes durable.
     pub fn sync(&self) -> std::io::Result<()> {
         match self.bytes() {

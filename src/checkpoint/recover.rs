@@ -30,12 +30,12 @@ pub enum Resume {
 
 /// Before the sources are opened: finishes the renames of a commit that a
 /// crash interrupted (all of its new files were written and fsynced).
-pub fn finish_renames(base: &Arc<Folder>, stem: &str, sources: &Folder) -> Vec<String> {
+pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
     let mut notes = Vec::new();
     let (dirs, _) = kept(base, stem);
     for dir in dirs {
         if let Some(r) = Renames::read(&dir) {
-            let done = r.finish(sources);
+            let done = r.finish();
             Renames::clear(&dir);
             for path in done {
                 notes.push(format!(
@@ -146,8 +146,8 @@ pub fn resume(
         .map(|l| (l.key().to_string(), l.source().clone()))
         .collect();
     let shard = |key: &str| sources.get(key).cloned();
-    for (k, dir) in found.into_iter().enumerate() {
-        if k > 0 || staging.current().is_some() {
+    for dir in found {
+        if staging.current().is_some() {
             notes.push(format!(
                 "{}: older edits of an earlier mount, left as they are (stfs mount --resume {} takes them instead)",
                 dir.path().display(),
@@ -173,6 +173,9 @@ pub fn resume(
             }
             notes.push(format!("{}: {why}; left as it is", dir.path().display()));
             continue;
+        }
+        if folds.iter().all(Option::is_none) {
+            continue; // another source's (a --staging-dir shared by sources of one name)
         }
         staging.adopt(dir.clone());
         let mut restored = 0;
@@ -213,6 +216,11 @@ fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>
     let mut text = Vec::new();
     std::io::Read::read_to_end(&mut &f, &mut text).map_err(|e| e.to_string())?;
     let replay = journal::read(&text).map_err(|e| format!("{}: {e}", live.journal_name()))?;
+    if std::fs::canonicalize(&replay.source).ok()
+        != std::fs::canonicalize(live.source().path()).ok()
+    {
+        return Ok(None);
+    }
     let now = live.source().stat();
     if replay.stat.same_version(now) {
         return Ok(Some(journal::fold(&replay.records, None)));
@@ -241,17 +249,20 @@ mod tests {
         let tmp = dir.path().join(".a.safetensors.stfs-tmp-1-1");
         std::fs::write(&tmp, b"new a").unwrap();
         let stat = file_stat(&tmp);
+        let dir_path = std::fs::canonicalize(dir.path()).unwrap();
         {
             let staging = StagingDir::create(folder.clone(), "f").unwrap();
             Renames {
                 commit: 7,
                 files: vec![
                     PendingRename {
+                        folder: dir_path.clone(),
                         tmp: ".a.safetensors.stfs-tmp-1-1".into(),
                         target: "a.safetensors".into(),
                         stat,
                     },
                     PendingRename {
+                        folder: dir_path.clone(),
                         tmp: ".b.safetensors.stfs-tmp-1-2".into(),
                         target: "b.safetensors".into(),
                         stat,
@@ -261,7 +272,7 @@ mod tests {
             .write(&staging)
             .unwrap();
         } // the daemon is gone: its folder is unlocked
-        let notes = finish_renames(&folder, "f", &folder);
+        let notes = finish_renames(&folder, "f");
         assert_eq!(
             std::fs::read(dir.path().join("a.safetensors")).unwrap(),
             b"new a"
@@ -273,7 +284,7 @@ mod tests {
         assert!(!tmp.exists());
         assert_eq!(notes.len(), 1, "{notes:?}");
         // Done once: the record is gone.
-        assert!(finish_renames(&folder, "f", &folder).is_empty());
+        assert!(finish_renames(&folder, "f").is_empty());
     }
 
     fn file_stat(path: &std::path::Path) -> crate::source::FileStat {

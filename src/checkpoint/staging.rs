@@ -97,6 +97,9 @@ pub struct Renames {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PendingRename {
+    /// The folder of both (a shard that is a link is committed in its
+    /// target's folder, which need not be the mounted one).
+    pub folder: PathBuf,
     /// The temp file's name, beside the target.
     pub tmp: String,
     pub target: String,
@@ -129,12 +132,26 @@ impl Renames {
         }
     }
 
-    /// Finishes the renames still to do, in `folder` (the sources' folder):
-    /// a temp file is renamed only if it is still the file the commit wrote.
-    /// Returns the targets renamed.
-    pub fn finish(&self, folder: &Folder) -> Vec<PathBuf> {
+    /// Finishes the renames still to do: a temp file is renamed only if it
+    /// is still the file the commit wrote. Returns the targets renamed.
+    pub fn finish(&self) -> Vec<PathBuf> {
+        let plain = |n: &str| !n.is_empty() && n != "." && n != ".." && !n.contains('/');
         let mut done = Vec::new();
         for r in &self.files {
+            if !plain(&r.tmp) || !plain(&r.target) || !r.folder.is_absolute() {
+                warn!(
+                    file = r.tmp,
+                    "not a plain name in a record of renames: left alone"
+                );
+                continue;
+            }
+            let folder = match Folder::open(&r.folder) {
+                Ok(f) => f,
+                Err(e) => {
+                    warn!(folder = %r.folder.display(), "finishing an interrupted commit: {e}");
+                    continue;
+                }
+            };
             let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
                 continue; // renamed already
             };
@@ -147,11 +164,13 @@ impl Renames {
                 continue;
             }
             match folder.rename(OsStr::new(&r.tmp), OsStr::new(&r.target)) {
-                Ok(()) => done.push(folder.path.join(&r.target)),
+                Ok(()) => {
+                    let _ = folder.sync();
+                    done.push(folder.path.join(&r.target))
+                }
                 Err(e) => warn!(file = r.tmp, "finishing an interrupted commit: {e}"),
             }
         }
-        let _ = folder.sync();
         done
     }
 }

@@ -91,6 +91,10 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
             euid()
         )));
     }
+    // A hard link planted to another of this user's files would be written through.
+    if meta.nlink() != 1 {
+        return Err(what(&"refused: it has other hard links"));
+    }
     Ok(file)
 }
 

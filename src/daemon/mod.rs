@@ -6,7 +6,6 @@ mod fusermount;
 pub mod logging;
 
 use std::collections::BTreeMap;
-use std::ffi::OsString;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -212,10 +211,7 @@ pub fn dead(mountpoint: &Path) -> bool {
 
 /// Where staging folders go, and their stem: beside the source (inside a
 /// folder mount's folder), or in --staging-dir.
-fn staging_for(
-    source: &Path,
-    dir: Option<&Path>,
-) -> Result<(Arc<Folder>, String, Arc<Folder>), String> {
+fn staging_for(source: &Path, dir: Option<&Path>) -> Result<(Arc<Folder>, String), String> {
     let real = std::fs::canonicalize(source).map_err(|e| format!("{}: {e}", source.display()))?;
     let is_dir = real.is_dir();
     let sources = if is_dir {
@@ -241,12 +237,10 @@ fn staging_for(
         }
         None => sources.clone(),
     };
-    let open = |p: &Path| {
-        Folder::open(p)
-            .map(Arc::new)
-            .map_err(|e| format!("{}: {e}", p.display()))
-    };
-    Ok((open(&base)?, stem, open(&sources)?))
+    let base = Folder::open(&base)
+        .map(Arc::new)
+        .map_err(|e| format!("{}: {e}", base.display()))?;
+    Ok((base, stem))
 }
 
 pub fn mount(mut req: MountRequest) -> Result<(), String> {
@@ -256,18 +250,17 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     check_mountpoint(&req.mountpoint, options.nonempty)?;
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
-    let (base, stem, sources_folder) = staging_for(&req.source, req.staging_dir.as_deref())?;
-    let mut notes = recover::finish_renames(&base, &stem, &sources_folder);
+    let (base, stem) = staging_for(&req.source, req.staging_dir.as_deref())?;
+    let mut notes = recover::finish_renames(&base, &stem);
     let (source, warnings) = open_source(&req.source)?;
-    let names: Vec<OsString> = match &source {
-        Source::File(s) => vec![s.file_name().to_os_string()],
-        Source::Folder { checkpoints, .. } => checkpoints
-            .iter()
-            .map(|(_, s)| s.file_name().to_os_string())
-            .collect(),
+    // Each shard's temp files are beside its own file (a link's target).
+    let files: Vec<&SourceFile> = match &source {
+        Source::File(s) => vec![s],
+        Source::Folder { checkpoints, .. } => checkpoints.iter().map(|(_, s)| s).collect(),
     };
-    let name_refs: Vec<&std::ffi::OsStr> = names.iter().map(|n| n.as_os_str()).collect();
-    notes.extend(recover::remove_dead_temps(&sources_folder, &name_refs));
+    for s in files {
+        notes.extend(recover::remove_dead_temps(s.folder(), &[s.file_name()]));
+    }
     let settings = Settings {
         read_only: options.read_only,
         // SAFETY: getuid cannot fail.
@@ -443,14 +436,20 @@ fn serve(
         }
     };
     raise_read_ahead(&req.mountpoint);
-    if let Some(pid_file) = &req.pid_file {
-        match logging::open_private(pid_file, false, true) {
-            Ok(mut f) => {
-                let _ = writeln!(f, "{}", std::process::id());
-            }
-            Err(e) => warn!("pid file: {e}"),
-        }
-    }
+    // The pid file, and what it is, so that only that file is removed at exit.
+    let pid_file =
+        req.pid_file
+            .as_ref()
+            .and_then(|path| match logging::open_private(path, false, true) {
+                Ok(mut f) => {
+                    let _ = writeln!(f, "{}", std::process::id());
+                    FileStat::of(&f).ok().map(|st| (path.clone(), st))
+                }
+                Err(e) => {
+                    warn!("pid file: {e}");
+                    None
+                }
+            });
     info!(
         source = %req.source.display(),
         mountpoint = %req.mountpoint.display(),
@@ -486,8 +485,8 @@ fn serve(
         .map_err(|e| e.to_string())?;
 
     let result = session.run();
-    if let Some(pid_file) = &req.pid_file {
-        let _ = std::fs::remove_file(pid_file);
+    if let Some((path, written)) = pid_file {
+        remove_if_same(&path, &written);
     }
     info!(mountpoint = %req.mountpoint.display(), "unmounted");
     result.map_err(|e| {
@@ -565,6 +564,26 @@ fn detach(mountpoint: &Path) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Removes `path` if it is still the file `written` describes.
+fn remove_if_same(path: &Path, written: &FileStat) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    if let Ok(folder) = Folder::open(dir) {
+        if folder
+            .stat_at(name)
+            .is_ok_and(|st| st.st_dev == written.dev && st.st_ino == written.ino)
+        {
+            let _ = folder.unlink(name);
+        }
+    }
 }
 
 /// `-o` for fusermount3: it adds nosuid and nodev itself.

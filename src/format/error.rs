@@ -54,6 +54,8 @@ pub enum FormatError {
     },
     /// Serializer input names one tensor twice.
     DuplicateName { tensor: String },
+    /// A tensor may not be named `__metadata__`: that key is the metadata.
+    ReservedName { tensor: String },
 }
 
 impl FormatError {
@@ -66,7 +68,8 @@ impl FormatError {
             | Overflow { tensor, .. }
             | NotByteAligned { tensor, .. }
             | SizeMismatch { tensor, .. }
-            | DuplicateName { tensor } => Some(tensor),
+            | DuplicateName { tensor }
+            | ReservedName { tensor } => Some(tensor),
             _ => None,
         }
     }
@@ -176,6 +179,10 @@ impl fmt::Display for FormatError {
                 8u128 + *header_len as u128 + *data_len as u128
             ),
             DuplicateName { tensor } => write!(f, "tensor {tensor:?} is given twice"),
+            ReservedName { tensor } => write!(
+                f,
+                "tensor {tensor:?}: a tensor cannot be named __metadata__ (the header keeps that key for the metadata)"
+            ),
         }
     }
 }

@@ -63,6 +63,11 @@ pub fn layout_of<'a>(
     let mut names = HashSet::with_capacity(count);
     for i in 0..count {
         let name = spec(i).0;
+        if name == "__metadata__" {
+            return Err(FormatError::ReservedName {
+                tensor: name.to_string(),
+            });
+        }
         if !names.insert(name) {
             return Err(FormatError::DuplicateName {
                 tensor: name.to_string(),

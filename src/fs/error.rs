@@ -34,6 +34,8 @@ pub enum FsError {
     NotATensor,
     /// The caller went away, or the time limit passed (EINTR).
     Interrupted,
+    /// Written through a descriptor of a file removed or renamed meanwhile (ESTALE).
+    Stale(String),
     Edit(EditError),
     Commit(CommitError),
     Staging(StagingError),
@@ -57,6 +59,7 @@ impl FsError {
             FsError::Exists => libc::EEXIST,
             FsError::NotATensor => libc::ENOTTY,
             FsError::Interrupted => libc::EINTR,
+            FsError::Stale(_) => libc::ESTALE,
             FsError::Edit(e) => match e {
                 EditError::NotFound => libc::ENOENT,
                 EditError::Exists => libc::EEXIST,
@@ -68,7 +71,7 @@ impl FsError {
             FsError::Commit(e) => match e {
                 CommitError::Refused { .. } => libc::EINVAL,
                 CommitError::Conflict { .. } => libc::ESTALE,
-                CommitError::Tainted => libc::EIO,
+                CommitError::Tainted { .. } => libc::EIO,
                 CommitError::Io { source, .. } => io_errno(source),
                 CommitError::Staging(s) => staging_errno(s),
             },
@@ -156,6 +159,10 @@ impl fmt::Display for FsError {
             FsError::NotATensor => {
                 f.write_str("not a tensor file: prefetch works on a tensor's data file")
             }
+            FsError::Stale(file) => write!(
+                f,
+                "{file} was removed or renamed while open for writing: what was written is not applied"
+            ),
             FsError::Interrupted => {
                 f.write_str("interrupted: the caller went away or time ran out")
             }

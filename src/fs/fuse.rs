@@ -87,7 +87,20 @@ impl FuseAdapter {
 fn guarded(fs: &Fs, op: &'static str, f: impl FnOnce()) {
     if catch_unwind(AssertUnwindSafe(f)).is_err() {
         error!(op, "request handler panicked");
-        fs.taint();
+        fs.taint(format!(
+            "a request of this mount ({op}) panicked, so its state is not trusted"
+        ));
+    }
+}
+
+/// Runs a handler that changes nothing: a panic answers EIO (and is logged),
+/// but leaves the state trusted, so that no reader can stop commits.
+fn guarded_read(op: &'static str, f: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        error!(
+            op,
+            "request handler panicked (a read: the mount still commits)"
+        );
     }
 }
 
@@ -175,13 +188,20 @@ impl FuseAdapter {
             }
         };
         let (uid, pid) = (req.uid(), req.pid());
+        if let Err(e) = self.fs.allowed(uid, "prefetch") {
+            args.result = e.errno();
+            args.set_message(&e.to_string());
+            return reply.ioctl(0, args.as_bytes());
+        }
         self.spawn("prefetch", move |fs| {
             let started = Instant::now();
             // A FUSE request cannot be interrupted once the daemon has it:
             // stop when the caller is gone, and hand back a page-cache
             // request after a time slice (the client asks for the rest).
+            // (A caller in another pid namespace shows as pid 0: only the
+            // time limit applies to it.)
             let keep_going = || {
-                alive(pid)
+                (pid == 0 || alive(pid))
                     && (target != PrefetchTarget::PageCache || started.elapsed() < PREFETCH_SLICE)
             };
             let req = PrefetchRequest {
@@ -199,9 +219,18 @@ impl FuseAdapter {
                         args.set_dtype(d.name());
                     }
                     if let Some(shape) = &p.shape {
+                        // The struct holds 16 dimensions; ndim says how many
+                        // there are, so a caller can tell the shape was cut.
                         args.ndim = shape.len() as u32;
                         for (dst, &d) in args.shape.iter_mut().zip(shape) {
                             *dst = d;
+                        }
+                        if shape.len() > args.shape.len() {
+                            args.set_message(&format!(
+                                "the shape has {} dimensions; the first {} are reported",
+                                shape.len(),
+                                args.shape.len()
+                            ));
                         }
                     }
                     if let Some((handle, size)) = p.ipc {
@@ -252,7 +281,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        guarded(&self.fs, "lookup", || {
+        guarded_read("lookup", || {
             let Some(name) = name.to_str() else {
                 return reply.error(Errno::ENOENT);
             };
@@ -266,7 +295,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
-        guarded(&self.fs, "getattr", || {
+        guarded_read("getattr", || {
             match self.fs.getattr(ino.0, fh.map(|f| f.0)) {
                 Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
                 Err(e) => reply.error(errno("getattr", &e)),
@@ -340,7 +369,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        guarded(&self.fs, "read", || {
+        guarded_read("read", || {
             // The reply is sent from inside the call, while the mapped bytes are borrowed.
             let mut reply = Some(reply);
             let result = self.fs.read(ino.0, fh.0, offset, size, |slices| {
@@ -365,7 +394,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        guarded(&self.fs, "readdir", || {
+        guarded_read("readdir", || {
             let result = self.fs.readdir(ino.0, offset, |e| {
                 let kind = match e.kind {
                     Kind::Directory => FileType::Directory,
@@ -458,7 +487,7 @@ impl Filesystem for FuseAdapter {
                     warn!("STFS_IOC_STATUS with a bad struct size");
                     return reply.error(Errno::EINVAL);
                 };
-                guarded(&self.fs, "status", || {
+                guarded_read("status", || {
                     let (report, refused) = self.fs.status();
                     args.refused = refused as u32;
                     args.set_page(&report);
@@ -470,6 +499,17 @@ impl Filesystem for FuseAdapter {
                     warn!("STFS_IOC_COMMIT with a bad struct size");
                     return reply.error(Errno::EINVAL);
                 };
+                let what = if args.flags & COMMIT_DISCARD != 0 {
+                    "discard"
+                } else {
+                    "commit"
+                };
+                if let Err(e) = self.fs.allowed(uid, what) {
+                    let _ = errno("commit", &e);
+                    args.result = e.errno();
+                    args.set_message(&e.to_string());
+                    return reply.ioctl(0, args.as_bytes());
+                }
                 self.spawn("commit", move |fs| {
                     let result = if args.flags & COMMIT_DISCARD != 0 {
                         fs.discard(uid)

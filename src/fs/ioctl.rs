@@ -71,7 +71,10 @@ impl StatusArgs {
     /// Fills the page of `report` that starts at `offset` (cut on a char boundary).
     pub fn set_page(&mut self, report: &str) {
         self.total = report.len() as u64;
-        let start = (self.offset as usize).min(report.len());
+        let mut start = (self.offset as usize).min(report.len());
+        while !report.is_char_boundary(start) {
+            start -= 1;
+        }
         let mut end = (start + STATUS_TEXT_LEN - 1).min(report.len());
         while !report.is_char_boundary(end) {
             end -= 1;
@@ -178,6 +181,10 @@ mod tests {
         let mut st = StatusArgs::new(3);
         st.set_page("héllo");
         assert_eq!((st.total, st.page()), (6, "llo".to_string()));
+        // An offset inside a character starts at that character.
+        let mut st = StatusArgs::new(2);
+        st.set_page("héllo");
+        assert_eq!(st.page(), "éllo");
     }
 }
 

@@ -23,14 +23,14 @@ pub mod names;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime};
 
 pub use error::FsError;
 pub use files::TensorFile;
 use names::{METADATA_FILE, NAME_MAX};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::checkpoint::commit::{land, Written};
 use crate::checkpoint::staging::Staging;
@@ -205,7 +205,8 @@ struct State {
 /// on flush (or close).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum JsonTarget {
-    Meta(usize, String),
+    /// The meta of entry `id` of checkpoint `c`, named so when opened.
+    Meta(usize, Id, String),
     Metadata(usize),
 }
 
@@ -234,8 +235,9 @@ pub struct Fs {
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     next_commit: AtomicU64,
-    /// A request handler panicked: nothing of this mount is committed.
-    tainted: AtomicBool,
+    /// Why this mount does not commit any more (a request handler panicked,
+    /// a commit failed half-way), if it does not.
+    tainted: Mutex<Option<String>>,
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
     reads: AtomicU64,
     read_bytes: AtomicU64,
@@ -425,7 +427,7 @@ impl Fs {
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             next_commit: AtomicU64::new(1),
-            tainted: AtomicBool::new(false),
+            tainted: Mutex::new(None),
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
         }
@@ -463,7 +465,7 @@ impl Fs {
     }
 
     /// Commit, discard and prefetch are for the user who mounted, and root.
-    fn allowed(&self, caller: u32, what: &'static str) -> Result<(), FsError> {
+    pub fn allowed(&self, caller: u32, what: &'static str) -> Result<(), FsError> {
         if caller == 0 || caller == self.settings.owner {
             Ok(())
         } else {
@@ -513,6 +515,20 @@ impl Fs {
                         let mut a = self.object_attr(&st, c, object.state(), ino);
                         a.nlink = 0;
                         Ok(a)
+                    }
+                    Some(Handle::Json { text, .. }) => {
+                        let src = st.live(0).source().stat();
+                        Ok(Attr {
+                            ino,
+                            kind: Kind::File,
+                            size: text.len() as u64,
+                            mtime: SystemTime::now(),
+                            perm: file_mode(src, self.settings.read_only),
+                            nlink: 0,
+                            uid: src.uid,
+                            gid: src.gid,
+                            volatile: true,
+                        })
                     }
                     _ => Err(e),
                 }
@@ -748,7 +764,7 @@ impl Fs {
                 };
                 drop(st);
                 let fh = self.new_handle(Handle::Json {
-                    target: JsonTarget::Meta(c, name),
+                    target: JsonTarget::Meta(c, id, name),
                     text,
                     dirty: truncate,
                 });
@@ -819,6 +835,11 @@ impl Fs {
                     Node::Metadata(c)
                 }
                 (None, Name::Tensor(TensorFile::Data, tensor)) => {
+                    if tensor == crate::checkpoint::RESERVED {
+                        return Err(FsError::Invalid(format!(
+                            "{name:?}: a tensor cannot be named __metadata__"
+                        )));
+                    }
                     if names::is_hashed(tensor) {
                         return Err(FsError::Invalid(format!(
                             "{name:?}: a tensor name this long cannot be created through the mount"
@@ -860,7 +881,20 @@ impl Fs {
         let (c, kept_invalid) = {
             let mut st = self.write_state();
             match &target {
-                JsonTarget::Meta(c, name) => (*c, st.live_mut(*c).set_meta(name, &text)?),
+                JsonTarget::Meta(c, id, name) => {
+                    // Written through a descriptor of a meta that was removed
+                    // or renamed meanwhile: it no longer is this name's meta.
+                    let live = st.live(*c);
+                    let same = live
+                        .entry(*id)
+                        .is_some_and(|e| e.name == name.as_str() && e.meta.exists());
+                    if !same {
+                        let file = TensorFile::Meta.file_name(name);
+                        warn!(file, "written while removed or renamed: not applied");
+                        return Err(FsError::Stale(file));
+                    }
+                    (*c, st.live_mut(*c).set_meta(name, &text)?)
+                }
                 JsonTarget::Metadata(c) => (*c, st.live_mut(*c).set_metadata(&text)?),
             }
         };
@@ -869,7 +903,7 @@ impl Fs {
             None => Ok(()),
             Some(why) => {
                 let file = match &target {
-                    JsonTarget::Meta(_, name) => TensorFile::Meta.file_name(name),
+                    JsonTarget::Meta(_, _, name) => TensorFile::Meta.file_name(name),
                     JsonTarget::Metadata(_) => METADATA_FILE.to_string(),
                 };
                 warn!(file, "kept as written, but a commit will refuse it: {why}");
@@ -1131,14 +1165,37 @@ impl Fs {
         if no_replace && to_node.is_some() {
             return Err(FsError::Exists);
         }
-        match &to {
+        // Journaled whole: one line per checkpoint, the target's first (a
+        // crash between two checkpoints' lines leaves a copy, never a loss).
+        st.live_mut(c).begin_batch();
+        let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
+        st.live_mut(c).end_batch();
+        result?;
+        info!(from = name, to = new_name, "renamed");
+        Ok(())
+    }
+
+    /// The parts of `rename` that change the state (see `rename`).
+    fn rename_parts(
+        &self,
+        st: &mut State,
+        (c, name, from, from_node): (usize, &str, &Name, Node),
+        (nc, new_name, to): (usize, &str, &Name),
+    ) -> Result<(), FsError> {
+        let to_node = st.find(nc, to);
+        match to {
             Name::Tensor(TensorFile::Data, target) => {
+                if target == crate::checkpoint::RESERVED {
+                    return Err(FsError::Invalid(format!(
+                        "{new_name:?}: a tensor cannot be named __metadata__"
+                    )));
+                }
                 if names::is_hashed(target) && to_node.is_none() {
                     return Err(FsError::Invalid(format!(
                         "{new_name:?}: a tensor name this long cannot be created through the mount"
                     )));
                 }
-                let taken = match &from {
+                let taken = match from {
                     Name::Tensor(TensorFile::Data, source) => {
                         st.live_mut(c).take_data(source, true)?
                     }
@@ -1161,7 +1218,7 @@ impl Fs {
                 st.live_mut(nc).put_data(target, taken, c == nc);
             }
             Name::Tensor(TensorFile::Meta, _) | Name::Metadata => {
-                let text = match &from {
+                let text = match from {
                     Name::Tensor(TensorFile::Data, _) => {
                         let Node::File(_, id, _) = from_node else {
                             unreachable!()
@@ -1180,7 +1237,7 @@ impl Fs {
                     }
                     Name::Metadata => st.live(c).metadata_text().unwrap_or_default(),
                 };
-                let bad = match &to {
+                let bad = match to {
                     Name::Metadata => crate::checkpoint::meta::parse_metadata(&text).err(),
                     _ => match crate::checkpoint::Meta::parse(&text) {
                         crate::checkpoint::Meta::Invalid { error, .. } => Some(error),
@@ -1194,14 +1251,14 @@ impl Fs {
                 }
                 {
                     let live = st.live_mut(c);
-                    match &from {
+                    match from {
                         Name::Tensor(TensorFile::Data, source) => live.unlink_data(source)?,
                         Name::Tensor(TensorFile::Meta, source) => live.unlink_meta(source)?,
                         Name::Metadata => live.remove_metadata(),
                     }
                 }
                 let live = st.live_mut(nc);
-                match &to {
+                match to {
                     Name::Tensor(_, target) => {
                         live.set_meta(target, &text)?;
                     }
@@ -1211,7 +1268,6 @@ impl Fs {
                 }
             }
         }
-        info!(from = name, to = new_name, "renamed");
         Ok(())
     }
 
@@ -1220,8 +1276,8 @@ impl Fs {
     /// file is written before the first rename. Returns a line per file.
     pub fn commit(&self, force: bool, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
-        if self.tainted.load(Ordering::Relaxed) {
-            return Err(CommitError::Tainted.into());
+        if let Some(why) = self.tainted() {
+            return Err(CommitError::Tainted { why }.into());
         }
         let _one = lock(&self.commit_lock);
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
@@ -1307,36 +1363,92 @@ impl Fs {
                 }
             }
         }
-        let mut st = self.write_state();
-        for ((c, _), w) in plans.iter().zip(&written) {
-            if let Err(e) = st.live_mut(*c).landing(commit, w.stat()) {
-                drop(st);
-                abandon(&written);
-                return Err(e.into());
+        // Each journal says which file is landing (appended under a short
+        // lock, fsynced outside it); then the renames, under no lock.
+        {
+            let mut st = self.write_state();
+            for ((c, _), w) in plans.iter().zip(&written) {
+                st.live_mut(*c).landing(commit, w.stat());
             }
         }
-        if let Err(e) = land(commit, &written, &self.staging) {
-            warn!("commit failed: {e}");
-            plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-            return Err(e.into());
+        for (c, _) in &plans {
+            if let Err(e) = self.sync_journal(*c) {
+                warn!("commit failed: {e}");
+                abandon(&written);
+                return Err(e);
+            }
         }
+        let landed = match land(commit, &written, &self.staging) {
+            Ok(()) => written.len(),
+            Err((0, e)) => {
+                warn!("commit failed: {e}");
+                let mut st = self.write_state();
+                plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                return Err(e.into());
+            }
+            Err((landed, e)) => {
+                // Some files are in place and others not: the record of the
+                // renames stays, and the next mount finishes them.
+                error!(
+                    "commit failed after {landed} of {} renames: {e}",
+                    written.len()
+                );
+                self.taint(format!(
+                    "a commit failed after renaming {landed} of its {} files ({e})",
+                    written.len()
+                ));
+                landed
+            }
+        };
+        let n_plans = plans.len();
+        let mut st = self.write_state();
         let mut lines = Vec::new();
+        let mut rebases = Vec::new();
         let mut written = written.into_iter();
-        for (c, plan) in plans {
+        for (k, (c, plan)) in plans.into_iter().enumerate() {
             let w = written.next().expect("one written file per plan");
             let path = st.live(c).source().path().display().to_string();
-            st.live_mut(c).finish(plan, w)?;
-            crate::checkpoint::trim_memory();
-            info!(file = %path, "committed");
-            lines.push(format!("{path}: committed"));
+            if k >= landed {
+                st.live_mut(c).abandon();
+                continue;
+            }
+            let (old, moved) = (plan.source.clone(), plan.moved.clone());
+            match st.live_mut(c).finish(plan, w) {
+                Ok(()) => {
+                    info!(file = %path, "committed");
+                    lines.push(format!("{path}: committed"));
+                    rebases.push((c, old, moved));
+                }
+                Err(e) => {
+                    // In place, but not mapped: this mount keeps serving the old file.
+                    error!(file = %path, "mapping the committed file: {e}");
+                    self.taint(format!(
+                        "{path} was committed but could not be mapped ({e})"
+                    ));
+                }
+            }
         }
-        for ((_, name, _, bytes), w) in index_updates.into_iter().zip(written) {
+        // Tensors moved here from a committed shard now read from its new file.
+        for (c, old, moved) in rebases {
+            let fresh = st.live(c).source().clone();
+            for other in 0..st.checkpoints.len() {
+                if other != c {
+                    st.live_mut(other).rebase_foreign(&old, &fresh, &moved);
+                }
+            }
+        }
+        for (k, ((_, name, _, bytes), w)) in index_updates.into_iter().zip(written).enumerate() {
+            if n_plans + k >= landed {
+                continue; // not renamed: the next mount does it
+            }
             if let Some((ix, _)) = st.indexes.iter_mut().find(|(ix, _)| ix.name == name) {
                 ix.bytes = bytes;
                 ix.stat = w.stat();
             }
             lines.push(format!("{}: rewritten", w.target().display()));
         }
+        drop(st);
+        crate::checkpoint::trim_memory();
         Ok(lines)
     }
 
@@ -1365,9 +1477,10 @@ impl Fs {
     pub fn status(&self) -> (String, bool) {
         let st = self.read_state();
         let mut out = String::new();
-        let mut refused = self.tainted.load(Ordering::Relaxed);
-        if refused {
-            out.push_str(&format!("{}\n", CommitError::Tainted));
+        let mut refused = false;
+        if let Some(why) = self.tainted() {
+            refused = true;
+            out.push_str(&format!("{}\n", CommitError::Tainted { why }));
         }
         for m in &st.checkpoints {
             let s = m.live.status();
@@ -1414,15 +1527,17 @@ impl Fs {
         } = req;
         self.allowed(caller, "prefetch")?;
         let object = match lock(&self.handles).get(&fh) {
-            Some(Handle::Data { object, .. }) => object.clone(),
-            _ => {
-                return match self.read_state().node(ino)? {
-                    Node::File(_, _, TensorFile::Data) => Err(FsError::Invalid(
-                        "prefetch needs an open tensor file".into(),
-                    )),
-                    _ => Err(FsError::NotATensor),
-                }
-            }
+            Some(Handle::Data { object, .. }) => Some(object.clone()),
+            _ => None,
+        };
+        // (The handles' lock is released here: the state comes first in the lock order.)
+        let Some(object) = object else {
+            return match self.read_state().node(ino)? {
+                Node::File(_, _, TensorFile::Data) => Err(FsError::Invalid(
+                    "prefetch needs an open tensor file".into(),
+                )),
+                _ => Err(FsError::NotATensor),
+            };
         };
         let (dtype, shape) = {
             let st = self.read_state();
@@ -1474,18 +1589,18 @@ impl Fs {
         Ok(done)
     }
 
-    /// A request handler panicked: commit nothing of this mount from now on.
-    pub fn taint(&self) {
-        if !self.tainted.swap(true, Ordering::Relaxed) {
-            tracing::error!(
-                "a request handler panicked: this mount will not commit; its edits stay in the \
-                 staging folder and the next mount takes them back"
-            );
+    /// Commit nothing of this mount from now on (its edits stay on disk for
+    /// the next mount), saying why.
+    pub fn taint(&self, why: String) {
+        let mut tainted = lock(&self.tainted);
+        if tainted.is_none() {
+            tracing::error!("{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back");
+            *tainted = Some(why);
         }
     }
 
-    pub fn is_tainted(&self) -> bool {
-        self.tainted.load(Ordering::Relaxed)
+    pub fn tainted(&self) -> Option<String> {
+        lock(&self.tainted).clone()
     }
 
     /// The unmount's policy: commit what is staged; if that cannot be done,
@@ -1494,8 +1609,8 @@ impl Fs {
     pub fn unmount(&self) -> Result<(), String> {
         let result = if !self.is_dirty() {
             Ok(())
-        } else if self.is_tainted() {
-            Err(CommitError::Tainted.to_string())
+        } else if let Some(why) = self.tainted() {
+            Err(CommitError::Tainted { why }.to_string())
         } else {
             self.commit(false, self.settings.owner)
                 .map(|lines| lines.iter().for_each(|l| info!("at unmount: {l}")))

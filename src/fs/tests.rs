@@ -399,9 +399,57 @@ fn only_the_owner_and_root_commit() {
 fn a_tainted_mount_does_not_commit() {
     let (_dir, path, fs) = small();
     write_file(&fs, "b", b"xyz");
-    fs.taint();
+    fs.taint("a test".into());
     assert_eq!(errno(fs.commit(false, 0)), libc::EIO);
     let before = std::fs::read(&path).unwrap();
     assert!(fs.unmount().is_err());
     assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+#[test]
+fn a_meta_descriptor_does_not_write_another_names_meta() {
+    let (_dir, _path, fs) = small();
+    let ino = fs.lookup(ROOT_INO, "a.meta.json").unwrap().ino;
+    let o = fs.open(ino, true, true).unwrap();
+    fs.rename(ROOT_INO, "a", ROOT_INO, "z", false).unwrap();
+    fs.write(ino, o.fh, 0, br#"{"dtype":"U8","shape":[1]}"#)
+        .unwrap();
+    assert_eq!(errno(fs.flush(o.fh)), libc::ESTALE);
+    let _ = fs.release(o.fh);
+    assert_eq!(
+        errno(fs.lookup(ROOT_INO, "a")),
+        libc::ENOENT,
+        "no tensor appears under the old name"
+    );
+    assert!(String::from_utf8(cat(&fs, "z.meta.json"))
+        .unwrap()
+        .contains("\"F32\""));
+    // ftruncate through such a descriptor answers from the descriptor.
+    let ino = fs.lookup(ROOT_INO, "z.meta.json").unwrap().ino;
+    let o = fs.open(ino, true, false).unwrap();
+    fs.unlink(ROOT_INO, "z.meta.json").unwrap();
+    assert_eq!(fs.set_size(ino, Some(o.fh), 0).unwrap().size, 0);
+    let _ = fs.release(o.fh);
+}
+
+#[test]
+fn no_tensor_is_named_metadata() {
+    let (_dir, _path, fs) = small();
+    assert_eq!(
+        errno(fs.create(ROOT_INO, "__metadata__", true, false)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno(fs.rename(ROOT_INO, "a", ROOT_INO, "__metadata__", false)),
+        libc::EINVAL
+    );
+    // The meta alone would make it with zeros: refused at commit, named.
+    write_file(
+        &fs,
+        "__metadata__.meta.json",
+        br#"{"dtype":"U8","shape":[1]}"#,
+    );
+    let e = fs.commit(false, 0).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL);
+    assert!(e.to_string().contains("__metadata__"), "{e}");
 }
