@@ -62,8 +62,8 @@ def main():
         print(f"  daemon peak RSS during it        {max(rss) / 1024:6.1f} MiB")
         print("  each run, cp / commit (s):", " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(cp_times, commit_times)))
         for line in open(os.path.join(work, "log")):
-            if "committed" in line:
-                print("  daemon:", " ".join(f for f in line.split() if f.startswith(("copied=", "synced=", "renamed="))))
+            if "commit written" in line:
+                print("  daemon:", " ".join(f for f in line.split() if f.startswith(("bytes=", "elapsed="))))
 
 
 if __name__ == "__main__":
