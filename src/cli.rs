@@ -18,6 +18,8 @@ pub struct Cli {
     command: Command,
 }
 
+// Parsed once per run: the size of the mount's variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// List a checkpoint's header without mounting it.
@@ -60,7 +62,24 @@ enum Command {
         /// Do not take back kept edits; they stay on disk.
         #[arg(long)]
         no_resume: bool,
-        /// A .safetensors file, or a folder of them (with *.index.json).
+        /// Remote sources: an S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
+        #[arg(long, value_name = "URL")]
+        endpoint: Option<String>,
+        /// Remote sources: the local cache of fetched bytes (default: $XDG_CACHE_HOME/stfs).
+        #[arg(long, value_name = "DIR")]
+        cache_dir: Option<PathBuf>,
+        /// Remote sources: the cache's size; least recently used chunks go past it (K, M, G, T suffixes).
+        #[arg(long, value_name = "SIZE", default_value = "10G", value_parser = parse_size)]
+        cache_size: u64,
+        /// Remote sources: ranged GETs in flight at once.
+        #[arg(long, value_name = "N", default_value_t = 16)]
+        concurrency: usize,
+        /// Remote sources: seconds before a read whose server does not answer fails (EIO).
+        #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+        timeout: f64,
+        /// A .safetensors file, a folder of them (with *.index.json), or a URL:
+        /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
+        /// https://host/path.safetensors, gs://, az://.
         source: PathBuf,
         mountpoint: PathBuf,
     },
@@ -108,6 +127,29 @@ enum Command {
     },
 }
 
+/// A size in bytes, with an optional K, M, G or T suffix (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("{s:?}: the suffix must be K, M, G or T")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (like 512M or 20G)"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
 fn parse_key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -140,9 +182,23 @@ pub fn main() -> ExitCode {
             staging_dir,
             resume,
             no_resume,
+            endpoint,
+            cache_dir,
+            cache_size,
+            concurrency,
+            timeout,
             source,
             mountpoint,
         } => crate::daemon::mount(crate::daemon::MountRequest {
+            remote: crate::source::remote::RemoteOptions {
+                endpoint,
+                cache_dir: cache_dir
+                    .map(absolute)
+                    .unwrap_or_else(crate::source::remote::default_cache_dir),
+                cache_size,
+                concurrency: concurrency.max(1),
+                timeout: std::time::Duration::from_secs_f64(timeout.clamp(0.1, 86400.0)),
+            },
             source,
             mountpoint,
             foreground: f,

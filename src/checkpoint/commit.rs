@@ -69,6 +69,8 @@ pub enum CommitError {
     },
     /// The staging folder (for the journal and the record of renames).
     Staging(StagingError),
+    /// The source cannot be written (a remote object) (EROFS).
+    ReadOnly { file: PathBuf },
 }
 
 impl fmt::Display for CommitError {
@@ -106,6 +108,11 @@ impl fmt::Display for CommitError {
             ),
             CommitError::Io { what, source } => write!(f, "{what}: {source}"),
             CommitError::Staging(e) => write!(f, "{e}"),
+            CommitError::ReadOnly { file } => write!(
+                f,
+                "{}: a remote source is read-only (stfs does not write to object stores yet)",
+                file.display()
+            ),
         }
     }
 }
@@ -297,7 +304,11 @@ impl Live {
         drop(specs);
         // The file now at the source's name (gone: changed too).
         let mapped = self.source.stat();
-        let same = match self.source.folder().stat_at(self.source.file_name()) {
+        let folder = self
+            .source
+            .folder()
+            .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
+        let same = match folder.stat_at(self.source.file_name()) {
             Ok(now) => {
                 now.st_dev == mapped.dev
                     && now.st_ino == mapped.ino
@@ -510,8 +521,11 @@ impl CommitPlan {
     /// Step 2, touching no state: writes the new file beside the source.
     pub fn write(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Written, CommitError> {
         let started = std::time::Instant::now();
+        let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
+            file: self.source.path().to_path_buf(),
+        })?;
         let written = Written::create(
-            self.source.folder(),
+            folder,
             self.source.file_name(),
             self.source.stat(),
             |file| self.fill(file, progress),

@@ -22,7 +22,8 @@ use crate::fs::fuse::FuseAdapter;
 use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
 use crate::inspect::list_dir;
 use crate::source::local::Folder;
-use crate::source::{FileStat, SourceFile};
+use crate::source::remote::{is_url, OpenError, Remote, RemoteOptions};
+use crate::source::{FileStat, SourceError, SourceFile};
 
 pub use fusermount::unmount as fusermount_unmount;
 
@@ -38,6 +39,8 @@ pub struct MountRequest {
     pub pid_file: Option<PathBuf>,
     pub staging_dir: Option<PathBuf>,
     pub resume: Resume,
+    /// How a remote source is reached and cached.
+    pub remote: RemoteOptions,
 }
 
 /// Parsed `-o` options.
@@ -107,56 +110,150 @@ pub fn open_source(path: &Path) -> Result<(Source, Vec<String>), String> {
     let folder = Arc::new(Folder::open(path).map_err(|e| format!("{}: {e}", path.display()))?);
     let stat = FileStat::of(&File::open(path).map_err(|e| format!("{}: {e}", path.display()))?)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut checkpoints = Vec::new();
+    let mut shards = Vec::new();
     for (name, file) in &listing.checkpoints {
-        let stem = name
-            .strip_suffix(".safetensors")
-            .unwrap_or(name)
-            .to_string();
-        checkpoints.push((stem, SourceFile::open(file).map_err(|e| e.to_string())?));
+        shards.push((
+            name.clone(),
+            SourceFile::open(file).map_err(|e| e.to_string())?,
+        ));
     }
     let mut indexes = Vec::new();
-    let mut warnings = Vec::new();
-    let shards: BTreeMap<String, &Header> = listing
-        .checkpoints
-        .iter()
-        .zip(&checkpoints)
-        .map(|((file, _), (_, c))| (file.clone(), c.header()))
-        .collect();
     for ix in &listing.indexes {
         let f = File::open(ix).map_err(|e| format!("{}: {e}", ix.display()))?;
         let mut bytes = Vec::new();
         (&f).read_to_end(&mut bytes)
             .map_err(|e| format!("{}: {e}", ix.display()))?;
-        let problems = match index::parse_index(&bytes) {
-            Ok(parsed) => index::check_index(&parsed, &shards),
-            Err(e) => vec![e],
-        };
-        warnings.extend(
-            problems
-                .into_iter()
-                .map(|p| format!("{}: {p}", ix.display())),
-        );
         let name = ix
             .file_name()
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
-        indexes.push(IndexFile {
-            name,
-            bytes,
-            stat: FileStat::of(&f).map_err(|e| format!("{}: {e}", ix.display()))?,
-        });
+        let stat = FileStat::of(&f).map_err(|e| format!("{}: {e}", ix.display()))?;
+        indexes.push((ix.display().to_string(), IndexFile { name, bytes, stat }));
     }
-    Ok((
+    Ok(shard_folder(folder, stat, shards, indexes))
+}
+
+/// A folder mount of `shards` (file name, source) with its indexes (shown
+/// name, file), each index checked against the shards.
+fn shard_folder(
+    folder: Arc<Folder>,
+    stat: FileStat,
+    shards: Vec<(String, SourceFile)>,
+    indexes: Vec<(String, IndexFile)>,
+) -> (Source, Vec<String>) {
+    let headers: BTreeMap<String, &Header> = shards
+        .iter()
+        .map(|(name, c)| (name.clone(), c.header()))
+        .collect();
+    let mut warnings = Vec::new();
+    for (shown, ix) in &indexes {
+        let problems = match index::parse_index(&ix.bytes) {
+            Ok(parsed) => index::check_index(&parsed, &headers),
+            Err(e) => vec![e],
+        };
+        warnings.extend(problems.into_iter().map(|p| format!("{shown}: {p}")));
+    }
+    let checkpoints = shards
+        .into_iter()
+        .map(|(name, c)| {
+            let stem = name
+                .strip_suffix(".safetensors")
+                .unwrap_or(&name)
+                .to_string();
+            (stem, c)
+        })
+        .collect();
+    (
         Source::Folder {
             folder,
             stat,
             checkpoints,
-            indexes,
+            indexes: indexes.into_iter().map(|(_, ix)| ix).collect(),
         },
         warnings,
-    ))
+    )
+}
+
+/// Connects to a remote source and validates it as `open_source` does a
+/// local one: an object, or a folder (a URL ending in `/`) of shards with
+/// their indexes. Returns the source, warnings, and the cache folder.
+fn open_remote(
+    url: &str,
+    opts: &RemoteOptions,
+) -> Result<(Source, Vec<String>, Arc<Folder>), String> {
+    let at = Remote::connect(url, opts)?;
+    let cache = Arc::new(
+        Folder::open(&at.remote.cache_folder().path)
+            .map_err(|e| format!("{}: {e}", opts.cache_dir.display()))?,
+    );
+    let open = |path: &object_store::path::Path| {
+        let url = at.remote.url(path);
+        match at.remote.open(path) {
+            Ok((object, header)) => Ok(SourceFile::remote(object, header)),
+            Err(OpenError::Format(error)) => Err(SourceError::Format {
+                path: PathBuf::from(url),
+                error,
+            }
+            .to_string()),
+            Err(OpenError::Fetch(e)) if !at.folder && e.ends_with(": not found") => {
+                Err(format!("{e} (for a folder of shards, end the URL with /)"))
+            }
+            Err(OpenError::Fetch(e)) => Err(e),
+        }
+    };
+    if !at.folder {
+        return Ok((Source::File(open(&at.path)?), Vec::new(), cache));
+    }
+    let listed = at.remote.list(&at.path)?;
+    let mut shards = Vec::new();
+    let mut indexes = Vec::new();
+    for (name, _) in listed {
+        let path = at.path.clone().join(name.as_str());
+        if name.ends_with(".safetensors") {
+            shards.push((name, open(&path)?));
+        } else if name.ends_with(".index.json") {
+            let bytes = at.remote.get_all(&path)?;
+            let stat = FileStat {
+                len: bytes.len() as u64,
+                ..folder_stat(0o100444)
+            };
+            indexes.push((at.remote.url(&path), IndexFile { name, bytes, stat }));
+        }
+    }
+    if shards.is_empty() {
+        return Err(format!("{url}: no *.safetensors objects under this prefix"));
+    }
+    let newest = shards
+        .iter()
+        .map(|(_, s)| s.stat().mtime)
+        .max()
+        .unwrap_or((0, 0));
+    let stat = FileStat {
+        mtime: newest,
+        ..folder_stat(0o040555)
+    };
+    for (_, ix) in &mut indexes {
+        ix.stat.mtime = newest;
+    }
+    // The cache folder stands in for the folder: a read-only mount never
+    // writes there through it, and statfs shows the disk the cache is on.
+    let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
+    Ok((source, warnings, cache))
+}
+
+/// A synthesized stat of a remote folder (or index) owned by the mounting user.
+fn folder_stat(mode: u32) -> FileStat {
+    FileStat {
+        dev: 0,
+        ino: 0,
+        len: 0,
+        mtime: (0, 0),
+        mode,
+        // SAFETY: getuid/getgid cannot fail.
+        uid: unsafe { libc::getuid() },
+        gid: unsafe { libc::getgid() },
+    }
 }
 
 /// What is at the mount point, as far as mounting there goes.
@@ -244,9 +341,33 @@ fn staging_for(source: &Path, dir: Option<&Path>) -> Result<(Arc<Folder>, String
 }
 
 pub fn mount(mut req: MountRequest) -> Result<(), String> {
-    let options = parse_options(&req.options)?;
-    req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
+    let mut options = parse_options(&req.options)?;
     req.mountpoint = std::path::absolute(&req.mountpoint).map_err(|e| e.to_string())?;
+    if let Some(url) = req
+        .source
+        .to_str()
+        .filter(|s| is_url(s))
+        .map(str::to_string)
+    {
+        check_mountpoint(&req.mountpoint, options.nonempty)?;
+        let mut notes = Vec::new();
+        if !options.read_only {
+            notes.push(format!("{url}: mounted read-only (remote sources are)"));
+            options.read_only = true;
+        }
+        let remote = req.remote.clone();
+        let settings = settings(&options);
+        // The network runtime's threads would not survive the fork: the
+        // daemon connects, and says through the readiness pipe what it found.
+        return launch(&req, options, move || {
+            let (source, warnings, cache) = open_remote(&url, &remote)?;
+            // Never made: a read-only mount stages nothing.
+            let staging = Arc::new(Staging::new(cache, "remote".to_string()));
+            let fs = Fs::new(source, settings, staging);
+            Ok((fs, warnings.into_iter().chain(notes).collect()))
+        });
+    }
+    req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
@@ -259,37 +380,55 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         Source::Folder { checkpoints, .. } => checkpoints.iter().map(|(_, s)| s).collect(),
     };
     for s in files {
-        notes.extend(recover::remove_dead_temps(s.folder(), &[s.file_name()]));
+        if let Some(folder) = s.folder() {
+            notes.extend(recover::remove_dead_temps(folder, &[s.file_name()]));
+        }
     }
-    let settings = Settings {
+    let staging = Arc::new(Staging::new(base, stem));
+    let fs = Fs::new(source, settings(&options), staging.clone());
+    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, &req.resume))?);
+    let report: Vec<String> = warnings.into_iter().chain(notes).collect();
+    launch(&req, options, move || Ok((fs, report)))
+}
+
+fn settings(options: &MountOptions) -> Settings {
+    Settings {
         read_only: options.read_only,
         // SAFETY: getuid cannot fail.
         owner: unsafe { libc::getuid() },
         cache: options.cache,
         release_after_read: options.release_after_read,
-    };
-    let staging = Arc::new(Staging::new(base, stem));
-    let fs = Fs::new(source, settings, staging.clone());
-    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, &req.resume))?);
-    for w in warnings.iter().chain(&notes) {
-        eprintln!("stfs: {w}");
     }
-    let report: Vec<String> = warnings.into_iter().chain(notes).collect();
-    if req.foreground {
-        logging::init(req.log_file.as_deref(), true)?;
-        return serve(fs, &req, options, &report, None);
-    }
-    daemonize(fs, &req, options, &report)
 }
 
-/// Forks; the child serves the mount and reports through a pipe once the mount
-/// answers (or why it failed); the parent returns only then. Must be called
-/// before any thread is started.
-fn daemonize(
-    fs: Fs,
+/// What the daemon serves, and what to tell the user (warnings, notes).
+type Prepared = Result<(Fs, Vec<String>), String>;
+
+/// Serves in the foreground, or daemonizes.
+fn launch(
     req: &MountRequest,
     options: MountOptions,
-    report: &[String],
+    prepare: impl FnOnce() -> Prepared,
+) -> Result<(), String> {
+    if req.foreground {
+        logging::init(req.log_file.as_deref(), true)?;
+        let (fs, report) = prepare()?;
+        for w in &report {
+            eprintln!("stfs: {w}");
+        }
+        return serve(fs, req, options, &report, None);
+    }
+    daemonize(req, options, prepare)
+}
+
+/// Forks; the child prepares what it serves (`prepare`), then serves the
+/// mount and reports through a pipe once the mount answers (or why it
+/// failed); the parent returns only then, and prints the child's notes. Must
+/// be called before any thread is started.
+fn daemonize(
+    req: &MountRequest,
+    options: MountOptions,
+    prepare: impl FnOnce() -> Prepared,
 ) -> Result<(), String> {
     let mut fds = [0; 2];
     // SAFETY: fds is a valid out-array of two ints.
@@ -308,12 +447,14 @@ fn daemonize(
             unsafe { libc::setsid() };
             detach_stdio();
             let mut ready = Some(write_end);
-            let code = match logging::init(req.log_file.as_deref(), false) {
+            let prepared = logging::init(req.log_file.as_deref(), false).and_then(|_| prepare());
+            let code = match prepared {
                 Err(e) => {
+                    error!("{e}");
                     say(&mut ready, &e);
                     1
                 }
-                Ok(_) => match serve(fs, req, options, report, ready) {
+                Ok((fs, report)) => match serve(fs, req, options, &report, ready) {
                     Ok(()) => 0,
                     Err(e) => {
                         error!("{e}");
@@ -326,13 +467,18 @@ fn daemonize(
         _child => {
             drop(write_end);
             // The parent only waits and exits: skip freeing a large state.
-            std::mem::forget(fs);
+            std::mem::forget(prepare);
             let mut answer = String::new();
             File::from(read_end)
                 .read_to_string(&mut answer)
                 .map_err(|e| format!("waiting for the daemon: {e}"))?;
-            match answer.strip_prefix("ok") {
-                Some(_) => Ok(()),
+            match answer.strip_prefix("ok\n") {
+                Some(notes) => {
+                    for line in notes.lines() {
+                        eprintln!("stfs: {line}");
+                    }
+                    Ok(())
+                }
                 None if answer.is_empty() => {
                     Err("the daemon exited before the mount was ready (see its log)".into())
                 }
@@ -458,7 +604,11 @@ fn serve(
         cache = ?options.cache,
         "mounted"
     );
-    say(&mut ready, "ok\n");
+    let mut answer = String::from("ok\n");
+    for line in report {
+        answer.push_str(&format!("{}\n", line.replace('\n', " ")));
+    }
+    say(&mut ready, &answer);
 
     let mountpoint = req.mountpoint.clone();
     std::thread::Builder::new()

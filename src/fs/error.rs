@@ -74,6 +74,7 @@ impl FsError {
                 CommitError::Tainted { .. } => libc::EIO,
                 CommitError::Io { source, .. } => io_errno(source),
                 CommitError::Staging(s) => staging_errno(s),
+                CommitError::ReadOnly { .. } => libc::EROFS,
             },
             FsError::Staging(s) => staging_errno(s),
             FsError::Cuda(e) => match e {

@@ -100,6 +100,8 @@ pub struct IndexFile {
 }
 
 /// A source to mount: one checkpoint file, or a folder of shards.
+// Built once per mount: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Source {
     File(SourceFile),
     Folder {
@@ -1507,6 +1509,14 @@ impl Fs {
             self.reads.load(Ordering::Relaxed),
             self.read_bytes.load(Ordering::Relaxed)
         ));
+        // The shards of a remote folder share one connection and cache.
+        if let Some(remote) = st
+            .checkpoints
+            .first()
+            .and_then(|m| m.live.source().remote_object())
+        {
+            out.push_str(&format!("{}\n", remote.remote().summary()));
+        }
         (out, refused)
     }
 
@@ -1652,7 +1662,7 @@ impl Fs {
             None => st
                 .checkpoints
                 .first()
-                .map(|m| m.live.source().folder().path.clone())
+                .and_then(|m| Some(m.live.source().folder()?.path.clone()))
                 .unwrap_or_else(|| Path::new("/").to_path_buf()),
         }
     }

@@ -19,8 +19,6 @@
 //! Status: written against cudarc 0.19's driver API and checked to build and to
 //! answer ENODEV without a driver; not yet run on a GPU (scripts/gpu-check.sh).
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::result;
@@ -143,7 +141,7 @@ pub fn to_device(
     backing: &Backing,
     keep_going: &(dyn Fn() -> bool + Sync),
 ) -> Result<DeviceBuffer, CudaError> {
-    let (file, offset, len) = (&*backing.file, backing.offset, backing.len);
+    let (offset, len) = backing.range();
     if !driver_present() {
         return Err(CudaError::NoDriver(
             "no CUDA driver (libcuda.so) on this machine".into(),
@@ -186,7 +184,14 @@ pub fn to_device(
         device,
         ipc_handle: [0; 64],
     };
-    copy_in(&buffer, file, offset, len, keep_going)?;
+    if let Backing::Remote { source, .. } = backing {
+        // Parallel GETs into the disk cache first; the copy then reads the cache.
+        let object = source.remote_object().expect("a remote source");
+        object
+            .warm(offset..offset + len, keep_going)
+            .map_err(CudaError::Io)?;
+    }
+    copy_in(&buffer, backing, offset, len, keep_going)?;
     let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
     // SAFETY: ptr is a cuMemAlloc allocation, which can be exported.
     unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), buffer.ptr) }
@@ -203,7 +208,7 @@ pub fn to_device(
 
 fn copy_in(
     buffer: &DeviceBuffer,
-    file: &File,
+    file: &Backing,
     offset: u64,
     len: u64,
     keep_going: &(dyn Fn() -> bool + Sync),
@@ -311,7 +316,7 @@ mod tests {
             eprintln!("a CUDA driver is present: scripts/gpu-check.sh covers this machine");
             return;
         }
-        let backing = Backing {
+        let backing = Backing::File {
             file: std::sync::Arc::new(tempfile::tempfile().unwrap()),
             offset: 0,
             len: 16,

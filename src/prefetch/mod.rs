@@ -27,8 +27,20 @@ pub fn to_page_cache(
     if end <= start {
         return Ok((end, 0));
     }
-    let file = &*backing.file;
-    let base = backing.offset;
+    let (file, base, sparse) = match backing {
+        Backing::File {
+            file,
+            offset,
+            sparse,
+            ..
+        } => (&**file, *offset, *sparse),
+        // A remote tensor goes into the local disk cache, by parallel GETs.
+        Backing::Remote { source, offset, .. } => {
+            let object = source.remote_object().expect("a remote source");
+            let resident = object.warm(offset + start..offset + end, keep_going)?;
+            return Ok((end, resident));
+        }
+    };
     // SAFETY: plain advice on a valid descriptor.
     unsafe {
         libc::posix_fadvise(
@@ -63,7 +75,7 @@ pub fn to_page_cache(
                         }
                         let from = start + i * CHUNK;
                         let to = (from + CHUNK).min(end);
-                        read_range(file, base, from, to, backing.sparse, &mut buf)?;
+                        read_range(file, base, from, to, sparse, &mut buf)?;
                         finished.lock().unwrap_or_else(|p| p.into_inner())[i as usize] = true;
                     }
                 })
@@ -81,7 +93,7 @@ pub fn to_page_cache(
         .take_while(|&&d| d)
         .count() as u64;
     let reached = (start + done_chunks * CHUNK).min(end);
-    let resident = if backing.sparse {
+    let resident = if sparse {
         // Only the data segments can hold pages.
         let (mut pos, stop, mut sum) = (base + start, base + reached, 0);
         while let Some(data) = seek(file, pos, libc::SEEK_DATA).filter(|&d| d < stop) {
@@ -189,7 +201,7 @@ mod tests {
     use std::sync::Arc;
 
     fn backing(file: File, offset: u64, len: u64, sparse: bool) -> Backing {
-        Backing {
+        Backing::File {
             file: Arc::new(file),
             offset,
             len,

@@ -1,6 +1,8 @@
-//! A local checkpoint file: opened once through its folder's descriptor,
-//! validated, mapped read-only. Reads are served from the mapping; commits
-//! write beside it through the same folder descriptor and rename over it.
+//! A checkpoint file as mounted: a local one is opened once through its
+//! folder's descriptor, validated and mapped read-only (reads are served from
+//! the mapping; commits write beside it through the same folder descriptor and
+//! rename over it); a remote one is an object read through the local cache
+//! (`remote`), read-only.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::fmt;
@@ -16,6 +18,7 @@ use std::time::SystemTime;
 use memmap2::{Advice, Mmap, UncheckedAdvice};
 use tracing::warn;
 
+use super::remote::RemoteObject;
 use crate::format::{FormatError, Header};
 
 /// Why a source could not be opened.
@@ -214,22 +217,34 @@ pub fn cstr(s: &OsStr) -> std::io::Result<CString> {
 }
 
 pub struct SourceFile {
-    /// The path the user gave, made absolute (may be a symbolic link).
+    /// The path the user gave, made absolute (may be a symbolic link), or the
+    /// URL of a remote object.
     path: PathBuf,
-    /// The folder holding the file itself (the link's target when `path` is a link).
-    folder: Arc<Folder>,
-    /// Its name in `folder`.
+    /// Its name in its folder (the link's target for a linked source; the
+    /// last part of a remote object's key).
     name: OsString,
-    /// Kept open: commits copy unchanged bytes from it with copy_file_range.
-    file: Arc<File>,
+    /// The file as validated (synthesized for a remote object: read-only,
+    /// owned by the user who mounted it).
     stat: FileStat,
-    /// The whole file, mapped read-only and shared with the page cache.
-    map: Mmap,
     header: Header,
-    /// Drop the daemon's page-table references after each read.
-    release_after_read: AtomicBool,
+    origin: Origin,
     /// The file changed behind the mount: said once in the log.
     warned_stale: AtomicBool,
+}
+
+/// Where a source's bytes are.
+enum Origin {
+    Local {
+        /// The folder holding the file itself.
+        folder: Arc<Folder>,
+        /// Kept open: commits copy unchanged bytes from it with copy_file_range.
+        file: Arc<File>,
+        /// The whole file, mapped read-only and shared with the page cache.
+        map: Mmap,
+        /// Drop the daemon's page-table references after each read.
+        release_after_read: AtomicBool,
+    },
+    Remote(RemoteObject),
 }
 
 impl SourceFile {
@@ -278,22 +293,27 @@ impl SourceFile {
         file: File,
         header: Header,
     ) -> std::io::Result<SourceFile> {
+        let Origin::Local {
+            folder,
+            release_after_read,
+            ..
+        } = &previous.origin
+        else {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        };
         let stat = FileStat::of(&file)?;
         // SAFETY: as in `open`.
         let map = unsafe { Mmap::map(&file) }?;
         let fresh = SourceFile::assemble(
             previous.path.clone(),
-            previous.folder.clone(),
+            folder.clone(),
             previous.name.clone(),
             file,
             stat,
             map,
             header,
         );
-        fresh.release_after_read.store(
-            previous.release_after_read.load(Ordering::Relaxed),
-            Ordering::Relaxed,
-        );
+        fresh.set_release_after_read(release_after_read.load(Ordering::Relaxed));
         Ok(fresh)
     }
 
@@ -316,37 +336,78 @@ impl SourceFile {
         }
         SourceFile {
             path,
-            folder,
             name,
-            file: Arc::new(file),
             stat,
-            map,
             header,
-            release_after_read: AtomicBool::new(false),
+            origin: Origin::Local {
+                folder,
+                file: Arc::new(file),
+                map,
+                release_after_read: AtomicBool::new(false),
+            },
             warned_stale: AtomicBool::new(false),
         }
     }
 
-    /// The absolute path the user named.
+    /// A remote object, its header validated: read-only, shown as a file of
+    /// the user who mounted it, modified when the store says it was.
+    pub fn remote(object: RemoteObject, header: Header) -> SourceFile {
+        let id = object.identity();
+        let stat = FileStat {
+            dev: 0,
+            ino: u64::from_str_radix(&id, 16).unwrap_or(0),
+            len: object.size(),
+            mtime: match object.modified().duration_since(SystemTime::UNIX_EPOCH) {
+                Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i64),
+                Err(_) => (0, 0),
+            },
+            mode: libc::S_IFREG | 0o444,
+            // SAFETY: getuid/getgid cannot fail.
+            uid: unsafe { libc::getuid() },
+            gid: unsafe { libc::getgid() },
+        };
+        SourceFile {
+            path: PathBuf::from(object.url()),
+            name: OsString::from(object.file_name()),
+            stat,
+            header,
+            origin: Origin::Remote(object),
+            warned_stale: AtomicBool::new(false),
+        }
+    }
+
+    /// The absolute path the user named, or the URL of a remote object.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    pub fn folder(&self) -> &Arc<Folder> {
-        &self.folder
+    /// The folder holding a local file (None for a remote object).
+    pub fn folder(&self) -> Option<&Arc<Folder>> {
+        match &self.origin {
+            Origin::Local { folder, .. } => Some(folder),
+            Origin::Remote(_) => None,
+        }
     }
 
-    /// The file's own name in `folder` (the link's target for a linked source).
+    /// The open local file (None for a remote object).
+    pub fn file(&self) -> Option<&Arc<File>> {
+        match &self.origin {
+            Origin::Local { file, .. } => Some(file),
+            Origin::Remote(_) => None,
+        }
+    }
+
+    /// The remote object this is (None for a local file).
+    pub fn remote_object(&self) -> Option<&RemoteObject> {
+        match &self.origin {
+            Origin::Local { .. } => None,
+            Origin::Remote(r) => Some(r),
+        }
+    }
+
+    /// The file's own name in its folder (the link's target for a linked source).
     pub fn file_name(&self) -> &OsStr {
         &self.name
-    }
-
-    pub fn file(&self) -> &File {
-        &self.file
-    }
-
-    pub fn shared_file(&self) -> Arc<File> {
-        self.file.clone()
     }
 
     /// The file as validated and mapped.
@@ -364,7 +425,12 @@ impl SourceFile {
 
     /// Whether reads drop the daemon's page-table references after each reply.
     pub fn set_release_after_read(&self, release: bool) {
-        self.release_after_read.store(release, Ordering::Relaxed);
+        if let Origin::Local {
+            release_after_read, ..
+        } = &self.origin
+        {
+            release_after_read.store(release, Ordering::Relaxed);
+        }
     }
 
     /// Byte range of tensor `index` in the file.
@@ -375,9 +441,14 @@ impl SourceFile {
     }
 
     /// EIO (with the reason logged once) if another program truncated or
-    /// rewrote the file since it was validated.
+    /// rewrote the file since it was validated (for a remote object: if a
+    /// read found it replaced).
     pub fn check_unchanged(&self) -> std::io::Result<()> {
-        let now = FileStat::of(&self.file)?;
+        let file = match &self.origin {
+            Origin::Local { file, .. } => file,
+            Origin::Remote(r) => return r.check_unchanged(),
+        };
+        let now = FileStat::of(file)?;
         if now.len == self.stat.len && now.mtime == self.stat.mtime {
             return Ok(());
         }
@@ -392,10 +463,11 @@ impl SourceFile {
         Err(std::io::Error::from_raw_os_error(libc::EIO))
     }
 
-    /// Serves bytes `offset..offset+size` of tensor `index` (clamped to its end)
-    /// straight from the mapping. The range is faulted in with one
-    /// MADV_POPULATE_READ first (faster than a fault per page, and it fails
-    /// with EFAULT, not SIGBUS, if the file was cut short).
+    /// Serves bytes `offset..offset+size` of tensor `index` (clamped to its
+    /// end). A local file's bytes go out straight from the mapping, faulted in
+    /// with one MADV_POPULATE_READ first (faster than a fault per page, and it
+    /// fails with EFAULT, not SIGBUS, if the file was cut short); a remote
+    /// object's come from the cache, fetched first if they are not there.
     pub fn serve<R>(
         &self,
         index: usize,
@@ -406,30 +478,54 @@ impl SourceFile {
         let range = self.tensor_range(index);
         let start = range.start.saturating_add(offset).min(range.end);
         let end = start.saturating_add(size as u64).min(range.end);
-        let (start, end) = (start as usize, end as usize);
         if end == start {
             return Ok(serve(&[]));
         }
+        let (map, release_after_read) = match &self.origin {
+            Origin::Local {
+                map,
+                release_after_read,
+                ..
+            } => (map, release_after_read),
+            Origin::Remote(r) => {
+                let bytes = r.read(start..end, self.header.tensors.name(index))?;
+                return Ok(serve(&bytes));
+            }
+        };
+        let (start, end) = (start as usize, end as usize);
         self.check_unchanged()?;
-        if let Err(e) = self
-            .map
-            .advise_range(Advice::PopulateRead, start, end - start)
-        {
+        if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
             // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
             if e.raw_os_error() != Some(libc::EINVAL) {
                 warn!(file = %self.path.display(), "reading the source: {e}");
                 return Err(std::io::Error::from_raw_os_error(libc::EIO));
             }
         }
-        let result = serve(&self.map[start..end]);
-        if self.release_after_read.load(Ordering::Relaxed) {
+        let result = serve(&map[start..end]);
+        if release_after_read.load(Ordering::Relaxed) {
             // SAFETY: shared, read-only, file-backed mapping: dropping its pages
             // only makes a later access fault them in again, same contents.
             let _ = unsafe {
-                self.map
-                    .unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+                map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
             };
         }
         Ok(result)
+    }
+
+    /// Reads bytes of the file at `pos` (absolute) into `buf`; fewer at its end.
+    pub fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        match &self.origin {
+            Origin::Local { file, .. } => file.read_at(buf, pos),
+            Origin::Remote(r) => {
+                let end = pos.saturating_add(buf.len() as u64).min(r.data_end());
+                if end <= pos {
+                    return Ok(0);
+                }
+                let bytes = r.read(pos..end, "a copy")?;
+                buf[..bytes.len()].copy_from_slice(&bytes);
+                Ok(bytes.len())
+            }
+        }
     }
 }

@@ -1,10 +1,11 @@
 //! Where tensor bytes come from. `Bytes` is the one type the rest of stfs asks
-//! to measure, read, copy or prefetch a tensor's bytes: the validated, mapped
-//! source file (`local`), a private staging file (`staged`), or nothing yet.
-//! A new kind of source (a remote object with a local cache) is a new variant
-//! here, not an edit across `fs/`.
+//! to measure, read, copy or prefetch a tensor's bytes: a source file (the
+//! validated, mapped local file of `local`, or a remote object read through a
+//! local disk cache, `remote`), a private staging file (`staged`), or nothing
+//! yet.
 
 pub mod local;
+pub mod remote;
 pub mod staged;
 
 use std::fs::File;
@@ -24,13 +25,41 @@ pub enum Bytes {
     Staged(Arc<StagedFile>),
 }
 
-/// A file and a byte range in it: what prefetch reads.
-pub struct Backing {
-    pub file: Arc<File>,
-    pub offset: u64,
-    pub len: u64,
-    /// Holes may exist (a sparse staging file): skip them instead of reading zeros.
-    pub sparse: bool,
+/// Where the bytes a prefetch reads are: a range of a local file, or of a
+/// remote source (fetched into its cache first, in parallel).
+pub enum Backing {
+    File {
+        file: Arc<File>,
+        offset: u64,
+        len: u64,
+        /// Holes may exist (a sparse staging file): skip them instead of reading zeros.
+        sparse: bool,
+    },
+    Remote {
+        source: Arc<SourceFile>,
+        offset: u64,
+        len: u64,
+    },
+}
+
+impl Backing {
+    /// (offset in the file, length) of the bytes.
+    pub fn range(&self) -> (u64, u64) {
+        match self {
+            Backing::File { offset, len, .. } | Backing::Remote { offset, len, .. } => {
+                (*offset, *len)
+            }
+        }
+    }
+
+    /// Reads at `pos` (absolute, in the file) into `buf`; fewer bytes at its end.
+    pub fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        match self {
+            Backing::File { file, .. } => file.read_at(buf, pos),
+            Backing::Remote { source, .. } => source.read_at(buf, pos),
+        }
+    }
 }
 
 impl Bytes {
@@ -81,7 +110,10 @@ impl Bytes {
             Bytes::Source(s, i) => {
                 s.check_unchanged()?;
                 let start = s.tensor_range(*i as usize).start;
-                copy_range(s.file(), start + from, to, to_off, len)
+                match s.file() {
+                    Some(file) => copy_range(file, start + from, to, to_off, len),
+                    None => copy_through(|b, p| s.read_at(b, p), start + from, to, to_off, len),
+                }
             }
             Bytes::Staged(s) => copy_range(&*s.file()?, from, to, to_off, len),
         }
@@ -94,14 +126,22 @@ impl Bytes {
             Bytes::Source(s, i) => {
                 s.check_unchanged()?;
                 let r = s.tensor_range(*i as usize);
-                Some(Backing {
-                    file: s.shared_file(),
-                    offset: r.start,
-                    len: r.end - r.start,
-                    sparse: false,
+                let (offset, len) = (r.start, r.end - r.start);
+                Some(match s.file() {
+                    Some(file) => Backing::File {
+                        file: file.clone(),
+                        offset,
+                        len,
+                        sparse: false,
+                    },
+                    None => Backing::Remote {
+                        source: s.clone(),
+                        offset,
+                        len,
+                    },
                 })
             }
-            Bytes::Staged(s) => Some(Backing {
+            Bytes::Staged(s) => Some(Backing::File {
                 file: s.file()?,
                 offset: 0,
                 len: s.len(),
@@ -178,6 +218,24 @@ pub fn copy_range(
 
 fn copy_by_buffer(
     from: &File,
+    from_off: u64,
+    to: &File,
+    to_off: u64,
+    left: u64,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    copy_through(
+        |buf, pos| from.read_at(buf, pos),
+        from_off,
+        to,
+        to_off,
+        left,
+    )
+}
+
+/// Copies by a buffer from whatever `read_at` reads; running out early is an error.
+fn copy_through(
+    read_at: impl Fn(&mut [u8], u64) -> std::io::Result<usize>,
     mut from_off: u64,
     to: &File,
     mut to_off: u64,
@@ -187,7 +245,7 @@ fn copy_by_buffer(
     let mut buf = vec![0u8; (8 << 20).min(left as usize)];
     while left > 0 {
         let want = left.min(buf.len() as u64) as usize;
-        let n = from.read_at(&mut buf[..want], from_off)?;
+        let n = read_at(&mut buf[..want], from_off)?;
         if n == 0 {
             return Err(short_read(
                 "the file ended before the tensor did (truncated behind the mount?)",

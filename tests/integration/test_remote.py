@@ -1,0 +1,463 @@
+"""Remote sources: s3:// (a local moto server) and https:// (a local range
+server), each behind a fault-injecting proxy that counts requests. The same
+checks as the local read tests, then the cache, the faults, and a replaced
+object. Nothing here reaches beyond 127.0.0.1."""
+
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ckpt
+from remote_servers import FaultProxy, Moto, RangeServer
+from test_mount import DIR_ENTRIES, file_name
+
+BUCKET = "stfs-test"
+
+
+def sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = Moto(log)
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                            "AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED")}
+    # Credentials for stfs (object_store reads them from the environment);
+    # moto accepts any.
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def s3(moto, tmp_path):
+    """A proxy in front of moto, and a function that uploads a file and gives
+    its s3:// URL and the mount options that reach it through the proxy."""
+    proxy = FaultProxy(moto.port)
+    client = moto.client()
+
+    def upload(local, key):
+        client.upload_file(str(local), BUCKET, key)
+        return f"s3://{BUCKET}/{key}"
+
+    proxy.upload = upload
+    proxy.client = client
+    proxy.options = ["--endpoint", proxy.url, "--cache-dir", str(tmp_path / "cache")]
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def web(tmp_path):
+    """A range server over tmp_path/www, behind a proxy."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = RangeServer(root)
+    proxy = FaultProxy(server.port)
+    proxy.root = root
+    proxy.options = ["--cache-dir", str(tmp_path / "cache")]
+    yield proxy
+    proxy.stop()
+    server.stop()
+
+
+def big_checkpoint(path, seed=0):
+    """Tensors of 20 MiB and 9 MiB (several chunks each) between small ones."""
+    rng = np.random.default_rng(seed)
+    tensors = {f"small.{i}": rng.standard_normal((i + 1, 100)).astype(np.float32) for i in range(30)}
+    tensors["big.a"] = rng.integers(0, 255, size=20 << 20, dtype=np.uint8)
+    tensors["big.b"] = rng.standard_normal((9 << 20) // 8).astype(np.float64)
+    save_file(tensors, str(path), metadata={"kind": "big"})
+    return tensors
+
+
+def check_reads_like_a_local_file(m, src, expected):
+    """What test_mount checks of a local file: listing, bytes, metas, metadata."""
+    n, header = ckpt.read_header(src)
+    listing = set(os.listdir(m.path))
+    want = set(DIR_ENTRIES)
+    for name in expected:
+        want |= {file_name(name), file_name(name) + ".meta.json"}
+    assert listing == want
+    for name, data in expected.items():
+        path = os.path.join(m.path, file_name(name))
+        out = subprocess.run(["cat", path], capture_output=True, check=True).stdout
+        assert sha(out) == sha(data), name
+        assert os.stat(path).st_size == len(data)
+        meta = json.loads(open(path + ".meta.json").read())
+        entry = header[name]
+        assert (meta["dtype"], meta["shape"], meta["data_offsets"]) == (entry["dtype"], entry["shape"], entry["data_offsets"])
+        assert meta["file_offset"] == 8 + n + entry["data_offsets"][0]
+    got = json.load(open(os.path.join(m.path, "__metadata__.json")))
+    assert got == header.get("__metadata__", {})
+
+
+def check_big(m, tensors):
+    a = tensors["big.a"].tobytes()
+    path = os.path.join(m.path, "big.a")
+    out = subprocess.run(["dd", f"if={path}", "bs=4096", "skip=2500", "count=600", "status=none"],
+                         capture_output=True, check=True).stdout
+    assert out == a[2500 * 4096:3100 * 4096]
+    out = subprocess.run(["dd", f"if={path}", "bs=1M", "status=none"], capture_output=True, check=True).stdout
+    assert sha(out) == sha(a)
+    mm = np.memmap(os.path.join(m.path, "big.b"), dtype=np.float64, mode="r")
+    assert np.array_equal(mm, tensors["big.b"])
+    del mm
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, size in [(0, 1), (8 << 20, 3), ((8 << 20) - 2, 5), (len(a) - 3, 100), (len(a), 10)]:
+            assert os.pread(fd, size, off) == a[off:off + size]
+    finally:
+        os.close(fd)
+
+
+def log_of(m):
+    return open(m.log).read()
+
+
+def test_s3_object_reads_like_a_local_file(tmp_path, s3, mount, run):
+    mixed = tmp_path / "mixed.safetensors"
+    expected = ckpt.mixed_checkpoint(str(mixed))
+    big = tmp_path / "big.safetensors"
+    tensors = big_checkpoint(big)
+    m1 = mount(s3.upload(mixed, "models/mixed.safetensors"), *s3.options)
+    check_reads_like_a_local_file(m1, mixed, expected)
+    m2 = mount(s3.upload(big, "models/big.safetensors"), *s3.options)
+    check_reads_like_a_local_file(m2, big, {k: v.tobytes() for k, v in tensors.items()})
+    check_big(m2, tensors)
+    # Read-only, owned by the user who mounted it.
+    st = os.stat(os.path.join(m2.path, "big.a"))
+    assert (st.st_mode & 0o777, st.st_uid) == (0o444, os.getuid())
+    status = run("status", m2.path, check=True).stdout
+    assert f"s3://{BUCKET}/models/big.safetensors: no changes" in status and "remote:" in status
+
+
+def test_https_object_reads_like_a_local_file(tmp_path, web, mount):
+    expected = ckpt.mixed_checkpoint(str(web.root / "mixed.safetensors"))
+    tensors = big_checkpoint(web.root / "big.safetensors")
+    m1 = mount(f"{web.url}/mixed.safetensors", *web.options)
+    check_reads_like_a_local_file(m1, web.root / "mixed.safetensors", expected)
+    m2 = mount(f"{web.url}/big.safetensors", *web.options)
+    check_big(m2, tensors)
+    assert web.count("GET", ranged=False) == 0, "every GET is ranged"
+
+
+def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
+    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
+             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "README.md").write_text("not a shard")
+    for f in folder.iterdir():
+        s3.upload(f, f"sharded/{f.name}")
+    s3.upload(folder / "README.md", "sharded/deeper/x.safetensors")  # below the prefix: not a shard of it
+    m = mount(f"s3://{BUCKET}/sharded/", *s3.options)
+    assert sorted(os.listdir(m.path)) == ["model-00001-of-00002", "model-00002-of-00002", "model.safetensors.index.json"]
+    assert open(os.path.join(m.path, "model-00002-of-00002", "b"), "rb").read() == b.tobytes()
+    assert open(os.path.join(m.path, "model-00001-of-00002", "a"), "rb").read() == a.tobytes()
+    assert json.load(open(os.path.join(m.path, "model.safetensors.index.json"))) == index
+    assert "weight_map" not in m.result.stderr
+
+    # A wrong index still mounts, reported with its URL.
+    index["weight_map"]["b"] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    s3.upload(folder / "model.safetensors.index.json", "sharded/model.safetensors.index.json")
+    m2 = mount(f"s3://{BUCKET}/sharded/", *s3.options)
+    assert f"s3://{BUCKET}/sharded/model.safetensors.index.json" in m2.result.stderr
+    assert "weight_map says" in m2.result.stderr
+
+
+def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mount):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"PK\x03\x04 this is a zip file, not a checkpoint" * 10)
+    url = s3.upload(garbage, "bad/garbage.safetensors")
+    m = mount(url, *s3.options, expect_ok=False)
+    assert not m.ok and url in m.result.stderr and "not a safetensors file?" in m.result.stderr
+
+    # A header that names bytes past the end: the same rule as a local file breaks.
+    good = tmp_path / "good.safetensors"
+    save_file({"w": np.ones(100, np.float32)}, str(good))
+    data = good.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-8])
+    url = s3.upload(cut, "bad/cut.safetensors")
+    m = mount(url, *s3.options, expect_ok=False)
+    local = subprocess.run([m.stfs, "verify", str(cut)], capture_output=True, text=True)
+    rule = local.stdout.strip().splitlines()[-1].split(": ", 1)[-1]
+    assert url in m.result.stderr and rule in m.result.stderr, (m.result.stderr, local.stdout)
+
+    m = mount(f"s3://{BUCKET}/no/such.safetensors", *s3.options, expect_ok=False)
+    assert "not found" in m.result.stderr and f"s3://{BUCKET}/no/such.safetensors" in m.result.stderr
+
+    s3.rule = lambda r: 403
+    m = mount(s3.upload(good, "ok/good.safetensors"), *s3.options, expect_ok=False)
+    assert "denied" in m.result.stderr or "403" in m.result.stderr, m.result.stderr
+    s3.rule = None
+
+    m = mount(f"s3://{BUCKET}/ok/good.safetensors", "--endpoint", "http://127.0.0.1:1", "--timeout", "3",
+              "--cache-dir", str(tmp_path / "cache"), expect_ok=False)
+    assert f"s3://{BUCKET}/ok/good.safetensors" in m.result.stderr
+    m = mount("ftp://example.com/x.safetensors", expect_ok=False)
+    assert "unknown scheme" in m.result.stderr
+    assert not any(x.is_mounted() for x in [m])
+
+
+def test_writes_are_erofs(tmp_path, s3, mount):
+    src = tmp_path / "w.safetensors"
+    ckpt.base(src)
+    m = mount(s3.upload(src, "w.safetensors"), *s3.options)
+    assert "read-only" in m.result.stderr
+    for action in [lambda: open(os.path.join(m.path, "a"), "r+b"),
+                   lambda: open(os.path.join(m.path, "new"), "wb"),
+                   lambda: os.unlink(os.path.join(m.path, "a")),
+                   lambda: os.rename(os.path.join(m.path, "a"), os.path.join(m.path, "z")),
+                   lambda: os.truncate(os.path.join(m.path, "a"), 0),
+                   lambda: open(os.path.join(m.path, "a.meta.json"), "w")]:
+        with pytest.raises(OSError) as e:
+            action()
+        assert e.value.errno == errno.EROFS
+    assert open(os.path.join(m.path, "a"), "rb").read() == np.arange(8, dtype=np.float32).tobytes()
+
+
+def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
+    src = tmp_path / "c.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "cache/c.safetensors")
+    m = mount(url, *s3.options)
+    assert s3.count("GET") == 1, "the header takes one ranged GET"
+    for name, t in tensors.items():
+        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+    first = s3.count("GET")
+    assert first > 1
+    for name, t in tensors.items():
+        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+    assert s3.count("GET") == first, "a second read makes no request"
+    m.close()
+    # Another mount of the same object version (two at once, sharing the cache).
+    s3.reset()
+    m2 = mount(url, *s3.options)
+    m3 = mount(url, *s3.options)
+    for mm in (m2, m3):
+        for name, t in tensors.items():
+            assert open(os.path.join(mm.path, name), "rb").read() == t.tobytes()
+    assert s3.count("GET") == 2, "two headers, no data"
+
+
+def cache_bytes(folder):
+    return sum(f.stat().st_size for f in folder.iterdir() if f.name.endswith(".chunk"))
+
+
+def test_eviction_under_a_small_cache_size(tmp_path, s3, mount):
+    src = tmp_path / "e.safetensors"
+    tensors = big_checkpoint(src)  # ~30 MiB of data
+    url = s3.upload(src, "evict/e.safetensors")
+    cache = tmp_path / "cache"
+    m = mount(url, *s3.options, "--cache-size", "12M")
+    for _ in range(2):
+        for name, t in tensors.items():
+            assert sha(open(os.path.join(m.path, name), "rb").read()) == sha(t.tobytes()), name
+            # At most the limit plus the chunk just written (8 MiB and its trailer).
+            assert cache_bytes(cache) <= (12 << 20) + (8 << 20) + 16
+    before = s3.count("GET", ranged=True)
+    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+    assert s3.count("GET", ranged=True) > before, "an evicted tensor is fetched again"
+
+
+def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
+    src = tmp_path / "d.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "damaged/d.safetensors")
+    m = mount(url, *s3.options)
+    for name, t in tensors.items():
+        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+    m.close()
+    chunks = sorted((tmp_path / "cache").glob("*.chunk"), key=lambda f: f.stat().st_size)
+    flipped, truncated = chunks[-1], chunks[-2]
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size // 2)
+    s3.reset()
+    m2 = mount(url, *s3.options)
+    for name, t in tensors.items():
+        assert open(os.path.join(m2.path, name), "rb").read() == t.tobytes(), name
+    assert s3.count("GET", ranged=True) == 1 + 2, "the header, and the two damaged chunks again"
+    assert "does not check out" in log_of(m2)
+
+
+def test_transient_faults_are_retried(tmp_path, s3, mount):
+    src = tmp_path / "t.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "faults/t.safetensors")
+    for i, (name, action) in enumerate([("big.a", 500), ("big.b", "drop"), ("small.3", 503),
+                                        ("small.4", ("delay", 1.5))]):
+        # A cache of its own: nothing read ahead for an earlier case.
+        m = mount(url, "--endpoint", s3.url, "--cache-dir", str(tmp_path / f"cache{i}"))
+        s3.reset()
+        s3.fail_next(2, action)
+        assert open(os.path.join(m.path, name), "rb").read() == tensors[name].tobytes(), action
+        # Two faults then a success; a slow answer is waited for.
+        assert s3.count("GET") >= (1 if isinstance(action, tuple) else 3), action
+        m.close()
+
+
+def test_a_failing_server_gives_eio_and_the_mount_recovers(tmp_path, s3, mount):
+    src = tmp_path / "f.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "failing/f.safetensors")
+    m = mount(url, *s3.options, "--timeout", "5")
+    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    s3.rule = lambda r: 500
+    with pytest.raises(OSError) as e:
+        open(os.path.join(m.path, "big.a"), "rb").read()
+    assert e.value.errno == errno.EIO
+    log = log_of(m)
+    assert url in log and "big.a" in log
+    # Everything else keeps answering: listings, metas, cached bytes.
+    assert "big.a.meta.json" in os.listdir(m.path)
+    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    # The network comes back: so do the reads.
+    s3.rule = None
+    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+
+
+def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mount):
+    src = tmp_path / "h.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "hang/h.safetensors")
+    m = mount(url, *s3.options, "--timeout", "3")
+    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    s3.rule = lambda r: "hang"
+    outcome = {}
+
+    def stuck_read():
+        t0 = time.monotonic()
+        try:
+            open(os.path.join(m.path, "big.a"), "rb").read()
+            outcome["error"] = None
+        except OSError as e:
+            outcome["error"] = e.errno
+        outcome["seconds"] = time.monotonic() - t0
+
+    reader = threading.Thread(target=stuck_read)
+    reader.start()
+    time.sleep(0.5)
+    # No lock is held across the network: the rest of the mount answers now.
+    t0 = time.monotonic()
+    assert "big.b" in os.listdir(m.path)
+    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    assert json.load(open(os.path.join(m.path, "big.b.meta.json")))["dtype"] == "F64"
+    quick = time.monotonic() - t0
+    reader.join(60)
+    assert not reader.is_alive(), "a read hung past its timeout"
+    assert outcome["error"] == errno.EIO
+    # Generous bounds: the point is "bounded", not a benchmark.
+    assert outcome["seconds"] < 30 and quick < outcome["seconds"], outcome
+    s3.reset()
+    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+
+
+def test_an_object_replaced_behind_the_mount_is_eio_never_mixed(tmp_path, s3, mount):
+    src = tmp_path / "r.safetensors"
+    tensors = big_checkpoint(src, seed=1)
+    url = s3.upload(src, "replaced/r.safetensors")
+    m = mount(url, *s3.options)
+    a = tensors["big.a"].tobytes()
+    meta = json.load(open(os.path.join(m.path, "big.a.meta.json")))
+    # Fetches past big.a's first chunk wait at the proxy until the object is replaced.
+    first_chunk_end = meta["file_offset"] + (8 << 20)
+    s3.rule = lambda r: "hold" if r["range"] and int(r["range"][6:].split("-")[0]) >= first_chunk_end else None
+    f = open(os.path.join(m.path, "big.a"), "rb")
+    head = f.read(1 << 20)
+    assert head == a[:1 << 20]
+    # Same layout, other bytes: only the ETag tells them apart.
+    other = tmp_path / "other.safetensors"
+    big_checkpoint(other, seed=2)
+    s3.upload(other, "replaced/r.safetensors")
+    s3.let_go()
+    rest = b""
+    with pytest.raises(OSError) as e:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            rest += chunk
+    assert e.value.errno == errno.EIO
+    assert a.startswith(head + rest), "bytes of the old object only"
+    f.close()
+    with pytest.raises(OSError) as e:
+        open(os.path.join(m.path, "big.b"), "rb").read()
+    assert e.value.errno == errno.EIO
+    assert "replaced" in log_of(m)
+    # A fresh mount sees the new version.
+    m2 = mount(url, *s3.options)
+    assert open(os.path.join(m2.path, "big.a"), "rb").read() != a
+
+
+def test_prefetch_fills_the_cache(tmp_path, s3, mount, run):
+    src = tmp_path / "p.safetensors"
+    tensors = big_checkpoint(src)
+    m = mount(s3.upload(src, "prefetch/p.safetensors"), *s3.options)
+    out = run("prefetch", os.path.join(m.path, "big.a"), os.path.join(m.path, "big.b"), check=True).stdout
+    assert "big.a" in out
+    spans = []
+    for name in ("big.a", "big.b"):
+        meta = json.load(open(os.path.join(m.path, name + ".meta.json")))
+        spans.append((meta["file_offset"], meta["file_offset"] + meta["nbytes"]))
+
+    def fetches_of_the_tensors():
+        return sum(1 for r in list(s3.requests) if r["range"] and any(
+            lo <= int(r["range"][6:].split("-")[0]) < hi for lo, hi in spans))
+
+    fetched = fetches_of_the_tensors()
+    assert fetched >= 5, "the tensors' chunks were fetched (3 + 2 at least)"
+    for name in ("big.a", "big.b"):
+        assert open(os.path.join(m.path, name), "rb").read() == tensors[name].tobytes()
+    assert fetches_of_the_tensors() == fetched, "prefetched tensors are read from the cache"
+    if not os.path.exists("/dev/nvidiactl"):
+        # Without a GPU the CUDA target says so (the GPU path is checked on a device machine).
+        p = run("prefetch", "--device", "cuda:0", os.path.join(m.path, "small.1"))
+        assert p.returncode != 0 and "CUDA" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("tensors,requests", [(10_000, 1), (12_000, 2)])
+def test_many_tensors_mount_and_ls_in_one_or_two_requests(tmp_path, s3, mount, tensors, requests):
+    src = tmp_path / "many.safetensors"
+    # Long names push the second header past the first GET (1 MiB).
+    width = 20 if requests == 1 else 90
+    arrays = {f"model.layers.{i}." + "x" * width: np.full(2, i, np.float32) for i in range(tensors)}
+    save_file(arrays, str(src))
+    n, _ = ckpt.read_header(src)
+    assert (n + 8 > (1 << 20)) == (requests == 2)
+    url = s3.upload(src, f"many/{tensors}.safetensors")
+    s3.reset()
+    m = mount(url, *s3.options)
+    assert len(os.listdir(m.path)) == 2 * tensors + 1
+    assert s3.count("GET") == requests
+    name = f"model.layers.{tensors - 1}." + "x" * width
+    assert open(os.path.join(m.path, name), "rb").read() == arrays[name].tobytes()
