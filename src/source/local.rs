@@ -488,8 +488,8 @@ impl SourceFile {
                 ..
             } => (map, release_after_read),
             Origin::Remote(r) => {
-                let bytes = r.read(start..end, self.header.tensors.name(index))?;
-                return Ok(serve(&bytes));
+                let tensor = (index as u32, self.header.tensors.name(index), range);
+                return r.serve(start..end, Some(tensor), serve);
             }
         };
         let (start, end) = (start as usize, end as usize);
@@ -522,7 +522,7 @@ impl SourceFile {
                 if end <= pos {
                     return Ok(0);
                 }
-                let bytes = r.read(pos..end, "a copy")?;
+                let bytes = r.read(pos..end)?;
                 buf[..bytes.len()].copy_from_slice(&bytes);
                 Ok(bytes.len())
             }

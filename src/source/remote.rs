@@ -23,11 +23,14 @@ use std::fmt;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+use futures::StreamExt;
 use lru::LruCache;
+use memmap2::{Advice, Mmap};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig};
 use tracing::warn;
@@ -39,8 +42,11 @@ use crate::format::{FormatError, Header, MAX_HEADER_LEN, PREFIX_LEN};
 pub const CHUNK: u64 = 8 << 20;
 /// The first GET of an object: the header of most checkpoints fits.
 const FIRST_GET: u64 = 1 << 20;
-/// Chunks fetched ahead of a sequential reader, at most.
-const MAX_WINDOW: u64 = 16;
+/// Chunks fetched ahead of a sequential reader, at first and at most.
+const FIRST_WINDOW: usize = 4;
+const MAX_WINDOW: usize = 16;
+/// Cache files kept mapped (2 GiB of address space at most).
+const MAPPED: usize = 256;
 
 /// How a remote source is reached and cached.
 #[derive(Debug, Clone)]
@@ -85,17 +91,14 @@ pub fn is_url(source: &str) -> bool {
 
 /// A connection to a store, with its runtime and the local cache.
 pub struct Remote {
-    store: Arc<dyn ObjectStore>,
     runtime: tokio::runtime::Runtime,
     cache: Arc<DiskCache>,
-    gets: Arc<tokio::sync::Semaphore>,
-    timeout: Duration,
-    /// GET requests made (for `stfs status` and the tests).
-    requests: Arc<AtomicU64>,
-    /// Bytes of tensor data fetched.
-    fetched: Arc<AtomicU64>,
-    /// A cache write failed (said once in the log).
-    cache_failed: AtomicBool,
+    fetcher: Fetcher,
+    /// Read-ahead fetches under way, and how many may be (fewer than the
+    /// GETs allowed at once, so that a reader's own fetch never waits behind
+    /// read-ahead).
+    ahead: Arc<AtomicUsize>,
+    max_ahead: usize,
     /// `scheme://bucket` (or the HTTP origin), to show object paths as URLs.
     origin: String,
 }
@@ -125,8 +128,12 @@ impl Remote {
     /// the standard environment (AWS_*, GOOGLE_*, AZURE_*).
     pub fn connect(url: &str, opts: &RemoteOptions) -> Result<Location, String> {
         let parsed = url::Url::parse(url).map_err(|e| format!("{url}: not a URL: {e}"))?;
+        // A stalled connection fails after `timeout` without data (and is
+        // retried within the retry budget); a slow one that keeps sending is
+        // waited for, up to ten times as long in all.
         let client = ClientOptions::new()
-            .with_timeout(opts.timeout)
+            .with_timeout(opts.timeout.saturating_mul(10))
+            .with_read_timeout(opts.timeout)
             .with_connect_timeout(opts.timeout.min(Duration::from_secs(10)));
         let retry = RetryConfig {
             max_retries: 3,
@@ -207,16 +214,20 @@ impl Remote {
         let cache = DiskCache::open(&opts.cache_dir, opts.cache_size)?;
         let path =
             ObjectPath::from_url_path(path.trim_matches('/')).map_err(|e| format!("{url}: {e}"))?;
+        let concurrency = opts.concurrency.max(1);
         Ok(Location {
             remote: Arc::new(Remote {
-                store,
                 runtime,
                 cache: Arc::new(cache),
-                gets: Arc::new(tokio::sync::Semaphore::new(opts.concurrency.max(1))),
-                timeout: opts.timeout,
-                requests: Arc::new(AtomicU64::new(0)),
-                fetched: Arc::new(AtomicU64::new(0)),
-                cache_failed: AtomicBool::new(false),
+                fetcher: Fetcher {
+                    store,
+                    gets: Arc::new(tokio::sync::Semaphore::new(concurrency)),
+                    timeout: opts.timeout,
+                    requests: Arc::new(AtomicU64::new(0)),
+                    fetched: Arc::new(AtomicU64::new(0)),
+                },
+                ahead: Arc::new(AtomicUsize::new(0)),
+                max_ahead: (concurrency - concurrency / 4).max(1),
                 origin,
             }),
             path,
@@ -239,8 +250,8 @@ impl Remote {
         let (used, limit, dir) = self.cache.usage();
         format!(
             "remote: {} requests, {} bytes of tensor data fetched; cache {} of {} bytes used in {}",
-            self.requests.load(Ordering::Relaxed),
-            self.fetched.load(Ordering::Relaxed),
+            self.fetcher.requests.load(Ordering::Relaxed),
+            self.fetcher.fetched.load(Ordering::Relaxed),
             used,
             limit,
             dir.display()
@@ -254,13 +265,13 @@ impl Remote {
     /// The objects in a folder (not below it), by name.
     pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, u64)>, String> {
         let url = self.url(prefix);
+        let f = &self.fetcher;
         self.block_on(async {
-            let listed = self
-                .store
-                .list_with_delimiter(Some(prefix))
+            f.requests.fetch_add(1, Ordering::Relaxed);
+            let listed = tokio::time::timeout(f.timeout, f.store.list_with_delimiter(Some(prefix)))
                 .await
+                .map_err(|_| format!("{url}: {}", FetchError::TimedOut))?
                 .map_err(|e| store_error(&url, e))?;
-            self.requests.fetch_add(1, Ordering::Relaxed);
             Ok(listed
                 .objects
                 .into_iter()
@@ -272,14 +283,14 @@ impl Remote {
     /// A whole (small) object: an index file.
     pub fn get_all(&self, path: &ObjectPath) -> Result<Vec<u8>, String> {
         let url = self.url(path);
+        let f = &self.fetcher;
         self.block_on(async {
-            self.requests.fetch_add(1, Ordering::Relaxed);
-            let got = tokio::time::timeout(self.timeout, async {
-                self.store.get(path).await?.bytes().await
-            })
-            .await
-            .map_err(|_| format!("{url}: {}", FetchError::TimedOut))?
-            .map_err(|e| store_error(&url, e))?;
+            f.requests.fetch_add(1, Ordering::Relaxed);
+            let got =
+                tokio::time::timeout(f.timeout, async { f.store.get(path).await?.bytes().await })
+                    .await
+                    .map_err(|_| format!("{url}: {}", FetchError::TimedOut))?
+                    .map_err(|e| store_error(&url, e))?;
             Ok(got.to_vec())
         })
     }
@@ -288,11 +299,12 @@ impl Remote {
     /// two if the header is longer than the first guess).
     pub fn open(self: &Arc<Self>, path: &ObjectPath) -> Result<(RemoteObject, Header), OpenError> {
         let url = self.url(path);
+        let f = &self.fetcher;
         let (first, size, etag, modified) = self
             .block_on(async {
-                self.requests.fetch_add(1, Ordering::Relaxed);
-                tokio::time::timeout(self.timeout, async {
-                    let got = self
+                f.requests.fetch_add(1, Ordering::Relaxed);
+                tokio::time::timeout(f.timeout, async {
+                    let got = f
                         .store
                         .get_opts(
                             path,
@@ -340,7 +352,7 @@ impl Remote {
             chunks: chunk_starts(&header),
             data_end: header.data_start() + header.data_len(),
             stale: AtomicBool::new(false),
-            sequential: Mutex::new((u64::MAX, 1)),
+            streams: Mutex::new(LruCache::new(STREAMS.try_into().expect("not zero"))),
         };
         let object = RemoteObject {
             cache_key: object.identity(),
@@ -355,16 +367,15 @@ impl Remote {
         path: &ObjectPath,
         etag: Option<&str>,
         range: std::ops::Range<u64>,
-    ) -> Result<Vec<u8>, FetchError> {
-        self.block_on(fetch(
-            self.store.clone(),
-            self.gets.clone(),
-            self.requests.clone(),
-            self.timeout,
-            path.clone(),
-            etag.map(str::to_string),
-            range,
-        ))
+    ) -> Result<Bytes, FetchError> {
+        let job = self
+            .fetcher
+            .clone()
+            .get(path.clone(), etag.map(str::to_string), range, None);
+        match self.block_on(job)? {
+            Landed::Memory(bytes) => Ok(bytes),
+            Landed::Cache => Err(FetchError::Cache("a header went to the cache".into())),
+        }
     }
 }
 
@@ -375,46 +386,133 @@ pub enum OpenError {
     Format(FormatError),
 }
 
-async fn fetch(
+/// What GETs ranges: the store, the limit on GETs at once, the time limit,
+/// and the counters. Cheap to clone into a task.
+#[derive(Clone)]
+struct Fetcher {
     store: Arc<dyn ObjectStore>,
     gets: Arc<tokio::sync::Semaphore>,
-    requests: Arc<AtomicU64>,
     timeout: Duration,
-    path: ObjectPath,
-    etag: Option<String>,
-    range: std::ops::Range<u64>,
-) -> Result<Vec<u8>, FetchError> {
-    let want = range.end - range.start;
-    let work = async {
-        let _permit = gets
-            .acquire()
-            .await
-            .map_err(|e| FetchError::Store(e.to_string()))?;
-        requests.fetch_add(1, Ordering::Relaxed);
-        let opts = GetOptions {
-            if_match: etag,
-            range: Some(GetRange::Bounded(range)),
-            ..Default::default()
+    /// GET requests made (for `stfs status` and the tests).
+    requests: Arc<AtomicU64>,
+    /// Bytes of tensor data fetched.
+    fetched: Arc<AtomicU64>,
+}
+
+/// Where fetched bytes went.
+enum Landed {
+    /// Into the cache file the fetch was given.
+    Cache,
+    /// Into memory (no cache file, or writing it failed).
+    Memory(Bytes),
+}
+
+impl Fetcher {
+    /// One ranged GET, conditional on the ETag. The body goes into `file`
+    /// (a cache file being written) as it arrives, or into memory. Bounded
+    /// in time: getting a GET slot and the server's answer take at most
+    /// `timeout`, and so does each wait for more of the body (a slow server
+    /// that keeps sending is waited for; one that stops is not).
+    async fn get(
+        self,
+        path: ObjectPath,
+        etag: Option<String>,
+        range: std::ops::Range<u64>,
+        file: Option<CacheWriter>,
+    ) -> Result<Landed, FetchError> {
+        let want = range.end - range.start;
+        let timeout = self.timeout;
+        let start = async {
+            let permit = self
+                .gets
+                .acquire()
+                .await
+                .map_err(|e| FetchError::Store(e.to_string()))?;
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let opts = GetOptions {
+                if_match: etag,
+                range: Some(GetRange::Bounded(range)),
+                ..Default::default()
+            };
+            let got = self
+                .store
+                .get_opts(&path, opts)
+                .await
+                .map_err(|e| match e {
+                    object_store::Error::Precondition { .. } => FetchError::Replaced,
+                    e => FetchError::Store(e.to_string()),
+                })?;
+            Ok::<_, FetchError>((permit, got))
         };
-        let got = store.get_opts(&path, opts).await.map_err(|e| match e {
-            object_store::Error::Precondition { .. } => FetchError::Replaced,
-            e => FetchError::Store(e.to_string()),
-        })?;
-        let bytes = got
-            .bytes()
+        let (_permit, got) = tokio::time::timeout(timeout, start)
             .await
-            .map_err(|e| FetchError::Store(e.to_string()))?;
-        if bytes.len() as u64 != want {
+            .map_err(|_| FetchError::TimedOut)??;
+        let mut stream = got.into_stream();
+        let mut sink = match file {
+            Some(w) => Sink::Cache(w),
+            None => Sink::Memory(bytes::BytesMut::with_capacity(want as usize)),
+        };
+        let mut got_len = 0u64;
+        loop {
+            let frame = match tokio::time::timeout(timeout, stream.next()).await {
+                Err(_) => return Err(FetchError::TimedOut),
+                Ok(None) => break,
+                Ok(Some(frame)) => frame.map_err(|e| FetchError::Store(e.to_string()))?,
+            };
+            got_len += frame.len() as u64;
+            if got_len > want {
+                break;
+            }
+            sink.take(&frame);
+        }
+        if got_len != want {
             return Err(FetchError::Store(format!(
-                "the server sent {} bytes for a range of {want}",
-                bytes.len()
+                "the server sent {got_len} bytes for a range of {want}"
             )));
         }
-        Ok(bytes.to_vec())
-    };
-    tokio::time::timeout(timeout, work)
-        .await
-        .map_err(|_| FetchError::TimedOut)?
+        self.fetched.fetch_add(want, Ordering::Relaxed);
+        sink.finish()
+    }
+}
+
+/// Where a fetch puts the body as it arrives.
+enum Sink {
+    Cache(CacheWriter),
+    Memory(bytes::BytesMut),
+}
+
+impl Sink {
+    fn take(&mut self, frame: &[u8]) {
+        if let Sink::Cache(w) = self {
+            match w.write(frame) {
+                Ok(()) => return,
+                // A full disk costs the cache, not the read: go on in memory.
+                Err(e) => {
+                    let written = w.abandon(&e);
+                    let mut memory = bytes::BytesMut::from(&written[..]);
+                    memory.extend_from_slice(frame);
+                    *self = Sink::Memory(memory);
+                    return;
+                }
+            }
+        }
+        if let Sink::Memory(m) = self {
+            m.extend_from_slice(frame);
+        }
+    }
+
+    fn finish(self) -> Result<Landed, FetchError> {
+        match self {
+            Sink::Memory(m) => Ok(Landed::Memory(m.freeze())),
+            Sink::Cache(w) => match w.finish() {
+                Ok(()) => Ok(Landed::Cache),
+                Err((e, bytes)) => {
+                    warn!("writing the cache: {e}; this read is served from memory");
+                    Ok(Landed::Memory(bytes))
+                }
+            },
+        }
+    }
 }
 
 /// File offsets where chunks start (the last entry is the end of the data):
@@ -450,29 +548,49 @@ fn chunk_starts(header: &Header) -> Vec<u64> {
 }
 
 /// What a fetch of a chunk gives: its bytes, or None when the cache has them.
-type Fetched = Result<Option<Arc<Vec<u8>>>, FetchError>;
+type Fetched = Result<Option<Bytes>, FetchError>;
 
-/// A chunk at hand: its cache file, or the bytes a fetch just gave.
+/// A chunk at hand: its cache file (mapped), or the bytes a fetch just gave.
 enum Chunk {
-    File(File),
-    Memory(Arc<Vec<u8>>),
+    Mapped(Arc<Mmap>),
+    Memory(Bytes),
 }
 
 impl Chunk {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        match self {
-            Chunk::File(f) => f.read_exact_at(buf, offset),
-            Chunk::Memory(bytes) => {
-                let src = usize::try_from(offset)
-                    .ok()
-                    .and_then(|o| bytes.get(o..o.checked_add(buf.len())?))
-                    .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EIO))?;
-                buf.copy_from_slice(src);
-                Ok(())
+    /// Bytes `range` of the chunk (relative to its start).
+    fn bytes(&self, range: std::ops::Range<usize>) -> std::io::Result<&[u8]> {
+        let (all, mapped): (&[u8], _) = match self {
+            Chunk::Mapped(m) => (m, Some(m)),
+            Chunk::Memory(b) => (b, None),
+        };
+        let bytes = all
+            .get(range.clone())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EIO))?;
+        if let Some(map) = mapped {
+            // One fault for the range instead of one a page (and EFAULT, not
+            // SIGBUS, if the file was cut short); old kernels refuse: fine.
+            if let Err(e) = map.advise_range(Advice::PopulateRead, range.start, range.len()) {
+                if e.raw_os_error() != Some(libc::EINVAL) {
+                    return Err(std::io::Error::from_raw_os_error(libc::EIO));
+                }
             }
         }
+        Ok(bytes)
     }
 }
+
+/// How one tensor is being read, for read-ahead.
+struct Stream {
+    /// Where the next read starts if the reader goes on sequentially.
+    next: u64,
+    /// Chunks to fetch ahead of the one read (0: not sequential).
+    window: usize,
+    /// Chunks below this were looked at (fetched, or found cached) already.
+    looked_at: usize,
+}
+
+/// Tensors whose read-ahead state is kept (readers at once, at most).
+const STREAMS: usize = 64;
 
 /// A remote checkpoint file, as validated at mount.
 pub struct RemoteObject {
@@ -488,8 +606,8 @@ pub struct RemoteObject {
     data_end: u64,
     /// Replaced behind the mount: said once, then every read fails.
     stale: AtomicBool,
-    /// (last chunk read, read-ahead window in chunks).
-    sequential: Mutex<(u64, u64)>,
+    /// How recently read tensors are being read, by tensor index.
+    streams: Mutex<LruCache<u32, Stream>>,
 }
 
 impl RemoteObject {
@@ -559,25 +677,52 @@ impl RemoteObject {
         Ok(())
     }
 
-    /// Bytes `range` of the file (within the data section), through the cache.
-    pub fn read(&self, range: std::ops::Range<u64>, what: &str) -> std::io::Result<Vec<u8>> {
-        let mut out = Vec::with_capacity((range.end - range.start) as usize);
+    /// Serves bytes `range` of the file (within the data section) to
+    /// `reply`, through the cache: straight from a chunk's mapping when the
+    /// range lies in one chunk (as reads of tensor files do), else copied
+    /// together. `tensor` (its index, name and byte range) is what a reader
+    /// reads: its name goes into the log if the read fails, and sequential
+    /// reads of it fetch ahead.
+    pub fn serve<R>(
+        &self,
+        range: std::ops::Range<u64>,
+        tensor: Option<(u32, &str, std::ops::Range<u64>)>,
+        reply: impl FnOnce(&[u8]) -> R,
+    ) -> std::io::Result<R> {
         if range.start >= range.end {
-            return Ok(out);
+            return Ok(reply(&[]));
         }
         let first = self.chunk_of(range.start);
         let last = self.chunk_of(range.end - 1);
-        self.read_ahead(first, last);
-        for k in first..=last {
+        let what = match &tensor {
+            Some((index, name, span)) => {
+                self.read_ahead(*index, span.clone(), range.clone(), last);
+                *name
+            }
+            None => "a copy",
+        };
+        let part = |k: usize| -> std::io::Result<(Chunk, std::ops::Range<usize>)> {
             let chunk = self.chunk_range(k);
-            let chunk_bytes = self.ensure(k).map_err(|e| self.failed(what, e))?;
-            let from = range.start.max(chunk.start);
-            let to = range.end.min(chunk.end);
-            let at = out.len();
-            out.resize(at + (to - from) as usize, 0);
-            chunk_bytes.read_exact_at(&mut out[at..], from - chunk.start)?;
+            let bytes = self.ensure(k).map_err(|e| self.failed(what, e))?;
+            let from = range.start.max(chunk.start) - chunk.start;
+            let to = range.end.min(chunk.end) - chunk.start;
+            Ok((bytes, from as usize..to as usize))
+        };
+        if first == last {
+            let (chunk, within) = part(first)?;
+            return Ok(reply(chunk.bytes(within)?));
         }
-        Ok(out)
+        let mut out = Vec::with_capacity((range.end - range.start) as usize);
+        for k in first..=last {
+            let (chunk, within) = part(k)?;
+            out.extend_from_slice(chunk.bytes(within)?);
+        }
+        Ok(reply(&out))
+    }
+
+    /// Bytes `range` of the file, copied.
+    pub fn read(&self, range: std::ops::Range<u64>) -> std::io::Result<Vec<u8>> {
+        self.serve(range, None, <[u8]>::to_vec)
     }
 
     fn failed(&self, what: &str, e: FetchError) -> std::io::Error {
@@ -591,36 +736,66 @@ impl RemoteObject {
         std::io::Error::from_raw_os_error(libc::EIO)
     }
 
-    /// Grows the read-ahead window on sequential reads and starts fetching
-    /// the chunks after `last` in the background.
-    fn read_ahead(&self, first: usize, last: usize) {
-        let window = {
-            let mut seq = self.sequential.lock().unwrap_or_else(|p| p.into_inner());
-            let (prev, window) = *seq;
-            let first = first as u64;
-            let sequential = prev != u64::MAX && (first == prev || first == prev + 1);
-            let next = if sequential {
-                (window * 2).min(MAX_WINDOW)
-            } else {
-                1
-            };
-            *seq = (last as u64, next);
-            if sequential {
-                next
-            } else {
-                0
-            }
-        };
-        let end = (last + 1 + window as usize).min(self.chunks.len() - 1);
-        for k in last + 1..end {
-            let name = self.chunk_name(k);
-            if self.remote.cache.busy(&name) || self.remote.cache.has(&name, self.chunk_range(k)) {
-                continue;
-            }
-            let job = self.fetch_job(k);
-            self.remote.runtime.spawn(async move {
-                let _ = job.await;
+    /// Read-ahead, by tensor: a read of a tensor's first bytes fetches its
+    /// first chunks in parallel (a reader that starts there nearly always
+    /// reads it all), and each sequential read after it doubles the window, up
+    /// to MAX_WINDOW chunks and one chunk past the tensor's end. Reads at
+    /// other places fetch nothing ahead. Each chunk is looked at once per
+    /// sequential run, so that reads of cached chunks stay cheap.
+    fn read_ahead(
+        &self,
+        tensor: u32,
+        span: std::ops::Range<u64>,
+        range: std::ops::Range<u64>,
+        last: usize,
+    ) {
+        let todo = {
+            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            let s = streams.get_or_insert_mut(tensor, || Stream {
+                next: u64::MAX,
+                window: 0,
+                looked_at: 0,
             });
+            if range.start == span.start {
+                s.window = FIRST_WINDOW;
+                s.looked_at = last + 1;
+            } else if range.start == s.next && s.window > 0 {
+                s.window = (s.window * 2).min(MAX_WINDOW);
+            } else {
+                s.window = 0;
+            }
+            s.next = range.end;
+            if s.window == 0 {
+                return;
+            }
+            let past_tensor = self.chunk_of(span.end.saturating_sub(1).max(span.start)) + 2;
+            let end = (last + 1 + s.window)
+                .min(past_tensor)
+                .min(self.chunks.len() - 1);
+            s.looked_at.max(last + 1)..end
+        };
+        let remote = &self.remote;
+        let mut looked_at = todo.start;
+        for k in todo {
+            let name = self.chunk_name(k);
+            if !remote.cache.busy(&name) && !remote.cache.has(&name, self.chunk_range(k)) {
+                // The rest waits for a later read: a reader's own fetch must
+                // find a free GET slot.
+                if remote.ahead.fetch_add(1, Ordering::Relaxed) >= remote.max_ahead {
+                    remote.ahead.fetch_sub(1, Ordering::Relaxed);
+                    break;
+                }
+                let (job, ahead) = (self.fetch_job(k), remote.ahead.clone());
+                remote.runtime.spawn(async move {
+                    let _ = job.await;
+                    ahead.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+            looked_at = k + 1;
+        }
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = streams.peek_mut(&tensor) {
+            s.looked_at = s.looked_at.max(looked_at);
         }
     }
 
@@ -630,10 +805,10 @@ impl RemoteObject {
         let name = self.chunk_name(k);
         let range = self.chunk_range(k);
         // A cache file may vanish between the fetch and the read (another
-        // mount evicted it): one more try.
-        for _ in 0..2 {
-            if let Some(f) = self.remote.cache.get(&name, range.clone()) {
-                return Ok(Chunk::File(f));
+        // mount evicted it): more tries.
+        for _ in 0..3 {
+            if let Some(map) = self.remote.cache.get(&name, range.clone()) {
+                return Ok(Chunk::Mapped(map));
             }
             if let Some(bytes) = self.remote.block_on(self.fetch_job(k))? {
                 return Ok(Chunk::Memory(bytes));
@@ -658,27 +833,21 @@ impl RemoteObject {
                     if remote.cache.has(&name, range.clone()) {
                         return Ok(None);
                     }
-                    let bytes = fetch(
-                        remote.store.clone(),
-                        remote.gets.clone(),
-                        remote.requests.clone(),
-                        remote.timeout,
-                        path,
-                        etag,
-                        range.clone(),
-                    )
-                    .await?;
-                    remote.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                    // A full disk costs the cache, not the read.
-                    if let Err(e) = remote.cache.put(&name, &bytes) {
-                        if !remote.cache_failed.swap(true, Ordering::Relaxed) {
-                            warn!(
-                                cache = %remote.cache.folder.path.display(),
-                                "writing the cache: {e}; reads are served from memory and fetched again next time"
-                            );
+                    let writer = match remote.cache.begin(&name) {
+                        Ok(w) => Some(w),
+                        Err(e) => {
+                            remote.cache.failed(&e);
+                            None
                         }
+                    };
+                    let job = remote
+                        .fetcher
+                        .clone()
+                        .get(path, etag, range.clone(), writer);
+                    match job.await? {
+                        Landed::Cache => Ok(None),
+                        Landed::Memory(bytes) => Ok(Some(bytes)),
                     }
-                    Ok(Some(Arc::new(bytes)))
                 })
                 .await
                 .clone();
@@ -744,15 +913,21 @@ const MAGIC: &[u8; 4] = b"stfc";
 pub struct DiskCache {
     folder: Folder,
     limit: u64,
+    /// A write failed (said once in the log).
+    warned: AtomicBool,
     state: Mutex<CacheState>,
     inflight: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Fetched>>>>,
 }
 
 struct CacheState {
+    /// Cache files by name, least recently used first, with their sizes.
     lru: LruCache<String, u64>,
     used: u64,
     /// Files checked (size and CRC) by this process.
     verified: HashSet<String>,
+    /// The mappings of recently read chunks (address space only: their pages
+    /// are the page cache's).
+    maps: LruCache<String, Arc<Mmap>>,
 }
 
 impl DiskCache {
@@ -802,10 +977,12 @@ impl DiskCache {
         let cache = DiskCache {
             folder,
             limit,
+            warned: AtomicBool::new(false),
             state: Mutex::new(CacheState {
                 lru,
                 used,
                 verified: HashSet::new(),
+                maps: LruCache::new(MAPPED.try_into().expect("not zero")),
             }),
             inflight: Mutex::new(HashMap::new()),
         };
@@ -832,9 +1009,17 @@ impl DiskCache {
         self.lock().lru.peek(name) == Some(&(range.end - range.start + TRAILER))
     }
 
-    /// The cache file of a chunk, if it is there and checks out (its CRC is
-    /// checked the first time this process reads it).
-    fn get(&self, name: &str, range: std::ops::Range<u64>) -> Option<File> {
+    /// A chunk's cache file, mapped, if it is there and checks out (its CRC
+    /// is checked the first time this process maps it). The mappings of
+    /// recent chunks are kept: a read of a cached chunk makes no system call.
+    fn get(&self, name: &str, range: std::ops::Range<u64>) -> Option<Arc<Mmap>> {
+        {
+            let mut st = self.lock();
+            if let Some(map) = st.maps.get(name).cloned() {
+                st.lru.promote(name);
+                return Some(map);
+            }
+        }
         let len = range.end - range.start;
         let file = self
             .folder
@@ -845,22 +1030,27 @@ impl DiskCache {
             .ok()
             .is_some_and(|m| m.len() == len + TRAILER)
             && (self.lock().verified.contains(name) || verify(&file, len));
-        let mut st = self.lock();
-        if !good {
-            drop(st);
+        // SAFETY: a private file of this user's cache, mapped read-only; stfs
+        // replaces cache files by rename and removes them by unlink, never in
+        // place, so the mapped bytes stay those checked.
+        let map = good.then(|| unsafe { Mmap::map(&file) }.ok()).flatten();
+        let Some(map) = map else {
             warn!(
                 file = name,
                 "a cache file that does not check out: fetched again"
             );
             self.forget(name);
             return None;
-        }
+        };
+        let map = Arc::new(map);
+        let mut st = self.lock();
         st.verified.insert(name.to_string());
         if st.lru.get(name).is_none() {
             st.lru.put(name.to_string(), len + TRAILER);
             st.used += len + TRAILER;
         }
-        Some(file)
+        st.maps.put(name.to_string(), map.clone());
+        Some(map)
     }
 
     fn forget(&self, name: &str) {
@@ -870,33 +1060,42 @@ impl DiskCache {
             st.used -= len;
         }
         st.verified.remove(name);
+        st.maps.pop(name);
     }
 
-    /// Stores a chunk: a temp file renamed into place.
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+    /// Starts writing chunk `name`: a temp file, renamed into place when
+    /// complete (so that another mount never sees half a chunk).
+    fn begin(self: &Arc<Self>, name: &str) -> std::io::Result<CacheWriter> {
         let tmp = format!(
             "{name}.tmp.{}.{:x}",
             std::process::id(),
             crate::checkpoint::next_gen()
         );
-        let f = self.folder.open_file(
+        let file = self.folder.open_file(
             OsStr::new(&tmp),
-            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL,
             0o600,
         )?;
-        let mut trailer = Vec::with_capacity(TRAILER as usize);
-        trailer.extend_from_slice(&crc32fast::hash(data).to_le_bytes());
-        trailer.extend_from_slice(&(data.len() as u64).to_le_bytes());
-        trailer.extend_from_slice(MAGIC);
-        let written = f
-            .write_all_at(data, 0)
-            .and_then(|()| f.write_all_at(&trailer, data.len() as u64))
-            .and_then(|()| self.folder.rename(OsStr::new(&tmp), OsStr::new(name)));
-        if let Err(e) = written {
-            let _ = self.folder.unlink(OsStr::new(&tmp));
-            return Err(e);
-        }
-        let len = data.len() as u64 + TRAILER;
+        Ok(CacheWriter {
+            cache: self.clone(),
+            name: name.to_string(),
+            tmp,
+            file: Some(file),
+            written: 0,
+            crc: crc32fast::Hasher::new(),
+        })
+    }
+
+    /// Stores a whole chunk.
+    #[cfg(test)]
+    fn put(self: &Arc<Self>, name: &str, data: &[u8]) -> std::io::Result<()> {
+        let mut w = self.begin(name)?;
+        w.write(data)?;
+        w.finish().map_err(|(e, _)| e)
+    }
+
+    /// A chunk file just renamed into place.
+    fn added(&self, name: &str, len: u64) {
         {
             let mut st = self.lock();
             if let Some(old) = st.lru.put(name.to_string(), len) {
@@ -904,9 +1103,19 @@ impl DiskCache {
             }
             st.used += len;
             st.verified.insert(name.to_string());
+            st.maps.pop(name);
         }
         self.evict(Some(name));
-        Ok(())
+    }
+
+    /// Says once in the log that the cache cannot be written.
+    fn failed(&self, e: &std::io::Error) {
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            warn!(
+                cache = %self.folder.path.display(),
+                "writing the cache: {e}; reads are served from memory and fetched again next time"
+            );
+        }
     }
 
     /// Removes the least recently used files past the size limit (never `keep`).
@@ -926,6 +1135,7 @@ impl DiskCache {
                     Some((name, len)) => {
                         st.used -= len;
                         st.verified.remove(&name);
+                        st.maps.pop(&name);
                         name
                     }
                     None => return,
@@ -956,6 +1166,80 @@ impl DiskCache {
         let mut m = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         if m.get(name).is_some_and(|c| Arc::ptr_eq(c, cell)) {
             m.remove(name);
+        }
+    }
+}
+
+/// A chunk being written into the cache as it arrives.
+struct CacheWriter {
+    cache: Arc<DiskCache>,
+    name: String,
+    tmp: String,
+    /// None once finished or abandoned.
+    file: Option<File>,
+    written: u64,
+    crc: crc32fast::Hasher,
+}
+
+impl CacheWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
+        let file = self
+            .file
+            .as_ref()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EBADF))?;
+        file.write_all_at(data, self.written)?;
+        self.crc.update(data);
+        self.written += data.len() as u64;
+        Ok(())
+    }
+
+    /// Gives up on the file after `e`; returns what was written to it.
+    fn abandon(&mut self, e: &std::io::Error) -> Vec<u8> {
+        self.cache.failed(e);
+        let mut bytes = vec![0u8; self.written as usize];
+        if let Some(file) = self.file.take() {
+            if file.read_exact_at(&mut bytes, 0).is_err() {
+                bytes.clear(); // the caller then sees a short body: EIO, fetched again later
+            }
+            let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
+        }
+        bytes
+    }
+
+    /// Adds the trailer and renames the file into place. On failure, the
+    /// bytes written so far come back.
+    fn finish(mut self) -> Result<(), (std::io::Error, Bytes)> {
+        let Some(file) = self.file.as_ref() else {
+            return Err((std::io::Error::from_raw_os_error(libc::EBADF), Bytes::new()));
+        };
+        let mut trailer = Vec::with_capacity(TRAILER as usize);
+        trailer.extend_from_slice(&self.crc.clone().finalize().to_le_bytes());
+        trailer.extend_from_slice(&self.written.to_le_bytes());
+        trailer.extend_from_slice(MAGIC);
+        let done = file.write_all_at(&trailer, self.written).and_then(|()| {
+            self.cache
+                .folder
+                .rename(OsStr::new(&self.tmp), OsStr::new(&self.name))
+        });
+        match done {
+            Ok(()) => {
+                self.file = None;
+                self.cache.added(&self.name, self.written + TRAILER);
+                Ok(())
+            }
+            Err(e) => {
+                let bytes = self.abandon(&e);
+                Err((e, Bytes::from(bytes)))
+            }
+        }
+    }
+}
+
+impl Drop for CacheWriter {
+    fn drop(&mut self) {
+        // A fetch that failed half-way leaves no temp file behind.
+        if self.file.take().is_some() {
+            let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
         }
     }
 }
@@ -1030,7 +1314,7 @@ mod tests {
     #[test]
     fn the_cache_checks_what_it_serves_and_evicts() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = DiskCache::open(&dir.path().join("c"), 100).unwrap();
+        let cache = Arc::new(DiskCache::open(&dir.path().join("c"), 100).unwrap());
         cache.put("a.0.chunk", &[1u8; 40]).unwrap();
         assert!(cache.get("a.0.chunk", 0..40).is_some());
         cache.put("b.0.chunk", &[2u8; 40]).unwrap();
@@ -1047,6 +1331,24 @@ mod tests {
         assert!(!path.exists());
         std::fs::write(dir.path().join("c/b.0.chunk"), [2u8; 10]).unwrap(); // truncated
         assert!(other.get("b.0.chunk", 0..40).is_none());
+        // A write that does not finish leaves nothing behind; an abandoned
+        // one gives back what it wrote.
+        let other = Arc::new(other);
+        let mut w = other.begin("d.0.chunk").unwrap();
+        w.write(b"half").unwrap();
+        drop(w);
+        let mut w = other.begin("e.0.chunk").unwrap();
+        w.write(b"some bytes").unwrap();
+        assert_eq!(
+            w.abandon(&std::io::Error::from_raw_os_error(libc::ENOSPC)),
+            b"some bytes"
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("c"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains(".tmp."))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]
