@@ -92,9 +92,9 @@ def boto3_download(client, key, threads=16):
         client.download_fileobj(BUCKET, key, sink, Config=config)
 
 
-def python_ranged_gets(port, path, size, threads=16, part=8 << 20):
+def python_ranged_gets(port, path, size, threads=16, part=8 << 20, into=None):
     """What people script by hand: a pool of threads, each with a keep-alive
-    connection, GETting 8 MiB ranges."""
+    connection, GETting 8 MiB ranges (into memory, or written into file `into`)."""
     import concurrent.futures
     import http.client
     local = threading.local()
@@ -107,10 +107,18 @@ def python_ranged_gets(port, path, size, threads=16, part=8 << 20):
         r = local.conn.getresponse()
         data = r.read()
         assert r.status == 206 and len(data) == end - start + 1
+        if into is not None:
+            os.pwrite(fd, data, start)
         return len(data)
 
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        assert sum(pool.map(get, range(0, size, part))) == size
+    fd = os.open(into, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if into else None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            assert sum(pool.map(get, range(0, size, part))) == size
+    finally:
+        if fd is not None:
+            os.close(fd)
+            os.unlink(into)
 
 
 def nginx_server(work, root):
@@ -120,6 +128,7 @@ def nginx_server(work, root):
         return None
     from remote_servers import free_port, wait_for_port
     port = free_port()
+    os.makedirs(os.path.join(work, "nginx-tmp"), exist_ok=True)
     conf = os.path.join(work, "nginx.conf")
     with open(conf, "w") as f:
         f.write(f"""daemon off; worker_processes 2; pid {work}/nginx.pid; error_log {work}/nginx.err;
@@ -238,6 +247,9 @@ def main():
                                           for _ in range(args.runs)])
                 print(f"1 GiB checkpoint from nginx on 127.0.0.1, median of {args.runs}")
                 print(f"  Python, 16 threads x 8 MiB ranged GETs: {base:.2f} s ({size / base / 1e6:.0f} MB/s) = 1.00x")
+                to_file = statistics.median([timed(lambda: python_ranged_gets(
+                    port, "/model.safetensors", size, into=os.path.join(work, "download"))) for _ in range(args.runs)])
+                print(f"  the same, written to a local file (a download): {base / to_file:.2f}x")
                 print(f"  {'stfs --concurrency':20s} {'1 reader':>9s} {'8 readers':>10s}")
                 for conc in [int(c) for c in args.concurrency.split(",")]:
                     row = []

@@ -357,6 +357,9 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         }
         let remote = req.remote.clone();
         let settings = settings(&options);
+        // A read may wait on the network for up to --timeout: enough request
+        // threads that waiting reads do not hold up listings and cached reads.
+        req.threads = req.threads.or(Some(16));
         // The network runtime's threads would not survive the fork: the
         // daemon connects, and says through the readiness pipe what it found.
         return launch(&req, options, move || {

@@ -244,7 +244,7 @@ enum Origin {
         /// Drop the daemon's page-table references after each read.
         release_after_read: AtomicBool,
     },
-    Remote(RemoteObject),
+    Remote(Box<RemoteObject>),
 }
 
 impl SourceFile {
@@ -371,7 +371,7 @@ impl SourceFile {
             name: OsString::from(object.file_name()),
             stat,
             header,
-            origin: Origin::Remote(object),
+            origin: Origin::Remote(Box::new(object)),
             warned_stale: AtomicBool::new(false),
         }
     }

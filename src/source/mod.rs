@@ -4,6 +4,7 @@
 //! local disk cache, `remote`), a private staging file (`staged`), or nothing
 //! yet.
 
+mod aws_profile;
 pub mod local;
 pub mod remote;
 pub mod staged;

@@ -8,8 +8,9 @@
 //!   chunk, large ones are cut at 8 MiB from their start. A chunk is fetched
 //!   once (a read waiting for a chunk another read is fetching waits for that
 //!   fetch), with `If-Match` on the ETag seen at mount: an object replaced
-//!   behind the mount gives EIO, never mixed bytes. Sequential reads grow a
-//!   read-ahead window of chunks fetched in parallel (up to `concurrency`).
+//!   behind the mount gives EIO, never mixed bytes. A read at a tensor's
+//!   start, and sequential reads after it, fetch its next chunks ahead, in
+//!   parallel (docs/SEMANTICS.md, "Remote sources").
 //! - Chunks are kept in files of the cache folder (`<object>.<offset>.chunk`:
 //!   the bytes, then their CRC-32 and length), written to a temp file and
 //!   renamed, so that two mounts can share the folder; a file that does not
@@ -147,10 +148,27 @@ impl Remote {
                     .with_url(url)
                     .with_client_options(client)
                     .with_retry(retry);
+                // The shared files fill in what the environment does not say.
+                let profile = super::aws_profile::load();
+                let unset = |var: &str| std::env::var_os(var).is_none();
+                if unset("AWS_ACCESS_KEY_ID") {
+                    if let (Some(id), Some(secret)) = (profile.access_key_id, profile.secret_access_key) {
+                        b = b.with_access_key_id(id).with_secret_access_key(secret);
+                        if let Some(token) = profile.session_token {
+                            b = b.with_token(token);
+                        }
+                    }
+                }
+                if unset("AWS_REGION") && unset("AWS_DEFAULT_REGION") {
+                    if let Some(region) = profile.region {
+                        b = b.with_region(region);
+                    }
+                }
                 let endpoint = opts
                     .endpoint
                     .clone()
-                    .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
+                    .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
+                    .or(profile.endpoint_url);
                 if let Some(ep) = endpoint {
                     b = b
                         .with_allow_http(ep.starts_with("http://"))
@@ -463,7 +481,7 @@ impl Fetcher {
             if got_len > want {
                 break;
             }
-            sink.take(&frame);
+            sink.take(&frame)?;
         }
         if got_len != want {
             return Err(FetchError::Store(format!(
@@ -482,35 +500,25 @@ enum Sink {
 }
 
 impl Sink {
-    fn take(&mut self, frame: &[u8]) {
-        if let Sink::Cache(w) = self {
-            match w.write(frame) {
-                Ok(()) => return,
-                // A full disk costs the cache, not the read: go on in memory.
-                Err(e) => {
-                    let written = w.abandon(&e);
-                    let mut memory = bytes::BytesMut::from(&written[..]);
+    fn take(&mut self, frame: &[u8]) -> Result<(), FetchError> {
+        match self {
+            Sink::Memory(m) => m.extend_from_slice(frame),
+            Sink::Cache(w) => {
+                if let Err(e) = w.write(frame) {
+                    // A full disk costs the cache, not the read: go on in memory.
+                    let mut memory = bytes::BytesMut::from(&w.abandon(&e)?[..]);
                     memory.extend_from_slice(frame);
                     *self = Sink::Memory(memory);
-                    return;
                 }
             }
         }
-        if let Sink::Memory(m) = self {
-            m.extend_from_slice(frame);
-        }
+        Ok(())
     }
 
     fn finish(self) -> Result<Landed, FetchError> {
         match self {
             Sink::Memory(m) => Ok(Landed::Memory(m.freeze())),
-            Sink::Cache(w) => match w.finish() {
-                Ok(()) => Ok(Landed::Cache),
-                Err((e, bytes)) => {
-                    warn!("writing the cache: {e}; this read is served from memory");
-                    Ok(Landed::Memory(bytes))
-                }
-            },
+            Sink::Cache(w) => w.finish(),
         }
     }
 }
@@ -960,8 +968,8 @@ impl DiskCache {
                 if name.ends_with(".chunk") {
                     Some((m.modified().ok()?, name, m.len()))
                 } else {
-                    if name.contains(".chunk.tmp.") {
-                        let _ = folder.unlink(OsStr::new(&name)); // a writer died
+                    if writer_gone(&name) {
+                        let _ = folder.unlink(OsStr::new(&name));
                     }
                     None
                 }
@@ -1091,7 +1099,10 @@ impl DiskCache {
     fn put(self: &Arc<Self>, name: &str, data: &[u8]) -> std::io::Result<()> {
         let mut w = self.begin(name)?;
         w.write(data)?;
-        w.finish().map_err(|(e, _)| e)
+        match w.finish() {
+            Ok(Landed::Cache) => Ok(()),
+            _ => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+        }
     }
 
     /// A chunk file just renamed into place.
@@ -1194,23 +1205,24 @@ impl CacheWriter {
     }
 
     /// Gives up on the file after `e`; returns what was written to it.
-    fn abandon(&mut self, e: &std::io::Error) -> Vec<u8> {
+    fn abandon(&mut self, e: &std::io::Error) -> Result<Vec<u8>, FetchError> {
         self.cache.failed(e);
+        let file = self
+            .file
+            .take()
+            .ok_or_else(|| FetchError::Cache(e.to_string()))?;
         let mut bytes = vec![0u8; self.written as usize];
-        if let Some(file) = self.file.take() {
-            if file.read_exact_at(&mut bytes, 0).is_err() {
-                bytes.clear(); // the caller then sees a short body: EIO, fetched again later
-            }
-            let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
-        }
-        bytes
+        let read_back = file.read_exact_at(&mut bytes, 0);
+        let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
+        read_back.map_err(|r| FetchError::Cache(format!("{e}, then reading back: {r}")))?;
+        Ok(bytes)
     }
 
-    /// Adds the trailer and renames the file into place. On failure, the
-    /// bytes written so far come back.
-    fn finish(mut self) -> Result<(), (std::io::Error, Bytes)> {
+    /// Adds the trailer and renames the file into place; if that fails, the
+    /// bytes come back in memory.
+    fn finish(mut self) -> Result<Landed, FetchError> {
         let Some(file) = self.file.as_ref() else {
-            return Err((std::io::Error::from_raw_os_error(libc::EBADF), Bytes::new()));
+            return Err(FetchError::Cache("a cache file written twice".into()));
         };
         let mut trailer = Vec::with_capacity(TRAILER as usize);
         trailer.extend_from_slice(&self.crc.clone().finalize().to_le_bytes());
@@ -1225,12 +1237,9 @@ impl CacheWriter {
             Ok(()) => {
                 self.file = None;
                 self.cache.added(&self.name, self.written + TRAILER);
-                Ok(())
+                Ok(Landed::Cache)
             }
-            Err(e) => {
-                let bytes = self.abandon(&e);
-                Err((e, Bytes::from(bytes)))
-            }
+            Err(e) => Ok(Landed::Memory(Bytes::from(self.abandon(&e)?))),
         }
     }
 }
@@ -1242,6 +1251,26 @@ impl Drop for CacheWriter {
             let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
         }
     }
+}
+
+/// Whether `name` is the temp file of a cache writer that died
+/// (`<chunk>.tmp.<pid>.<n>`, and no process `pid`): a live mount sharing the
+/// folder may be writing the others.
+fn writer_gone(name: &str) -> bool {
+    let Some((_, rest)) = name.split_once(".chunk.tmp.") else {
+        return false;
+    };
+    let Some(pid) = rest
+        .split('.')
+        .next()
+        .and_then(|p| p.parse::<libc::pid_t>().ok())
+    else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    pid != std::process::id() as libc::pid_t
+        && unsafe { libc::kill(pid, 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// Checks a cache file's trailer against its payload.
@@ -1339,10 +1368,14 @@ mod tests {
         drop(w);
         let mut w = other.begin("e.0.chunk").unwrap();
         w.write(b"some bytes").unwrap();
-        assert_eq!(
-            w.abandon(&std::io::Error::from_raw_os_error(libc::ENOSPC)),
-            b"some bytes"
-        );
+        let e = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert_eq!(w.abandon(&e).unwrap(), b"some bytes");
+        assert!(!writer_gone("x.0.chunk"));
+        assert!(!writer_gone(&format!(
+            "x.0.chunk.tmp.{}.1",
+            std::process::id()
+        )));
+        assert!(writer_gone("x.0.chunk.tmp.999999999.1"));
         let left: Vec<_> = std::fs::read_dir(dir.path().join("c"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

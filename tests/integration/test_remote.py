@@ -461,3 +461,26 @@ def test_many_tensors_mount_and_ls_in_one_or_two_requests(tmp_path, s3, mount, t
     assert s3.count("GET") == requests
     name = f"model.layers.{tensors - 1}." + "x" * width
     assert open(os.path.join(m.path, name), "rb").read() == arrays[name].tobytes()
+
+
+def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch):
+    src = tmp_path / "k.safetensors"
+    ckpt.base(src)
+    url = s3.upload(src, "creds/k.safetensors")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # No credentials anywhere: refused (object_store would ask the instance
+    # metadata service, which is not there).
+    m = mount(url, *s3.options, "--timeout", "2", expect_ok=False)
+    assert not m.ok and url in m.result.stderr
+    aws = tmp_path / "home" / ".aws"
+    aws.mkdir(parents=True)
+    (aws / "credentials").write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n"
+                                     "[bench]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    (aws / "config").write_text(f"[profile bench]\nregion = us-east-1\nendpoint_url = {s3.url}\n")
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    # The endpoint comes from the profile too.
+    m = mount(url, "--cache-dir", str(tmp_path / "cache"))
+    assert open(os.path.join(m.path, "a"), "rb").read() == np.arange(8, dtype=np.float32).tobytes()
+    assert any(r["range"] for r in s3.requests), "the requests went through the profile's endpoint"
