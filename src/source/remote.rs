@@ -92,7 +92,8 @@ pub fn is_url(source: &str) -> bool {
 
 /// A connection to a store, with its runtime and the local cache.
 pub struct Remote {
-    runtime: tokio::runtime::Runtime,
+    /// Always Some but in `drop`.
+    runtime: Option<tokio::runtime::Runtime>,
     cache: Arc<DiskCache>,
     fetcher: Fetcher,
     /// Read-ahead fetches under way, and how many may be (fewer than the
@@ -102,6 +103,16 @@ pub struct Remote {
     max_ahead: usize,
     /// `scheme://bucket` (or the HTTP origin), to show object paths as URLs.
     origin: String,
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        // At unmount: fetches still under way (read-ahead) are abandoned, not
+        // waited for; their temp files are removed as their writers drop.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// What a URL names: one object, or a folder (a prefix ending in `/`).
@@ -235,7 +246,7 @@ impl Remote {
         let concurrency = opts.concurrency.max(1);
         Ok(Location {
             remote: Arc::new(Remote {
-                runtime,
+                runtime: Some(runtime),
                 cache: Arc::new(cache),
                 fetcher: Fetcher {
                     store,
@@ -276,8 +287,12 @@ impl Remote {
         )
     }
 
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        self.runtime.as_ref().expect("a runtime until dropped")
+    }
+
     fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
-        self.runtime.block_on(f)
+        self.runtime().block_on(f)
     }
 
     /// The objects in a folder (not below it), by name.
@@ -794,7 +809,7 @@ impl RemoteObject {
                     break;
                 }
                 let (job, ahead) = (self.fetch_job(k), remote.ahead.clone());
-                remote.runtime.spawn(async move {
+                remote.runtime().spawn(async move {
                     let _ = job.await;
                     ahead.fetch_sub(1, Ordering::Relaxed);
                 });
@@ -829,37 +844,35 @@ impl RemoteObject {
 
     /// Fetches chunk `k` into the cache; concurrent callers share one fetch.
     /// Gives the bytes fetched (None if the cache had them already).
+    /// (The job holds the cache and the fetcher, never the `Remote`: the
+    /// runtime that runs it must not be dropped from inside it.)
     fn fetch_job(&self, k: usize) -> impl std::future::Future<Output = Fetched> + Send + 'static {
-        let remote = self.remote.clone();
+        let (cache, fetcher) = (self.remote.cache.clone(), self.remote.fetcher.clone());
         let name = self.chunk_name(k);
         let range = self.chunk_range(k);
         let (path, etag) = (self.path.clone(), self.etag.clone());
         async move {
-            let cell = remote.cache.inflight(&name);
+            let cell = cache.inflight(&name);
             let result = cell
                 .get_or_init(|| async {
-                    if remote.cache.has(&name, range.clone()) {
+                    if cache.has(&name, range.clone()) {
                         return Ok(None);
                     }
-                    let writer = match remote.cache.begin(&name) {
+                    let writer = match cache.begin(&name) {
                         Ok(w) => Some(w),
                         Err(e) => {
-                            remote.cache.failed(&e);
+                            cache.failed(&e);
                             None
                         }
                     };
-                    let job = remote
-                        .fetcher
-                        .clone()
-                        .get(path, etag, range.clone(), writer);
-                    match job.await? {
+                    match fetcher.get(path, etag, range.clone(), writer).await? {
                         Landed::Cache => Ok(None),
                         Landed::Memory(bytes) => Ok(Some(bytes)),
                     }
                 })
                 .await
                 .clone();
-            remote.cache.done(&name, &cell);
+            cache.done(&name, &cell);
             result
         }
     }
@@ -879,7 +892,7 @@ impl RemoteObject {
         let (first, last) = (self.chunk_of(range.start), self.chunk_of(range.end - 1));
         let jobs: Vec<_> = (first..=last).map(|k| self.fetch_job(k)).collect();
         let remote = self.remote.clone();
-        let handles: Vec<_> = jobs.into_iter().map(|j| remote.runtime.spawn(j)).collect();
+        let handles: Vec<_> = jobs.into_iter().map(|j| remote.runtime().spawn(j)).collect();
         let mut failure = None;
         for h in handles {
             if !keep_going() {

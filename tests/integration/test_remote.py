@@ -131,6 +131,13 @@ def check_big(m, tensors):
         os.close(fd)
 
 
+def read(path):
+    """A file's bytes, closed at once (a failing assert must not keep the
+    mount busy)."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def log_of(m):
     return open(m.log).read()
 
@@ -177,8 +184,8 @@ def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
     s3.upload(folder / "README.md", "sharded/deeper/x.safetensors")  # below the prefix: not a shard of it
     m = mount(f"s3://{BUCKET}/sharded/", *s3.options)
     assert sorted(os.listdir(m.path)) == ["model-00001-of-00002", "model-00002-of-00002", "model.safetensors.index.json"]
-    assert open(os.path.join(m.path, "model-00002-of-00002", "b"), "rb").read() == b.tobytes()
-    assert open(os.path.join(m.path, "model-00001-of-00002", "a"), "rb").read() == a.tobytes()
+    assert read(os.path.join(m.path, "model-00002-of-00002", "b")) == b.tobytes()
+    assert read(os.path.join(m.path, "model-00001-of-00002", "a")) == a.tobytes()
     assert json.load(open(os.path.join(m.path, "model.safetensors.index.json"))) == index
     assert "weight_map" not in m.result.stderr
 
@@ -240,7 +247,7 @@ def test_writes_are_erofs(tmp_path, s3, mount):
         with pytest.raises(OSError) as e:
             action()
         assert e.value.errno == errno.EROFS
-    assert open(os.path.join(m.path, "a"), "rb").read() == np.arange(8, dtype=np.float32).tobytes()
+    assert read(os.path.join(m.path, "a")) == np.arange(8, dtype=np.float32).tobytes()
 
 
 def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
@@ -250,11 +257,11 @@ def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
     m = mount(url, *s3.options)
     assert s3.count("GET") == 1, "the header takes one ranged GET"
     for name, t in tensors.items():
-        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+        assert read(os.path.join(m.path, name)) == t.tobytes()
     first = s3.count("GET")
     assert first > 1
     for name, t in tensors.items():
-        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+        assert read(os.path.join(m.path, name)) == t.tobytes()
     assert s3.count("GET") == first, "a second read makes no request"
     m.close()
     # Another mount of the same object version (two at once, sharing the cache).
@@ -263,7 +270,7 @@ def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
     m3 = mount(url, *s3.options)
     for mm in (m2, m3):
         for name, t in tensors.items():
-            assert open(os.path.join(mm.path, name), "rb").read() == t.tobytes()
+            assert read(os.path.join(mm.path, name)) == t.tobytes()
     assert s3.count("GET") == 2, "two headers, no data"
 
 
@@ -279,11 +286,11 @@ def test_eviction_under_a_small_cache_size(tmp_path, s3, mount):
     m = mount(url, *s3.options, "--cache-size", "12M")
     for _ in range(2):
         for name, t in tensors.items():
-            assert sha(open(os.path.join(m.path, name), "rb").read()) == sha(t.tobytes()), name
+            assert sha(read(os.path.join(m.path, name))) == sha(t.tobytes()), name
             # At most the limit plus the chunk just written (8 MiB and its trailer).
             assert cache_bytes(cache) <= (12 << 20) + (8 << 20) + 16
     before = s3.count("GET", ranged=True)
-    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
     assert s3.count("GET", ranged=True) > before, "an evicted tensor is fetched again"
 
 
@@ -293,7 +300,7 @@ def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
     url = s3.upload(src, "damaged/d.safetensors")
     m = mount(url, *s3.options)
     for name, t in tensors.items():
-        assert open(os.path.join(m.path, name), "rb").read() == t.tobytes()
+        assert read(os.path.join(m.path, name)) == t.tobytes()
     m.close()
     chunks = sorted((tmp_path / "cache").glob("*.chunk"), key=lambda f: f.stat().st_size)
     flipped, truncated = chunks[-1], chunks[-2]
@@ -305,7 +312,7 @@ def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
     s3.reset()
     m2 = mount(url, *s3.options)
     for name, t in tensors.items():
-        assert open(os.path.join(m2.path, name), "rb").read() == t.tobytes(), name
+        assert read(os.path.join(m2.path, name)) == t.tobytes(), name
     assert s3.count("GET", ranged=True) == 1 + 2, "the header, and the two damaged chunks again"
     assert "does not check out" in log_of(m2)
 
@@ -320,7 +327,7 @@ def test_transient_faults_are_retried(tmp_path, s3, mount):
         m = mount(url, "--endpoint", s3.url, "--cache-dir", str(tmp_path / f"cache{i}"))
         s3.reset()
         s3.fail_next(2, action)
-        assert open(os.path.join(m.path, name), "rb").read() == tensors[name].tobytes(), action
+        assert read(os.path.join(m.path, name)) == tensors[name].tobytes(), action
         # Two faults then a success; a slow answer is waited for.
         assert s3.count("GET") >= (1 if isinstance(action, tuple) else 3), action
         m.close()
@@ -331,19 +338,19 @@ def test_a_failing_server_gives_eio_and_the_mount_recovers(tmp_path, s3, mount):
     tensors = big_checkpoint(src)
     url = s3.upload(src, "failing/f.safetensors")
     m = mount(url, *s3.options, "--timeout", "5")
-    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     s3.rule = lambda r: 500
     with pytest.raises(OSError) as e:
-        open(os.path.join(m.path, "big.a"), "rb").read()
+        read(os.path.join(m.path, "big.a"))
     assert e.value.errno == errno.EIO
     log = log_of(m)
     assert url in log and "big.a" in log
     # Everything else keeps answering: listings, metas, cached bytes.
     assert "big.a.meta.json" in os.listdir(m.path)
-    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     # The network comes back: so do the reads.
     s3.rule = None
-    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
 
 
 def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mount):
@@ -351,14 +358,14 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mo
     tensors = big_checkpoint(src)
     url = s3.upload(src, "hang/h.safetensors")
     m = mount(url, *s3.options, "--timeout", "3")
-    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     s3.rule = lambda r: "hang"
     outcome = {}
 
     def stuck_read():
         t0 = time.monotonic()
         try:
-            open(os.path.join(m.path, "big.a"), "rb").read()
+            read(os.path.join(m.path, "big.a"))
             outcome["error"] = None
         except OSError as e:
             outcome["error"] = e.errno
@@ -370,7 +377,7 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mo
     # No lock is held across the network: the rest of the mount answers now.
     t0 = time.monotonic()
     assert "big.b" in os.listdir(m.path)
-    assert open(os.path.join(m.path, "small.0"), "rb").read() == tensors["small.0"].tobytes()
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     assert json.load(open(os.path.join(m.path, "big.b.meta.json")))["dtype"] == "F64"
     quick = time.monotonic() - t0
     reader.join(60)
@@ -379,7 +386,7 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mo
     # Generous bounds: the point is "bounded", not a benchmark.
     assert outcome["seconds"] < 30 and quick < outcome["seconds"], outcome
     s3.reset()
-    assert open(os.path.join(m.path, "big.a"), "rb").read() == tensors["big.a"].tobytes()
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
 
 
 def test_an_object_replaced_behind_the_mount_is_eio_never_mixed(tmp_path, s3, mount):
@@ -411,12 +418,12 @@ def test_an_object_replaced_behind_the_mount_is_eio_never_mixed(tmp_path, s3, mo
     assert a.startswith(head + rest), "bytes of the old object only"
     f.close()
     with pytest.raises(OSError) as e:
-        open(os.path.join(m.path, "big.b"), "rb").read()
+        read(os.path.join(m.path, "big.b"))
     assert e.value.errno == errno.EIO
     assert "replaced" in log_of(m)
     # A fresh mount sees the new version.
     m2 = mount(url, *s3.options)
-    assert open(os.path.join(m2.path, "big.a"), "rb").read() != a
+    assert read(os.path.join(m2.path, "big.a")) != a
 
 
 def test_prefetch_fills_the_cache(tmp_path, s3, mount, run):
@@ -437,7 +444,7 @@ def test_prefetch_fills_the_cache(tmp_path, s3, mount, run):
     fetched = fetches_of_the_tensors()
     assert fetched >= 5, "the tensors' chunks were fetched (3 + 2 at least)"
     for name in ("big.a", "big.b"):
-        assert open(os.path.join(m.path, name), "rb").read() == tensors[name].tobytes()
+        assert read(os.path.join(m.path, name)) == tensors[name].tobytes()
     assert fetches_of_the_tensors() == fetched, "prefetched tensors are read from the cache"
     if not os.path.exists("/dev/nvidiactl"):
         # Without a GPU the CUDA target says so (the GPU path is checked on a device machine).
@@ -460,7 +467,7 @@ def test_many_tensors_mount_and_ls_in_one_or_two_requests(tmp_path, s3, mount, t
     assert len(os.listdir(m.path)) == 2 * tensors + 1
     assert s3.count("GET") == requests
     name = f"model.layers.{tensors - 1}." + "x" * width
-    assert open(os.path.join(m.path, name), "rb").read() == arrays[name].tobytes()
+    assert read(os.path.join(m.path, name)) == arrays[name].tobytes()
 
 
 def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch):
@@ -482,5 +489,5 @@ def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch)
     monkeypatch.setenv("AWS_PROFILE", "bench")
     # The endpoint comes from the profile too.
     m = mount(url, "--cache-dir", str(tmp_path / "cache"))
-    assert open(os.path.join(m.path, "a"), "rb").read() == np.arange(8, dtype=np.float32).tobytes()
+    assert read(os.path.join(m.path, "a")) == np.arange(8, dtype=np.float32).tobytes()
     assert any(r["range"] for r in s3.requests), "the requests went through the profile's endpoint"
