@@ -205,6 +205,12 @@ fn open_remote(
     if !at.folder {
         return Ok((Source::File(open(&at.path)?), Vec::new(), cache));
     }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err(format!(
+            "{url}: an HTTP server cannot be asked what a folder holds: mount a shard by its URL \
+             (folders of shards work with s3://, gs:// and az://)"
+        ));
+    }
     let listed = at.remote.list(&at.path)?;
     let mut shards = Vec::new();
     let mut indexes = Vec::new();

@@ -230,6 +230,8 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
     assert f"s3://{BUCKET}/ok/good.safetensors" in m.result.stderr
     m = mount("ftp://example.com/x.safetensors", expect_ok=False)
     assert "unknown scheme" in m.result.stderr
+    m = mount("http://127.0.0.1:1/models/", expect_ok=False)
+    assert "cannot be asked what a folder holds" in m.result.stderr
     assert not any(x.is_mounted() for x in [m])
 
 
