@@ -130,8 +130,24 @@ fn store_error(url: &str, e: object_store::Error) -> String {
         | object_store::Error::Unauthenticated { .. } => {
             format!("{url}: access denied: {e}")
         }
-        e => format!("{url}: {e}"),
+        e => format!("{url}: {}", with_causes(&e)),
     }
+}
+
+/// An error and the causes under it ("error sending request" says little;
+/// "operation timed out" or "connection refused" under it says what happened).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 impl Remote {
@@ -455,6 +471,7 @@ impl Fetcher {
     ) -> Result<Landed, FetchError> {
         let want = range.end - range.start;
         let timeout = self.timeout;
+        let expected = etag.clone();
         let start = async {
             let permit = self
                 .gets
@@ -480,6 +497,12 @@ impl Fetcher {
         let (_permit, got) = tokio::time::timeout(timeout, start)
             .await
             .map_err(|_| FetchError::TimedOut)??;
+        // A server that ignores If-Match still names the version it sends.
+        if let (Some(want), Some(sent)) = (&expected, &got.meta.e_tag) {
+            if want != sent {
+                return Err(FetchError::Replaced);
+            }
+        }
         let mut stream = got.into_stream();
         let mut sink = match file {
             Some(w) => Sink::Cache(w),
@@ -490,7 +513,7 @@ impl Fetcher {
             let frame = match tokio::time::timeout(timeout, stream.next()).await {
                 Err(_) => return Err(FetchError::TimedOut),
                 Ok(None) => break,
-                Ok(Some(frame)) => frame.map_err(|e| FetchError::Store(e.to_string()))?,
+                Ok(Some(frame)) => frame.map_err(|e| FetchError::Store(with_causes(&e)))?,
             };
             got_len += frame.len() as u64;
             if got_len > want {
@@ -892,7 +915,10 @@ impl RemoteObject {
         let (first, last) = (self.chunk_of(range.start), self.chunk_of(range.end - 1));
         let jobs: Vec<_> = (first..=last).map(|k| self.fetch_job(k)).collect();
         let remote = self.remote.clone();
-        let handles: Vec<_> = jobs.into_iter().map(|j| remote.runtime().spawn(j)).collect();
+        let handles: Vec<_> = jobs
+            .into_iter()
+            .map(|j| remote.runtime().spawn(j))
+            .collect();
         let mut failure = None;
         for h in handles {
             if !keep_going() {

@@ -225,6 +225,13 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
     assert "denied" in m.result.stderr or "403" in m.result.stderr, m.result.stderr
     s3.rule = None
 
+    s3.rule = lambda r: "hang"
+    t0 = time.monotonic()
+    m = mount(f"s3://{BUCKET}/ok/good.safetensors", *s3.options, "--timeout", "2", expect_ok=False)
+    said = m.result.stderr
+    assert ("timed out" in said or "did not answer in time" in said) and time.monotonic() - t0 < 30, said
+    s3.reset()
+
     m = mount(f"s3://{BUCKET}/ok/good.safetensors", "--endpoint", "http://127.0.0.1:1", "--timeout", "3",
               "--cache-dir", str(tmp_path / "cache"), expect_ok=False)
     assert f"s3://{BUCKET}/ok/good.safetensors" in m.result.stderr
