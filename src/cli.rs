@@ -75,8 +75,8 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 16)]
         concurrency: usize,
         /// Remote sources: seconds before a read whose server does not answer fails (EIO).
-        #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
-        timeout: f64,
+        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+        timeout: std::time::Duration,
         /// A .safetensors file, a folder of them (with *.index.json), or a URL:
         /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
         /// https://host/path.safetensors, gs://, az://.
@@ -125,6 +125,14 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// Seconds, from 0.1 to a day.
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(n) if (0.1..=86400.0).contains(&n) => Ok(std::time::Duration::from_secs_f64(n)),
+        _ => Err(format!("{s:?}: seconds from 0.1 to 86400")),
+    }
 }
 
 /// A size in bytes, with an optional K, M, G or T suffix (powers of 1024).
@@ -197,7 +205,7 @@ pub fn main() -> ExitCode {
                     .unwrap_or_else(crate::source::remote::default_cache_dir),
                 cache_size,
                 concurrency: concurrency.max(1),
-                timeout: std::time::Duration::from_secs_f64(timeout.clamp(0.1, 86400.0)),
+                timeout,
             },
             source,
             mountpoint,

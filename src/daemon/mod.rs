@@ -184,7 +184,9 @@ fn open_remote(
 ) -> Result<(Source, Vec<String>, Arc<Folder>), String> {
     let at = Remote::connect(url, opts)?;
     let cache = Arc::new(
-        Folder::open(&at.remote.cache_folder().path)
+        at.remote
+            .cache_folder()
+            .try_clone()
             .map_err(|e| format!("{}: {e}", opts.cache_dir.display()))?,
     );
     let open = |path: &object_store::path::Path| {

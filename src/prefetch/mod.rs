@@ -37,8 +37,8 @@ pub fn to_page_cache(
         // A remote tensor goes into the local disk cache, by parallel GETs.
         Backing::Remote { source, offset, .. } => {
             let object = source.remote_object().expect("a remote source");
-            let resident = object.warm(offset + start..offset + end, keep_going)?;
-            return Ok((end, resident));
+            let (reached, cached) = object.warm(offset + start..offset + end, keep_going)?;
+            return Ok((reached - offset, cached));
         }
     };
     // SAFETY: plain advice on a valid descriptor.

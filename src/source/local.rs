@@ -144,6 +144,80 @@ impl Folder {
         })
     }
 
+    /// Opens a folder that must not be a symbolic link (a private folder of
+    /// this user's, checked by the caller through `stat`).
+    pub fn open_private(path: &Path) -> std::io::Result<Folder> {
+        let c = cstr(path.as_os_str())?;
+        // SAFETY: c is a valid NUL-terminated path.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: open returned a fresh descriptor we now own.
+        Ok(Folder {
+            path: path.to_path_buf(),
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Another descriptor of the same folder.
+    pub fn try_clone(&self) -> std::io::Result<Folder> {
+        Ok(Folder {
+            path: self.path.clone(),
+            fd: self.fd.try_clone()?,
+        })
+    }
+
+    /// The folder's own owner and mode.
+    pub fn stat(&self) -> std::io::Result<FileStat> {
+        // SAFETY: dup of a valid descriptor; the File closes the copy.
+        let file = File::from(self.fd.try_clone()?);
+        FileStat::of(&file)
+    }
+
+    pub fn chmod(&self, mode: u32) -> std::io::Result<()> {
+        // SAFETY: fchmod of a valid descriptor.
+        if unsafe { libc::fchmod(self.fd.as_raw_fd(), mode as libc::mode_t) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The names in this folder (not "." and ".."), read through its descriptor.
+    pub fn entries(&self) -> Vec<OsString> {
+        let Ok(fd) = self.fd.try_clone() else {
+            return Vec::new();
+        };
+        // SAFETY: fdopendir takes ownership of the duplicated descriptor.
+        let dir = unsafe { libc::fdopendir(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
+        if dir.is_null() {
+            return Vec::new();
+        }
+        let mut names = Vec::new();
+        // SAFETY: dir is a valid DIR* until closedir; each entry's name is a
+        // NUL-terminated string valid until the next readdir.
+        unsafe {
+            libc::rewinddir(dir);
+            loop {
+                let entry = libc::readdir(dir);
+                if entry.is_null() {
+                    break;
+                }
+                let name = std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()).to_bytes();
+                if name != b"." && name != b".." {
+                    names.push(OsStr::from_bytes(name).to_os_string());
+                }
+            }
+            libc::closedir(dir);
+        }
+        names
+    }
+
     /// Opens `name` in this folder without following a symbolic link there.
     pub fn open_file(&self, name: &OsStr, flags: i32, mode: u32) -> std::io::Result<File> {
         let c = cstr(name)?;
@@ -352,10 +426,13 @@ impl SourceFile {
     /// A remote object, its header validated: read-only, shown as a file of
     /// the user who mounted it, modified when the store says it was.
     pub fn remote(object: RemoteObject, header: Header) -> SourceFile {
-        let id = object.identity();
+        let id = object.cache_key();
         let stat = FileStat {
             dev: 0,
-            ino: u64::from_str_radix(&id, 16).unwrap_or(0),
+            ino: id
+                .get(..16)
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+                .unwrap_or(0),
             len: object.size(),
             mtime: match object.modified().duration_since(SystemTime::UNIX_EPOCH) {
                 Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i64),

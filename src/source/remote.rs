@@ -22,6 +22,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fmt;
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -34,7 +35,7 @@ use lru::LruCache;
 use memmap2::{Advice, Mmap};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig};
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::local::Folder;
 use crate::format::{FormatError, Header, MAX_HEADER_LEN, PREFIX_LEN};
@@ -235,6 +236,11 @@ impl Remote {
                 )
             }
             "http" | "https" => {
+                if parsed.query().is_some() {
+                    return Err(format!(
+                        "{url}: a URL with a query string (a presigned URL) is not supported yet"
+                    ));
+                }
                 let origin = parsed[..url::Position::BeforePath].to_string();
                 let store = object_store::http::HttpBuilder::new()
                     .with_url(&origin)
@@ -272,7 +278,8 @@ impl Remote {
                     fetched: Arc::new(AtomicU64::new(0)),
                 },
                 ahead: Arc::new(AtomicUsize::new(0)),
-                max_ahead: (concurrency - concurrency / 4).max(1),
+                // At least one GET slot is left to readers (none ahead with one slot).
+                max_ahead: concurrency - (concurrency / 4).max(1),
                 origin,
             }),
             path,
@@ -423,7 +430,7 @@ impl Remote {
             .get(path.clone(), etag.map(str::to_string), range, None);
         match self.block_on(job)? {
             Landed::Memory(bytes) => Ok(bytes),
-            Landed::Cache => Err(FetchError::Cache("a header went to the cache".into())),
+            Landed::Cache(_) => Err(FetchError::Cache("a header went to the cache".into())),
         }
     }
 }
@@ -450,8 +457,8 @@ struct Fetcher {
 
 /// Where fetched bytes went.
 enum Landed {
-    /// Into the cache file the fetch was given.
-    Cache,
+    /// Into the cache file the fetch was given (mapped).
+    Cache(Arc<Mmap>),
     /// Into memory (no cache file, or writing it failed).
     Memory(Bytes),
 }
@@ -459,7 +466,7 @@ enum Landed {
 impl Fetcher {
     /// One ranged GET, conditional on the ETag. The body goes into `file`
     /// (a cache file being written) as it arrives, or into memory. Bounded
-    /// in time: getting a GET slot and the server's answer take at most
+    /// in time once it has a GET slot: the server's answer takes at most
     /// `timeout`, and so does each wait for more of the body (a slow server
     /// that keeps sending is waited for; one that stops is not).
     async fn get(
@@ -472,15 +479,19 @@ impl Fetcher {
         let want = range.end - range.start;
         let timeout = self.timeout;
         let expected = etag.clone();
+        // Waiting for a GET slot is not the server's silence: the time limit
+        // starts with the request.
+        let _permit = self
+            .gets
+            .acquire()
+            .await
+            .map_err(|e| FetchError::Store(e.to_string()))?;
         let start = async {
-            let permit = self
-                .gets
-                .acquire()
-                .await
-                .map_err(|e| FetchError::Store(e.to_string()))?;
             self.requests.fetch_add(1, Ordering::Relaxed);
             let opts = GetOptions {
-                if_match: etag,
+                // A weak ETag cannot be matched (RFC 9110 compares strongly):
+                // the ETag of the answer is compared below instead.
+                if_match: etag.filter(|e| !e.starts_with("W/")),
                 range: Some(GetRange::Bounded(range)),
                 ..Default::default()
             };
@@ -490,11 +501,11 @@ impl Fetcher {
                 .await
                 .map_err(|e| match e {
                     object_store::Error::Precondition { .. } => FetchError::Replaced,
-                    e => FetchError::Store(e.to_string()),
+                    e => FetchError::Store(with_causes(&e)),
                 })?;
-            Ok::<_, FetchError>((permit, got))
+            Ok::<_, FetchError>(got)
         };
-        let (_permit, got) = tokio::time::timeout(timeout, start)
+        let got = tokio::time::timeout(timeout, start)
             .await
             .map_err(|_| FetchError::TimedOut)??;
         // A server that ignores If-Match still names the version it sends.
@@ -593,10 +604,11 @@ fn chunk_starts(header: &Header) -> Vec<u64> {
     starts
 }
 
-/// What a fetch of a chunk gives: its bytes, or None when the cache has them.
-type Fetched = Result<Option<Bytes>, FetchError>;
+/// What a fetch of a chunk gives.
+type Fetched = Result<Chunk, FetchError>;
 
 /// A chunk at hand: its cache file (mapped), or the bytes a fetch just gave.
+#[derive(Clone)]
 enum Chunk {
     Mapped(Arc<Mmap>),
     Memory(Bytes),
@@ -678,23 +690,38 @@ impl RemoteObject {
         self.path.filename().unwrap_or("object")
     }
 
-    /// What names this version of the object: its URL, size, ETag and
-    /// modification time (the last two are what the store says changes).
+    /// The name of this version of the object in the cache.
+    pub fn cache_key(&self) -> &str {
+        &self.cache_key
+    }
+
+    /// What names this version of the object in the cache: a SHA-256 of
+    /// its URL, size, ETag and modification time (no server can make its
+    /// chunks pass for another object's). Without an ETag nothing tells two
+    /// versions of the same size apart, so the name is this mount's own.
     pub fn identity(&self) -> String {
         let modified = self
             .modified
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let text = format!(
+        let mut text = format!(
             "{}\n{}\n{}\n{modified}",
             self.url,
             self.size,
             self.etag.as_deref().unwrap_or("")
         );
-        let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100000001b3)
-        });
-        format!("{h:016x}")
+        if self.etag.is_none() {
+            let now = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            text.push_str(&format!(
+                "\nmount {} {now} {}",
+                std::process::id(),
+                crate::checkpoint::next_gen()
+            ));
+        }
+        let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+        digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     fn chunk_of(&self, offset: u64) -> usize {
@@ -738,6 +765,7 @@ impl RemoteObject {
         if range.start >= range.end {
             return Ok(reply(&[]));
         }
+        self.check().map_err(|e| self.failed("read", e))?;
         let first = self.chunk_of(range.start);
         let last = self.chunk_of(range.end - 1);
         let what = match &tensor {
@@ -845,28 +873,20 @@ impl RemoteObject {
         }
     }
 
-    /// Chunk `k`: its cache file, or the bytes just fetched.
+    /// Chunk `k`: its cache file, or fetched now.
     fn ensure(&self, k: usize) -> Result<Chunk, FetchError> {
         self.check()?;
-        let name = self.chunk_name(k);
-        let range = self.chunk_range(k);
-        // A cache file may vanish between the fetch and the read (another
-        // mount evicted it): more tries.
-        for _ in 0..3 {
-            if let Some(map) = self.remote.cache.get(&name, range.clone()) {
-                return Ok(Chunk::Mapped(map));
-            }
-            if let Some(bytes) = self.remote.block_on(self.fetch_job(k))? {
-                return Ok(Chunk::Memory(bytes));
-            }
+        if let Some(map) = self
+            .remote
+            .cache
+            .get(&self.chunk_name(k), self.chunk_range(k))
+        {
+            return Ok(Chunk::Mapped(map));
         }
-        Err(FetchError::Cache(format!(
-            "{name} keeps vanishing from the cache"
-        )))
+        self.remote.block_on(self.fetch_job(k))
     }
 
     /// Fetches chunk `k` into the cache; concurrent callers share one fetch.
-    /// Gives the bytes fetched (None if the cache had them already).
     /// (The job holds the cache and the fetcher, never the `Remote`: the
     /// runtime that runs it must not be dropped from inside it.)
     fn fetch_job(&self, k: usize) -> impl std::future::Future<Output = Fetched> + Send + 'static {
@@ -876,79 +896,102 @@ impl RemoteObject {
         let (path, etag) = (self.path.clone(), self.etag.clone());
         async move {
             let cell = cache.inflight(&name);
-            let result = cell
-                .get_or_init(|| async {
-                    if cache.has(&name, range.clone()) {
-                        return Ok(None);
+            let _done = Done(&cache, &name, &cell);
+            cell.get_or_init(|| async {
+                // Another fetch may have brought it since the caller looked.
+                if let Some(map) = cache.get(&name, range.clone()) {
+                    return Ok(Chunk::Mapped(map));
+                }
+                let writer = match cache.begin(&name) {
+                    Ok(w) => Some(w),
+                    Err(e) => {
+                        cache.failed(&e);
+                        None
                     }
-                    let writer = match cache.begin(&name) {
-                        Ok(w) => Some(w),
-                        Err(e) => {
-                            cache.failed(&e);
-                            None
-                        }
-                    };
+                };
+                Ok(
                     match fetcher.get(path, etag, range.clone(), writer).await? {
-                        Landed::Cache => Ok(None),
-                        Landed::Memory(bytes) => Ok(Some(bytes)),
-                    }
-                })
-                .await
-                .clone();
-            cache.done(&name, &cell);
-            result
+                        Landed::Cache(map) => Chunk::Mapped(map),
+                        Landed::Memory(bytes) => Chunk::Memory(bytes),
+                    },
+                )
+            })
+            .await
+            .clone()
         }
     }
 
     /// Brings `range` of the file into the cache, fetching its chunks in
-    /// parallel; stops early when `keep_going` says so. Returns the bytes of
-    /// the range in the cache now.
+    /// parallel (as many at once as read-ahead may: readers keep a GET slot);
+    /// stops early when `keep_going` says so. Returns where the range is
+    /// cached up to without a gap, and the bytes of the range cached.
     pub fn warm(
         &self,
         range: std::ops::Range<u64>,
         keep_going: &(dyn Fn() -> bool + Sync),
-    ) -> std::io::Result<u64> {
+    ) -> std::io::Result<(u64, u64)> {
         if range.start >= range.end {
-            return Ok(0);
+            return Ok((range.end, 0));
         }
         self.check().map_err(|e| self.failed("prefetch", e))?;
         let (first, last) = (self.chunk_of(range.start), self.chunk_of(range.end - 1));
-        let jobs: Vec<_> = (first..=last).map(|k| self.fetch_job(k)).collect();
-        let remote = self.remote.clone();
-        let handles: Vec<_> = jobs
-            .into_iter()
-            .map(|j| remote.runtime().spawn(j))
+        let cached = |k: usize| {
+            self.remote
+                .cache
+                .has(&self.chunk_name(k), self.chunk_range(k))
+        };
+        let jobs: Vec<_> = (first..=last)
+            .filter(|&k| !cached(k))
+            .map(|k| self.fetch_job(k))
             .collect();
-        let mut failure = None;
-        for h in handles {
-            if !keep_going() {
-                break;
+        let failure = self.remote.block_on(async {
+            let mut running =
+                futures::stream::iter(jobs).buffer_unordered(self.remote.max_ahead.max(1));
+            while let Some(done) = running.next().await {
+                if let Err(e) = done {
+                    return Some(e);
+                }
+                if !keep_going() {
+                    break; // the fetches not finished are dropped
+                }
             }
-            match self.remote.block_on(h) {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => failure = Some(e),
-                Err(e) => failure = Some(FetchError::Store(e.to_string())),
-            }
-        }
+            None
+        });
         if let Some(e) = failure {
             return Err(self.failed("prefetch", e));
         }
-        Ok((first..=last)
-            .filter(|&k| {
-                self.remote
-                    .cache
-                    .has(&self.chunk_name(k), self.chunk_range(k))
-            })
-            .map(|k| {
+        let mut reached = range.start;
+        let mut bytes = 0;
+        for k in first..=last {
+            if cached(k) {
                 let c = self.chunk_range(k);
-                c.end.min(range.end) - c.start.max(range.start)
-            })
-            .sum())
+                let (from, to) = (c.start.max(range.start), c.end.min(range.end));
+                bytes += to - from;
+                if reached == from {
+                    reached = to;
+                }
+            }
+        }
+        Ok((reached, bytes))
     }
 
     /// The end of the data section.
     pub fn data_end(&self) -> u64 {
         self.data_end
+    }
+}
+
+/// Takes a fetch off the list of those under way when it ends, however it
+/// ends (a cancelled prefetch too).
+struct Done<'a>(
+    &'a DiskCache,
+    &'a str,
+    &'a Arc<tokio::sync::OnceCell<Fetched>>,
+);
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.0.done(self.1, self.2);
     }
 }
 
@@ -980,32 +1023,44 @@ struct CacheState {
 impl DiskCache {
     /// Opens (making it 0700 if needed) a cache folder of this user's.
     pub fn open(dir: &Path, limit: u64) -> Result<DiskCache, String> {
-        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
             .map_err(|e| format!("{}: {e}", dir.display()))?;
-        let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        // Opened once, not through a link; checked and used by that descriptor.
+        let folder = Folder::open_private(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let st = folder
+            .stat()
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
         // SAFETY: geteuid cannot fail.
         let euid = unsafe { libc::geteuid() };
-        if !meta.is_dir() || meta.uid() != euid || meta.mode() & 0o022 != 0 {
+        if st.uid != euid {
             return Err(format!(
-                "{}: refused as a cache folder: not a folder of uid {euid} closed to others (choose another with --cache-dir)",
-                dir.display()
+                "{}: refused as a cache folder: it belongs to uid {}, not to uid {euid} (choose another with --cache-dir)",
+                dir.display(),
+                st.uid
             ));
         }
-        let folder = Folder::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        if st.mode & 0o077 != 0 {
+            folder
+                .chmod(0o700)
+                .map_err(|e| format!("{}: making it private (0700): {e}", dir.display()))?;
+            info!(dir = %dir.display(), "cache folder made private (0700)");
+        }
         // What earlier mounts left, oldest first.
-        let mut found: Vec<(SystemTime, String, u64)> = std::fs::read_dir(dir)
+        let mut found: Vec<((i64, i64), String, u64)> = folder
+            .entries()
             .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let name = e.file_name().to_str()?.to_string();
-                let m = e.metadata().ok()?;
+            .filter_map(|name| {
+                let name = name.to_str()?.to_string();
+                let st = folder.stat_at(OsStr::new(&name)).ok()?;
+                if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                    return None;
+                }
                 if name.ends_with(".chunk") {
-                    Some((m.modified().ok()?, name, m.len()))
+                    Some(((st.st_mtime, st.st_mtime_nsec), name, st.st_size as u64))
                 } else {
                     if writer_gone(&name) {
                         let _ = folder.unlink(OsStr::new(&name));
@@ -1068,10 +1123,11 @@ impl DiskCache {
             }
         }
         let len = range.end - range.start;
-        let file = self
-            .folder
-            .open_file(OsStr::new(name), libc::O_RDONLY, 0)
-            .ok()?;
+        let Ok(file) = self.folder.open_file(OsStr::new(name), libc::O_RDONLY, 0) else {
+            // Gone (another mount evicted it): no longer counted here.
+            self.forget(name);
+            return None;
+        };
         let good = file
             .metadata()
             .ok()
@@ -1090,6 +1146,10 @@ impl DiskCache {
             return None;
         };
         let map = Arc::new(map);
+        // A file's modification time is its last use: the next mount evicts
+        // the least recently used first.
+        // SAFETY: a valid descriptor; null times mean now.
+        unsafe { libc::futimens(file.as_raw_fd(), std::ptr::null()) };
         let mut st = self.lock();
         st.verified.insert(name.to_string());
         if st.lru.get(name).is_none() {
@@ -1139,13 +1199,13 @@ impl DiskCache {
         let mut w = self.begin(name)?;
         w.write(data)?;
         match w.finish() {
-            Ok(Landed::Cache) => Ok(()),
+            Ok(Landed::Cache(_)) => Ok(()),
             _ => Err(std::io::Error::from_raw_os_error(libc::EIO)),
         }
     }
 
-    /// A chunk file just renamed into place.
-    fn added(&self, name: &str, len: u64) {
+    /// A chunk file just renamed into place, and its mapping.
+    fn added(&self, name: &str, len: u64, map: Arc<Mmap>) {
         {
             let mut st = self.lock();
             if let Some(old) = st.lru.put(name.to_string(), len) {
@@ -1153,7 +1213,7 @@ impl DiskCache {
             }
             st.used += len;
             st.verified.insert(name.to_string());
-            st.maps.pop(name);
+            st.maps.put(name.to_string(), map);
         }
         self.evict(Some(name));
     }
@@ -1272,14 +1332,27 @@ impl CacheWriter {
                 .folder
                 .rename(OsStr::new(&self.tmp), OsStr::new(&self.name))
         });
-        match done {
-            Ok(()) => {
-                self.file = None;
-                self.cache.added(&self.name, self.written + TRAILER);
-                Ok(Landed::Cache)
-            }
-            Err(e) => Ok(Landed::Memory(Bytes::from(self.abandon(&e)?))),
+        if let Err(e) = done {
+            return Ok(Landed::Memory(Bytes::from(self.abandon(&e)?)));
         }
+        let Some(file) = self.file.take() else {
+            return Err(FetchError::Cache("a cache file written twice".into()));
+        };
+        let len = self.written + TRAILER;
+        // SAFETY: as in `DiskCache::get`: cache files are never changed in place.
+        let map = match unsafe { Mmap::map(&file) } {
+            Ok(map) => Arc::new(map),
+            // Renamed into place, but not mappable here: it stays for later reads.
+            Err(e) => {
+                self.cache.failed(&e);
+                let mut bytes = vec![0u8; self.written as usize];
+                file.read_exact_at(&mut bytes, 0)
+                    .map_err(|r| FetchError::Cache(format!("{e}, then reading back: {r}")))?;
+                return Ok(Landed::Memory(Bytes::from(bytes)));
+            }
+        };
+        self.cache.added(&self.name, len, map.clone());
+        Ok(Landed::Cache(map))
     }
 }
 
@@ -1342,8 +1415,14 @@ pub fn default_cache_dir() -> PathBuf {
     match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
         Some(d) => PathBuf::from(d).join("stfs"),
         None => std::env::var_os("HOME")
+            .filter(|h| !h.is_empty())
             .map(|h| PathBuf::from(h).join(".cache/stfs"))
-            .unwrap_or_else(|| PathBuf::from("/var/tmp/stfs-cache")),
+            // SAFETY: geteuid cannot fail.
+            .unwrap_or_else(|| {
+                PathBuf::from(format!("/var/tmp/stfs-cache-{}", unsafe {
+                    libc::geteuid()
+                }))
+            }),
     }
 }
 

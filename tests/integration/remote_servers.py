@@ -100,8 +100,13 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
             return
         st = os.stat(path)
         etag = '"%s"' % hashlib.md5(f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}".encode()).hexdigest()
+        mode = self.server.etags
+        if mode == "weak":
+            etag = "W/" + etag
         if_match = self.headers.get("If-Match")
-        if if_match is not None and if_match != "*" and etag not in [t.strip() for t in if_match.split(",")]:
+        # A weak ETag never matches If-Match (strong comparison, RFC 9110).
+        if (if_match is not None and if_match != "*" and mode != "none"
+                and (mode == "weak" or etag not in [t.strip() for t in if_match.split(",")])):
             self.send_response(412)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -123,8 +128,9 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
             status = 206
         self.send_response(status)
         self.send_header("Content-Length", str(end - start))
-        self.send_header("ETag", etag)
-        self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
+        if mode != "none":
+            self.send_header("ETag", etag)
+            self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
@@ -149,11 +155,14 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
 
 
 class RangeServer:
-    """Serves the files of `root` over HTTP with ranges and ETags."""
+    """Serves the files of `root` over HTTP with ranges and ETags: strong ones,
+    weak ones (`W/"..."`, which If-Match never matches), or none at all (and no
+    Last-Modified either), as servers do."""
 
-    def __init__(self, root):
+    def __init__(self, root, etags="strong"):
         self.server = _Server(("127.0.0.1", 0), _RangeHandler)
         self.server.root = os.path.realpath(root)
+        self.server.etags = etags
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -174,7 +183,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         proxy = self.server.proxy
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
-        request = {"method": self.command, "path": self.path, "range": self.headers.get("Range")}
+        request = {"method": self.command, "path": self.path, "range": self.headers.get("Range"),
+                   "authorization": self.headers.get("Authorization") or ""}
         action = proxy.decide(request)
         if action == "drop":
             # Close without an answer: the client sees a broken connection.
@@ -214,8 +224,16 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
                 self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        if self.command == "HEAD":
+            return
+        if action == "stall_body":
+            # Headers and half the body, then silence.
+            self.wfile.write(data[:len(data) // 2])
+            self.wfile.flush()
+            proxy.release.wait(120)
+            self.close_connection = True
+            return
+        self.wfile.write(data)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
@@ -224,7 +242,8 @@ class FaultProxy:
     """Forwards to 127.0.0.1:upstream_port. `rule(request) -> action` decides
     each request: None (forward), an HTTP status to answer instead, "drop",
     "hang" (until `release` is set, then drop), "hold" (until `release` is
-    set, then forward), or ("delay", seconds) then forward.
+    set, then forward), "stall_body" (forward the headers and half the body,
+    then nothing until `release`), or ("delay", seconds) then forward.
     `requests` lists every request seen: {method, path, range}."""
 
     def __init__(self, upstream_port):

@@ -68,17 +68,30 @@ def s3(moto, tmp_path):
 
 
 @pytest.fixture
-def web(tmp_path):
-    """A range server over tmp_path/www, behind a proxy."""
-    root = tmp_path / "www"
-    root.mkdir()
-    server = RangeServer(root)
-    proxy = FaultProxy(server.port)
-    proxy.root = root
-    proxy.options = ["--cache-dir", str(tmp_path / "cache")]
-    yield proxy
-    proxy.stop()
-    server.stop()
+def web_servers(tmp_path):
+    """web_servers(etags="strong") -> a range server over its own folder
+    (`.root`), behind a proxy; all stopped at teardown."""
+    made = []
+
+    def start(etags="strong"):
+        root = tmp_path / f"www{len(made)}"
+        root.mkdir()
+        server = RangeServer(root, etags=etags)
+        proxy = FaultProxy(server.port)
+        proxy.root = root
+        proxy.options = ["--cache-dir", str(tmp_path / "cache")]
+        made.append((proxy, server))
+        return proxy
+
+    yield start
+    for proxy, server in made:
+        proxy.stop()
+        server.stop()
+
+
+@pytest.fixture
+def web(web_servers):
+    return web_servers()
 
 
 def big_checkpoint(path, seed=0):
@@ -296,11 +309,38 @@ def test_eviction_under_a_small_cache_size(tmp_path, s3, mount):
     for _ in range(2):
         for name, t in tensors.items():
             assert sha(read(os.path.join(m.path, name))) == sha(t.tobytes()), name
-            # At most the limit plus the chunk just written (8 MiB and its trailer).
-            assert cache_bytes(cache) <= (12 << 20) + (8 << 20) + 16
     before = s3.count("GET", ranged=True)
     assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
     assert s3.count("GET", ranged=True) > before, "an evicted tensor is fetched again"
+    m.close()
+    # Once nothing is being fetched: at most the limit, or one chunk (8 MiB
+    # and its trailer) past it when that chunk is the newest.
+    assert cache_bytes(cache) <= (12 << 20) + (8 << 20) + 16
+
+
+def test_two_mounts_share_a_small_cache_under_concurrent_readers(tmp_path, s3, mount):
+    src = tmp_path / "shared.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "shared/s.safetensors")
+    # Smaller than what the readers want at once: the mounts evict each
+    # other's chunks while reading them.
+    mounts = [mount(url, *s3.options, "--cache-size", "20M") for _ in range(2)]
+    errors = []
+
+    def reader(m, k):
+        try:
+            names = sorted(tensors)
+            for name in names[k:] + names[:k]:
+                assert read(os.path.join(m.path, name)) == tensors[name].tobytes(), name
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(m, k)) for m in mounts for k in range(0, 32, 8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
 
 
 def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
@@ -336,9 +376,14 @@ def test_transient_faults_are_retried(tmp_path, s3, mount):
         m = mount(url, "--endpoint", s3.url, "--cache-dir", str(tmp_path / f"cache{i}"))
         s3.reset()
         s3.fail_next(2, action)
+        t0 = time.monotonic()
         assert read(os.path.join(m.path, name)) == tensors[name].tobytes(), action
-        # Two faults then a success; a slow answer is waited for.
-        assert s3.count("GET") >= (1 if isinstance(action, tuple) else 3), action
+        if isinstance(action, tuple):
+            # Slow answers (1.5 s each, under --timeout) are waited for.
+            assert time.monotonic() - t0 >= action[1], action
+        else:
+            # Two faults, then a success.
+            assert s3.count("GET") >= 3, action
         m.close()
 
 
@@ -396,6 +441,15 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mo
     assert outcome["seconds"] < 30 and quick < outcome["seconds"], outcome
     s3.reset()
     assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
+
+    # A server that answers, sends half the body, then goes silent.
+    s3.rule = lambda r: "stall_body" if r["range"] else None
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e:
+        read(os.path.join(m.path, "big.b"))
+    assert e.value.errno == errno.EIO and time.monotonic() - t0 < 30
+    s3.reset()
+    assert read(os.path.join(m.path, "big.b")) == tensors["big.b"].tobytes()
 
 
 def test_an_object_replaced_behind_the_mount_is_eio_never_mixed(tmp_path, s3, mount):
@@ -493,10 +547,63 @@ def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch)
     aws = tmp_path / "home" / ".aws"
     aws.mkdir(parents=True)
     (aws / "credentials").write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n"
-                                     "[bench]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+                                     "[bench]\naws_access_key_id = benchkey\naws_secret_access_key = s\n")
     (aws / "config").write_text(f"[profile bench]\nregion = us-east-1\nendpoint_url = {s3.url}\n")
+    # moto takes any key: the proxy refuses requests not signed with the profile's.
+    s3.rule = lambda r: None if "Credential=benchkey/" in r["authorization"] else 403
+    m = mount(url, "--cache-dir", str(tmp_path / "cache"), "--endpoint", s3.url, expect_ok=False)
+    assert not m.ok and "denied" in m.result.stderr, "the default profile's key was refused"
     monkeypatch.setenv("AWS_PROFILE", "bench")
     # The endpoint comes from the profile too.
     m = mount(url, "--cache-dir", str(tmp_path / "cache"))
     assert read(os.path.join(m.path, "a")) == np.arange(8, dtype=np.float32).tobytes()
     assert any(r["range"] for r in s3.requests), "the requests went through the profile's endpoint"
+
+
+@pytest.mark.parametrize("etags", ["strong", "weak"])
+def test_an_http_object_replaced_behind_the_mount_is_eio(tmp_path, web_servers, mount, etags):
+    web = web_servers(etags)
+    tensors = big_checkpoint(web.root / "r.safetensors", seed=1)
+    m = mount(f"{web.url}/r.safetensors", *web.options)
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
+    big_checkpoint(web.root / "new.safetensors", seed=2)
+    os.replace(web.root / "new.safetensors", web.root / "r.safetensors")
+    with pytest.raises(OSError) as e:
+        read(os.path.join(m.path, "big.a"))
+    assert e.value.errno == errno.EIO and "replaced" in log_of(m)
+
+
+def test_a_server_without_etags_is_served_but_not_cached_across_mounts(tmp_path, web_servers, mount):
+    web = web_servers("none")
+    tensors = big_checkpoint(web.root / "n.safetensors")
+    url = f"{web.url}/n.safetensors"
+    m = mount(url, *web.options)
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
+    assert "no ETag" in log_of(m)
+    m.close()
+    web.reset()
+    m2 = mount(url, *web.options)
+    assert read(os.path.join(m2.path, "big.a")) == tensors["big.a"].tobytes()
+    # Nothing tells two versions apart: a new mount does not trust the cache.
+    assert web.count("GET", ranged=True) > 1
+
+
+def test_the_cache_folder_is_private(tmp_path, s3, mount):
+    src = tmp_path / "p.safetensors"
+    ckpt.base(src)
+    url = s3.upload(src, "private/p.safetensors")
+    opened = tmp_path / "opened"
+    opened.mkdir(mode=0o755)
+    os.chmod(opened, 0o755)
+    m = mount(url, "--endpoint", s3.url, "--cache-dir", str(opened))
+    assert os.stat(opened).st_mode & 0o777 == 0o700, "made private"
+    m.close()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    m = mount(url, "--endpoint", s3.url, "--cache-dir", str(theirs), expect_ok=False)
+    assert "belongs to uid 65534" in m.result.stderr
+    link = tmp_path / "link"
+    link.symlink_to(opened)
+    m = mount(url, "--endpoint", s3.url, "--cache-dir", str(link), expect_ok=False)
+    assert not m.ok and str(link) in m.result.stderr
