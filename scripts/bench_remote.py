@@ -85,6 +85,27 @@ def read_all(folder, names, readers=1):
         t.join()
 
 
+def sweep(stfs, work, url, names, options, settings, runs, baseline):
+    """Reads every tensor through fresh mounts (empty caches) at each
+    --concurrency of `settings`, by 1 and by 8 readers; prints each
+    throughput as a multiple of the baseline's (`baseline`: its seconds)."""
+    for conc in [int(c) for c in settings.split(",")]:
+        row = []
+        for readers in (1, 8):
+            times = []
+            for r in range(runs):
+                cache = os.path.join(work, f"cache-{conc}-{readers}-{r}")
+                m = Mounted(stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
+                            [*options, "--cache-dir", cache, "--concurrency", str(conc)])
+                try:
+                    times.append(timed(lambda: read_all(m.mnt, names, readers)))
+                finally:
+                    m.close()
+                    shutil.rmtree(cache)
+            row.append(baseline / statistics.median(times))
+        print(f"  {conc:<20d} {row[0]:>8.2f}x {row[1]:>9.2f}x")
+
+
 def boto3_download(client, key, threads=16):
     from boto3.s3.transfer import TransferConfig
     config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=threads)
@@ -178,21 +199,7 @@ def main():
         print(f"1 GiB checkpoint from a local S3 server (moto), median of {args.moto_runs}")
         print(f"  boto3 download_fileobj, 16 threads x 8 MiB ranged GETs: {b:.2f} s ({size / b / 1e6:.0f} MB/s) = 1.00x")
         print(f"  {'stfs --concurrency':20s} {'1 reader':>9s} {'8 readers':>10s}   (throughput as multiples of boto3's)")
-        for conc in [int(c) for c in args.moto_concurrency.split(",")]:
-            row = []
-            for readers in (1, 8):
-                times = []
-                for r in range(args.moto_runs):
-                    cache = os.path.join(work, f"cache-{conc}-{readers}-{r}")
-                    m = Mounted(args.stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
-                                ["--endpoint", moto.endpoint, "--cache-dir", cache, "--concurrency", str(conc)])
-                    try:
-                        times.append(timed(lambda: read_all(m.mnt, names, readers)))
-                    finally:
-                        m.close()
-                        shutil.rmtree(cache)
-                row.append(b / statistics.median(times))
-            print(f"  {conc:<20d} {row[0]:>8.2f}x {row[1]:>9.2f}x")
+        sweep(args.stfs, work, url, names, ["--endpoint", moto.endpoint], args.moto_concurrency, args.moto_runs, b)
 
         # Second read: from the cache, against a local mount of the same file.
         cache = os.path.join(work, "cache-second")
@@ -251,21 +258,7 @@ def main():
                     port, "/model.safetensors", size, into=os.path.join(work, "download"))) for _ in range(args.runs)])
                 print(f"  the same, written to a local file (a download): {base / to_file:.2f}x")
                 print(f"  {'stfs --concurrency':20s} {'1 reader':>9s} {'8 readers':>10s}")
-                for conc in [int(c) for c in args.concurrency.split(",")]:
-                    row = []
-                    for readers in (1, 8):
-                        times = []
-                        for r in range(args.runs):
-                            cache = os.path.join(work, f"cache-http-{conc}-{readers}-{r}")
-                            m = Mounted(args.stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
-                                        ["--cache-dir", cache, "--concurrency", str(conc)])
-                            try:
-                                times.append(timed(lambda: read_all(m.mnt, names, readers)))
-                            finally:
-                                m.close()
-                                shutil.rmtree(cache)
-                        row.append(base / statistics.median(times))
-                    print(f"  {conc:<20d} {row[0]:>8.2f}x {row[1]:>9.2f}x")
+                sweep(args.stfs, work, url, names, [], args.concurrency, args.runs, base)
             finally:
                 proc.terminate()
                 proc.wait(10)
