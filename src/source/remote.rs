@@ -766,6 +766,10 @@ impl RemoteObject {
             return Ok(reply(&[]));
         }
         self.check().map_err(|e| self.failed("read", e))?;
+        if range.start < self.chunks[0] || range.end > self.data_end {
+            // Only tensor bytes are served from here (callers clamp to a tensor).
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
         let first = self.chunk_of(range.start);
         let last = self.chunk_of(range.end - 1);
         let what = match &tensor {
