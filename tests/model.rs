@@ -654,15 +654,7 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             offset,
             data,
         } => {
-            let f = FileRef {
-                dir: *dir,
-                name: *name,
-                part: Part::Data,
-            };
-            let o = model.entry(*dir, NAMES[*name]).and_then(|e| e.data);
-            let ino = m.lookup(&f);
-            assert_eq!(ino.is_some(), o.is_some(), "{op:?}");
-            if let (Some(ino), Some(o)) = (ino, o) {
+            if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
                 let h = fs.open(ino, true, false).unwrap();
                 fs.write(ino, h.fh, *offset, data).unwrap();
                 fs.release(h.fh).unwrap();
@@ -671,15 +663,7 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             }
         }
         Op::Truncate { dir, name, len } => {
-            let f = FileRef {
-                dir: *dir,
-                name: *name,
-                part: Part::Data,
-            };
-            let o = model.entry(*dir, NAMES[*name]).and_then(|e| e.data);
-            let ino = m.lookup(&f);
-            assert_eq!(ino.is_some(), o.is_some(), "{op:?}");
-            if let (Some(ino), Some(o)) = (ino, o) {
+            if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
                 fs.set_size(ino, None, *len).unwrap();
                 model.truncate(o, *len);
                 model.dirs[*dir].dirty = true;
@@ -774,15 +758,7 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             let Some(slot) = model.handles.iter().position(Option::is_none) else {
                 return;
             };
-            let f = FileRef {
-                dir: *dir,
-                name: *name,
-                part: Part::Data,
-            };
-            let o = model.entry(*dir, NAMES[*name]).and_then(|e| e.data);
-            let ino = m.lookup(&f);
-            assert_eq!(ino.is_some(), o.is_some(), "{op:?}");
-            if let (Some(ino), Some(o)) = (ino, o) {
+            if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
                 let h = fs.open(ino, true, false).unwrap();
                 model.handles[slot] = Some((h.fh, o, ino));
             }
@@ -1204,6 +1180,15 @@ proptest! {
     fn folder_mount_matches_the_model(ops in prop::collection::vec(op(2), 1..30)) {
         run(true, &ops);
     }
+}
+
+/// The inode of a data file and the model's object behind it, if the
+/// model says the file exists (and the filesystem must agree).
+fn data_file(m: &Mounted, model: &Model, dir: usize, name: usize, op: &Op) -> Option<(Ino, ObjId)> {
+    let o = model.entry(dir, NAMES[name]).and_then(|e| e.data);
+    let ino = m.lookup(&data(dir, name));
+    assert_eq!(ino.is_some(), o.is_some(), "{op:?}");
+    Some((ino?, o?))
 }
 
 fn data(dir: usize, name: usize) -> FileRef {

@@ -224,7 +224,7 @@ fn open_remote(
             let bytes = at.remote.get_all(&path)?;
             let stat = FileStat {
                 len: bytes.len() as u64,
-                ..folder_stat(0o100444)
+                ..FileStat::of_mounting_user(0o100444)
             };
             indexes.push((at.remote.url(&path), IndexFile { name, bytes, stat }));
         }
@@ -239,7 +239,7 @@ fn open_remote(
         .unwrap_or((0, 0));
     let stat = FileStat {
         mtime: newest,
-        ..folder_stat(0o040555)
+        ..FileStat::of_mounting_user(0o040555)
     };
     for (_, ix) in &mut indexes {
         ix.stat.mtime = newest;
@@ -248,20 +248,6 @@ fn open_remote(
     // writes there through it, and statfs shows the disk the cache is on.
     let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
     Ok((source, warnings, cache))
-}
-
-/// A synthesized stat of a remote folder (or index) owned by the mounting user.
-fn folder_stat(mode: u32) -> FileStat {
-    FileStat {
-        dev: 0,
-        ino: 0,
-        len: 0,
-        mtime: (0, 0),
-        mode,
-        // SAFETY: getuid/getgid cannot fail.
-        uid: unsafe { libc::getuid() },
-        gid: unsafe { libc::getgid() },
-    }
 }
 
 /// What is at the mount point, as far as mounting there goes.

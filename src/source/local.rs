@@ -102,6 +102,21 @@ impl FileStat {
         })
     }
 
+    /// What stands for something remote: `mode`, owned by the user who
+    /// mounts, no identity, size or time until the caller gives them.
+    pub fn of_mounting_user(mode: u32) -> FileStat {
+        FileStat {
+            dev: 0,
+            ino: 0,
+            len: 0,
+            mtime: (0, 0),
+            mode,
+            // SAFETY: getuid/getgid cannot fail.
+            uid: unsafe { libc::getuid() },
+            gid: unsafe { libc::getgid() },
+        }
+    }
+
     /// Same file, same length, same modification time: the bytes stfs validated.
     pub fn same_version(&self, other: &FileStat) -> bool {
         (self.dev, self.ino, self.len, self.mtime) == (other.dev, other.ino, other.len, other.mtime)
@@ -126,33 +141,22 @@ pub struct Folder {
 
 impl Folder {
     pub fn open(path: &Path) -> std::io::Result<Folder> {
-        let c = cstr(path.as_os_str())?;
-        // SAFETY: c is a valid NUL-terminated path.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: open returned a fresh descriptor we now own.
-        Ok(Folder {
-            path: path.to_path_buf(),
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        Folder::open_with(path, 0)
     }
 
     /// Opens a folder that must not be a symbolic link (a private folder of
     /// this user's, checked by the caller through `stat`).
     pub fn open_private(path: &Path) -> std::io::Result<Folder> {
+        Folder::open_with(path, libc::O_NOFOLLOW)
+    }
+
+    fn open_with(path: &Path, flags: i32) -> std::io::Result<Folder> {
         let c = cstr(path.as_os_str())?;
         // SAFETY: c is a valid NUL-terminated path.
         let fd = unsafe {
             libc::open(
                 c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | flags,
             )
         };
         if fd < 0 {
@@ -428,7 +432,6 @@ impl SourceFile {
     pub fn remote(object: RemoteObject, header: Header) -> SourceFile {
         let id = object.cache_key();
         let stat = FileStat {
-            dev: 0,
             ino: id
                 .get(..16)
                 .and_then(|h| u64::from_str_radix(h, 16).ok())
@@ -438,10 +441,7 @@ impl SourceFile {
                 Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i64),
                 Err(_) => (0, 0),
             },
-            mode: libc::S_IFREG | 0o444,
-            // SAFETY: getuid/getgid cannot fail.
-            uid: unsafe { libc::getuid() },
-            gid: unsafe { libc::getgid() },
+            ..FileStat::of_mounting_user(libc::S_IFREG | 0o444)
         };
         SourceFile {
             path: PathBuf::from(object.url()),

@@ -853,7 +853,7 @@ impl RemoteObject {
             s.looked_at.max(last + 1)..end
         };
         let remote = &self.remote;
-        let mut looked_at = todo.start;
+        let (todo_start, mut looked_at) = (todo.start, todo.start);
         for k in todo {
             let name = self.chunk_name(k);
             if !remote.cache.busy(&name) && !remote.cache.has(&name, self.chunk_range(k)) {
@@ -871,9 +871,11 @@ impl RemoteObject {
             }
             looked_at = k + 1;
         }
-        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = streams.peek_mut(&tensor) {
-            s.looked_at = s.looked_at.max(looked_at);
+        if looked_at > todo_start {
+            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(s) = streams.peek_mut(&tensor) {
+                s.looked_at = s.looked_at.max(looked_at);
+            }
         }
     }
 

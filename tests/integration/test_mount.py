@@ -37,32 +37,39 @@ def sha(b):
     return hashlib.sha256(b).hexdigest()
 
 
-def test_mixed_checkpoint_bytes_meta_and_listing(tmp_path, mount):
-    src = tmp_path / "mixed.safetensors"
-    expected = ckpt.mixed_checkpoint(str(src))
+def check_listing_bytes_and_metas(mnt, src, expected):
+    """A mount of checkpoint `src` ({name: bytes} `expected`): its listing,
+    every tensor's bytes through `cat`, every meta, and __metadata__.json."""
     n, header = ckpt.read_header(src)
-    m = mount(src)
-
-    listing = set(subprocess.run(["ls", "-a", m.path], capture_output=True, text=True, check=True).stdout.split("\n")) - {""}
+    listing = set(subprocess.run(["ls", "-a", mnt], capture_output=True, text=True, check=True).stdout.split("\n")) - {""}
     want = {".", ".."} | DIR_ENTRIES
     for name in expected:
         want |= {file_name(name), file_name(name) + ".meta.json"}
     assert listing == want
 
     for name, data in expected.items():
-        path = os.path.join(m.path, file_name(name))
-        # cat through a real process, and a direct read.
+        path = os.path.join(mnt, file_name(name))
         out = subprocess.run(["cat", path], capture_output=True, check=True).stdout
         assert sha(out) == sha(data), name
         assert os.stat(path).st_size == len(data)
-        meta = json.loads(open(path + ".meta.json").read())
+        with open(path + ".meta.json") as f:
+            meta = json.load(f)
         entry = header[name]
         assert meta["dtype"] == entry["dtype"] and meta["shape"] == entry["shape"]
         assert meta["data_offsets"] == entry["data_offsets"]
         assert meta["nbytes"] == len(data) and meta["name"] == name
         assert meta["file_offset"] == 8 + n + entry["data_offsets"][0]
 
-    assert json.load(open(os.path.join(m.path, "__metadata__.json"))) == {"format": "np", "note": "stfs test"}
+    with open(os.path.join(mnt, "__metadata__.json")) as f:
+        assert json.load(f) == header.get("__metadata__", {})
+
+
+def test_mixed_checkpoint_bytes_meta_and_listing(tmp_path, mount):
+    src = tmp_path / "mixed.safetensors"
+    expected = ckpt.mixed_checkpoint(str(src))
+    m = mount(src)
+    check_listing_bytes_and_metas(m.path, src, expected)
+    assert ckpt.read_header(src)[1]["__metadata__"] == {"format": "np", "note": "stfs test"}
 
     # ls -l sizes match the header.
     for line in subprocess.run(["ls", "-l", m.path], capture_output=True, text=True, check=True).stdout.splitlines()[1:]:

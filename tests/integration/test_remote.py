@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 import ckpt
 from remote_servers import FaultProxy, Moto, RangeServer
-from test_mount import DIR_ENTRIES, file_name
+from test_mount import check_listing_bytes_and_metas
 
 BUCKET = "stfs-test"
 
@@ -104,27 +104,6 @@ def big_checkpoint(path, seed=0):
     return tensors
 
 
-def check_reads_like_a_local_file(m, src, expected):
-    """What test_mount checks of a local file: listing, bytes, metas, metadata."""
-    n, header = ckpt.read_header(src)
-    listing = set(os.listdir(m.path))
-    want = set(DIR_ENTRIES)
-    for name in expected:
-        want |= {file_name(name), file_name(name) + ".meta.json"}
-    assert listing == want
-    for name, data in expected.items():
-        path = os.path.join(m.path, file_name(name))
-        out = subprocess.run(["cat", path], capture_output=True, check=True).stdout
-        assert sha(out) == sha(data), name
-        assert os.stat(path).st_size == len(data)
-        meta = json.loads(open(path + ".meta.json").read())
-        entry = header[name]
-        assert (meta["dtype"], meta["shape"], meta["data_offsets"]) == (entry["dtype"], entry["shape"], entry["data_offsets"])
-        assert meta["file_offset"] == 8 + n + entry["data_offsets"][0]
-    got = json.load(open(os.path.join(m.path, "__metadata__.json")))
-    assert got == header.get("__metadata__", {})
-
-
 def check_big(m, tensors):
     a = tensors["big.a"].tobytes()
     path = os.path.join(m.path, "big.a")
@@ -161,9 +140,9 @@ def test_s3_object_reads_like_a_local_file(tmp_path, s3, mount, run):
     big = tmp_path / "big.safetensors"
     tensors = big_checkpoint(big)
     m1 = mount(s3.upload(mixed, "models/mixed.safetensors"), *s3.options)
-    check_reads_like_a_local_file(m1, mixed, expected)
+    check_listing_bytes_and_metas(m1.path, mixed, expected)
     m2 = mount(s3.upload(big, "models/big.safetensors"), *s3.options)
-    check_reads_like_a_local_file(m2, big, {k: v.tobytes() for k, v in tensors.items()})
+    check_listing_bytes_and_metas(m2.path, big, {k: v.tobytes() for k, v in tensors.items()})
     check_big(m2, tensors)
     # Read-only, owned by the user who mounted it.
     st = os.stat(os.path.join(m2.path, "big.a"))
@@ -176,7 +155,7 @@ def test_https_object_reads_like_a_local_file(tmp_path, web, mount):
     expected = ckpt.mixed_checkpoint(str(web.root / "mixed.safetensors"))
     tensors = big_checkpoint(web.root / "big.safetensors")
     m1 = mount(f"{web.url}/mixed.safetensors", *web.options)
-    check_reads_like_a_local_file(m1, web.root / "mixed.safetensors", expected)
+    check_listing_bytes_and_metas(m1.path, web.root / "mixed.safetensors", expected)
     m2 = mount(f"{web.url}/big.safetensors", *web.options)
     check_big(m2, tensors)
     assert web.count("GET", ranged=False) == 0, "every GET is ranged"
