@@ -22,7 +22,7 @@ use crate::fs::fuse::FuseAdapter;
 use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
 use crate::inspect::list_dir;
 use crate::source::local::Folder;
-use crate::source::remote::{is_url, OpenError, Remote, RemoteOptions};
+use crate::source::remote::{is_url, OpenError, Remote, RemoteOptions, CHUNK};
 use crate::source::{FileStat, SourceError, SourceFile};
 
 pub use fusermount::unmount as fusermount_unmount;
@@ -183,6 +183,17 @@ fn open_remote(
     opts: &RemoteOptions,
 ) -> Result<(Source, Vec<String>, Arc<Folder>), String> {
     let at = Remote::connect(url, opts)?;
+    let mut notes = Vec::new();
+    // Read-ahead of all GET slots at once must fit, with the chunks being read.
+    let room = 2 * opts.concurrency as u64 * CHUNK;
+    if opts.cache_size < room {
+        notes.push(format!(
+            "--cache-size {} is below {} MiB (2 x --concurrency x 8 MiB chunks): chunks fetched ahead \
+             may be evicted before they are read, and fetched twice",
+            opts.cache_size,
+            room >> 20
+        ));
+    }
     let cache = Arc::new(
         at.remote
             .cache_folder()
@@ -205,7 +216,7 @@ fn open_remote(
         }
     };
     if !at.folder {
-        return Ok((Source::File(open(&at.path)?), Vec::new(), cache));
+        return Ok((Source::File(open(&at.path)?), notes, cache));
     }
     if url.starts_with("http://") || url.starts_with("https://") {
         return Err(format!(
@@ -216,8 +227,7 @@ fn open_remote(
     let listed = at.remote.list(&at.path)?;
     let mut shards = Vec::new();
     let mut indexes = Vec::new();
-    for (name, _) in listed {
-        let path = at.path.clone().join(name.as_str());
+    for (name, path) in listed {
         if name.ends_with(".safetensors") {
             shards.push((name, open(&path)?));
         } else if name.ends_with(".index.json") {
@@ -247,7 +257,7 @@ fn open_remote(
     // The cache folder stands in for the folder: a read-only mount never
     // writes there through it, and statfs shows the disk the cache is on.
     let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
-    Ok((source, warnings, cache))
+    Ok((source, warnings.into_iter().chain(notes).collect(), cache))
 }
 
 /// What is at the mount point, as far as mounting there goes.
@@ -408,6 +418,9 @@ fn launch(
     prepare: impl FnOnce() -> Prepared,
 ) -> Result<(), String> {
     if req.foreground {
+        // Before any thread starts (the network runtime's, the log's): only
+        // the signal thread of `serve` may take SIGINT, SIGTERM and SIGHUP.
+        blocked_signals();
         logging::init(req.log_file.as_deref(), true)?;
         let (fs, report) = prepare()?;
         for w in &report {
@@ -444,6 +457,8 @@ fn daemonize(
             unsafe { libc::setsid() };
             detach_stdio();
             let mut ready = Some(write_end);
+            // As in `launch`: before any thread starts.
+            blocked_signals();
             let prepared = logging::init(req.log_file.as_deref(), false).and_then(|_| prepare());
             let code = match prepared {
                 Err(e) => {
@@ -553,7 +568,8 @@ fn serve(
     config.acl = options.acl;
     config.n_threads = Some(threads.max(1));
 
-    // Signals are taken by one thread (below): block them before fuser starts its threads.
+    // Signals are taken by one thread (below); every other thread has them
+    // blocked (they were blocked before any was started).
     let signals = blocked_signals();
     let fs = Arc::new(fs);
     let adapter = FuseAdapter::new(fs.clone());

@@ -1497,6 +1497,15 @@ impl Fs {
                 ),
             };
             out.push_str(&format!("{}: {head}\n", s.file.display()));
+            if m.live
+                .source()
+                .remote_object()
+                .is_some_and(|r| r.replaced())
+            {
+                out.push_str(
+                    "  replaced   the object changed behind the mount: its reads fail (EIO); mount it again\n",
+                );
+            }
             for line in &s.changes {
                 out.push_str(&format!("  {line}\n"));
             }

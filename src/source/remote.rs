@@ -131,7 +131,17 @@ fn store_error(url: &str, e: object_store::Error) -> String {
         | object_store::Error::Unauthenticated { .. } => {
             format!("{url}: access denied: {e}")
         }
-        e => format!("{url}: {}", with_causes(&e)),
+        e => {
+            let said = with_causes(&e);
+            // object_store's last resort for credentials is the instance metadata service.
+            let hint = if said.contains("169.254.169.254") {
+                " (no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or \
+                 AWS_PROFILE with ~/.aws/credentials)"
+            } else {
+                ""
+            };
+            format!("{url}: {said}{hint}")
+        }
     }
 }
 
@@ -169,7 +179,13 @@ impl Remote {
             retry_timeout: opts.timeout,
             ..Default::default()
         };
-        let folder = parsed.path().ends_with('/');
+        if parsed.query().is_some() {
+            return Err(format!(
+                "{url}: a URL with a query string (a presigned URL, a version id) is not supported yet"
+            ));
+        }
+        // `s3://bucket` is the bucket's top folder.
+        let folder = parsed.path().ends_with('/') || parsed.path().is_empty();
         let (store, path, origin): (Arc<dyn ObjectStore>, String, String) = match parsed.scheme() {
             "s3" | "s3a" => {
                 let mut b = object_store::aws::AmazonS3Builder::from_env()
@@ -236,11 +252,6 @@ impl Remote {
                 )
             }
             "http" | "https" => {
-                if parsed.query().is_some() {
-                    return Err(format!(
-                        "{url}: a URL with a query string (a presigned URL) is not supported yet"
-                    ));
-                }
                 let origin = parsed[..url::Position::BeforePath].to_string();
                 let store = object_store::http::HttpBuilder::new()
                     .with_url(&origin)
@@ -318,8 +329,8 @@ impl Remote {
         self.runtime().block_on(f)
     }
 
-    /// The objects in a folder (not below it), by name.
-    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, u64)>, String> {
+    /// The objects in a folder (not below it): (file name, path).
+    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, ObjectPath)>, String> {
         let url = self.url(prefix);
         let f = &self.fetcher;
         self.block_on(async {
@@ -331,7 +342,9 @@ impl Remote {
             Ok(listed
                 .objects
                 .into_iter()
-                .filter_map(|o| Some((o.location.filename()?.to_string(), o.size)))
+                // The listed path is the object's own: joining its name to the
+                // prefix again would encode it twice.
+                .filter_map(|o| Some((o.location.filename()?.to_string(), o.location)))
                 .collect())
         })
     }
@@ -382,7 +395,15 @@ impl Remote {
             // Only a header that can be valid is worth a second request.
             if n <= MAX_HEADER_LEN && want <= size && want > prefix.len() as u64 {
                 let rest = self
-                    .fetch_range(path, etag.as_deref(), prefix.len() as u64..want)
+                    .fetch_range(
+                        path,
+                        Version {
+                            size,
+                            etag: etag.clone(),
+                            modified: modified.into(),
+                        },
+                        prefix.len() as u64..want,
+                    )
                     .map_err(|e| OpenError::Fetch(format!("{url}: {e}")))?;
                 prefix.extend_from_slice(&rest);
             }
@@ -401,9 +422,11 @@ impl Remote {
             remote: self.clone(),
             url,
             path: path.clone(),
-            size,
-            etag,
-            modified: modified.into(),
+            version: Version {
+                size,
+                etag,
+                modified: modified.into(),
+            },
             cache_key: String::new(),
             chunks: chunk_starts(&header),
             data_end: header.data_start() + header.data_len(),
@@ -417,17 +440,17 @@ impl Remote {
         Ok((object, header))
     }
 
-    /// One ranged GET, conditional on the ETag, bounded in time.
+    /// One ranged GET of `version`, bounded in time.
     fn fetch_range(
         &self,
         path: &ObjectPath,
-        etag: Option<&str>,
+        version: Version,
         range: std::ops::Range<u64>,
     ) -> Result<Bytes, FetchError> {
         let job = self
             .fetcher
             .clone()
-            .get(path.clone(), etag.map(str::to_string), range, None);
+            .get(path.clone(), Some(version), range, None);
         match self.block_on(job)? {
             Landed::Memory(bytes) => Ok(bytes),
             Landed::Cache(_) => Err(FetchError::Cache("a header went to the cache".into())),
@@ -455,6 +478,30 @@ struct Fetcher {
     fetched: Arc<AtomicU64>,
 }
 
+/// The version of an object seen at mount.
+#[derive(Clone)]
+struct Version {
+    size: u64,
+    etag: Option<String>,
+    modified: SystemTime,
+}
+
+impl Version {
+    /// Whether an answer is of this version: same size, same ETag (a server
+    /// that ignores If-Match still names the version it sends), and, where
+    /// there is no ETag, the same modification time.
+    fn sent(&self, meta: &object_store::ObjectMeta) -> bool {
+        let modified: SystemTime = meta.last_modified.into();
+        meta.size == self.size
+            && match (&self.etag, &meta.e_tag) {
+                (Some(want), Some(sent)) => want == sent,
+                // Nothing to compare: If-Match (where sent) stands guard.
+                (Some(_), None) => true,
+                (None, _) => modified == self.modified,
+            }
+    }
+}
+
 /// Where fetched bytes went.
 enum Landed {
     /// Into the cache file the fetch was given (mapped).
@@ -472,13 +519,13 @@ impl Fetcher {
     async fn get(
         self,
         path: ObjectPath,
-        etag: Option<String>,
+        version: Option<Version>,
         range: std::ops::Range<u64>,
         file: Option<CacheWriter>,
     ) -> Result<Landed, FetchError> {
         let want = range.end - range.start;
         let timeout = self.timeout;
-        let expected = etag.clone();
+        let etag = version.as_ref().and_then(|v| v.etag.clone());
         // Waiting for a GET slot is not the server's silence: the time limit
         // starts with the request.
         let _permit = self
@@ -508,11 +555,8 @@ impl Fetcher {
         let got = tokio::time::timeout(timeout, start)
             .await
             .map_err(|_| FetchError::TimedOut)??;
-        // A server that ignores If-Match still names the version it sends.
-        if let (Some(want), Some(sent)) = (&expected, &got.meta.e_tag) {
-            if want != sent {
-                return Err(FetchError::Replaced);
-            }
+        if version.is_some_and(|v| !v.sent(&got.meta)) {
+            return Err(FetchError::Replaced);
         }
         let mut stream = got.into_stream();
         let mut sink = match file {
@@ -655,9 +699,7 @@ pub struct RemoteObject {
     remote: Arc<Remote>,
     url: String,
     path: ObjectPath,
-    size: u64,
-    etag: Option<String>,
-    modified: SystemTime,
+    version: Version,
     /// Names this version of this object in the cache.
     cache_key: String,
     chunks: Vec<u64>,
@@ -674,11 +716,11 @@ impl RemoteObject {
     }
 
     pub fn size(&self) -> u64 {
-        self.size
+        self.version.size
     }
 
     pub fn modified(&self) -> SystemTime {
-        self.modified
+        self.version.modified
     }
 
     pub fn remote(&self) -> &Arc<Remote> {
@@ -701,16 +743,17 @@ impl RemoteObject {
     /// versions of the same size apart, so the name is this mount's own.
     pub fn identity(&self) -> String {
         let modified = self
+            .version
             .modified
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let mut text = format!(
             "{}\n{}\n{}\n{modified}",
             self.url,
-            self.size,
-            self.etag.as_deref().unwrap_or("")
+            self.version.size,
+            self.version.etag.as_deref().unwrap_or("")
         );
-        if self.etag.is_none() {
+        if self.version.etag.is_none() {
             let now = SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
@@ -736,6 +779,11 @@ impl RemoteObject {
 
     fn chunk_name(&self, k: usize) -> String {
         format!("{}.{}.chunk", self.cache_key, self.chunks[k])
+    }
+
+    /// Whether a read found the object replaced behind the mount.
+    pub fn replaced(&self) -> bool {
+        self.stale.load(Ordering::Relaxed)
     }
 
     /// EIO once a read found the object replaced behind the mount.
@@ -899,7 +947,7 @@ impl RemoteObject {
         let (cache, fetcher) = (self.remote.cache.clone(), self.remote.fetcher.clone());
         let name = self.chunk_name(k);
         let range = self.chunk_range(k);
-        let (path, etag) = (self.path.clone(), self.etag.clone());
+        let (path, version) = (self.path.clone(), self.version.clone());
         async move {
             let cell = cache.inflight(&name);
             let _done = Done(&cache, &name, &cell);
@@ -916,7 +964,10 @@ impl RemoteObject {
                     }
                 };
                 Ok(
-                    match fetcher.get(path, etag, range.clone(), writer).await? {
+                    match fetcher
+                        .get(path, Some(version), range.clone(), writer)
+                        .await?
+                    {
                         Landed::Cache(map) => Chunk::Mapped(map),
                         Landed::Memory(bytes) => Chunk::Memory(bytes),
                     },
@@ -1036,7 +1087,12 @@ impl DiskCache {
             .create(dir)
             .map_err(|e| format!("{}: {e}", dir.display()))?;
         // Opened once, not through a link; checked and used by that descriptor.
-        let folder = Folder::open_private(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let folder = Folder::open_private(dir).map_err(|e| {
+            format!(
+                "{}: refused as a cache folder: not a folder, or a symbolic link ({e})",
+                dir.display()
+            )
+        })?;
         let st = folder
             .stat()
             .map_err(|e| format!("{}: {e}", dir.display()))?;

@@ -105,7 +105,7 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
             etag = "W/" + etag
         if_match = self.headers.get("If-Match")
         # A weak ETag never matches If-Match (strong comparison, RFC 9110).
-        if (if_match is not None and if_match != "*" and mode != "none"
+        if (if_match is not None and if_match != "*" and mode not in ("none", "lastmod")
                 and (mode == "weak" or etag not in [t.strip() for t in if_match.split(",")])):
             self.send_response(412)
             self.send_header("Content-Length", "0")
@@ -128,8 +128,9 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
             status = 206
         self.send_response(status)
         self.send_header("Content-Length", str(end - start))
-        if mode != "none":
+        if mode not in ("none", "lastmod"):
             self.send_header("ETag", etag)
+        if mode != "none":
             self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
@@ -156,8 +157,8 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
 
 class RangeServer:
     """Serves the files of `root` over HTTP with ranges and ETags: strong ones,
-    weak ones (`W/"..."`, which If-Match never matches), or none at all (and no
-    Last-Modified either), as servers do."""
+    weak ones (`W/"..."`, which If-Match never matches), only Last-Modified
+    ("lastmod"), or neither ("none"), as servers do."""
 
     def __init__(self, root, etags="strong"):
         self.server = _Server(("127.0.0.1", 0), _RangeHandler)

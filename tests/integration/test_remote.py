@@ -5,6 +5,7 @@ object. Nothing here reaches beyond 127.0.0.1."""
 
 import errno
 import hashlib
+import signal
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import ckpt
+from conftest import wait_for_exit
 from remote_servers import FaultProxy, Moto, RangeServer
 from test_mount import check_listing_bytes_and_metas
 
@@ -227,6 +229,8 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
     m = mount(f"s3://{BUCKET}/ok/good.safetensors", "--endpoint", "http://127.0.0.1:1", "--timeout", "3",
               "--cache-dir", str(tmp_path / "cache"), expect_ok=False)
     assert f"s3://{BUCKET}/ok/good.safetensors" in m.result.stderr
+    m = mount(f"s3://{BUCKET}/ok/good.safetensors?versionId=1", *s3.options, expect_ok=False)
+    assert "query string" in m.result.stderr
     m = mount("ftp://example.com/x.safetensors", expect_ok=False)
     assert "unknown scheme" in m.result.stderr
     m = mount("http://127.0.0.1:1/models/", expect_ok=False)
@@ -522,7 +526,7 @@ def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch)
     # No credentials anywhere: refused (object_store would ask the instance
     # metadata service, which is not there).
     m = mount(url, *s3.options, "--timeout", "2", expect_ok=False)
-    assert not m.ok and url in m.result.stderr
+    assert not m.ok and url in m.result.stderr and "no credentials found" in m.result.stderr, m.result.stderr
     aws = tmp_path / "home" / ".aws"
     aws.mkdir(parents=True)
     (aws / "credentials").write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n"
@@ -567,6 +571,21 @@ def test_a_server_without_etags_is_served_but_not_cached_across_mounts(tmp_path,
     assert web.count("GET", ranged=True) > 1
 
 
+def test_without_etags_last_modified_still_tells_versions_apart(tmp_path, web_servers, mount, run):
+    web = web_servers("lastmod")
+    tensors = big_checkpoint(web.root / "l.safetensors", seed=1)
+    m = mount(f"{web.url}/l.safetensors", *web.options)
+    assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
+    big_checkpoint(web.root / "new.safetensors", seed=2)
+    os.utime(web.root / "new.safetensors", (2e9, 2e9))  # another second than the first
+    os.replace(web.root / "new.safetensors", web.root / "l.safetensors")
+    with pytest.raises(OSError) as e:
+        read(os.path.join(m.path, "big.a"))
+    assert e.value.errno == errno.EIO
+    status = run("status", m.path).stdout
+    assert "changed behind the mount" in status, status
+
+
 def test_the_cache_folder_is_private(tmp_path, s3, mount):
     src = tmp_path / "p.safetensors"
     ckpt.base(src)
@@ -586,3 +605,38 @@ def test_the_cache_folder_is_private(tmp_path, s3, mount):
     link.symlink_to(opened)
     m = mount(url, "--endpoint", s3.url, "--cache-dir", str(link), expect_ok=False)
     assert not m.ok and str(link) in m.result.stderr
+
+
+def test_a_signal_unmounts_a_remote_mount_cleanly(tmp_path, s3, mount):
+    src = tmp_path / "sig.safetensors"
+    ckpt.base(src)
+    url = s3.upload(src, "signal/sig.safetensors")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        m = mount(url, *s3.options)
+        assert read(os.path.join(m.path, "a")) == np.arange(8, dtype=np.float32).tobytes()
+        os.kill(m.pid, sig)
+        deadline = time.monotonic() + 20
+        while m.is_mounted() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not m.is_mounted(), f"still mounted after {sig!r}"
+        wait_for_exit(m.pid, 20)
+        assert "on signal" in log_of(m) and "unmounted" in log_of(m)
+
+
+def test_odd_key_names_in_a_folder_and_the_bucket_top(tmp_path, moto, mount):
+    proxy = FaultProxy(moto.port)
+    try:
+        client = moto.client()
+        client.create_bucket(Bucket="stfs-odd")
+        arrays = {}
+        for i, name in enumerate(["ünï code", "x%20y", "a+b"]):
+            path = tmp_path / f"{i}.safetensors"
+            arrays[name] = np.full(3, i, np.int32)
+            save_file({"t": arrays[name]}, str(path))
+            client.upload_file(str(path), "stfs-odd", f"{name}.safetensors")
+        m = mount("s3://stfs-odd", "--endpoint", proxy.url, "--cache-dir", str(tmp_path / "cache"))
+        assert sorted(os.listdir(m.path)) == sorted(arrays)
+        for name, a in arrays.items():
+            assert read(os.path.join(m.path, name, "t")) == a.tobytes(), name
+    finally:
+        proxy.stop()
