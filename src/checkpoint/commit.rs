@@ -396,7 +396,8 @@ impl Live {
             }
             if entry_same && object_same {
                 entry_done[m.entry as usize] = true;
-                self.settle(m.entry, m.object, j);
+                let meta_file = self.meta_file_id(m.entry);
+                self.settle(m.entry, m.object, j, meta_file);
             }
         }
         // Everything else that named the old file by index now holds what it
@@ -407,11 +408,8 @@ impl Live {
                 let slot = std::mem::replace(&mut self.entries[id], EntrySlot::Gone);
                 self.entries[id] = match slot {
                     EntrySlot::Source(i) => EntrySlot::Live(Box::new(super::Entry {
-                        origin: Some(i),
-                        name: None,
-                        meta: EntryMeta::Source,
-                        data: Some(id as Id),
                         gen: next_gen(),
+                        ..super::Entry::of_source(i, id as Id)
                     })),
                     other => other,
                 };
@@ -439,13 +437,14 @@ impl Live {
         self.source_ids = source_ids;
         self.source_objects = source_objects;
         // A meta without data that was there at the plan described nothing
-        // the commit wrote: it goes.
+        // the commit wrote: it goes, and so does a hidden one.
         for id in 0..len {
             let orphan = match &self.entries[id] {
                 EntrySlot::Live(e) => {
                     e.data.is_none()
                         && e.gen < plan.mark
-                        && matches!(&e.meta, EntryMeta::Own(super::Meta::Valid { .. }))
+                        && (e.meta_hidden
+                            || matches!(&e.meta, EntryMeta::Own(super::Meta::Valid { .. })))
                 }
                 _ => false,
             };
@@ -459,6 +458,10 @@ impl Live {
             }
         }
         if self.metadata_gen == plan.metadata_gen {
+            if self.metadata == MetadataDoc::Removed {
+                // Shown again (as the new file has it): a new file.
+                self.metadata_file = self.new_id();
+            }
             self.metadata = MetadataDoc::Unchanged;
         }
         self.dirty = !self.overlay().is_empty();

@@ -21,6 +21,7 @@ mod object;
 pub mod recover;
 pub mod staging;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::path::PathBuf;
@@ -129,6 +130,44 @@ struct Entry {
     meta: EntryMeta,
     data: Option<Id>,
     gen: u64,
+    /// The id of its `.meta.json` (the inode's): a new one each time a meta
+    /// is created or renamed over it, so that descriptors of the old file
+    /// keep the old file (`Live::meta_file`).
+    meta_file: Id,
+    /// The meta stayed behind when the data file left with a copy of it: it
+    /// still answers at `<name>.meta.json` but is not listed and is no part
+    /// of the checkpoint, so that a tool renaming the meta after its data
+    /// (mmv, a glob of renames) finds it. Data arriving under the name shows
+    /// it again; a commit or discard drops it.
+    meta_hidden: bool,
+}
+
+impl Entry {
+    /// Source tensor `i`, made editable in slot `id`.
+    fn of_source(i: u32, id: Id) -> Entry {
+        Entry {
+            origin: Some(i),
+            name: None,
+            meta: EntryMeta::Source,
+            data: Some(id),
+            gen: 0,
+            meta_file: id,
+            meta_hidden: false,
+        }
+    }
+
+    /// A new name, with neither data nor meta yet, in slot `id`.
+    fn named(name: &str, id: Id) -> Entry {
+        Entry {
+            origin: None,
+            name: Some(name.into()),
+            meta: EntryMeta::Own(Meta::None),
+            data: None,
+            gen: next_gen(),
+            meta_file: id,
+            meta_hidden: false,
+        }
+    }
 }
 
 enum EntrySlot {
@@ -174,11 +213,18 @@ impl MetaView<'_> {
     }
 }
 
-/// An entry, borrowed.
+/// An entry, borrowed. A hidden meta (see `Entry::meta_hidden`) shows as none.
 pub struct EntryView<'a> {
     pub name: &'a str,
     pub meta: MetaView<'a>,
     pub data: Option<Id>,
+}
+
+/// The `.meta.json` a name shows: its file id (the inode's) and whether it is listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaFile {
+    pub id: Id,
+    pub listed: bool,
 }
 
 /// A data file taken from its name by a rename.
@@ -248,6 +294,11 @@ pub struct Live {
     dirty: bool,
     /// Journal records of an operation of several steps, written as one line.
     batch: Option<Vec<Record>>,
+    /// The entry of each `.meta.json` file id that is not its entry's own id.
+    meta_files: HashMap<Id, Id>,
+    /// The file id of `__metadata__.json`: a new one when it is made again
+    /// or renamed over, like a meta's.
+    metadata_file: Id,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
@@ -275,8 +326,11 @@ impl Live {
             committing: None,
             dirty: false,
             batch: None,
+            meta_files: HashMap::new(),
+            metadata_file: 0,
             source,
         };
+        live.metadata_file = live.new_id();
         live.rebuild_index();
         live
     }
@@ -328,35 +382,95 @@ impl Live {
             .find(name, |id| slot_name(entries, source, id).unwrap_or(""))
     }
 
+    /// The entry as the checkpoint has it (a hidden meta shows as none).
     pub fn entry(&self, id: Id) -> Option<EntryView<'_>> {
+        let (mut view, hidden) = self.entry_with_hidden(id)?;
+        if hidden {
+            view.meta = MetaView::None;
+        }
+        Some(view)
+    }
+
+    /// The entry with its meta even when hidden, and whether it is.
+    fn entry_with_hidden(&self, id: Id) -> Option<(EntryView<'_>, bool)> {
         let header = self.source.header();
         match self.entries.get(id as usize)? {
             EntrySlot::Gone => None,
             EntrySlot::Source(i) => {
                 let t = header.tensors.get(*i as usize);
-                Some(EntryView {
+                let view = EntryView {
                     name: t.name,
                     meta: MetaView::Valid(t.dtype, t.shape),
                     data: Some(id),
-                })
+                };
+                Some((view, false))
             }
-            EntrySlot::Live(e) => Some(EntryView {
-                name: match (&e.name, e.origin) {
-                    (Some(n), _) => n,
-                    (None, Some(i)) => header.tensors.name(i as usize),
-                    (None, None) => "",
-                },
-                meta: match (&e.meta, e.origin) {
-                    (EntryMeta::Source, Some(i)) => {
-                        let t = header.tensors.get(i as usize);
-                        MetaView::Valid(t.dtype, t.shape)
-                    }
-                    (EntryMeta::Source, None) => MetaView::None,
-                    (EntryMeta::Own(m), _) => view(m),
-                },
-                data: e.data,
-            }),
+            EntrySlot::Live(e) => {
+                let view = EntryView {
+                    name: match (&e.name, e.origin) {
+                        (Some(n), _) => n,
+                        (None, Some(i)) => header.tensors.name(i as usize),
+                        (None, None) => "",
+                    },
+                    meta: match (&e.meta, e.origin) {
+                        (EntryMeta::Source, Some(i)) => {
+                            let t = header.tensors.get(i as usize);
+                            MetaView::Valid(t.dtype, t.shape)
+                        }
+                        (EntryMeta::Source, None) => MetaView::None,
+                        (EntryMeta::Own(m), _) => view(m),
+                    },
+                    data: e.data,
+                };
+                Some((view, e.meta_hidden))
+            }
         }
+    }
+
+    pub fn entry_name(&self, id: Id) -> Option<String> {
+        Some(self.entry_with_hidden(id)?.0.name.to_string())
+    }
+
+    /// The `.meta.json` entry `id` shows at its name, listed or hidden.
+    pub fn meta_file(&self, id: Id) -> Option<MetaFile> {
+        let (view, hidden) = self.entry_with_hidden(id)?;
+        if !view.meta.exists() {
+            return None;
+        }
+        Some(MetaFile {
+            id: self.meta_file_id(id),
+            listed: !hidden,
+        })
+    }
+
+    /// The file id of entry `id`'s meta, whether it has one now or not.
+    fn meta_file_id(&self, id: Id) -> Id {
+        match self.entries.get(id as usize) {
+            Some(EntrySlot::Live(e)) => e.meta_file,
+            _ => id,
+        }
+    }
+
+    /// The entry whose `.meta.json` is file `file` now.
+    pub fn meta_file_owner(&self, file: Id) -> Option<Id> {
+        let entry = self.meta_files.get(&file).copied().unwrap_or(file);
+        (self.meta_file(entry)?.id == file).then_some(entry)
+    }
+
+    /// The id of `__metadata__.json` (see `metadata_file`).
+    pub fn metadata_file(&self) -> Id {
+        self.metadata_file
+    }
+
+    /// A new `.meta.json` file for entry `id`: what descriptors hold of the
+    /// old one stays theirs.
+    fn renew_meta_file(&mut self, id: Id) {
+        let file = self.new_id();
+        if let Some(e) = self.entry_mut(id) {
+            e.meta_file = file;
+            e.meta_hidden = false;
+        }
+        self.meta_files.insert(file, id);
     }
 
     /// Entries from id `from` on, in id order (readdir's stable order).
@@ -410,7 +524,7 @@ impl Live {
 
     /// What `<name>.meta.json` shows: the generated JSON, or what was written.
     pub fn meta_text(&self, id: Id) -> Option<Vec<u8>> {
-        let e = self.entry(id)?;
+        let (e, _) = self.entry_with_hidden(id)?;
         match e.meta {
             MetaView::None => None,
             MetaView::Invalid(text, _) => Some(text.to_vec()),
@@ -468,13 +582,7 @@ impl Live {
     fn entry_mut(&mut self, id: Id) -> Option<&mut Entry> {
         let slot = self.entries.get_mut(id as usize)?;
         if let EntrySlot::Source(i) = *slot {
-            *slot = EntrySlot::Live(Box::new(Entry {
-                origin: Some(i),
-                name: None,
-                meta: EntryMeta::Source,
-                data: Some(id),
-                gen: 0,
-            }));
+            *slot = EntrySlot::Live(Box::new(Entry::of_source(i, id)));
         }
         match slot {
             EntrySlot::Live(e) => {
@@ -491,24 +599,18 @@ impl Live {
             return (id, false);
         }
         let id = self.new_id();
-        self.entries[id as usize] = EntrySlot::Live(Box::new(Entry {
-            origin: None,
-            name: Some(name.into()),
-            meta: EntryMeta::Own(Meta::None),
-            data: None,
-            gen: next_gen(),
-        }));
+        self.entries[id as usize] = EntrySlot::Live(Box::new(Entry::named(name, id)));
         let (entries, source) = (&self.entries, &self.source);
         self.index
             .insert(id, name, |id| slot_name(entries, source, id).unwrap_or(""));
         (id, true)
     }
 
-    /// Drops an entry left with neither data nor meta.
+    /// Drops an entry left with neither data nor meta (not even a hidden one).
     fn prune(&mut self, id: Id) {
         let empty = self
             .entry(id)
-            .is_some_and(|e| e.data.is_none() && !e.meta.exists());
+            .is_some_and(|e| e.data.is_none() && self.meta_file(id).is_none());
         if empty {
             let name = self
                 .entry(id)
@@ -519,7 +621,8 @@ impl Live {
         }
     }
 
-    /// Puts `object` in slot `id` and makes it the data of entry `entry`.
+    /// Puts `object` in slot `id` and makes it the data of entry `entry`
+    /// (whose meta shows again if it was hidden).
     fn attach(&mut self, entry: Id, id: Id, object: Option<Arc<DataObject>>) {
         if let Some(o) = object {
             o.set_home(self.serial, entry);
@@ -531,7 +634,10 @@ impl Live {
                 o.set_home(self.serial, entry);
             }
         }
-        let old = self.entry_mut(entry).and_then(|e| e.data.replace(id));
+        let old = self.entry_mut(entry).and_then(|e| {
+            e.meta_hidden = false;
+            e.data.replace(id)
+        });
         if let Some(old) = old.filter(|&o| o != id) {
             self.drop_object(old);
         }
@@ -547,11 +653,16 @@ impl Live {
         }
     }
 
-    /// Makes `object` the data of `entry` for source tensor `j`, untouched:
-    /// the compact form when both have the same id.
-    fn settle(&mut self, entry: Id, object: Id, j: u32) {
-        let compact =
-            entry == object && !matches!(self.objects[object as usize], ObjectSlot::Live(_));
+    /// Makes `object` the data of `entry` for source tensor `j`, untouched,
+    /// its meta shown as file `meta_file`: the compact form when all three
+    /// have the same id.
+    fn settle(&mut self, entry: Id, object: Id, j: u32, meta_file: Id) {
+        if meta_file != entry {
+            self.meta_files.insert(meta_file, entry);
+        }
+        let compact = entry == object
+            && meta_file == entry
+            && !matches!(self.objects[object as usize], ObjectSlot::Live(_));
         if compact {
             self.objects[object as usize] = ObjectSlot::Source(j);
             self.entries[entry as usize] = EntrySlot::Source(j);
@@ -566,11 +677,9 @@ impl Live {
             }
         }
         self.entries[entry as usize] = EntrySlot::Live(Box::new(Entry {
-            origin: Some(j),
-            name: None,
-            meta: EntryMeta::Source,
             data: Some(object),
-            gen: 0,
+            meta_file,
+            ..Entry::of_source(j, entry)
         }));
     }
 
@@ -596,10 +705,14 @@ impl Live {
         Ok((id, object))
     }
 
-    /// Makes `name.meta.json` exist (empty, so not yet valid) if it does not.
+    /// Makes `name.meta.json` exist (empty, so not yet valid) if it does
+    /// not: a new file. Returns the entry.
     pub fn create_meta(&mut self, name: &str) -> Id {
-        let (id, _) = self.entry_for(name);
-        if !self.entry(id).is_some_and(|e| e.meta.exists()) {
+        let (id, made) = self.entry_for(name);
+        if self.meta_file(id).is_none() {
+            if !made {
+                self.renew_meta_file(id);
+            }
             if let Some(e) = self.entry_mut(id) {
                 e.meta = EntryMeta::Own(Meta::parse(b""));
             }
@@ -608,11 +721,19 @@ impl Live {
         id
     }
 
-    /// Applies what was written to `name.meta.json`. Text that does not parse
-    /// is kept as it is (shown by `cat`, refused by a commit): the reason is
-    /// returned. A valid meta of a name without data creates the data,
-    /// zero-filled; so does one that gives an empty, meta-less file its size.
-    pub fn set_meta(&mut self, name: &str, text: &[u8]) -> Result<Option<String>, EditError> {
+    /// Applies what was written to `name.meta.json`: in place (`replace`
+    /// false: a descriptor's write; the file stays the same file) or as a
+    /// file renamed over it (a new file). Text that does not parse is kept
+    /// as it is (shown by `cat`, refused by a commit): the reason is
+    /// returned. A meta never makes the data file appear (a copy of the meta
+    /// before the data must not make the data's O_EXCL create fail); one
+    /// that gives an empty, meta-less data file its size fills it with zeros.
+    pub fn set_meta(
+        &mut self,
+        name: &str,
+        text: &[u8],
+        replace: bool,
+    ) -> Result<Option<String>, EditError> {
         if text.len() > MAX_JSON {
             return Err(EditError::TooLarge);
         }
@@ -626,6 +747,9 @@ impl Live {
             ),
             None => (false, None),
         };
+        if !made && (replace || self.meta_file(id).is_none()) {
+            self.renew_meta_file(id);
+        }
         let error = match &meta {
             Meta::Invalid { error, .. } => Some(error.clone()),
             _ => None,
@@ -633,32 +757,28 @@ impl Live {
         let fill = meta.nbytes();
         if let Some(e) = self.entry_mut(id) {
             e.meta = EntryMeta::Own(meta);
+            e.meta_hidden = false;
         }
-        if let Some(len) = fill {
-            match data {
-                None => {
-                    let object = DataObject::new(Bytes::Empty, Some(SystemTime::now()));
+        if let (Some(len), Some(o)) = (fill, data) {
+            if !had_meta && self.object_len(o) == Some(0) {
+                if let Some(object) = self.object_arc(o) {
                     object.truncate(&self.staging, len)?;
-                    let oid = if made { id } else { self.new_id() };
-                    self.attach(id, oid, Some(object));
                 }
-                Some(o) if !had_meta && self.object_len(o) == Some(0) => {
-                    if let Some(object) = self.object_arc(o) {
-                        object.truncate(&self.staging, len)?;
-                    }
-                }
-                Some(_) => {}
             }
         }
         self.mark(&[name]);
         Ok(error)
     }
 
-    /// Applies what was written to `__metadata__.json` (kept as written if it
-    /// does not parse; the reason is returned).
-    pub fn set_metadata(&mut self, text: &[u8]) -> Result<Option<String>, EditError> {
+    /// Applies what was written to `__metadata__.json`, in place or (`replace`)
+    /// as a file renamed over it (kept as written if it does not parse; the
+    /// reason is returned).
+    pub fn set_metadata(&mut self, text: &[u8], replace: bool) -> Result<Option<String>, EditError> {
         if text.len() > MAX_JSON {
             return Err(EditError::TooLarge);
+        }
+        if replace || self.metadata == MetadataDoc::Removed {
+            self.metadata_file = self.new_id();
         }
         self.metadata = MetadataDoc::parse(text);
         self.metadata_gen = next_gen();
@@ -674,7 +794,7 @@ impl Live {
     /// `__metadata__.json` made again after a removal: `{}` until written.
     pub fn create_metadata(&mut self) {
         if self.metadata == MetadataDoc::Removed {
-            let _ = self.set_metadata(b"{}");
+            let _ = self.set_metadata(b"{}", false);
         }
     }
 
@@ -705,22 +825,25 @@ impl Live {
         Ok(())
     }
 
-    /// Removes `name.meta.json`: the data file stays, without dtype and shape.
+    /// Removes `name.meta.json` (listed or hidden): the data file stays,
+    /// without dtype and shape.
     pub fn unlink_meta(&mut self, name: &str) -> Result<(), EditError> {
         let id = self.find(name).ok_or(EditError::NotFound)?;
-        if !self.entry(id).is_some_and(|e| e.meta.exists()) {
+        if self.meta_file(id).is_none() {
             return Err(EditError::NotFound);
         }
         if let Some(e) = self.entry_mut(id) {
             e.meta = EntryMeta::Own(Meta::None);
+            e.meta_hidden = false;
         }
         self.prune(id);
         self.mark(&[name]);
         Ok(())
     }
 
-    /// Takes the data file of `name` away (for a rename), with the name's
-    /// meta if `with_meta` and it has one.
+    /// Takes the data file of `name` away (for a rename), with a copy of the
+    /// name's meta if `with_meta` and it has one; the name keeps that meta,
+    /// hidden (see `Entry::meta_hidden`).
     pub fn take_data(&mut self, name: &str, with_meta: bool) -> Result<Taken, EditError> {
         let entry = self.find(name).ok_or(EditError::NotFound)?;
         let view = self.entry(entry).ok_or(EditError::NotFound)?;
@@ -730,9 +853,7 @@ impl Live {
         self.objects[id as usize] = ObjectSlot::Gone;
         if let Some(e) = self.entry_mut(entry) {
             e.data = None;
-            if meta.is_some() {
-                e.meta = EntryMeta::Own(Meta::None);
-            }
+            e.meta_hidden = meta.is_some();
         }
         self.prune(entry);
         self.mark(&[name]);
@@ -756,6 +877,7 @@ impl Live {
         };
         self.attach(entry, id, Some(taken.object));
         if let Some(meta) = taken.meta {
+            self.renew_meta_file(entry);
             if let Some(e) = self.entry_mut(entry) {
                 e.meta = EntryMeta::Own(meta);
             }
@@ -988,6 +1110,9 @@ impl Live {
         let header = self.source.header();
         let mut renamed_from = std::collections::HashSet::new();
         for (id, e) in self.entries_from(0) {
+            if e.data.is_none() && !e.meta.exists() {
+                continue; // only a hidden meta: no part of the checkpoint
+            }
             let origin = match &self.entries[id as usize] {
                 EntrySlot::Source(i) => Some(*i),
                 EntrySlot::Live(l) => l.origin,
@@ -1048,9 +1173,9 @@ impl Live {
         }
         for (i, &id) in self.source_ids.iter().enumerate() {
             let i = i as u32;
-            let still_there = self
-                .entry(id)
-                .is_some_and(|e| e.name == source_name(&self.source, i));
+            let still_there = self.entry(id).is_some_and(|e| {
+                e.name == source_name(&self.source, i) && (e.data.is_some() || e.meta.exists())
+            });
             if !still_there && !renamed_from.contains(&i) {
                 changes.push(format!("removed    {}", source_name(&self.source, i)));
             }
@@ -1129,7 +1254,16 @@ impl Live {
             &mut self.objects,
             (0..len).map(|_| ObjectSlot::Gone).collect(),
         );
+        // A meta shown now keeps its file (its inode); one removed, hidden
+        // or replaced comes back as a new file, so that no descriptor of a
+        // removed file is given the restored one.
+        let shown: Vec<Option<Id>> = self
+            .source_ids
+            .iter()
+            .map(|&e| self.meta_file(e).filter(|f| f.listed).map(|f| f.id))
+            .collect();
         self.entries = (0..len).map(|_| EntrySlot::Gone).collect();
+        self.meta_files.clear();
         let mut kept = vec![false; len];
         for j in 0..self.source_ids.len() {
             let (e, o) = (self.source_ids[j], self.source_objects[j]);
@@ -1151,7 +1285,11 @@ impl Live {
                 self.new_id()
             };
             self.source_objects[j] = o;
-            self.settle(e, o, j as u32);
+            let meta_file = match shown[j] {
+                Some(f) => f,
+                None => self.new_id(),
+            };
+            self.settle(e, o, j as u32, meta_file);
         }
         for (id, slot) in old_objects.into_iter().enumerate() {
             if let ObjectSlot::Live(o) = slot {
@@ -1161,6 +1299,9 @@ impl Live {
             }
         }
         self.rebuild_index();
+        if self.metadata == MetadataDoc::Removed {
+            self.metadata_file = self.new_id();
+        }
         self.metadata = MetadataDoc::Unchanged;
         self.metadata_gen = next_gen();
         self.dirty = false;

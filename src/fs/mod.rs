@@ -190,7 +190,6 @@ struct Mounted {
     dir_name: String,
     live: Live,
     dir_ino: Ino,
-    metadata_ino: Ino,
 }
 
 struct State {
@@ -203,13 +202,35 @@ struct State {
     folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
 }
 
-/// JSON written through an open `.meta.json` or `__metadata__.json`, applied
-/// on flush (or close).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum JsonTarget {
-    /// The meta of entry `id` of checkpoint `c`, named so when opened.
-    Meta(usize, Id, String),
-    Metadata(usize),
+/// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
+/// by every descriptor open on the same inode, and theirs alone once the name
+/// is removed or replaced (as an unlinked file is on any filesystem).
+/// Generated text is taken when the first descriptor opens it; what is
+/// written is applied to the checkpoint when a descriptor that wrote is
+/// flushed, if this is still the file at its name.
+struct JsonFile {
+    ino: Ino,
+    /// Owner, mode and time, as `stat` showed them at open.
+    attr: Attr,
+    content: Mutex<JsonContent>,
+}
+
+struct JsonContent {
+    text: Vec<u8>,
+    /// Written or cut since last applied.
+    dirty: bool,
+    /// Ever written or cut through a descriptor: the text is the writers'.
+    written: bool,
+}
+
+impl JsonFile {
+    fn attr(&self, nlink: u32) -> Attr {
+        Attr {
+            size: lock(&self.content).text.len() as u64,
+            nlink,
+            ..self.attr.clone()
+        }
+    }
 }
 
 /// What an open file handle refers to.
@@ -217,16 +238,30 @@ enum Handle {
     /// A data file: the object itself, so that the handle keeps reading it
     /// after an unlink or a rename, and sees every write.
     Data {
+        ino: Ino,
         object: Arc<DataObject>,
         wrote: bool,
         /// CUDA buffers prefetched through this handle: freed when it closes.
         device: Vec<crate::prefetch::cuda::DeviceBuffer>,
     },
-    Json {
-        target: JsonTarget,
-        text: Vec<u8>,
-        dirty: bool,
-    },
+    Json { file: Arc<JsonFile>, wrote: bool },
+}
+
+impl Handle {
+    fn ino(&self) -> Ino {
+        match self {
+            Handle::Data { ino, .. } => *ino,
+            Handle::Json { file, .. } => file.ino,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Handles {
+    open: HashMap<u64, Handle>,
+    /// The JSON files open now, by inode: a second open of the same file
+    /// shares the first one's.
+    json: HashMap<Ino, std::sync::Weak<JsonFile>>,
 }
 
 pub struct Fs {
@@ -234,7 +269,7 @@ pub struct Fs {
     staging: Arc<Staging>,
     commit_lock: Mutex<()>,
     state: RwLock<State>,
-    handles: Mutex<HashMap<u64, Handle>>,
+    handles: Mutex<Handles>,
     next_fh: AtomicU64,
     next_commit: AtomicU64,
     /// Why this mount does not commit any more (a request handler panicked,
@@ -280,7 +315,13 @@ impl State {
         let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
         let exists = match kind {
             TensorFile::Data => live.object_len(id).is_some(),
-            TensorFile::Meta => live.entry(id).is_some_and(|e| e.meta.exists()),
+            TensorFile::Meta if id == live.metadata_file() => {
+                return match live.metadata_text() {
+                    Some(_) => Ok(Node::Metadata(c)),
+                    None => Err(FsError::NotFound),
+                };
+            }
+            TensorFile::Meta => live.meta_file_owner(id).is_some(),
         };
         if !exists {
             return Err(FsError::NotFound);
@@ -297,7 +338,7 @@ impl State {
         match node {
             Node::FolderRoot => ROOT_INO,
             Node::CheckpointDir(c) => self.checkpoints[c].dir_ino,
-            Node::Metadata(c) => self.checkpoints[c].metadata_ino,
+            Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
         }
@@ -318,6 +359,11 @@ impl State {
 
     fn live_mut(&mut self, c: usize) -> &mut Live {
         &mut self.checkpoints[c].live
+    }
+
+    /// The entry whose `.meta.json` is file `id` (a `Node::File` of kind Meta).
+    fn meta_entry(&self, c: usize, id: Id) -> Result<Id, FsError> {
+        self.live(c).meta_file_owner(id).ok_or(FsError::NotFound)
     }
 
     /// The checkpoint a directory inode stands for.
@@ -372,7 +418,7 @@ impl State {
                 let e = live.entry(id)?;
                 match kind {
                     TensorFile::Data => e.data.map(|d| Node::File(c, d, *kind)),
-                    TensorFile::Meta => e.meta.exists().then_some(Node::File(c, id, *kind)),
+                    TensorFile::Meta => live.meta_file(id).map(|f| Node::File(c, f.id, *kind)),
                 }
             }
         }
@@ -402,12 +448,10 @@ impl Fs {
         for (c, (dir_name, source)) in list.into_iter().enumerate() {
             source.set_release_after_read(settings.release_after_read);
             let dir_ino = alloc(&mut fixed, Node::CheckpointDir(c));
-            let metadata_ino = alloc(&mut fixed, Node::Metadata(c));
             checkpoints.push(Mounted {
                 dir_name,
                 live: Live::new(source, staging.clone()),
                 dir_ino,
-                metadata_ino,
             });
         }
         let indexes = indexes
@@ -426,7 +470,7 @@ impl Fs {
                 fixed,
                 folder,
             }),
-            handles: Mutex::new(HashMap::new()),
+            handles: Mutex::new(Handles::default()),
             next_fh: AtomicU64::new(1),
             next_commit: AtomicU64::new(1),
             tainted: Mutex::new(None),
@@ -477,7 +521,7 @@ impl Fs {
 
     fn new_handle(&self, h: Handle) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        lock(&self.handles).insert(fh, h);
+        lock(&self.handles).open.insert(fh, h);
         fh
     }
 
@@ -503,38 +547,34 @@ impl Fs {
         self.attr_of(&st, node)
     }
 
-    /// `fh`: an open handle of the file, which answers for it after it was
-    /// removed (as `fstat` on an unlinked file does).
+    /// A file removed or replaced while open still answers through its
+    /// descriptors, with nlink 0 (`fstat` of an unlinked file; the kernel
+    /// asks by inode, with or without `fh`). A JSON file being written
+    /// shows its descriptors' text.
     pub fn getattr(&self, ino: Ino, fh: Option<u64>) -> Result<Attr, FsError> {
         let st = self.read_state();
-        match st.node(ino) {
-            Ok(node) => self.attr_of(&st, node),
-            Err(e) => {
-                let handles = lock(&self.handles);
-                match fh.and_then(|fh| handles.get(&fh)) {
-                    Some(Handle::Data { object, .. }) => {
-                        let c = st.home(object).unwrap_or(0);
-                        let mut a = self.object_attr(&st, c, object.state(), ino);
-                        a.nlink = 0;
-                        Ok(a)
-                    }
-                    Some(Handle::Json { text, .. }) => {
-                        let src = st.live(0).source().stat();
-                        Ok(Attr {
-                            ino,
-                            kind: Kind::File,
-                            size: text.len() as u64,
-                            mtime: SystemTime::now(),
-                            perm: file_mode(src, self.settings.read_only),
-                            nlink: 0,
-                            uid: src.uid,
-                            gid: src.gid,
-                            volatile: true,
-                        })
-                    }
-                    _ => Err(e),
-                }
+        let node = st.node(ino);
+        let handles = lock(&self.handles);
+        if let Ok(node) = node {
+            let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
+            return match open.filter(|f| lock(&f.content).written) {
+                Some(f) => Ok(f.attr(1)),
+                None => self.attr_of(&st, node),
+            };
+        }
+        let given = fh.and_then(|fh| handles.open.get(&fh));
+        let handle = given
+            .filter(|h| h.ino() == ino)
+            .or_else(|| handles.open.values().find(|h| h.ino() == ino));
+        match handle {
+            Some(Handle::Data { object, .. }) => {
+                let c = st.home(object).unwrap_or(0);
+                let mut a = self.object_attr(&st, c, object.state(), ino);
+                a.nlink = 0;
+                Ok(a)
             }
+            Some(Handle::Json { file, .. }) => Ok(file.attr(0)),
+            None => Err(node.err().unwrap_or(FsError::NotFound)),
         }
     }
 
@@ -620,8 +660,9 @@ impl Fs {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
                 self.object_attr(st, c, o, ino)
             }
-            Node::File(c, id, TensorFile::Meta) => {
+            Node::File(c, file, TensorFile::Meta) => {
                 let live = st.live(c);
+                let id = st.meta_entry(c, file)?;
                 let size = live.meta_text(id).map_or(0, |t| t.len() as u64);
                 let mtime = live
                     .entry(id)
@@ -682,7 +723,12 @@ impl Fs {
                 let m = &st.checkpoints[c];
                 if offset < 3
                     && m.live.metadata_text().is_some()
-                    && emit(m.metadata_ino, Kind::File, METADATA_FILE.into(), 3)
+                    && emit(
+                        st.ino_of(Node::Metadata(c)),
+                        Kind::File,
+                        METADATA_FILE.into(),
+                        3,
+                    )
                 {
                     return Ok(());
                 }
@@ -693,7 +739,9 @@ impl Fs {
                         let next = 4 + TensorFile::STRIDE * id + kind.slot();
                         let file_id = match kind {
                             TensorFile::Data => e.data,
-                            TensorFile::Meta => e.meta.exists().then_some(id),
+                            TensorFile::Meta => {
+                                m.live.meta_file(id).filter(|f| f.listed).map(|f| f.id)
+                            }
                         };
                         let Some(file_id) = file_id else { continue };
                         if next > offset
@@ -742,54 +790,77 @@ impl Fs {
             Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
                 "index files are rewritten by commits, not edited",
             )),
-            Node::Index(_) => Ok(self.opened(0, true)),
             Node::File(c, id, TensorFile::Data) => {
                 let object = self.object(c, id)?;
                 if truncate {
                     self.truncate_object(&object, 0)?;
                 }
                 let fh = self.new_handle(Handle::Data {
+                    ino,
                     object,
                     wrote: truncate,
                     device: Vec::new(),
                 });
                 Ok(self.opened(fh, false))
             }
-            Node::File(c, id, TensorFile::Meta) if write => {
-                let st = self.read_state();
-                let live = st.live(c);
-                let name = live.entry(id).ok_or(FsError::NotFound)?.name.to_string();
-                let text = if truncate {
-                    Vec::new()
-                } else {
-                    live.meta_text(id).unwrap_or_default()
-                };
-                drop(st);
-                let fh = self.new_handle(Handle::Json {
-                    target: JsonTarget::Meta(c, id, name),
-                    text,
-                    dirty: truncate,
-                });
-                Ok(self.opened(fh, true))
+            Node::Index(_) | Node::Metadata(_) | Node::File(_, _, TensorFile::Meta) => {
+                self.open_json(ino, node, truncate)
             }
-            Node::Metadata(c) if write => {
-                let text = if truncate {
-                    Vec::new()
-                } else {
-                    self.read_state()
-                        .live(c)
-                        .metadata_text()
-                        .unwrap_or_default()
-                };
-                let fh = self.new_handle(Handle::Json {
-                    target: JsonTarget::Metadata(c),
-                    text,
-                    dirty: truncate,
-                });
-                Ok(self.opened(fh, true))
-            }
-            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => Ok(self.opened(0, true)),
         }
+    }
+
+    /// Opens a JSON file: the one open already on this inode, unless its
+    /// generated text is out of date, else a new one with the text now.
+    fn open_json(&self, ino: Ino, node: Node, truncate: bool) -> Result<Opened, FsError> {
+        let (attr, text) = {
+            let st = self.read_state();
+            let text = match node {
+                Node::Index(i) => st.indexes[i].0.bytes.clone(),
+                Node::Metadata(c) => st.live(c).metadata_text().unwrap_or_default(),
+                Node::File(c, file, _) => {
+                    let id = st.meta_entry(c, file)?;
+                    st.live(c).meta_text(id).unwrap_or_default()
+                }
+                _ => return Err(FsError::IsADirectory),
+            };
+            (self.attr_of(&st, node)?, text)
+        };
+        let mut handles = lock(&self.handles);
+        let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
+        let file = match open.filter(|f| {
+            let content = lock(&f.content);
+            content.written || content.text == text
+        }) {
+            Some(file) => file,
+            None => {
+                let file = Arc::new(JsonFile {
+                    ino,
+                    attr,
+                    content: Mutex::new(JsonContent {
+                        text,
+                        dirty: false,
+                        written: false,
+                    }),
+                });
+                handles.json.insert(ino, Arc::downgrade(&file));
+                file
+            }
+        };
+        if truncate {
+            let mut content = lock(&file.content);
+            content.text.clear();
+            content.dirty = true;
+            content.written = true;
+        }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        handles.open.insert(
+            fh,
+            Handle::Json {
+                file,
+                wrote: truncate,
+            },
+        );
+        Ok(self.opened(fh, true))
     }
 
     fn truncate_object(&self, object: &Arc<DataObject>, len: u64) -> Result<(), FsError> {
@@ -852,8 +923,10 @@ impl Fs {
                     Node::File(c, id, TensorFile::Data)
                 }
                 (None, Name::Tensor(TensorFile::Meta, tensor)) => {
-                    let id = st.live_mut(c).create_meta(tensor);
-                    Node::File(c, id, TensorFile::Meta)
+                    let live = st.live_mut(c);
+                    let id = live.create_meta(tensor);
+                    let file = live.meta_file(id).ok_or(FsError::NotFound)?;
+                    Node::File(c, file.id, TensorFile::Meta)
                 }
             };
             st.ino_of(node)
@@ -866,50 +939,46 @@ impl Fs {
     /// written: a shell's `>` closes a duplicate descriptor first) and on the
     /// last close. What does not parse is kept as written, and reported.
     fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
-        let (target, text) = {
-            let mut handles = lock(&self.handles);
-            match handles.get_mut(&fh) {
-                Some(Handle::Json {
-                    target,
-                    text,
-                    dirty,
-                }) if *dirty && (last_close || !text.is_empty()) => {
-                    *dirty = false;
-                    (target.clone(), text.clone())
-                }
-                _ => return Ok(()),
+        let (ino, text) = {
+            let handles = lock(&self.handles);
+            let Some(Handle::Json { file, wrote: true }) = handles.open.get(&fh) else {
+                return Ok(());
+            };
+            let mut content = lock(&file.content);
+            if !content.dirty || (!last_close && content.text.is_empty()) {
+                return Ok(());
             }
+            content.dirty = false;
+            (file.ino, content.text.clone())
         };
-        let (c, kept_invalid) = {
+        let (c, file_name, kept_invalid) = {
             let mut st = self.write_state();
-            match &target {
-                JsonTarget::Meta(c, id, name) => {
-                    // Written through a descriptor of a meta that was removed
-                    // or renamed meanwhile: it no longer is this name's meta.
-                    let live = st.live(*c);
-                    let same = live
-                        .entry(*id)
-                        .is_some_and(|e| e.name == name.as_str() && e.meta.exists());
-                    if !same {
-                        let file = TensorFile::Meta.file_name(name);
-                        warn!(file, "written while removed or renamed: not applied");
-                        return Err(FsError::Stale(file));
-                    }
-                    (*c, st.live_mut(*c).set_meta(name, &text)?)
+            match st.node(ino) {
+                Ok(Node::File(c, file, TensorFile::Meta)) => {
+                    let id = st.meta_entry(c, file)?;
+                    let live = st.live_mut(c);
+                    let name = live.entry_name(id).ok_or(FsError::NotFound)?;
+                    let kept_invalid = live.set_meta(&name, &text, false)?;
+                    (c, TensorFile::Meta.file_name(&name), kept_invalid)
                 }
-                JsonTarget::Metadata(c) => (*c, st.live_mut(*c).set_metadata(&text)?),
+                Ok(Node::Metadata(c)) => {
+                    let kept_invalid = st.live_mut(c).set_metadata(&text, false)?;
+                    (c, METADATA_FILE.to_string(), kept_invalid)
+                }
+                _ => {
+                    // Removed or replaced since it was opened: what was
+                    // written stays with the descriptors, as on any filesystem.
+                    info!(ino, "a JSON file written after its name was removed or replaced: not applied");
+                    return Ok(());
+                }
             }
         };
         self.sync_journal(c)?;
         match kept_invalid {
             None => Ok(()),
             Some(why) => {
-                let file = match &target {
-                    JsonTarget::Meta(_, _, name) => TensorFile::Meta.file_name(name),
-                    JsonTarget::Metadata(_) => METADATA_FILE.to_string(),
-                };
-                warn!(file, "kept as written, but a commit will refuse it: {why}");
-                Err(FsError::Invalid(format!("{file}: {why}")))
+                warn!(file = file_name, "kept as written, but a commit will refuse it: {why}");
+                Err(FsError::Invalid(format!("{file_name}: {why}")))
             }
         }
     }
@@ -930,7 +999,7 @@ impl Fs {
 
     /// Makes what went through a handle durable: its staging file and the journal.
     fn make_durable(&self, fh: u64) -> Result<(), FsError> {
-        let object = match lock(&self.handles).get(&fh) {
+        let object = match lock(&self.handles).open.get(&fh) {
             Some(Handle::Data {
                 object,
                 wrote: true,
@@ -956,7 +1025,15 @@ impl Fs {
         let result = self
             .apply_json(fh, true)
             .and_then(|()| self.make_durable(fh));
-        lock(&self.handles).remove(&fh);
+        let mut handles = lock(&self.handles);
+        if let Some(Handle::Json { file, .. }) = handles.open.remove(&fh) {
+            let ino = file.ino;
+            drop(file);
+            if handles.json.get(&ino).is_some_and(|w| w.strong_count() == 0) {
+                handles.json.remove(&ino);
+            }
+        }
+        drop(handles);
         if let Err(e) = &result {
             warn!("closing a file: {e}");
         }
@@ -989,10 +1066,11 @@ impl Fs {
         size: u32,
         reply: impl FnOnce(&[&[u8]]) -> R,
     ) -> Result<R, FsError> {
-        let object = match lock(&self.handles).get(&fh) {
+        let object = match lock(&self.handles).open.get(&fh) {
             Some(Handle::Data { object, .. }) => Some(object.bytes()),
-            Some(Handle::Json { text, .. }) => {
-                return Ok(reply(&[slice_at(text, offset, size)]));
+            Some(Handle::Json { file, .. }) => {
+                let content = lock(&file.content);
+                return Ok(reply(&[slice_at(&content.text, offset, size)]));
             }
             None => None,
         };
@@ -1006,7 +1084,9 @@ impl Fs {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
                     }
                     Node::Metadata(c) => st.live(c).metadata_text(),
-                    Node::File(c, id, TensorFile::Meta) => st.live(c).meta_text(id),
+                    Node::File(c, file, TensorFile::Meta) => {
+                        st.live(c).meta_text(st.meta_entry(c, file)?)
+                    }
                     Node::File(c, id, TensorFile::Data) => {
                         let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
                         drop(st);
@@ -1028,17 +1108,21 @@ impl Fs {
         self.writable()?;
         let target = {
             let mut handles = lock(&self.handles);
-            match handles.get_mut(&fh) {
-                Some(Handle::Json { text, dirty, .. }) => {
+            match handles.open.get_mut(&fh) {
+                Some(Handle::Json { file, wrote }) => {
                     let end = offset
                         .checked_add(data.len() as u64)
                         .filter(|&e| e <= MAX_JSON as u64)
                         .ok_or(EditError::TooLarge)?;
+                    let mut content = lock(&file.content);
+                    let text = &mut content.text;
                     if text.len() < end as usize {
                         text.resize(end as usize, 0);
                     }
                     text[offset as usize..end as usize].copy_from_slice(data);
-                    *dirty = true;
+                    content.dirty = true;
+                    content.written = true;
+                    *wrote = true;
                     return Ok(data.len() as u32);
                 }
                 Some(Handle::Data { object, wrote, .. }) => {
@@ -1064,13 +1148,17 @@ impl Fs {
         self.writable()?;
         if let Some(fh) = fh {
             let mut handles = lock(&self.handles);
-            match handles.get_mut(&fh) {
-                Some(Handle::Json { text, dirty, .. }) => {
+            match handles.open.get_mut(&fh) {
+                Some(Handle::Json { file, wrote }) => {
                     if size > MAX_JSON as u64 {
                         return Err(EditError::TooLarge.into());
                     }
-                    text.resize(size as usize, 0);
-                    *dirty = true;
+                    let mut content = lock(&file.content);
+                    content.text.resize(size as usize, 0);
+                    content.dirty = true;
+                    content.written = true;
+                    *wrote = true;
+                    drop(content);
                     drop(handles);
                     return self.getattr(ino, Some(fh));
                 }
@@ -1095,21 +1183,12 @@ impl Fs {
                     "index files are rewritten by commits, not edited",
                 ))
             }
-            // A JSON file cut by path: its text, cut, is what was written.
-            Node::File(c, id, TensorFile::Meta) => {
-                let mut st = self.write_state();
-                let live = st.live_mut(c);
-                let name = live.entry(id).ok_or(FsError::NotFound)?.name.to_string();
-                let mut text = live.meta_text(id).unwrap_or_default();
-                text.resize((size as usize).min(MAX_JSON + 1), 0);
-                live.set_meta(&name, &text)?;
-            }
-            Node::Metadata(c) => {
-                let mut st = self.write_state();
-                let live = st.live_mut(c);
-                let mut text = live.metadata_text().unwrap_or_default();
-                text.resize((size as usize).min(MAX_JSON + 1), 0);
-                live.set_metadata(&text)?;
+            // A JSON file cut by path: as if opened, cut and closed.
+            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => {
+                let opened = self.open(ino, true, false)?;
+                let cut = self.set_size(ino, Some(opened.fh), size);
+                self.release(opened.fh)?;
+                return cut;
             }
         }
         self.getattr(ino, fh)
@@ -1232,10 +1311,10 @@ impl Fs {
                         bytes.read(0, bytes.len() as u32, |b| b.to_vec())?
                     }
                     Name::Tensor(TensorFile::Meta, _) => {
-                        let Node::File(_, id, _) = from_node else {
+                        let Node::File(_, file, _) = from_node else {
                             unreachable!()
                         };
-                        st.live(c).meta_text(id).unwrap_or_default()
+                        st.live(c).meta_text(st.meta_entry(c, file)?).unwrap_or_default()
                     }
                     Name::Metadata => st.live(c).metadata_text().unwrap_or_default(),
                 };
@@ -1262,10 +1341,10 @@ impl Fs {
                 let live = st.live_mut(nc);
                 match to {
                     Name::Tensor(_, target) => {
-                        live.set_meta(target, &text)?;
+                        live.set_meta(target, &text, true)?;
                     }
                     Name::Metadata => {
-                        live.set_metadata(&text)?;
+                        live.set_metadata(&text, true)?;
                     }
                 }
             }
@@ -1545,7 +1624,7 @@ impl Fs {
             caller,
         } = req;
         self.allowed(caller, "prefetch")?;
-        let object = match lock(&self.handles).get(&fh) {
+        let object = match lock(&self.handles).open.get(&fh) {
             Some(Handle::Data { object, .. }) => Some(object.clone()),
             _ => None,
         };
@@ -1600,7 +1679,7 @@ impl Fs {
                 let buffer = crate::prefetch::cuda::to_device(device, &backing, keep_going)?;
                 done.bytes = nbytes;
                 done.ipc = Some((buffer.ipc_handle, buffer.len() as u64));
-                if let Some(Handle::Data { device, .. }) = lock(&self.handles).get_mut(&fh) {
+                if let Some(Handle::Data { device, .. }) = lock(&self.handles).open.get_mut(&fh) {
                     device.push(buffer);
                 }
             }

@@ -411,10 +411,11 @@ fn a_meta_descriptor_does_not_write_another_names_meta() {
     let (_dir, _path, fs) = small();
     let ino = fs.lookup(ROOT_INO, "a.meta.json").unwrap().ino;
     let o = fs.open(ino, true, true).unwrap();
+    // The meta goes with the data; the descriptor's file stays at the old name.
     fs.rename(ROOT_INO, "a", ROOT_INO, "z", false).unwrap();
     fs.write(ino, o.fh, 0, br#"{"dtype":"U8","shape":[1]}"#)
         .unwrap();
-    assert_eq!(errno(fs.flush(o.fh)), libc::ESTALE);
+    fs.flush(o.fh).unwrap();
     let _ = fs.release(o.fh);
     assert_eq!(
         errno(fs.lookup(ROOT_INO, "a")),
@@ -424,6 +425,17 @@ fn a_meta_descriptor_does_not_write_another_names_meta() {
     assert!(String::from_utf8(cat(&fs, "z.meta.json"))
         .unwrap()
         .contains("\"F32\""));
+    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
+        .unwrap()
+        .contains("\"U8\""));
+    // Unlinked, the descriptor's writes stay with it.
+    let o = fs.open(ino, true, false).unwrap();
+    fs.unlink(ROOT_INO, "a.meta.json").unwrap();
+    fs.write(ino, o.fh, 0, b"[]").unwrap();
+    fs.flush(o.fh).unwrap();
+    assert_eq!(fs.getattr(ino, None).unwrap().nlink, 0);
+    let _ = fs.release(o.fh);
+    assert_eq!(errno(fs.lookup(ROOT_INO, "a.meta.json")), libc::ENOENT);
     // ftruncate through such a descriptor answers from the descriptor.
     let ino = fs.lookup(ROOT_INO, "z.meta.json").unwrap().ino;
     let o = fs.open(ino, true, false).unwrap();
@@ -443,13 +455,16 @@ fn no_tensor_is_named_metadata() {
         errno(fs.rename(ROOT_INO, "a", ROOT_INO, "__metadata__", false)),
         libc::EINVAL
     );
-    // The meta alone would make it with zeros: refused at commit, named.
+    // A meta alone makes no data file: a commit drops it.
     write_file(
         &fs,
         "__metadata__.meta.json",
         br#"{"dtype":"U8","shape":[1]}"#,
     );
-    let e = fs.commit(false, 0).unwrap_err();
-    assert_eq!(e.errno(), libc::EINVAL);
-    assert!(e.to_string().contains("__metadata__"), "{e}");
+    assert_eq!(errno(fs.lookup(ROOT_INO, "__metadata__")), libc::ENOENT);
+    fs.commit(false, 0).unwrap();
+    assert_eq!(
+        errno(fs.lookup(ROOT_INO, "__metadata__.meta.json")),
+        libc::ENOENT
+    );
 }
