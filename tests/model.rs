@@ -2,39 +2,91 @@
 //! (after mountpoint-s3's `tests/reftests`): random sequences of operations
 //! run both against `Fs` and against a plain model of the documented file
 //! model (docs/SEMANTICS.md, "Editing"), in a file mount or a folder mount of
-//! two shards. The model alone decides every expected result, errno
-//! included; it is never asked of the filesystem whether an operation would
-//! work. After every operation the listing (names and inodes), a lookup of
-//! every name, every file's content and the open handles are compared with
-//! the model, and inode numbers must stay stable for a file's life and never
-//! be given to another file. After every commit each source file must equal
-//! the reference `safetensors` serialization of the model.
+//! two shards with an index file, writable or `-o ro`.
 //!
-//! Shown to catch (each applied by hand to the code, then reverted):
-//! - RENAME_NOREPLACE ignored (`Fs::rename`);
-//! - a handle of a removed tensor not reading it (`Fs::read` taking the
-//!   bytes from the state instead of the handle's object);
-//! - a wrong shape in a generated `.meta.json` (`meta::render_meta`);
-//! - wrong readdir names for created tensors (`Fs::readdir`);
-//! - the ESTALE check disabled (`Live::plan`, source replaced behind the mount);
-//! - a name's meta dropped when its bytes are replaced (`Live::put_data`);
-//! - no zero-fill of a tensor created by its meta (`Live::set_meta`);
-//! - discard giving unedited tensors new inodes (`Live::discard`).
+//! The model decides every expected result from its own knowledge, errno
+//! included: its own dtype table, its own parser and renderer of `.meta.json`
+//! and `__metadata__.json` (every byte of every generated file, offsets taken
+//! from the reference crate's reading of the file the bytes are in), its own
+//! index file, status and problem counts. It is never asked of the
+//! filesystem what a file holds or whether an operation would work.
+//!
+//! After every operation it compares: the listing (read in pages of varying
+//! size, names and inodes), a lookup of every name, every file's bytes (read
+//! in small pieces), attributes (size, nlink, mode, owner), and inode
+//! identity (stable for a file's life, never given to another file). Open
+//! descriptors of every kind of file are held across unlinks, renames,
+//! replacements, O_TRUNC by another opener, commits, discards and a crash:
+//! reads at random offsets, writes, and fstat (nlink 0 once removed). After
+//! every commit each source file must equal the reference `safetensors`
+//! serialization of the model, and the index file the model's.
+//!
+//! Separate properties: copies of the same files by two clients in any
+//! interleaving converge to one checkpoint; renames of data and meta in any
+//! order (a list renamer, a glob of `mv`) end as `mv` of the tensor alone.
+//!
+//! Bugs planted by hand, one at a time, each caught (list in
+//! `docs/SEMANTICS.md` is not needed: this is the record):
+//! 1. RENAME_NOREPLACE ignored (`Fs::rename`);
+//! 2. a handle of a removed tensor not reading it (`Fs::read` from the state);
+//! 3. a wrong shape in a generated `.meta.json` (`meta::render_meta`);
+//! 4. wrong readdir names for created tensors (`Fs::readdir`);
+//! 5. the ESTALE check disabled (`Live::plan`);
+//! 6. a name's meta dropped when its bytes are replaced (`Live::put_data`);
+//! 7. discard giving unedited tensors new inodes (`Live::discard`);
+//! 8. read-only JSON opens served from the state, not a descriptor's file
+//!    (`Fs::open`: the `ruby -i` metadata loss);
+//! 9. fstat of a removed file answered ENOENT (`Fs::getattr` without the
+//!    handle fallback);
+//! 10. a lone meta making its data file appear (`Live::set_meta`: the
+//!     `xargs -P cp` EEXIST);
+//! 11. a meta that moved with its data not answering at its old name
+//!     (`Live::take_data` without the hidden meta: `mmv`);
+//! 12. a meta replaced by rename keeping its inode (`Live::set_meta` with
+//!     `replace` ignored);
+//! 13. a write through a replaced meta's descriptor applied to the new file
+//!     (`Fs::apply_json` without the currency check);
+//! 14. `data_offsets` of a renamed tensor dropped (`Live::meta_text`);
+//! 15. the index's weight_map omitting shards without edits
+//!     (`index_updates`);
+//! 16. `stfs status` listing no changes (`Live::status`);
+//! 17. a problem not counted (`Live::problems`, size mismatch);
+//! 18. journal replay dropping metas (`Live::replay`);
+//! 19. `-o ro` letting a rename through (`Fs::rename` without `writable`);
+//! 20. commit allowed to another user (`Fs::allowed`);
+//! 21. the in-place rewrite of a source not noticed at read (`Bytes::read`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use stfs::checkpoint::recover::{self, Resume};
 use stfs::checkpoint::staging::Staging;
-use stfs::format::{byte_len, layout, Dtype, Metadata, TensorSpec};
 use stfs::fs::{Fs, IndexFile, Ino, Settings, Source, TensorFile, ROOT_INO};
 use stfs::source::local::Folder;
 use stfs::source::{FileStat, SourceFile};
 
 const NAMES: [&str; 5] = ["a", "b", "c/d", "x.meta.json", ""];
-const DTYPES: [Dtype; 4] = [Dtype::U8, Dtype::I16, Dtype::F32, Dtype::BF16];
+/// The model's own dtype table: name, bits per element.
+const DTYPES: [(&str, u64); 5] = [
+    ("U8", 8),
+    ("I16", 16),
+    ("F32", 32),
+    ("BF16", 16),
+    ("F64", 64),
+];
 const MAX_HANDLES: usize = 3;
+const OTHER_USER: u32 = 4242;
+const INDEX: &str = "model.safetensors.index.json";
+
+fn dtype_of(name: &str) -> Option<usize> {
+    DTYPES.iter().position(|(n, _)| *n == name)
+}
+
+fn byte_len(dtype: usize, shape: &[u64]) -> u64 {
+    shape.iter().product::<u64>() * DTYPES[dtype].1 / 8
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Part {
@@ -54,7 +106,7 @@ struct FileRef {
 /// What is written to a JSON file.
 #[derive(Debug, Clone)]
 enum Text {
-    Meta(Dtype, Vec<u64>),
+    Meta(usize, Vec<u64>),
     BadDtype,
     NotJson,
     Metadata(Option<(String, String)>),
@@ -64,13 +116,15 @@ enum Text {
 impl Text {
     fn bytes(&self) -> Vec<u8> {
         match self {
-            Text::Meta(d, s) => serde_json::json!({"dtype": d.name(), "shape": s}).to_string(),
+            Text::Meta(d, s) => format!(
+                r#"{{"dtype":"{}","shape":{}}}"#,
+                DTYPES[*d].0,
+                serde_json::to_string(s).unwrap()
+            ),
             Text::BadDtype => r#"{"dtype":"f32","shape":[1]}"#.to_string(),
             Text::NotJson => "not json".to_string(),
-            Text::Metadata(kv) => {
-                let m: Metadata = kv.iter().cloned().collect();
-                serde_json::to_string(&m).unwrap()
-            }
+            Text::Metadata(None) => "{}".to_string(),
+            Text::Metadata(Some((k, v))) => format!(r#"{{"{k}":"{v}"}}"#),
             Text::BadMetadata => r#"{"k":1}"#.to_string(),
         }
         .into_bytes()
@@ -102,6 +156,7 @@ enum Op {
         name: usize,
         text: Text,
     },
+    /// open(O_CREAT|O_TRUNC) of `.meta.json`, write, close.
     SetMeta {
         dir: usize,
         name: usize,
@@ -117,28 +172,46 @@ enum Op {
         to: FileRef,
         no_replace: bool,
     },
+    /// Opens any file and keeps the descriptor.
     Open {
-        dir: usize,
-        name: usize,
+        file: FileRef,
+        write: bool,
+        truncate: bool,
     },
-    HandleRead(usize),
+    HandleRead(usize, u64, u32),
     HandleWrite(usize, u64, Vec<u8>),
+    /// ftruncate(0) and a write of `text` through a held descriptor.
+    HandleSetText(usize, Text),
+    Fstat(usize),
     Close(usize),
     Commit {
         force: bool,
+        other_user: bool,
     },
     Discard,
-    /// Another program replaces the source file behind the mount.
-    ReplaceSource(usize),
+    /// Another program replaces the source file behind the mount: by a
+    /// rename, or by rewriting it in place.
+    ReplaceSource {
+        dir: usize,
+        in_place: bool,
+    },
     Status,
     /// fsync of a handle, or of the directories: durable, never a commit.
     Fsync(Option<usize>),
+    /// The daemon is killed and the source mounted again.
+    Remount,
+}
+
+fn shape() -> impl Strategy<Value = Vec<u64>> {
+    prop_oneof![
+        4 => prop::collection::vec(0u64..4, 0..4),
+        1 => prop::collection::vec(0u64..40, 1..2),
+    ]
 }
 
 fn meta_text() -> impl Strategy<Value = Text> {
     prop_oneof![
-        4 => (0..DTYPES.len(), prop::collection::vec(0u64..4, 0..3))
-            .prop_map(|(d, s)| Text::Meta(DTYPES[d], s)),
+        4 => (0..DTYPES.len(), shape()).prop_map(|(d, s)| Text::Meta(d, s)),
         1 => Just(Text::BadDtype),
         1 => Just(Text::NotJson),
     ]
@@ -149,6 +222,10 @@ fn metadata_text() -> impl Strategy<Value = Text> {
         3 => prop::option::of(("[a-z]{1,3}", "[a-z]{0,3}")).prop_map(Text::Metadata),
         1 => Just(Text::BadMetadata),
     ]
+}
+
+fn any_text() -> impl Strategy<Value = Text> {
+    prop_oneof![meta_text(), metadata_text()]
 }
 
 fn file_ref(dirs: usize) -> impl Strategy<Value = FileRef> {
@@ -167,48 +244,62 @@ fn op(dirs: usize) -> impl Strategy<Value = Op> {
     let d = 0..dirs;
     let n = 0..NAMES.len();
     let bytes = prop::collection::vec(any::<u8>(), 1..12);
+    let h = 0..MAX_HANDLES;
     prop_oneof![
         3 => (d.clone(), n.clone(), any::<bool>())
             .prop_map(|(dir, name, exclusive)| Op::Create { dir, name, exclusive }),
         3 => (d.clone(), n.clone(), 0u64..16, bytes.clone())
             .prop_map(|(dir, name, offset, data)| Op::Write { dir, name, offset, data }),
         2 => (d.clone(), n.clone(), 0u64..16).prop_map(|(dir, name, len)| Op::Truncate { dir, name, len }),
-        2 => (d.clone(), n.clone(), prop_oneof![meta_text(), metadata_text()])
+        2 => (d.clone(), n.clone(), any_text())
             .prop_map(|(dir, name, text)| Op::WriteJson { dir, name, text }),
         4 => (d.clone(), n.clone(), meta_text()).prop_map(|(dir, name, text)| Op::SetMeta { dir, name, text }),
         1 => (d.clone(), metadata_text()).prop_map(|(dir, text)| Op::SetMetadata { dir, text }),
         3 => file_ref(dirs).prop_map(Op::Unlink),
         5 => (file_ref(dirs), file_ref(dirs), any::<bool>())
             .prop_map(|(from, to, no_replace)| Op::Rename { from, to, no_replace }),
-        2 => (d.clone(), n.clone()).prop_map(|(dir, name)| Op::Open { dir, name }),
-        2 => (0..MAX_HANDLES).prop_map(Op::HandleRead),
-        2 => (0..MAX_HANDLES, 0u64..8, bytes).prop_map(|(h, o, b)| Op::HandleWrite(h, o, b)),
-        1 => (0..MAX_HANDLES).prop_map(Op::Close),
-        3 => any::<bool>().prop_map(|force| Op::Commit { force }),
+        3 => (file_ref(dirs), any::<bool>(), prop::bool::weighted(0.2))
+            .prop_map(|(file, write, truncate)| Op::Open { file, write: write || truncate, truncate }),
+        2 => (h.clone(), 0u64..40, 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
+        2 => (h.clone(), 0u64..8, bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
+        1 => (h.clone(), any_text()).prop_map(|(k, t)| Op::HandleSetText(k, t)),
+        2 => h.clone().prop_map(Op::Fstat),
+        1 => h.clone().prop_map(Op::Close),
+        3 => (any::<bool>(), prop::bool::weighted(0.1))
+            .prop_map(|(force, other_user)| Op::Commit { force, other_user }),
         1 => Just(Op::Discard),
-        1 => d.prop_map(Op::ReplaceSource),
+        1 => (d, any::<bool>()).prop_map(|(dir, in_place)| Op::ReplaceSource { dir, in_place }),
         1 => Just(Op::Status),
-        1 => prop::option::of(0..MAX_HANDLES).prop_map(Op::Fsync),
+        1 => prop::option::of(h).prop_map(Op::Fsync),
+        1 => Just(Op::Remount),
     ]
 }
 
-// ---- the model ----
-
-type ObjId = u64;
+// ---- the model's own JSON files ----
 
 #[derive(Debug, Clone, PartialEq)]
 enum MMeta {
     None,
-    Valid(Dtype, Vec<u64>),
+    Valid(usize, Vec<u64>),
     Invalid(Vec<u8>),
 }
 
 impl MMeta {
+    /// `dtype` (one of the table's) and `shape` (non-negative integers)
+    /// count; every other field is ignored.
     fn parse(text: &[u8]) -> MMeta {
-        match stfs::checkpoint::Meta::parse(text) {
-            stfs::checkpoint::Meta::Valid { dtype, shape } => MMeta::Valid(dtype, shape),
-            _ => MMeta::Invalid(text.to_vec()),
-        }
+        let valid = (|| {
+            let v: serde_json::Value = serde_json::from_slice(text).ok()?;
+            let d = dtype_of(v.get("dtype")?.as_str()?)?;
+            let shape = v
+                .get("shape")?
+                .as_array()?
+                .iter()
+                .map(|x| x.as_u64())
+                .collect::<Option<Vec<u64>>>()?;
+            Some(MMeta::Valid(d, shape))
+        })();
+        valid.unwrap_or_else(|| MMeta::Invalid(text.to_vec()))
     }
 
     /// Written and not an empty pending file.
@@ -217,29 +308,78 @@ impl MMeta {
     }
 }
 
+type Map = BTreeMap<String, String>;
+
 #[derive(Debug, Clone, PartialEq)]
 enum MMetadata {
-    Valid(Option<Metadata>),
+    Valid(Option<Map>),
     Invalid(Vec<u8>),
     Removed,
 }
 
 impl MMetadata {
+    /// An object of string values; `{}` is none.
     fn parse(text: &[u8]) -> MMetadata {
-        match stfs::checkpoint::meta::parse_metadata(text) {
-            Ok(m) => MMetadata::Valid(m),
-            Err(_) => MMetadata::Invalid(text.to_vec()),
-        }
+        let parsed = (|| {
+            let v: serde_json::Value = serde_json::from_slice(text).ok()?;
+            let mut map = Map::new();
+            for (k, x) in v.as_object()? {
+                map.insert(k.clone(), x.as_str()?.to_string());
+            }
+            Some(MMetadata::Valid((!map.is_empty()).then_some(map)))
+        })();
+        parsed.unwrap_or_else(|| MMetadata::Invalid(text.to_vec()))
     }
 
     fn text(&self) -> Option<Vec<u8>> {
         match self {
-            MMetadata::Valid(m) => Some(stfs::checkpoint::meta::render_metadata(m.as_ref())),
+            MMetadata::Valid(None) => Some(b"{}\n".to_vec()),
+            MMetadata::Valid(Some(m)) => {
+                let mut t = serde_json::to_vec(m).unwrap();
+                t.push(b'\n');
+                Some(t)
+            }
             MMetadata::Invalid(t) => Some(t.clone()),
             MMetadata::Removed => None,
         }
     }
 }
+
+/// `{"dtype":..,"shape":..[,"data_offsets":[b,e],"file_offset":f],"nbytes":..,"name":..}` and a newline.
+fn render_meta(
+    dtype: usize,
+    shape: &[u64],
+    offsets: Option<(u64, u64, u64)>,
+    nbytes: u64,
+    name: &str,
+) -> Vec<u8> {
+    let mut out = format!(
+        r#"{{"dtype":"{}","shape":{}"#,
+        DTYPES[dtype].0,
+        serde_json::to_string(shape).unwrap()
+    );
+    if let Some((b, e, f)) = offsets {
+        out += &format!(r#","data_offsets":[{b},{e}],"file_offset":{f}"#);
+    }
+    out += &format!(
+        r#","nbytes":{nbytes},"name":{}}}"#,
+        serde_json::to_string(name).unwrap()
+    );
+    out.push('\n');
+    out.into_bytes()
+}
+
+/// Where tensor `name` lies in a safetensors file, as the reference reads it:
+/// (begin, end, absolute offset).
+fn offsets_in(file: &[u8], name: &str) -> (u64, u64, u64) {
+    let (n, meta) = safetensors::SafeTensors::read_metadata(file).unwrap();
+    let (b, e) = meta.info(name).unwrap().data_offsets;
+    (b as u64, e as u64, 8 + n as u64 + b as u64)
+}
+
+// ---- the model ----
+
+type ObjId = u64;
 
 #[derive(Debug, Clone)]
 struct MObject {
@@ -250,47 +390,96 @@ struct MObject {
     ino_key: u64,
     /// Moved to another directory since the last commit or discard.
     moved_away: bool,
+    /// The mapped file its bytes are in, unedited: (dir, tensor name there).
+    source: Option<(usize, String)>,
 }
 
 #[derive(Debug, Clone)]
 struct MEntry {
     data: Option<ObjId>,
     meta: MMeta,
-    /// Identity of its `.meta.json` inode.
+    /// The meta stayed behind when the data left with a copy of it.
+    hidden: bool,
+    /// Identity of the entry (a source tensor's slot).
     eid: u64,
+    /// Identity of its `.meta.json` file.
+    meta_key: u64,
 }
 
 /// A committed tensor: dtype, shape, object, entry identity, bytes.
-type CommittedTensor = (Dtype, Vec<u64>, ObjId, u64, Vec<u8>);
+type CommittedTensor = (usize, Vec<u64>, ObjId, u64, Vec<u8>);
 
 #[derive(Debug, Clone)]
 struct Committed {
     tensors: BTreeMap<String, CommittedTensor>,
-    metadata: Option<Metadata>,
+    metadata: Option<Map>,
 }
 
 struct MDir {
     path: PathBuf,
     entries: BTreeMap<String, MEntry>,
     metadata: MMetadata,
+    metadata_key: u64,
+    /// `__metadata__.json` written, removed or replaced since the last commit.
+    metadata_touched: bool,
     committed: Committed,
     /// Edits since the last commit or discard (a commit rewrites the file).
     dirty: bool,
-    /// The source was replaced behind the mount.
+    /// The source was replaced behind the mount (by rename or in place).
     replaced: bool,
-    /// What the file on disk must be.
+    /// ...in place: reads of its bytes fail.
+    rewritten: bool,
+    /// ...by a rename: the mount keeps the file it mapped.
+    detached: bool,
+    /// What the file on disk must be, and what the mount maps.
     disk: Vec<u8>,
+    mapped: Vec<u8>,
+}
+
+/// An open JSON file: shared by the descriptors of one inode.
+#[derive(Debug, Clone)]
+struct MJson {
+    key: u64,
+    text: Vec<u8>,
+    dirty: bool,
+    written: bool,
+}
+
+#[derive(Debug, Clone)]
+enum MHandle {
+    Data {
+        fh: u64,
+        obj: ObjId,
+        ino: Ino,
+        key: u64,
+        write: bool,
+    },
+    Json {
+        fh: u64,
+        file: u64,
+        ino: Ino,
+        write: bool,
+    },
 }
 
 struct Model {
     dirs: Vec<MDir>,
     objects: HashMap<ObjId, MObject>,
     next: u64,
-    /// Open handles: (fh, object).
-    handles: [Option<(u64, ObjId, Ino)>; MAX_HANDLES],
+    handles: [Option<MHandle>; MAX_HANDLES],
+    /// Open JSON files by id, and the one each file key shares.
+    json: HashMap<u64, MJson>,
+    json_by_key: HashMap<u64, u64>,
     /// Inode identities seen: key -> ino, and ino -> key (never reused).
     ino_of: HashMap<u64, Ino>,
     key_of: HashMap<Ino, u64>,
+    read_only: bool,
+    folder: bool,
+    /// The source files' mode and owner.
+    perm: u16,
+    uid: u32,
+    gid: u32,
+    index: serde_json::Value,
 }
 
 fn fresh(next: &mut u64) -> u64 {
@@ -309,6 +498,7 @@ impl Model {
                 edited: true,
                 ino_key,
                 moved_away: false,
+                source: None,
             },
         );
         id
@@ -318,19 +508,27 @@ impl Model {
         self.dirs[dir].entries.get(name)
     }
 
-    /// The entry of `name`, made if there is none.
-    fn entry_mut(&mut self, dir: usize, name: &str) -> &mut MEntry {
-        if !self.dirs[dir].entries.contains_key(name) {
-            let eid = fresh(&mut self.next);
-            self.dirs[dir].entries.insert(
-                name.to_string(),
-                MEntry {
-                    data: None,
-                    meta: MMeta::None,
-                    eid,
-                },
-            );
+    /// The entry of `name`, made if there is none; true if made.
+    fn entry_made(&mut self, dir: usize, name: &str) -> bool {
+        if self.dirs[dir].entries.contains_key(name) {
+            return false;
         }
+        let eid = fresh(&mut self.next);
+        self.dirs[dir].entries.insert(
+            name.to_string(),
+            MEntry {
+                data: None,
+                meta: MMeta::None,
+                hidden: false,
+                eid,
+                meta_key: eid,
+            },
+        );
+        true
+    }
+
+    fn entry_mut(&mut self, dir: usize, name: &str) -> &mut MEntry {
+        self.entry_made(dir, name);
         self.dirs[dir].entries.get_mut(name).unwrap()
     }
 
@@ -353,30 +551,58 @@ impl Model {
         }
     }
 
-    /// Applies a meta's text to `name` (docs: a meta of a name without data
-    /// creates it zero-filled; so does one that gives an empty, meta-less file its size).
-    fn set_meta(&mut self, dir: usize, name: &str, text: &[u8]) {
+    /// The identity of the file `f` names now (it must exist).
+    fn key_of_file(&self, f: &FileRef) -> u64 {
+        let e = self.entry(f.dir, NAMES[f.name]);
+        match f.part {
+            Part::Data => self.objects[&e.unwrap().data.unwrap()].ino_key,
+            Part::Meta => e.unwrap().meta_key,
+            Part::Metadata => self.dirs[f.dir].metadata_key,
+        }
+    }
+
+    /// Whether a JSON file key is the file at some name now.
+    fn json_current(&self, key: u64) -> bool {
+        self.dirs.iter().any(|d| {
+            (d.metadata != MMetadata::Removed && d.metadata_key == key)
+                || d.entries
+                    .values()
+                    .any(|e| e.meta != MMeta::None && e.meta_key == key)
+        })
+    }
+
+    /// Applies a meta's text to `name`: in place, or as a file renamed over
+    /// it (`replace`: a new file). A meta never makes data appear; one that
+    /// gives an empty, meta-less data file its size fills it with zeros.
+    fn set_meta(&mut self, dir: usize, name: &str, text: &[u8], replace: bool) {
         let meta = MMeta::parse(text);
+        let made = self.entry_made(dir, name);
+        let renew = !made && (replace || self.entry(dir, name).unwrap().meta == MMeta::None);
+        let key = fresh(&mut self.next);
         let e = self.entry_mut(dir, name);
-        let had = e.meta.counts();
+        let had = e.meta.counts() && !e.hidden;
+        if renew {
+            e.meta_key = key;
+        }
         e.meta = meta.clone();
+        e.hidden = false;
         let data = e.data;
-        if let MMeta::Valid(d, s) = &meta {
-            let n = byte_len(*d, s).unwrap() as usize;
-            match data {
-                None => {
-                    let o = self.new_object(vec![0; n]);
-                    self.entry_mut(dir, name).data = Some(o);
-                }
-                Some(o) if !had && self.objects[&o].bytes.is_empty() => {
-                    let obj = self.objects.get_mut(&o).unwrap();
-                    obj.bytes = vec![0; n];
-                    obj.edited = true;
-                }
-                Some(_) => {}
+        if let (MMeta::Valid(d, s), Some(o)) = (&meta, data) {
+            if !had && self.objects[&o].bytes.is_empty() {
+                self.truncate(o, byte_len(*d, s));
             }
         }
         self.dirs[dir].dirty = true;
+    }
+
+    fn set_metadata(&mut self, dir: usize, text: &[u8], replace: bool) {
+        let d = &mut self.dirs[dir];
+        if replace || d.metadata == MMetadata::Removed {
+            d.metadata_key = fresh(&mut self.next);
+        }
+        d.metadata = MMetadata::parse(text);
+        d.metadata_touched = true;
+        d.dirty = true;
     }
 
     fn truncate(&mut self, o: ObjId, len: u64) {
@@ -384,6 +610,7 @@ impl Model {
         if len == 0 || len as usize != obj.bytes.len() {
             obj.bytes.resize(len as usize, 0);
             obj.edited = true;
+            obj.source = None;
         }
     }
 
@@ -395,6 +622,7 @@ impl Model {
         }
         obj.bytes[offset as usize..end].copy_from_slice(data);
         obj.edited = true;
+        obj.source = None;
     }
 
     /// The directory whose entry holds object `o`.
@@ -404,18 +632,175 @@ impl Model {
             .position(|d| d.entries.values().any(|e| e.data == Some(o)))
     }
 
-    fn problems(&self) -> bool {
-        self.dirs.iter().any(|d| {
-            matches!(d.metadata, MMetadata::Invalid(_))
-                || d.entries.values().any(|e| match (&e.meta, e.data) {
+    fn edited(&mut self, o: ObjId) {
+        if let Some(dir) = self.holder(o) {
+            self.dirs[dir].dirty = true;
+        }
+    }
+
+    /// The copy into staging that a write or a cut to `keep` bytes makes
+    /// first must read bytes of a source rewritten in place.
+    fn copy_fails(&self, o: ObjId, keep: u64) -> bool {
+        self.unreadable(o) && keep.min(self.objects[&o].bytes.len() as u64) > 0
+    }
+
+    /// Reading the bytes of `o` fails: they are in a source rewritten in place.
+    fn unreadable(&self, o: ObjId) -> bool {
+        !self.objects[&o].bytes.is_empty()
+            && self.objects[&o]
+                .source
+                .as_ref()
+                .is_some_and(|(d, _)| self.dirs[*d].rewritten)
+    }
+
+    /// What `<name>.meta.json` shows.
+    fn meta_text(&self, dir: usize, name: &str) -> Vec<u8> {
+        let e = self.entry(dir, name).unwrap();
+        match &e.meta {
+            MMeta::Invalid(t) => t.clone(),
+            MMeta::Valid(d, s) => {
+                let object = e.data.map(|o| &self.objects[&o]);
+                let nbytes = object.map_or(byte_len(*d, s), |o| o.bytes.len() as u64);
+                let offsets = object
+                    .and_then(|o| o.source.as_ref())
+                    .map(|(sd, sn)| offsets_in(&self.dirs[*sd].mapped, sn));
+                render_meta(*d, s, offsets, nbytes, name)
+            }
+            MMeta::None => unreachable!(),
+        }
+    }
+
+    /// What file `f` holds now, as a new descriptor would read it: a JSON
+    /// file being written is its writers' text.
+    fn content(&self, f: &FileRef) -> Vec<u8> {
+        if f.part != Part::Data {
+            let key = self.key_of_file(f);
+            if let Some(j) = self.json_by_key.get(&key).map(|id| &self.json[id]) {
+                if j.written {
+                    return j.text.clone();
+                }
+            }
+        }
+        self.state_content(f)
+    }
+
+    /// What file `f` holds in the checkpoint's state.
+    fn state_content(&self, f: &FileRef) -> Vec<u8> {
+        match f.part {
+            Part::Data => {
+                let o = self.entry(f.dir, NAMES[f.name]).unwrap().data.unwrap();
+                self.objects[&o].bytes.clone()
+            }
+            Part::Meta => self.meta_text(f.dir, NAMES[f.name]),
+            Part::Metadata => self.dirs[f.dir].metadata.text().unwrap(),
+        }
+    }
+
+    /// Per directory: the problems a commit would refuse.
+    fn problem_count(&self, dir: usize) -> usize {
+        let d = &self.dirs[dir];
+        let tensors = d
+            .entries
+            .values()
+            .filter(|e| {
+                let meta = if e.hidden { &MMeta::None } else { &e.meta };
+                match (meta, e.data) {
                     (MMeta::Invalid(_), _) => true,
                     (MMeta::None, Some(_)) => true,
                     (MMeta::Valid(dt, s), Some(o)) => {
-                        byte_len(*dt, s).unwrap() != self.objects[&o].bytes.len() as u64
+                        byte_len(*dt, s) != self.objects[&o].bytes.len() as u64
                     }
                     (_, None) => false,
-                })
-        })
+                }
+            })
+            .count();
+        tensors + usize::from(matches!(d.metadata, MMetadata::Invalid(_)))
+    }
+
+    fn problems(&self) -> bool {
+        (0..self.dirs.len()).any(|d| self.problem_count(d) > 0)
+    }
+
+    /// Whether entry `e` of `name` is the committed tensor of that name, untouched.
+    fn untouched(&self, dir: usize, name: &str, e: &MEntry) -> bool {
+        let Some((dt, s, _, eid, _)) = self.dirs[dir].committed.tensors.get(name) else {
+            return false;
+        };
+        e.eid == *eid
+            && !e.hidden
+            && e.meta == MMeta::Valid(*dt, s.clone())
+            && e.data
+                .is_some_and(|o| self.objects[&o].source == Some((dir, name.to_string())))
+    }
+
+    /// Whether the directory differs from its committed file (what a journal
+    /// replay leaves as staged edits).
+    fn net_changed(&self, dir: usize) -> bool {
+        let d = &self.dirs[dir];
+        d.metadata_touched
+            || d.entries.iter().any(|(n, e)| !self.untouched(dir, n, e))
+            || d.committed
+                .tensors
+                .keys()
+                .any(|n| !d.entries.contains_key(n))
+    }
+
+    /// The number of lines `stfs status` lists as staged changes.
+    fn change_count(&self, dir: usize) -> usize {
+        let d = &self.dirs[dir];
+        let mut count = 0;
+        let mut renamed_from = HashSet::new();
+        for (name, e) in &d.entries {
+            let meta = if e.hidden { &MMeta::None } else { &e.meta };
+            if e.data.is_none() && *meta == MMeta::None {
+                continue;
+            }
+            let origin = d
+                .committed
+                .tensors
+                .get(name)
+                .filter(|t| t.3 == e.eid)
+                .map(|_| name.clone());
+            let bytes_from = e.data.and_then(|o| match &self.objects[&o].source {
+                Some((sd, sn)) if *sd == dir => Some(sn.clone()),
+                _ => None,
+            });
+            match (&origin, &bytes_from) {
+                (_, Some(src)) if src != name => {
+                    renamed_from.insert(src.clone());
+                    count += 1;
+                }
+                (None, _) => {
+                    count += 1;
+                    continue;
+                }
+                _ => {}
+            }
+            let Some(i) = origin.or(bytes_from.clone()) else {
+                continue;
+            };
+            let (dt, s, ..) = &d.committed.tensors[&i];
+            if *meta != MMeta::Valid(*dt, s.clone()) {
+                count += 1;
+            }
+            match e.data {
+                None => count += 1,
+                Some(_) if bytes_from.is_none() => count += 1,
+                Some(_) => {}
+            }
+        }
+        for (name, t) in &d.committed.tensors {
+            let still_there = d.entries.get(name).is_some_and(|e| {
+                e.eid == t.3 && (e.data.is_some() || (e.meta != MMeta::None && !e.hidden))
+            });
+            if !still_there && !renamed_from.contains(name) {
+                count += 1;
+            }
+        }
+        if d.metadata_touched && !matches!(d.metadata, MMetadata::Invalid(_)) {
+            count += 1;
+        }
+        count
     }
 
     /// The reference crate's serialization of a directory.
@@ -423,8 +808,9 @@ impl Model {
         let d = &self.dirs[dir];
         let mut views = Vec::new();
         for (name, e) in &d.entries {
-            if let (MMeta::Valid(dt, s), Some(o)) = (&e.meta, e.data) {
-                let dtype: safetensors::Dtype = serde_json::from_str(&format!("\"{dt}\"")).unwrap();
+            if let (MMeta::Valid(dt, s), Some(o), false) = (&e.meta, e.data, e.hidden) {
+                let dtype: safetensors::Dtype =
+                    serde_json::from_str(&format!("\"{}\"", DTYPES[*dt].0)).unwrap();
                 let shape: Vec<usize> = s.iter().map(|&x| x as usize).collect();
                 views.push((
                     name.clone(),
@@ -443,18 +829,22 @@ impl Model {
 
     /// After a commit: what was written is what the directory now is.
     fn committed(&mut self, dir: usize) {
-        let objects = &self.objects;
         let d = &mut self.dirs[dir];
-        // A meta without data is not a tensor: the commit drops it.
+        // A meta without data is not a tensor: the commit drops it (and
+        // a hidden one).
         d.entries.retain(|_, e| e.data.is_some());
         if d.metadata == MMetadata::Removed {
             d.metadata = MMetadata::Valid(None);
+            d.metadata_key = fresh(&mut self.next);
         }
         let mut tensors = BTreeMap::new();
         for (name, e) in &d.entries {
             if let (MMeta::Valid(dt, s), Some(o)) = (&e.meta, e.data) {
-                let bytes = objects[&o].bytes.clone();
-                tensors.insert(name.clone(), (*dt, s.clone(), o, e.eid, bytes));
+                let obj = self.objects.get_mut(&o).unwrap();
+                obj.edited = false;
+                obj.moved_away = false;
+                obj.source = Some((dir, name.clone()));
+                tensors.insert(name.clone(), (*dt, s.clone(), o, e.eid, obj.bytes.clone()));
             }
         }
         let metadata = match &d.metadata {
@@ -464,21 +854,53 @@ impl Model {
         d.committed = Committed { tensors, metadata };
         d.dirty = false;
         d.replaced = false;
+        d.rewritten = false;
+        d.detached = false;
+        d.metadata_touched = false;
+    }
+
+    /// The index file as a commit of the folder leaves it.
+    fn expected_index(&self) -> serde_json::Value {
+        let mut index = self.index.clone();
+        let mut map = serde_json::Map::new();
+        let mut total = 0;
+        for (k, d) in self.dirs.iter().enumerate() {
+            for (name, t) in &d.committed.tensors {
+                map.insert(name.clone(), format!("s{k}.safetensors").into());
+                total += t.4.len() as u64;
+            }
+        }
+        index["weight_map"] = map.into();
+        index["metadata"]["total_size"] = total.into();
+        index
+    }
+
+    fn attr_perm(&self) -> u16 {
+        if self.read_only {
+            self.perm & !0o222
+        } else {
+            self.perm
+        }
     }
 }
 
 // ---- the filesystem side ----
 
 struct Mounted {
-    fs: Fs,
+    fs: Option<Fs>,
     folder: bool,
-    _dir: tempfile::TempDir,
+    read_only: bool,
+    dir: tempfile::TempDir,
 }
 
 impl Mounted {
+    fn fs(&self) -> &Fs {
+        self.fs.as_ref().unwrap()
+    }
+
     fn dir_ino(&self, dir: usize) -> Ino {
         if self.folder {
-            self.fs.lookup(ROOT_INO, &format!("s{dir}")).unwrap().ino
+            self.fs().lookup(ROOT_INO, &format!("s{dir}")).unwrap().ino
         } else {
             ROOT_INO
         }
@@ -493,51 +915,102 @@ impl Mounted {
     }
 
     fn lookup(&self, f: &FileRef) -> Option<Ino> {
-        self.fs
+        self.fs()
             .lookup(self.dir_ino(f.dir), &Self::file_name(f))
             .ok()
             .map(|a| a.ino)
     }
 
-    fn cat(&self, ino: Ino) -> Vec<u8> {
-        let o = self.fs.open(ino, false, false).unwrap();
-        let data = self.fs.read(ino, o.fh, 0, 1 << 20, |b| b.concat()).unwrap();
-        self.fs.release(o.fh).unwrap();
-        data
+    /// A file's bytes read through a new descriptor, 5 bytes at a time.
+    fn cat(&self, ino: Ino) -> Result<Vec<u8>, i32> {
+        let o = self.fs().open(ino, false, false).map_err(|e| e.errno())?;
+        let mut out = Vec::new();
+        let result = loop {
+            match self
+                .fs()
+                .read(ino, o.fh, out.len() as u64, 5, |b| b.concat())
+            {
+                Ok(chunk) if chunk.is_empty() => break Ok(out),
+                Ok(chunk) => out.extend(chunk),
+                Err(e) => break Err(e.errno()),
+            }
+        };
+        self.fs().release(o.fh).unwrap();
+        result
     }
 }
 
 /// name, dtype, bytes, shape
-type Tensor<'a> = (&'a str, Dtype, Vec<u8>, &'a [u64]);
+type Tensor<'a> = (&'a str, usize, Vec<u8>, &'a [u64]);
 
+/// Writes a checkpoint with the reference serializer.
 fn write_file(path: &Path, tensors: &[Tensor]) -> Vec<u8> {
-    let specs: Vec<TensorSpec> = tensors
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
-        .map(|(n, d, _, s)| TensorSpec {
-            name: n.to_string(),
-            dtype: *d,
-            shape: s.to_vec(),
+        .map(|(n, d, b, s)| {
+            let dtype: safetensors::Dtype =
+                serde_json::from_str(&format!("\"{}\"", DTYPES[*d].0)).unwrap();
+            let shape = s.iter().map(|&x| x as usize).collect();
+            let view = safetensors::tensor::TensorView::new(dtype, shape, b).unwrap();
+            (n.to_string(), view)
         })
         .collect();
-    let l = layout(&specs, None).unwrap();
-    let mut bytes = l.header.clone();
-    for &i in &l.source_index {
-        bytes.extend_from_slice(&tensors[i].2);
-    }
+    let bytes = safetensors::serialize(views, None).unwrap();
     std::fs::write(path, &bytes).unwrap();
     bytes
 }
 
-fn setup(folder: bool) -> (Mounted, Model) {
+fn open_sources(dir: &Path, count: usize) -> Vec<(String, SourceFile)> {
+    (0..count)
+        .map(|k| {
+            let path = dir.join(format!("s{k}.safetensors"));
+            (format!("s{k}"), SourceFile::open(&path).unwrap())
+        })
+        .collect()
+}
+
+/// Mounts the sources in `dir`, taking back the edits a killed daemon left.
+fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
+    let base = Arc::new(Folder::open(dir).unwrap());
+    recover::finish_renames(&base, "m");
+    let staging = Arc::new(Staging::new(base.clone(), "m"));
+    let mut sources = open_sources(dir, if folder { 2 } else { 1 });
+    let source = if folder {
+        let bytes = std::fs::read(dir.join(INDEX)).unwrap();
+        let file = std::fs::File::open(dir.join(INDEX)).unwrap();
+        Source::Folder {
+            folder: base,
+            stat: FileStat::of(&std::fs::File::open(dir).unwrap()).unwrap(),
+            checkpoints: sources,
+            indexes: vec![IndexFile {
+                name: INDEX.into(),
+                bytes,
+                stat: FileStat::of(&file).unwrap(),
+            }],
+        }
+    } else {
+        Source::File(sources.pop().unwrap().1)
+    };
+    let settings = Settings {
+        read_only,
+        ..Settings::default()
+    };
+    let fs = Fs::new(source, settings, staging.clone());
+    fs.with_lives(|lives| recover::resume(lives, &staging, &Resume::Auto))
+        .unwrap();
+    fs
+}
+
+fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
     let dir = tempfile::tempdir().unwrap();
     let initial: Vec<Vec<Tensor>> = vec![
         vec![
-            ("a", Dtype::U8, vec![1, 2, 3], &[3]),
-            ("b", Dtype::I16, vec![9, 8, 7, 6], &[2]),
+            ("a", 0, vec![1, 2, 3], &[3]),
+            ("b", 1, vec![9, 8, 7, 6], &[2]),
         ],
         vec![
-            ("b", Dtype::F32, vec![5, 5, 5, 5], &[1]),
-            ("c/d", Dtype::U8, vec![4, 2], &[2]),
+            ("b", 2, vec![5, 5, 5, 5], &[1]),
+            ("c/d", 0, vec![4, 2], &[2]),
         ],
     ];
     let count = if folder { 2 } else { 1 };
@@ -545,60 +1018,75 @@ fn setup(folder: bool) -> (Mounted, Model) {
         dirs: Vec::new(),
         objects: HashMap::new(),
         next: 0,
-        handles: [None; MAX_HANDLES],
+        handles: Default::default(),
+        json: HashMap::new(),
+        json_by_key: HashMap::new(),
         ino_of: HashMap::new(),
         key_of: HashMap::new(),
+        read_only,
+        folder,
+        perm: 0,
+        uid: 0,
+        gid: 0,
+        index: serde_json::json!({"metadata": {"format": "pt", "total_size": 0}, "weight_map": {}}),
     };
-    let mut sources = Vec::new();
     for (k, tensors) in initial.into_iter().take(count).enumerate() {
         let path = dir.path().join(format!("s{k}.safetensors"));
         let disk = write_file(&path, &tensors);
         let mut entries = BTreeMap::new();
         for (name, dtype, bytes, shape) in tensors {
             let o = model.new_object(bytes);
-            model.objects.get_mut(&o).unwrap().edited = false;
+            let obj = model.objects.get_mut(&o).unwrap();
+            obj.edited = false;
+            obj.source = Some((k, name.to_string()));
+            let eid = fresh(&mut model.next);
             entries.insert(
                 name.to_string(),
                 MEntry {
                     data: Some(o),
                     meta: MMeta::Valid(dtype, shape.to_vec()),
-                    eid: fresh(&mut model.next),
+                    hidden: false,
+                    eid,
+                    meta_key: eid,
                 },
             );
         }
+        let metadata_key = fresh(&mut model.next);
         model.dirs.push(MDir {
             path: path.clone(),
             entries,
             metadata: MMetadata::Valid(None),
+            metadata_key,
+            metadata_touched: false,
             committed: Committed {
                 tensors: BTreeMap::new(),
                 metadata: None,
             },
             dirty: false,
             replaced: false,
+            rewritten: false,
+            detached: false,
+            mapped: disk.clone(),
             disk,
         });
         model.committed(k);
-        sources.push((format!("s{k}"), SourceFile::open(&path).unwrap()));
     }
-    let base = Arc::new(Folder::open(dir.path()).unwrap());
-    let staging = Arc::new(Staging::new(base.clone(), "m"));
-    let source = if folder {
-        Source::Folder {
-            folder: base,
-            stat: FileStat::of(&std::fs::File::open(dir.path()).unwrap()).unwrap(),
-            checkpoints: sources,
-            indexes: Vec::<IndexFile>::new(),
-        }
-    } else {
-        Source::File(sources.pop().unwrap().1)
-    };
-    let fs = Fs::new(source, Settings::default(), staging);
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&model.dirs[0].path).unwrap();
+    (model.perm, model.uid, model.gid) = ((m.mode() & 0o777) as u16, m.uid(), m.gid());
+    if folder {
+        model.index = model.expected_index();
+        let mut text = serde_json::to_vec_pretty(&model.index).unwrap();
+        text.push(b'\n');
+        std::fs::write(dir.path().join(INDEX), text).unwrap();
+    }
+    let fs = mount(dir.path(), folder, read_only);
     (
         Mounted {
-            fs,
+            fs: Some(fs),
             folder,
-            _dir: dir,
+            read_only,
+            dir,
         },
         model,
     )
@@ -611,9 +1099,140 @@ fn errno<T, E: std::borrow::Borrow<stfs::fs::FsError>>(r: Result<T, E>) -> i32 {
     }
 }
 
+/// Opens JSON file `f` (it exists) in the model: the file open on its inode
+/// already, unless that one's generated text is out of date.
+fn model_open_json(model: &mut Model, f: &FileRef, truncate: bool) -> u64 {
+    let key = model.key_of_file(f);
+    let text = model.state_content(f);
+    let shared = model.json_by_key.get(&key).copied().filter(|id| {
+        model
+            .json
+            .get(id)
+            .is_some_and(|j| j.written || j.text == text)
+    });
+    let id = shared.unwrap_or_else(|| {
+        let id = fresh(&mut model.next);
+        model.json.insert(
+            id,
+            MJson {
+                key,
+                text,
+                dirty: false,
+                written: false,
+            },
+        );
+        model.json_by_key.insert(key, id);
+        id
+    });
+    if truncate {
+        let j = model.json.get_mut(&id).unwrap();
+        j.text.clear();
+        j.dirty = true;
+        j.written = true;
+    }
+    id
+}
+
+/// Flush (`last`: release) of a JSON descriptor open for writing (not held
+/// handle `except`): what was written goes to the name, once no other writer
+/// holds the file and if it is still at its name. Returns the errno expected.
+fn model_apply_json(model: &mut Model, file: u64, last: bool, except: Option<usize>) -> i32 {
+    let others = model.handles.iter().enumerate().any(|(k, h)| {
+        Some(k) != except
+            && matches!(h, Some(MHandle::Json { file: f, write: true, .. }) if *f == file)
+    });
+    if others {
+        return 0;
+    }
+    let j = model.json.get_mut(&file).unwrap();
+    if !j.dirty || (!last && j.text.is_empty()) {
+        return 0;
+    }
+    j.dirty = false;
+    let (key, text) = (j.key, j.text.clone());
+    if !model.json_current(key) {
+        return 0;
+    }
+    for dir in 0..model.dirs.len() {
+        if model.dirs[dir].metadata != MMetadata::Removed && model.dirs[dir].metadata_key == key {
+            model.set_metadata(dir, &text, false);
+            return match model.dirs[dir].metadata {
+                MMetadata::Invalid(_) => libc::EINVAL,
+                _ => 0,
+            };
+        }
+        let owner = model.dirs[dir]
+            .entries
+            .iter()
+            .find(|(_, e)| e.meta != MMeta::None && e.meta_key == key)
+            .map(|(n, _)| n.clone());
+        if let Some(name) = owner {
+            model.set_meta(dir, &name, &text, false);
+            return match model.entry(dir, &name).unwrap().meta {
+                MMeta::Invalid(_) => libc::EINVAL,
+                _ => 0,
+            };
+        }
+    }
+    unreachable!()
+}
+
+/// Closes a model handle: flush, then release. Returns the flush's errno.
+fn model_close(model: &mut Model, k: usize) -> (i32, i32) {
+    match model.handles[k].take() {
+        Some(MHandle::Json {
+            file, write: true, ..
+        }) => {
+            let flush = model_apply_json(model, file, false, None);
+            let release = model_apply_json(model, file, true, None);
+            forget_json(model, file);
+            (flush, release)
+        }
+        Some(MHandle::Json { file, .. }) => {
+            forget_json(model, file);
+            (0, 0)
+        }
+        _ => (0, 0),
+    }
+}
+
+/// Drops an open JSON file no descriptor holds any more.
+fn forget_json(model: &mut Model, file: u64) {
+    let held = model
+        .handles
+        .iter()
+        .any(|h| matches!(h, Some(MHandle::Json { file: f, .. }) if *f == file));
+    if !held {
+        let key = model.json.remove(&file).unwrap().key;
+        if model.json_by_key.get(&key) == Some(&file) {
+            model.json_by_key.remove(&key);
+        }
+    }
+}
+
+fn writes(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Create { .. }
+            | Op::Write { .. }
+            | Op::Truncate { .. }
+            | Op::WriteJson { .. }
+            | Op::SetMeta { .. }
+            | Op::SetMetadata { .. }
+            | Op::Unlink(_)
+            | Op::Rename { .. }
+            | Op::Open { write: true, .. }
+            | Op::HandleWrite(..)
+            | Op::HandleSetText(..)
+    )
+}
+
 /// Runs one operation on both sides and compares their results.
-fn apply(m: &Mounted, model: &mut Model, op: &Op) {
-    let fs = &m.fs;
+fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
+    if m.read_only && writes(op) {
+        return apply_read_only(m, model, op);
+    }
+    let fs = m.fs();
     match op {
         Op::Create {
             dir,
@@ -636,7 +1255,9 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
                 }
                 None => {
                     let o = model.new_object(vec![]);
-                    model.entry_mut(dir, n).data = Some(o);
+                    let e = model.entry_mut(dir, n);
+                    e.data = Some(o);
+                    e.hidden = false;
                     0
                 }
             };
@@ -656,81 +1277,91 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
         } => {
             if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
                 let h = fs.open(ino, true, false).unwrap();
-                fs.write(ino, h.fh, *offset, data).unwrap();
+                let got = fs.write(ino, h.fh, *offset, data);
                 fs.release(h.fh).unwrap();
+                if model.copy_fails(o, u64::MAX) {
+                    assert_eq!(errno(got), libc::EIO, "{op:?}");
+                    return;
+                }
+                got.unwrap();
                 model.write(o, *offset, data);
                 model.dirs[*dir].dirty = true;
             }
         }
         Op::Truncate { dir, name, len } => {
             if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
-                fs.set_size(ino, None, *len).unwrap();
+                let got = fs.set_size(ino, None, *len);
+                if model.copy_fails(o, *len) && model.objects[&o].bytes.len() as u64 != *len {
+                    assert_eq!(errno(got), libc::EIO, "{op:?}");
+                    return;
+                }
+                assert_eq!(got.unwrap().size, *len, "{op:?}");
                 model.truncate(o, *len);
                 model.dirs[*dir].dirty = true;
             }
         }
         Op::WriteJson { dir, name, text } => {
+            let (dir, name) = (*dir, *name);
             apply(
                 m,
                 model,
                 &Op::Create {
-                    dir: *dir,
-                    name: *name,
+                    dir,
+                    name,
                     exclusive: false,
                 },
             );
+            let data = text.bytes();
             apply(
                 m,
                 model,
                 &Op::Write {
-                    dir: *dir,
-                    name: *name,
+                    dir,
+                    name,
                     offset: 0,
-                    data: text.bytes(),
+                    data,
                 },
             );
         }
         Op::SetMeta { dir, name, text } => {
             let (dir, n) = (*dir, NAMES[*name]);
-            let bytes = text.bytes();
-            let (a, o) = fs
-                .create(m.dir_ino(dir), &TensorFile::Meta.file_name(n), true, false)
-                .unwrap();
-            if !model.entry(dir, n).is_some_and(|e| e.meta != MMeta::None) {
-                model.entry_mut(dir, n).meta = MMeta::Invalid(vec![]);
+            let f = meta(dir, *name);
+            if !model.exists(&f) {
+                let made = model.entry_made(dir, n);
+                let key = fresh(&mut model.next);
+                let e = model.entry_mut(dir, n);
+                if !made {
+                    e.meta_key = key;
+                }
+                e.meta = MMeta::Invalid(vec![]);
+                e.hidden = false;
+                model.dirs[dir].dirty = true;
             }
-            fs.write(a.ino, o.fh, 0, &bytes).unwrap();
-            let got = errno(fs.flush(o.fh));
-            model.set_meta(dir, n, &bytes);
-            let want = match model.entry(dir, n).unwrap().meta {
-                MMeta::Invalid(_) => libc::EINVAL,
-                _ => 0,
-            };
-            assert_eq!(got, want, "{op:?}: close reports a meta kept but not valid");
-            fs.release(o.fh).unwrap();
+            let (a, o) = fs
+                .create(m.dir_ino(dir), &Mounted::file_name(&f), true, false)
+                .unwrap();
+            let file = model_open_json(model, &f, true);
+            write_and_close(m, model, a.ino, o.fh, file, &text.bytes(), op);
         }
         Op::SetMetadata { dir, text } => {
             let dir = *dir;
-            let bytes = text.bytes();
+            let f = FileRef {
+                dir,
+                name: 0,
+                part: Part::Metadata,
+            };
             let (ino, fh) = if model.dirs[dir].metadata == MMetadata::Removed {
+                model.set_metadata(dir, b"{}", false);
                 let (a, o) = fs
                     .create(m.dir_ino(dir), "__metadata__.json", true, false)
                     .unwrap();
                 (a.ino, o.fh)
             } else {
-                let ino = fs.lookup(m.dir_ino(dir), "__metadata__.json").unwrap().ino;
+                let ino = m.lookup(&f).unwrap();
                 (ino, fs.open(ino, true, true).unwrap().fh)
             };
-            fs.write(ino, fh, 0, &bytes).unwrap();
-            let got = errno(fs.flush(fh));
-            fs.release(fh).unwrap();
-            model.dirs[dir].metadata = MMetadata::parse(&bytes);
-            model.dirs[dir].dirty = true;
-            let want = match model.dirs[dir].metadata {
-                MMetadata::Invalid(_) => libc::EINVAL,
-                _ => 0,
-            };
-            assert_eq!(got, want, "{op:?}");
+            let file = model_open_json(model, &f, true);
+            write_and_close(m, model, ino, fh, file, &text.bytes(), op);
         }
         Op::Unlink(f) => {
             let got = errno(fs.unlink(m.dir_ino(f.dir), &Mounted::file_name(f)));
@@ -740,8 +1371,15 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             } else {
                 match f.part {
                     Part::Data => model.entry_mut(f.dir, n).data = None,
-                    Part::Meta => model.entry_mut(f.dir, n).meta = MMeta::None,
-                    Part::Metadata => model.dirs[f.dir].metadata = MMetadata::Removed,
+                    Part::Meta => {
+                        let e = model.entry_mut(f.dir, n);
+                        e.meta = MMeta::None;
+                        e.hidden = false;
+                    }
+                    Part::Metadata => {
+                        model.dirs[f.dir].metadata = MMetadata::Removed;
+                        model.dirs[f.dir].metadata_touched = true;
+                    }
                 }
                 model.prune(f.dir, n);
                 model.dirs[f.dir].dirty = true;
@@ -754,94 +1392,241 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
             to,
             no_replace,
         } => rename(m, model, from, to, *no_replace),
-        Op::Open { dir, name } => {
-            let Some(slot) = model.handles.iter().position(Option::is_none) else {
+        Op::Open {
+            file,
+            write,
+            truncate,
+        } => {
+            let Some(k) = model.handles.iter().position(Option::is_none) else {
                 return;
             };
-            if let Some((ino, o)) = data_file(m, model, *dir, *name, op) {
-                let h = fs.open(ino, true, false).unwrap();
-                model.handles[slot] = Some((h.fh, o, ino));
-            }
-        }
-        Op::HandleRead(k) => {
-            if let Some((fh, o, ino)) = model.handles[*k] {
-                let got = fs.read(ino, fh, 0, 1 << 20, |b| b.concat()).unwrap();
-                assert_eq!(
-                    got, model.objects[&o].bytes,
-                    "{op:?}: a handle reads its file"
-                );
-            }
-        }
-        Op::HandleWrite(k, offset, data) => {
-            if let Some((fh, o, ino)) = model.handles[*k] {
-                fs.write(ino, fh, *offset, data).unwrap();
-                model.write(o, *offset, data);
-                if let Some(dir) = model.holder(o) {
-                    model.dirs[dir].dirty = true;
+            let ino = m.lookup(file);
+            assert_eq!(ino.is_some(), model.exists(file), "{op:?}");
+            let Some(ino) = ino else { return };
+            let got = fs.open(ino, *write, *truncate).unwrap();
+            model.handles[k] = Some(match file.part {
+                Part::Data => {
+                    let o = model
+                        .entry(file.dir, NAMES[file.name])
+                        .unwrap()
+                        .data
+                        .unwrap();
+                    if *truncate {
+                        model.truncate(o, 0);
+                        model.dirs[file.dir].dirty = true;
+                    }
+                    MHandle::Data {
+                        fh: got.fh,
+                        obj: o,
+                        ino,
+                        key: model.objects[&o].ino_key,
+                        write: *write,
+                    }
                 }
+                _ => MHandle::Json {
+                    fh: got.fh,
+                    file: model_open_json(model, file, *truncate),
+                    ino,
+                    write: *write,
+                },
+            });
+        }
+        Op::HandleRead(k, offset, size) => {
+            let Some(h) = model.handles[*k].clone() else {
+                return;
+            };
+            let (fh, ino, want) = match h {
+                MHandle::Data { fh, obj, ino, .. } => {
+                    if model.unreadable(obj) && *offset < model.objects[&obj].bytes.len() as u64 {
+                        let got = fs.read(ino, fh, *offset, *size, |b| b.concat());
+                        assert_eq!(errno(got), libc::EIO, "{op:?}: a source rewritten in place");
+                        return;
+                    }
+                    (fh, ino, model.objects[&obj].bytes.clone())
+                }
+                MHandle::Json { fh, file, ino, .. } => (fh, ino, model.json[&file].text.clone()),
+            };
+            let got = fs.read(ino, fh, *offset, *size, |b| b.concat()).unwrap();
+            let start = (*offset as usize).min(want.len());
+            let end = (start + *size as usize).min(want.len());
+            assert_eq!(got, want[start..end], "{op:?}: a descriptor reads its file");
+        }
+        Op::HandleWrite(k, offset, data) => match model.handles[*k].clone() {
+            Some(MHandle::Data {
+                fh,
+                obj,
+                ino,
+                write: true,
+                ..
+            }) => {
+                let got = fs.write(ino, fh, *offset, data);
+                if model.copy_fails(obj, u64::MAX) {
+                    assert_eq!(errno(got), libc::EIO, "{op:?}");
+                    return;
+                }
+                got.unwrap();
+                model.write(obj, *offset, data);
+                model.edited(obj);
             }
+            Some(MHandle::Json {
+                fh,
+                file,
+                ino,
+                write: true,
+                ..
+            }) => {
+                fs.write(ino, fh, *offset, data).unwrap();
+                let j = model.json.get_mut(&file).unwrap();
+                let end = *offset as usize + data.len();
+                if j.text.len() < end {
+                    j.text.resize(end, 0);
+                }
+                j.text[*offset as usize..end].copy_from_slice(data);
+                j.dirty = true;
+                j.written = true;
+            }
+            _ => {}
+        },
+        Op::HandleSetText(k, text) => {
+            let bytes = text.bytes();
+            match model.handles[*k].clone() {
+                Some(MHandle::Data {
+                    fh,
+                    obj,
+                    ino,
+                    write: true,
+                    ..
+                }) => {
+                    fs.set_size(ino, Some(fh), 0).unwrap();
+                    fs.write(ino, fh, 0, &bytes).unwrap();
+                    model.truncate(obj, 0);
+                    model.write(obj, 0, &bytes);
+                    model.edited(obj);
+                }
+                Some(MHandle::Json {
+                    fh,
+                    file,
+                    ino,
+                    write: true,
+                    ..
+                }) => {
+                    fs.set_size(ino, Some(fh), 0).unwrap();
+                    fs.write(ino, fh, 0, &bytes).unwrap();
+                    let j = model.json.get_mut(&file).unwrap();
+                    j.text = bytes;
+                    j.dirty = true;
+                    j.written = true;
+                }
+                _ => {}
+            }
+        }
+        Op::Fstat(k) => {
+            let Some(h) = model.handles[*k].clone() else {
+                return;
+            };
+            let (ino, size, nlink) = match h {
+                MHandle::Data { obj, ino, key, .. } => {
+                    let current = model.holder(obj).is_some() && model.objects[&obj].ino_key == key;
+                    (ino, model.objects[&obj].bytes.len(), u32::from(current))
+                }
+                MHandle::Json { file, ino, .. } => {
+                    let key = model.json[&file].key;
+                    if model.json_current(key) {
+                        let open = model.json_by_key.get(&key).map(|id| &model.json[id]);
+                        let size = match open.filter(|j| j.written) {
+                            Some(j) => j.text.len(),
+                            None => current_json_len(model, key),
+                        };
+                        (ino, size, 1)
+                    } else {
+                        (ino, model.json[&file].text.len(), 0)
+                    }
+                }
+            };
+            let a = fs.getattr(ino, None).unwrap();
+            assert_eq!((a.size, a.nlink), (size as u64, nlink), "{op:?}: fstat");
+            assert_eq!(
+                (a.perm, a.uid, a.gid),
+                (model.attr_perm(), model.uid, model.gid)
+            );
         }
         Op::Close(k) => {
-            if let Some((fh, _, _)) = model.handles[*k].take() {
-                fs.release(fh).unwrap();
-            }
+            let Some(fh) = model.handles[*k].as_ref().map(|h| match h {
+                MHandle::Data { fh, .. } | MHandle::Json { fh, .. } => *fh,
+            }) else {
+                return;
+            };
+            let (flush, release) = model_close(model, *k);
+            assert_eq!(errno(fs.flush(fh)), flush, "{op:?}: flush");
+            assert_eq!(errno(fs.release(fh)), release, "{op:?}: release");
         }
-        Op::Commit { force } => commit(m, model, *force),
-        Op::Discard => {
-            fs.discard(0).unwrap();
-            for dir in 0..model.dirs.len() {
-                let mut committed = model.dirs[dir].committed.clone();
-                let mut entries = BTreeMap::new();
-                for (name, (dt, s, o, eid, bytes)) in committed.tensors.clone() {
-                    // Unedited bytes that never left this directory keep their
-                    // inode; others come back as a fresh file.
-                    let obj = &model.objects[&o];
-                    let kept = !obj.edited
-                        && !obj.moved_away
-                        && model.dirs[dir].entries.values().any(|e| e.data == Some(o));
-                    let o = if kept {
-                        o
-                    } else {
-                        let fresh = model.new_object(bytes);
-                        model.objects.get_mut(&fresh).unwrap().edited = false;
-                        fresh
-                    };
-                    committed.tensors.get_mut(&name).unwrap().2 = o;
-                    let meta = MMeta::Valid(dt, s);
-                    entries.insert(
-                        name,
-                        MEntry {
-                            data: Some(o),
-                            meta,
-                            eid,
-                        },
-                    );
-                }
-                let d = &mut model.dirs[dir];
-                d.entries = entries;
-                d.metadata = MMetadata::Valid(committed.metadata.clone());
-                d.committed = committed;
-                d.dirty = false;
-            }
-        }
-        Op::ReplaceSource(dir) => {
+        Op::Commit { force, other_user } => commit(m, model, *force, *other_user),
+        Op::Discard => discard(m, model),
+        Op::ReplaceSource { dir, in_place } => {
             let path = model.dirs[*dir].path.clone();
-            let tmp = path.with_extension("tmp");
-            let disk = write_file(&tmp, &[("other", Dtype::U8, vec![7], &[1])]);
-            std::fs::rename(&tmp, &path).unwrap();
-            model.dirs[*dir].disk = disk;
+            if *in_place {
+                let mut other =
+                    write_file(&path.with_extension("tmp"), &[("other", 0, vec![7], &[1])]);
+                // A size no committed file of the model has.
+                other.extend_from_slice(&[0; 3]);
+                std::fs::write(&path, &other).unwrap();
+                model.dirs[*dir].disk = other;
+                // The file the mount maps, unless a rename put another there.
+                model.dirs[*dir].rewritten |= !model.dirs[*dir].detached;
+            } else {
+                let tmp = path.with_extension("tmp");
+                let disk = write_file(&tmp, &[("other", 0, vec![7], &[1])]);
+                std::fs::rename(&tmp, &path).unwrap();
+                model.dirs[*dir].disk = disk;
+                model.dirs[*dir].detached = true;
+            }
             model.dirs[*dir].replaced = true;
         }
         Op::Status => {
             let (report, refused) = fs.status();
             assert_eq!(refused, model.problems(), "{report}");
+            // One block per checkpoint: its head, then a line per change and problem.
+            let blocks: Vec<&str> = report.split("\n").collect();
+            for (dir, d) in model.dirs.iter().enumerate() {
+                let head = blocks
+                    .iter()
+                    .position(|l| l.starts_with(&d.path.display().to_string()))
+                    .unwrap_or_else(|| panic!("no status of shard {dir}: {report}"));
+                let lines: Vec<&str> = blocks[head + 1..]
+                    .iter()
+                    .take_while(|l| l.starts_with("  "))
+                    .copied()
+                    .collect();
+                let problems = lines.iter().filter(|l| l.starts_with("  problem")).count();
+                let changes = lines.len() - problems;
+                assert_eq!(
+                    problems,
+                    model.problem_count(dir),
+                    "problems of shard {dir}: {report}"
+                );
+                assert_eq!(
+                    changes,
+                    model.change_count(dir),
+                    "changes of shard {dir}: {report}"
+                );
+            }
         }
         Op::Fsync(k) => {
-            let fh = k.and_then(|k| model.handles[k]).map(|(fh, _, _)| fh);
+            let fh = k.and_then(|k| model.handles[k].clone()).map(|h| match h {
+                MHandle::Data { fh, .. } => fh,
+                MHandle::Json { fh, .. } => fh,
+            });
             if k.is_some() && fh.is_none() {
                 return;
             }
-            fs.fsync(fh).unwrap();
+            // fsync of a JSON descriptor applies what it wrote, as a flush does.
+            let want = match k.and_then(|k| model.handles[k].clone()) {
+                Some(MHandle::Json {
+                    file, write: true, ..
+                }) => model_apply_json(model, file, false, *k),
+                _ => 0,
+            };
+            assert_eq!(errno(fs.fsync(fh)), want, "{op:?}");
             for d in &model.dirs {
                 assert_eq!(
                     std::fs::read(&d.path).unwrap(),
@@ -850,11 +1635,101 @@ fn apply(m: &Mounted, model: &mut Model, op: &Op) {
                 );
             }
         }
+        Op::Remount => remount(m, model),
     }
 }
 
+/// The length of what JSON file `key` shows at its name now.
+fn current_json_len(model: &Model, key: u64) -> usize {
+    for (dir, d) in model.dirs.iter().enumerate() {
+        if d.metadata != MMetadata::Removed && d.metadata_key == key {
+            return d.metadata.text().unwrap().len();
+        }
+        for (name, e) in &d.entries {
+            if e.meta != MMeta::None && e.meta_key == key {
+                return model.meta_text(dir, name).len();
+            }
+        }
+    }
+    unreachable!()
+}
+
+/// Writes `text` through an open JSON descriptor (truncated at open), then
+/// flush and release, as a shell's `>` does.
+fn write_and_close(
+    m: &Mounted,
+    model: &mut Model,
+    ino: Ino,
+    fh: u64,
+    file: u64,
+    text: &[u8],
+    op: &Op,
+) {
+    m.fs().write(ino, fh, 0, text).unwrap();
+    let j = model.json.get_mut(&file).unwrap();
+    let end = text.len();
+    if j.text.len() < end {
+        j.text.resize(end, 0);
+    }
+    j.text[..end].copy_from_slice(text);
+    j.dirty = true;
+    j.written = true;
+    let flush = model_apply_json(model, file, false, None);
+    assert_eq!(
+        errno(m.fs().flush(fh)),
+        flush,
+        "{op:?}: close reports a JSON file kept but not valid"
+    );
+    let release = model_apply_json(model, file, true, None);
+    assert_eq!(errno(m.fs().release(fh)), release, "{op:?}: release");
+    forget_json(model, file);
+}
+
+fn apply_read_only(m: &Mounted, model: &mut Model, op: &Op) {
+    let fs = m.fs();
+    let got = match op {
+        Op::Create { dir, name, .. } => errno(fs.create(
+            m.dir_ino(*dir),
+            &Mounted::file_name(&data(*dir, *name)),
+            true,
+            false,
+        )),
+        Op::Write { dir, name, .. }
+        | Op::Truncate { dir, name, .. }
+        | Op::WriteJson { dir, name, .. } => match m.lookup(&data(*dir, *name)) {
+            Some(ino) => errno(fs.open(ino, true, false)),
+            None => return,
+        },
+        Op::SetMeta { dir, name, .. } => errno(fs.create(
+            m.dir_ino(*dir),
+            &Mounted::file_name(&meta(*dir, *name)),
+            true,
+            false,
+        )),
+        Op::SetMetadata { dir, .. } => {
+            errno(fs.create(m.dir_ino(*dir), "__metadata__.json", true, false))
+        }
+        Op::Unlink(f) => errno(fs.unlink(m.dir_ino(f.dir), &Mounted::file_name(f))),
+        Op::Rename { from, to, .. } => errno(fs.rename(
+            m.dir_ino(from.dir),
+            &Mounted::file_name(from),
+            m.dir_ino(to.dir),
+            &Mounted::file_name(to),
+            false,
+        )),
+        Op::Open { file, truncate, .. } => match m.lookup(file) {
+            Some(ino) => errno(fs.open(ino, true, *truncate)),
+            None => return,
+        },
+        // Read-only mounts hold no writable descriptors.
+        _ => return,
+    };
+    assert_eq!(got, libc::EROFS, "{op:?} on a read-only mount");
+    let _ = model;
+}
+
 fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_replace: bool) {
-    let fs = &m.fs;
+    let fs = m.fs();
     let got = errno(fs.rename(
         m.dir_ino(from.dir),
         &Mounted::file_name(from),
@@ -867,28 +1742,20 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
     let same = from.dir == to.dir
         && from.part == to.part
         && (from.name == to.name || from.part == Part::Metadata);
+    let unreadable = from.part == Part::Data
+        && model.exists(from)
+        && model.unreadable(model.entry(from.dir, fname).unwrap().data.unwrap());
     let want = if !model.exists(from) {
         libc::ENOENT
     } else if same {
         0
     } else if no_replace && model.exists(to) {
         libc::EEXIST
+    } else if unreadable && to.part != Part::Data {
+        libc::EIO // its bytes would become JSON: they cannot be read
     } else {
         // The content of the file moved, as bytes.
-        let text = |model: &Model| -> Vec<u8> {
-            match from.part {
-                Part::Data => {
-                    let o = model.entry(from.dir, fname).unwrap().data.unwrap();
-                    model.objects[&o].bytes.clone()
-                }
-                Part::Meta => match &model.entry(from.dir, fname).unwrap().meta {
-                    MMeta::Invalid(t) => t.clone(),
-                    // A generated meta: its text is what the mount shows (checked elsewhere).
-                    _ => Vec::new(),
-                },
-                Part::Metadata => model.dirs[from.dir].metadata.text().unwrap(),
-            }
-        };
+        let bytes = model.content(from);
         match to.part {
             Part::Data => {
                 let moved_meta;
@@ -896,22 +1763,22 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
                     Part::Data => {
                         let e = model.entry_mut(from.dir, fname);
                         let o = e.data.take().unwrap();
-                        moved_meta = (e.meta != MMeta::None)
-                            .then(|| std::mem::replace(&mut e.meta, MMeta::None));
+                        // The meta goes along; the name keeps it, hidden.
+                        moved_meta = (e.meta != MMeta::None).then(|| e.meta.clone());
+                        e.hidden = moved_meta.is_some();
                         o
                     }
                     Part::Meta => {
                         moved_meta = None;
-                        assert_eq!(got, 0, "{what}");
-                        // The data file gets the meta's text, as the mount showed it.
-                        let bytes = m.cat(m.lookup(to).expect("renamed"));
-                        model.entry_mut(from.dir, fname).meta = MMeta::None;
+                        let e = model.entry_mut(from.dir, fname);
+                        e.meta = MMeta::None;
+                        e.hidden = false;
                         model.new_object(bytes)
                     }
                     Part::Metadata => {
                         moved_meta = None;
-                        let bytes = text(model);
                         model.dirs[from.dir].metadata = MMetadata::Removed;
+                        model.dirs[from.dir].metadata_touched = true;
                         model.new_object(bytes)
                     }
                 };
@@ -922,26 +1789,19 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
                     obj.ino_key = key;
                     obj.moved_away = true;
                 }
+                let key = fresh(&mut model.next);
                 let e = model.entry_mut(to.dir, tname);
                 e.data = Some(o);
+                e.hidden = false;
                 if let Some(meta) = moved_meta {
                     e.meta = meta;
+                    e.meta_key = key;
                 }
                 model.dirs[from.dir].dirty = true;
                 model.dirs[to.dir].dirty = true;
                 0
             }
             Part::Meta | Part::Metadata => {
-                let mut bytes = text(model);
-                if from.part == Part::Meta && bytes.is_empty() {
-                    // A generated meta moved onto a JSON file: always valid.
-                    bytes = match &model.entry(from.dir, fname).unwrap().meta {
-                        MMeta::Valid(d, s) => serde_json::json!({"dtype": d.name(), "shape": s})
-                            .to_string()
-                            .into_bytes(),
-                        _ => unreachable!(),
-                    };
-                }
                 let valid = match to.part {
                     Part::Metadata => matches!(MMetadata::parse(&bytes), MMetadata::Valid(_)),
                     _ => matches!(MMeta::parse(&bytes), MMeta::Valid(..)),
@@ -951,16 +1811,22 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
                 } else {
                     match from.part {
                         Part::Data => model.entry_mut(from.dir, fname).data = None,
-                        Part::Meta => model.entry_mut(from.dir, fname).meta = MMeta::None,
-                        Part::Metadata => model.dirs[from.dir].metadata = MMetadata::Removed,
+                        Part::Meta => {
+                            let e = model.entry_mut(from.dir, fname);
+                            e.meta = MMeta::None;
+                            e.hidden = false;
+                        }
+                        Part::Metadata => {
+                            model.dirs[from.dir].metadata = MMetadata::Removed;
+                            model.dirs[from.dir].metadata_touched = true;
+                        }
                     }
                     model.prune(from.dir, fname);
                     match to.part {
-                        Part::Metadata => model.dirs[to.dir].metadata = MMetadata::parse(&bytes),
-                        _ => model.set_meta(to.dir, tname, &bytes),
+                        Part::Metadata => model.set_metadata(to.dir, &bytes, true),
+                        _ => model.set_meta(to.dir, tname, &bytes, true),
                     }
                     model.dirs[from.dir].dirty = true;
-                    model.dirs[to.dir].dirty = true;
                     0
                 }
             }
@@ -969,20 +1835,31 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
     assert_eq!(got, want, "{what}");
 }
 
-fn commit(m: &Mounted, model: &mut Model, force: bool) {
+fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool) {
     let before: Vec<Vec<u8>> = model
         .dirs
         .iter()
         .map(|d| std::fs::read(&d.path).unwrap())
         .collect();
-    let got = m.fs.commit(force, 0);
+    let caller = if other_user { OTHER_USER } else { 0 };
+    let got = m.fs().commit(force, caller);
     let dirty: Vec<bool> = model.dirs.iter().map(|d| d.dirty).collect();
-    let want = if !dirty.iter().any(|&d| d) {
+    // Bytes a commit must read from a source rewritten in place.
+    let unreadable = model.dirs.iter().enumerate().any(|(k, d)| {
+        dirty[k] && d.entries.values().any(|e| {
+            matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o))
+        })
+    });
+    let want = if other_user {
+        libc::EACCES
+    } else if !dirty.iter().any(|&d| d) {
         0
     } else if model.problems() {
         libc::EINVAL
     } else if !force && model.dirs.iter().any(|d| d.dirty && d.replaced) {
         libc::ESTALE
+    } else if unreadable {
+        libc::EIO
     } else {
         0
     };
@@ -992,12 +1869,12 @@ fn commit(m: &Mounted, model: &mut Model, force: bool) {
         "commit (force {force}): {:?}",
         got.as_ref().err().map(|e| e.to_string())
     );
-    if want != 0 {
+    if want != 0 || !dirty.iter().any(|&d| d) {
         for (d, b) in model.dirs.iter().zip(before) {
             assert_eq!(
                 std::fs::read(&d.path).unwrap(),
                 b,
-                "a refused commit changed a source"
+                "a commit that wrote nothing changed a source"
             );
         }
         return;
@@ -1010,20 +1887,120 @@ fn commit(m: &Mounted, model: &mut Model, force: bool) {
                 expected,
                 "shard {dir}: committed file differs from the reference serialization of the model"
             );
+            model.dirs[dir].mapped = expected.clone();
             model.dirs[dir].disk = expected;
             model.committed(dir);
-            for e in model.dirs[dir].entries.values() {
-                if let Some(o) = e.data {
-                    let obj = model.objects.get_mut(&o).unwrap();
-                    obj.edited = false;
-                    obj.moved_away = false;
-                }
-            }
         } else {
             assert_eq!(
                 std::fs::read(&model.dirs[dir].path).unwrap(),
                 model.dirs[dir].disk
             );
+        }
+    }
+    if model.folder {
+        let want = model.expected_index();
+        let on_disk = std::fs::read(m.dir.path().join(INDEX)).unwrap();
+        let parsed: serde_json::Value = serde_json::from_slice(&on_disk).unwrap();
+        assert_eq!(parsed, want, "the index after a commit");
+        model.index = want;
+    }
+}
+
+fn discard(m: &Mounted, model: &mut Model) {
+    m.fs().discard(0).unwrap();
+    for dir in 0..model.dirs.len() {
+        let mut committed = model.dirs[dir].committed.clone();
+        let mut entries = BTreeMap::new();
+        for (name, (dt, s, o, eid, bytes)) in committed.tensors.clone() {
+            // Unedited bytes that never left this directory keep their
+            // inode; others come back as a fresh file.
+            let obj = &model.objects[&o];
+            let kept = !obj.edited
+                && !obj.moved_away
+                && model.dirs[dir].entries.values().any(|e| e.data == Some(o));
+            let o = if kept {
+                o
+            } else {
+                let fresh = model.new_object(bytes);
+                model.objects.get_mut(&fresh).unwrap().edited = false;
+                fresh
+            };
+            model.objects.get_mut(&o).unwrap().source = Some((dir, name.clone()));
+            committed.tensors.get_mut(&name).unwrap().2 = o;
+            // A meta shown now keeps its file; one not shown is a new file.
+            let shown = model.dirs[dir]
+                .entries
+                .get(&name)
+                .filter(|e| e.eid == eid && e.meta != MMeta::None && !e.hidden)
+                .map(|e| e.meta_key);
+            let meta_key = shown.unwrap_or_else(|| fresh(&mut model.next));
+            entries.insert(
+                name,
+                MEntry {
+                    data: Some(o),
+                    meta: MMeta::Valid(dt, s),
+                    hidden: false,
+                    eid,
+                    meta_key,
+                },
+            );
+        }
+        let d = &mut model.dirs[dir];
+        d.entries = entries;
+        if d.metadata == MMetadata::Removed {
+            d.metadata_key = fresh(&mut model.next);
+        }
+        d.metadata = MMetadata::Valid(committed.metadata.clone());
+        d.metadata_touched = false;
+        d.committed = committed;
+        d.dirty = false;
+    }
+}
+
+/// The daemon is killed (no unmount, no commit) and the source mounted
+/// again: every edit comes back; open descriptors, what they wrote and did
+/// not close, and hidden metas do not.
+fn remount(m: &mut Mounted, model: &mut Model) {
+    if model.dirs.iter().any(|d| d.replaced) {
+        return; // edits of another version of a source are not taken back
+    }
+    if let Some(dir) = m.fs().staging().current() {
+        dir.keep_files(true);
+    }
+    drop(m.fs.take());
+    m.fs = Some(mount(m.dir.path(), m.folder, m.read_only));
+    model.handles = Default::default();
+    model.json.clear();
+    model.json_by_key.clear();
+    model.ino_of.clear();
+    model.key_of.clear();
+    for dir in 0..model.dirs.len() {
+        let names: Vec<String> = model.dirs[dir].entries.keys().cloned().collect();
+        for name in names {
+            // A name of the source is its slot again; its meta is the slot's file.
+            let committed = model.dirs[dir].committed.tensors.get(&name).map(|t| t.3);
+            let e = model.entry_mut(dir, &name);
+            if e.hidden {
+                e.meta = MMeta::None;
+                e.hidden = false;
+            }
+            e.eid = committed.unwrap_or(e.eid);
+            e.meta_key = e.eid;
+            model.prune(dir, &name);
+        }
+        model.dirs[dir].dirty = model.net_changed(dir);
+        // Replay knows bytes by where they are: a source tensor's own bytes
+        // back in its shard are that shard's tensor, however they travelled.
+        let held: Vec<ObjId> = model.dirs[dir]
+            .entries
+            .values()
+            .filter_map(|e| e.data)
+            .collect();
+        for o in held {
+            let obj = model.objects.get_mut(&o).unwrap();
+            if obj.source.as_ref().is_some_and(|(d, _)| *d == dir) {
+                obj.moved_away = false;
+            }
         }
     }
 }
@@ -1040,26 +2017,60 @@ fn same_inode(model: &mut Model, key: u64, ino: Ino, what: &str) {
     model.key_of.insert(ino, key);
 }
 
-/// Everything the mount shows matches the model.
-fn check(m: &Mounted, model: &mut Model, after: &Op) {
-    let fs = &m.fs;
-    if m.folder {
-        let mut root = Vec::new();
-        fs.readdir(ROOT_INO, 0, |e| {
-            root.push(e.name);
-            false
+/// A directory listed in pages of `page` entries, each resumed from the
+/// last one's offset.
+fn list_paged(fs: &Fs, ino: Ino, page: usize) -> Vec<(String, Ino)> {
+    let mut out: Vec<(String, Ino)> = Vec::new();
+    let mut offset = 0;
+    for _ in 0..100 {
+        let mut got = Vec::new();
+        fs.readdir(ino, offset, |e| {
+            got.push(e);
+            got.len() >= page
         })
         .unwrap();
-        assert_eq!(root, [".", "..", "s0", "s1"]);
+        // The entry that did not fit is given again in the next page.
+        let full = got.len() >= page;
+        if full {
+            got.pop();
+        }
+        if got.is_empty() && !full {
+            return out;
+        }
+        if let Some(last) = got.last() {
+            offset = last.next_offset;
+        }
+        out.extend(got.into_iter().map(|e| (e.name, e.ino)));
+        if !full {
+            return out;
+        }
     }
+    panic!("readdir of {ino} does not end: {out:?}");
+}
+
+/// Everything the mount shows matches the model.
+fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
+    let fs = m.fs();
+    if m.folder {
+        let root: Vec<String> = list_paged(fs, ROOT_INO, 2)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(root, [".", "..", "s0", "s1", INDEX]);
+        let ino = fs.lookup(ROOT_INO, INDEX).unwrap().ino;
+        let on_disk = std::fs::read(m.dir.path().join(INDEX)).unwrap();
+        assert_eq!(
+            m.cat(ino).unwrap(),
+            on_disk,
+            "the index file after {after:?}"
+        );
+    }
+    let perm = model.attr_perm();
     for dir in 0..model.dirs.len() {
         let dino = m.dir_ino(dir);
-        let mut listed = Vec::new();
-        fs.readdir(dino, 0, |e| {
-            listed.push((e.name, e.ino));
-            false
-        })
-        .unwrap();
+        let a = fs.getattr(dino, None).unwrap();
+        assert_eq!(a.perm, perm | ((perm & 0o444) >> 2), "directory mode");
+        let listed = list_paged(fs, dino, 2 + step % 4);
         let mut want: Vec<String> = vec![".".into(), "..".into()];
         if model.dirs[dir].metadata != MMetadata::Removed {
             want.push("__metadata__.json".into());
@@ -1068,7 +2079,7 @@ fn check(m: &Mounted, model: &mut Model, after: &Op) {
             if e.data.is_some() {
                 want.push(TensorFile::Data.file_name(name));
             }
-            if e.meta != MMeta::None {
+            if e.meta != MMeta::None && !e.hidden {
                 want.push(TensorFile::Meta.file_name(name));
             }
         }
@@ -1084,75 +2095,97 @@ fn check(m: &Mounted, model: &mut Model, after: &Op) {
                 "lookup of {name:?} after {after:?}"
             );
         }
-        let entries: Vec<(String, MEntry)> = model.dirs[dir]
-            .entries
-            .iter()
-            .map(|(n, e)| (n.clone(), e.clone()))
-            .collect();
-        for (name, e) in entries {
-            if let Some(o) = e.data {
-                let ino = fs
-                    .lookup(dino, &TensorFile::Data.file_name(&name))
-                    .unwrap()
-                    .ino;
-                let key = model.objects[&o].ino_key;
-                same_inode(model, key, ino, &format!("{name:?} after {after:?}"));
-                assert_eq!(
-                    m.cat(ino),
-                    model.objects[&o].bytes,
-                    "bytes of {name:?} after {after:?}"
-                );
-            }
-            if e.meta != MMeta::None {
-                let ino = fs
-                    .lookup(dino, &TensorFile::Meta.file_name(&name))
-                    .unwrap()
-                    .ino;
-                same_inode(
-                    model,
-                    e.eid,
-                    ino,
-                    &format!("{name:?}.meta.json after {after:?}"),
-                );
-                let text = m.cat(ino);
-                match &e.meta {
-                    MMeta::Invalid(t) => assert_eq!(&text, t, "kept text of {name:?}.meta.json"),
-                    MMeta::Valid(d, s) => {
-                        let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
-                        assert_eq!(v["dtype"], d.name(), "{name:?} after {after:?}");
-                        assert_eq!(v["shape"], serde_json::json!(s), "{name:?} after {after:?}");
-                        assert_eq!(v["name"], name.as_str());
-                        let nbytes = match e.data {
-                            Some(o) => model.objects[&o].bytes.len() as u64,
-                            None => byte_len(*d, s).unwrap(),
-                        };
-                        assert_eq!(v["nbytes"], nbytes, "{name:?} after {after:?}");
-                    }
-                    MMeta::None => unreachable!(),
-                }
+        for name in 0..NAMES.len() {
+            for part in [Part::Data, Part::Meta] {
+                check_file(m, model, &FileRef { dir, name, part }, after);
             }
         }
-        if let Some(text) = model.dirs[dir].metadata.text() {
-            let ino = fs.lookup(dino, "__metadata__.json").unwrap().ino;
-            assert_eq!(m.cat(ino), text, "__metadata__.json after {after:?}");
-        }
+        check_file(
+            m,
+            model,
+            &FileRef {
+                dir,
+                name: 0,
+                part: Part::Metadata,
+            },
+            after,
+        );
     }
 }
 
-fn run(folder: bool, ops: &[Op]) {
-    let (m, mut model) = setup(folder);
-    check(&m, &mut model, &Op::Status);
-    for op in ops {
-        apply(&m, &mut model, op);
-        check(&m, &mut model, op);
+/// One file: absent, or present with its identity, bytes and attributes.
+fn check_file(m: &Mounted, model: &mut Model, f: &FileRef, after: &Op) {
+    let what = format!(
+        "{} of shard {} after {after:?}",
+        Mounted::file_name(f),
+        f.dir
+    );
+    let ino = m.lookup(f);
+    assert_eq!(ino.is_some(), model.exists(f), "{what}: exists");
+    let Some(ino) = ino else { return };
+    let key = model.key_of_file(f);
+    same_inode(model, key, ino, &what);
+    let unreadable = f.part == Part::Data
+        && model.unreadable(model.entry(f.dir, NAMES[f.name]).unwrap().data.unwrap());
+    let want = model.content(f);
+    if f.part != Part::Data {
+        // `cat` opens the file as any reader does.
+        let file = model_open_json(model, f, false);
+        forget_json(model, file);
+    }
+    match m.cat(ino) {
+        Err(e) => assert!(
+            unreadable && e == libc::EIO,
+            "{what}: read failed with errno {e}"
+        ),
+        Ok(got) => {
+            assert!(!unreadable, "{what}: read a source rewritten in place");
+            assert_eq!(
+                got,
+                want,
+                "{what}: bytes ({:?})",
+                String::from_utf8_lossy(&got)
+            );
+        }
+    }
+    let a = m.fs().getattr(ino, None).unwrap();
+    let size = match f.part {
+        Part::Data => want.len(),
+        // A JSON file being written shows its writers' text.
+        _ => match model.json_by_key.get(&key).map(|id| &model.json[id]) {
+            Some(j) if j.written => j.text.len(),
+            _ => want.len(),
+        },
+    };
+    assert_eq!(a.size, size as u64, "{what}: size");
+    assert_eq!(
+        (a.nlink, a.perm, a.uid, a.gid),
+        (1, model.attr_perm(), model.uid, model.gid),
+        "{what}: attributes"
+    );
+}
+
+fn run_with(folder: bool, read_only: bool, ops: &[Op]) {
+    let (mut m, mut model) = setup(folder, read_only);
+    check(&m, &mut model, &Op::Status, 0);
+    for (step, op) in ops.iter().enumerate() {
+        apply(&mut m, &mut model, op);
+        check(&m, &mut model, op, step);
     }
     for k in 0..MAX_HANDLES {
-        apply(&m, &mut model, &Op::Close(k));
+        apply(&mut m, &mut model, &Op::Close(k));
     }
     // The unmount's policy: commit what is valid; keep edits it cannot commit.
     let dirty = model.dirs.iter().any(|d| d.dirty);
-    let refused = dirty && (model.problems() || model.dirs.iter().any(|d| d.dirty && d.replaced));
-    let result = m.fs.unmount();
+    let unreadable = model.dirs.iter().any(|d| {
+        d.dirty
+            && d.entries.values().any(
+                |e| matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o)),
+            )
+    });
+    let refused = dirty
+        && (model.problems() || model.dirs.iter().any(|d| d.dirty && d.replaced) || unreadable);
+    let result = m.fs().unmount();
     assert_eq!(result.is_err(), refused, "unmount: {result:?}");
     for dir in 0..model.dirs.len() {
         let want = if model.dirs[dir].dirty && !refused {
@@ -1168,6 +2201,10 @@ fn run(folder: bool, ops: &[Op]) {
     }
 }
 
+fn run(folder: bool, ops: &[Op]) {
+    run_with(folder, false, ops)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(250))]
 
@@ -1179,6 +2216,11 @@ proptest! {
     #[test]
     fn folder_mount_matches_the_model(ops in prop::collection::vec(op(2), 1..30)) {
         run(true, &ops);
+    }
+
+    #[test]
+    fn read_only_mount_matches_the_model(ops in prop::collection::vec(op(2), 1..12)) {
+        run_with(true, true, &ops);
     }
 }
 
@@ -1207,6 +2249,14 @@ fn meta(dir: usize, name: usize) -> FileRef {
     }
 }
 
+fn metadata(dir: usize) -> FileRef {
+    FileRef {
+        dir,
+        name: 0,
+        part: Part::Metadata,
+    }
+}
+
 /// Tool patterns from docs/SEMANTICS.md, always run.
 #[test]
 fn install_unlinks_then_creates_and_the_meta_stays() {
@@ -1216,7 +2266,12 @@ fn install_unlinks_then_creates_and_the_meta_stays() {
             Op::SetMeta {
                 dir: 0,
                 name: 2,
-                text: Text::Meta(Dtype::U8, vec![2]),
+                text: Text::Meta(0, vec![2]),
+            },
+            Op::Create {
+                dir: 0,
+                name: 2,
+                exclusive: true,
             },
             Op::Unlink(data(0, 2)),
             Op::Create {
@@ -1230,7 +2285,10 @@ fn install_unlinks_then_creates_and_the_meta_stays() {
                 offset: 0,
                 data: vec![1, 2],
             },
-            Op::Commit { force: false },
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
         ],
     );
 }
@@ -1243,7 +2301,7 @@ fn sed_renames_a_temp_file_over_the_meta() {
             Op::WriteJson {
                 dir: 0,
                 name: 2,
-                text: Text::Meta(Dtype::U8, vec![4]),
+                text: Text::Meta(0, vec![4]),
             },
             Op::Rename {
                 from: data(0, 2),
@@ -1255,7 +2313,10 @@ fn sed_renames_a_temp_file_over_the_meta() {
                 name: 1,
                 len: 4,
             },
-            Op::Commit { force: false },
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
         ],
     );
 }
@@ -1265,15 +2326,23 @@ fn a_moved_tensor_takes_its_meta_across_shards() {
     run(
         true,
         &[
-            Op::Open { dir: 0, name: 0 },
+            Op::Open {
+                file: data(0, 0),
+                write: true,
+                truncate: false,
+            },
             Op::Rename {
                 from: data(0, 0),
                 to: data(1, 4),
                 no_replace: true,
             },
             Op::HandleWrite(0, 0, vec![9]),
-            Op::Commit { force: false },
-            Op::HandleRead(0),
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::HandleRead(0, 0, 10),
+            Op::Fstat(0),
             Op::Discard,
         ],
     );
@@ -1295,9 +2364,50 @@ fn a_replaced_source_refuses_until_forced() {
                 offset: 0,
                 data: vec![7],
             },
-            Op::ReplaceSource(0),
-            Op::Commit { force: false },
-            Op::Commit { force: true },
+            Op::ReplaceSource {
+                dir: 0,
+                in_place: false,
+            },
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::Commit {
+                force: true,
+                other_user: false,
+            },
+        ],
+    );
+}
+
+#[test]
+fn a_source_rewritten_in_place_fails_reads_not_listings() {
+    run(
+        true,
+        &[
+            Op::Rename {
+                from: data(0, 0),
+                to: data(1, 0),
+                no_replace: false,
+            },
+            Op::ReplaceSource {
+                dir: 0,
+                in_place: true,
+            },
+            Op::Status,
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::Commit {
+                force: true,
+                other_user: false,
+            },
+            Op::Unlink(data(1, 0)),
+            Op::Commit {
+                force: true,
+                other_user: false,
+            },
         ],
     );
 }
@@ -1324,9 +2434,407 @@ fn discard_then_edit_then_commit() {
             Op::SetMeta {
                 dir: 0,
                 name: 0,
-                text: Text::Meta(Dtype::U8, vec![3]),
+                text: Text::Meta(0, vec![3]),
             },
-            Op::Commit { force: false },
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
         ],
     );
+}
+
+/// `ruby -i.bak -pe ... __metadata__.json`: open, rename to the backup,
+/// create the file again, read the old descriptor, write the new one.
+#[test]
+fn ruby_in_place_keeps_the_old_metadata_readable() {
+    run(
+        false,
+        &[
+            Op::SetMetadata {
+                dir: 0,
+                text: Text::Metadata(Some(("format".into(), "pt".into()))),
+            },
+            Op::Open {
+                file: metadata(0),
+                write: false,
+                truncate: false,
+            },
+            Op::Rename {
+                from: metadata(0),
+                to: data(0, 4),
+                no_replace: false,
+            },
+            Op::SetMetadata {
+                dir: 0,
+                text: Text::Metadata(Some(("format".into(), "np".into()))),
+            },
+            Op::HandleRead(0, 0, 100),
+            Op::Fstat(0),
+            Op::Unlink(data(0, 4)),
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::HandleRead(0, 0, 100),
+        ],
+    );
+}
+
+/// `ruby -i -pe ... x.meta.json`: open, unlink, create, read the old descriptor.
+#[test]
+fn ruby_in_place_keeps_the_old_meta_readable() {
+    run(
+        false,
+        &[
+            Op::Open {
+                file: meta(0, 0),
+                write: false,
+                truncate: false,
+            },
+            Op::Unlink(meta(0, 0)),
+            Op::SetMeta {
+                dir: 0,
+                name: 0,
+                text: Text::Meta(0, vec![3]),
+            },
+            Op::HandleRead(0, 0, 200),
+            Op::Fstat(0),
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::HandleRead(0, 0, 200),
+        ],
+    );
+}
+
+/// A descriptor held across `os.replace` and `rm` of its tensor: reads and
+/// fstat answer for the old file, before and after the commit.
+#[test]
+fn a_descriptor_outlives_its_name() {
+    run(
+        false,
+        &[
+            Op::Open {
+                file: data(0, 1),
+                write: false,
+                truncate: false,
+            },
+            Op::Open {
+                file: meta(0, 1),
+                write: true,
+                truncate: false,
+            },
+            Op::WriteJson {
+                dir: 0,
+                name: 2,
+                text: Text::Meta(1, vec![1]),
+            },
+            Op::Rename {
+                from: data(0, 2),
+                to: data(0, 1),
+                no_replace: false,
+            },
+            Op::Fstat(0),
+            Op::HandleRead(0, 1, 3),
+            Op::Rename {
+                from: meta(0, 0),
+                to: meta(0, 1),
+                no_replace: false,
+            },
+            Op::HandleSetText(1, Text::Meta(0, vec![9])),
+            Op::Fstat(1),
+            Op::Close(1),
+            Op::Unlink(data(0, 1)),
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+            Op::Fstat(0),
+            Op::HandleRead(0, 0, 8),
+        ],
+    );
+}
+
+/// `mmv 'a' 'b'` plans both renames, then does the data's (which takes the
+/// meta) and the meta's: the meta still answers at its old name.
+#[test]
+fn a_meta_renamed_after_its_data_follows_it() {
+    run(
+        true,
+        &[
+            Op::Rename {
+                from: data(0, 0),
+                to: data(0, 2),
+                no_replace: false,
+            },
+            Op::Rename {
+                from: meta(0, 0),
+                to: meta(0, 2),
+                no_replace: false,
+            },
+            Op::Rename {
+                from: data(0, 1),
+                to: data(1, 3),
+                no_replace: false,
+            },
+            Op::Rename {
+                from: meta(0, 1),
+                to: meta(1, 3),
+                no_replace: false,
+            },
+            Op::Status,
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+        ],
+    );
+}
+
+/// Commit and discard are the mounting user's; a crash gives back every edit.
+#[test]
+fn another_user_cannot_commit_and_a_crash_loses_nothing() {
+    run(
+        true,
+        &[
+            Op::SetMeta {
+                dir: 0,
+                name: 0,
+                text: Text::Meta(0, vec![1, 3]),
+            },
+            Op::Rename {
+                from: data(1, 2),
+                to: data(0, 3),
+                no_replace: false,
+            },
+            Op::SetMetadata {
+                dir: 1,
+                text: Text::Metadata(None),
+            },
+            Op::Commit {
+                force: false,
+                other_user: true,
+            },
+            Op::Remount,
+            Op::Status,
+            Op::Discard,
+            Op::Write {
+                dir: 0,
+                name: 1,
+                offset: 0,
+                data: vec![1],
+            },
+            Op::Remount,
+            Op::Commit {
+                force: false,
+                other_user: false,
+            },
+        ],
+    );
+}
+
+// ---- convergence: the same files in any order ----
+
+/// The checkpoint a set of tensors makes, as the reference reads it.
+fn tensors_of(bytes: &[u8]) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    format!("{:?}", v.dtype()),
+                    v.shape().to_vec(),
+                    v.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// One copy of a file: stat, create (or open O_TRUNC if it exists, and
+/// after an EEXIST), write in pieces, close.
+#[derive(Debug, Clone)]
+struct Copy {
+    file: String,
+    bytes: Vec<u8>,
+    step: usize,
+    fh: Option<(Ino, u64)>,
+    exists: bool,
+}
+
+const PIECE: usize = 3;
+
+impl Copy {
+    fn done(&self) -> bool {
+        self.step == usize::MAX
+    }
+
+    /// One step of `cp`; returns nothing, panics on an unexpected error.
+    fn advance(&mut self, fs: &Fs) {
+        match (self.step, self.fh) {
+            (0, _) => {
+                self.exists = fs.lookup(ROOT_INO, &self.file).is_ok();
+                self.step = 1;
+            }
+            (1, None) => {
+                let opened = if self.exists {
+                    let ino = fs.lookup(ROOT_INO, &self.file).unwrap().ino;
+                    fs.open(ino, true, true).map(|o| (ino, o.fh))
+                } else {
+                    match fs.create(ROOT_INO, &self.file, true, true) {
+                        Ok((a, o)) => Ok((a.ino, o.fh)),
+                        Err(e) => panic!("{}: create O_EXCL: {e}", self.file),
+                    }
+                };
+                self.fh = Some(opened.unwrap());
+                self.step = 2;
+            }
+            (k, Some((ino, fh))) => {
+                let at = (k - 2) * PIECE;
+                if at < self.bytes.len() {
+                    let end = (at + PIECE).min(self.bytes.len());
+                    fs.write(ino, fh, at as u64, &self.bytes[at..end]).unwrap();
+                    self.step += 1;
+                } else {
+                    let flush = fs.flush(fh);
+                    fs.release(fh).unwrap();
+                    flush.unwrap();
+                    self.step = usize::MAX;
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+}
+
+/// The files a copy of a checkpoint makes: each tensor's data and meta.
+fn copy_set(tensors: &[Tensor]) -> Vec<(String, Vec<u8>)> {
+    let mut files = Vec::new();
+    for (name, d, bytes, shape) in tensors {
+        files.push((TensorFile::Data.file_name(name), bytes.clone()));
+        files.push((
+            TensorFile::Meta.file_name(name),
+            Text::Meta(*d, shape.to_vec()).bytes(),
+        ));
+    }
+    files
+}
+
+fn empty_mount() -> (tempfile::TempDir, Fs) {
+    let dir = tempfile::tempdir().unwrap();
+    write_file(&dir.path().join("s0.safetensors"), &[]);
+    let fs = mount(dir.path(), false, false);
+    (dir, fs)
+}
+
+fn copied() -> Vec<Tensor<'static>> {
+    vec![
+        ("a", 0, vec![1, 2, 3, 4, 5, 6, 7], &[7]),
+        ("b", 1, vec![9, 8], &[]),
+        ("c/d", 3, vec![4, 2, 4, 2], &[2]),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// `xargs -P cp`, `cp -r` twice at once, `tar x`: each file copied by
+    /// one or two workers, in any order and interleaving, ends as one checkpoint.
+    #[test]
+    fn copies_in_any_order_converge(
+        twice in any::<bool>(),
+        schedule in prop::collection::vec(0usize..12, 200),
+    ) {
+        let tensors = copied();
+        let (dir, fs) = empty_mount();
+        let mut copies: Vec<Copy> = copy_set(&tensors)
+            .into_iter()
+            .flat_map(|(file, bytes)| {
+                let c = Copy { file, bytes, step: 0, fh: None, exists: false };
+                if twice { vec![c.clone(), c] } else { vec![c] }
+            })
+            .collect();
+        let mut turns = schedule.into_iter().chain(std::iter::repeat(0));
+        while copies.iter().any(|c| !c.done()) {
+            let live: Vec<usize> = (0..copies.len()).filter(|&k| !copies[k].done()).collect();
+            let k = live[turns.next().unwrap() % live.len()];
+            // A second copier whose O_EXCL lost the race opens the file instead.
+            if copies[k].step == 1 && !copies[k].exists
+                && fs.lookup(ROOT_INO, &copies[k].file).is_ok()
+            {
+                if !twice {
+                    panic!("{}: appeared before it was copied", copies[k].file);
+                }
+                copies[k].exists = true;
+            }
+            copies[k].advance(&fs);
+        }
+        fs.commit(false, 0).unwrap();
+        let want = tensors_of(&write_file(&dir.path().join("want"), &tensors));
+        let got = tensors_of(&std::fs::read(dir.path().join("s0.safetensors")).unwrap());
+        prop_assert_eq!(got, want);
+    }
+
+    /// `mmv`, a glob of `mv`s, a renamer that plans first: each tensor's data
+    /// and meta renamed in either order (or the data alone), interleaved,
+    /// ends as `mv` of each tensor.
+    #[test]
+    fn renames_in_any_order_converge(
+        orders in prop::collection::vec(0u8..3, 3),
+        schedule in prop::collection::vec(0usize..6, 12),
+    ) {
+        let tensors = copied();
+        let (dir, fs) = empty_mount();
+        for (file, bytes) in copy_set(&tensors) {
+            let mut c = Copy { file, bytes, step: 0, fh: None, exists: false };
+            while !c.done() {
+                c.advance(&fs);
+            }
+        }
+        fs.commit(false, 0).unwrap();
+        // Per tensor: 0 data then meta, 1 meta then data, 2 data alone.
+        let mut plans: Vec<Vec<(String, String)>> = tensors
+            .iter()
+            .zip(&orders)
+            .map(|((name, ..), &order)| {
+                let new = format!("n{name}");
+                let data = (TensorFile::Data.file_name(name), TensorFile::Data.file_name(&new));
+                let meta = (TensorFile::Meta.file_name(name), TensorFile::Meta.file_name(&new));
+                match order {
+                    0 => vec![data, meta],
+                    1 => vec![meta, data],
+                    _ => vec![data],
+                }
+            })
+            .collect();
+        // Every source exists when the renamer plans.
+        for (from, _) in plans.iter().flatten() {
+            prop_assert!(fs.lookup(ROOT_INO, from).is_ok(), "{} before the renames", from);
+        }
+        let mut turns = schedule.into_iter().chain(std::iter::repeat(0));
+        while plans.iter().any(|p| !p.is_empty()) {
+            let live: Vec<usize> = (0..plans.len()).filter(|&k| !plans[k].is_empty()).collect();
+            let k = live[turns.next().unwrap() % live.len()];
+            let (from, to) = plans[k].remove(0);
+            fs.rename(ROOT_INO, &from, ROOT_INO, &to, false)
+                .unwrap_or_else(|e| panic!("rename {from} -> {to}: {e}"));
+        }
+        fs.commit(false, 0).unwrap();
+        let renamed: Vec<(String, usize, Vec<u8>, &[u64])> = tensors
+            .iter()
+            .map(|(n, d, b, s)| (format!("n{n}"), *d, b.clone(), *s))
+            .collect();
+        let renamed: Vec<Tensor> = renamed.iter().map(|(n, d, b, s)| (n.as_str(), *d, b.clone(), *s)).collect();
+        let want = tensors_of(&write_file(&dir.path().join("want"), &renamed));
+        let got = tensors_of(&std::fs::read(dir.path().join("s0.safetensors")).unwrap());
+        prop_assert_eq!(got, want);
+        // Nothing of the old names is left.
+        for (name, ..) in &tensors {
+            prop_assert!(fs.lookup(ROOT_INO, &TensorFile::Meta.file_name(name)).is_err());
+        }
+    }
 }

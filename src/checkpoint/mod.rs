@@ -773,7 +773,11 @@ impl Live {
     /// Applies what was written to `__metadata__.json`, in place or (`replace`)
     /// as a file renamed over it (kept as written if it does not parse; the
     /// reason is returned).
-    pub fn set_metadata(&mut self, text: &[u8], replace: bool) -> Result<Option<String>, EditError> {
+    pub fn set_metadata(
+        &mut self,
+        text: &[u8],
+        replace: bool,
+    ) -> Result<Option<String>, EditError> {
         if text.len() > MAX_JSON {
             return Err(EditError::TooLarge);
         }
@@ -1265,7 +1269,7 @@ impl Live {
         self.entries = (0..len).map(|_| EntrySlot::Gone).collect();
         self.meta_files.clear();
         let mut kept = vec![false; len];
-        for j in 0..self.source_ids.len() {
+        for (j, shown) in shown.into_iter().enumerate() {
             let (e, o) = (self.source_ids[j], self.source_objects[j]);
             let unedited = match &old_objects[o as usize] {
                 ObjectSlot::Source(i) => *i as usize == j,
@@ -1285,7 +1289,7 @@ impl Live {
                 self.new_id()
             };
             self.source_objects[j] = o;
-            let meta_file = match shown[j] {
+            let meta_file = match shown {
                 Some(f) => f,
                 None => self.new_id(),
             };
@@ -1390,6 +1394,12 @@ impl Live {
             let (entry, _) = self.entry_for(&name);
             if let Some(bytes) = object {
                 let id = self.new_id();
+                // The object holding a source tensor is what a discard keeps.
+                if let Bytes::Source(src, i) = &bytes {
+                    if Arc::ptr_eq(src, &self.source) {
+                        self.source_objects[*i as usize] = id;
+                    }
+                }
                 let edited = (!matches!(bytes, Bytes::Source(..))).then(SystemTime::now);
                 self.attach(entry, id, Some(DataObject::new(bytes, edited)));
             } else if let Some(d) = self.entry(entry).and_then(|e| e.data) {

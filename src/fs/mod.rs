@@ -206,8 +206,9 @@ struct State {
 /// by every descriptor open on the same inode, and theirs alone once the name
 /// is removed or replaced (as an unlinked file is on any filesystem).
 /// Generated text is taken when the first descriptor opens it; what is
-/// written is applied to the checkpoint when a descriptor that wrote is
-/// flushed, if this is still the file at its name.
+/// written is applied to the checkpoint when the last descriptor open for
+/// writing is flushed (or any such descriptor once the text is not empty),
+/// if this is still the file at its name.
 struct JsonFile {
     ino: Ino,
     /// Owner, mode and time, as `stat` showed them at open.
@@ -244,7 +245,8 @@ enum Handle {
         /// CUDA buffers prefetched through this handle: freed when it closes.
         device: Vec<crate::prefetch::cuda::DeviceBuffer>,
     },
-    Json { file: Arc<JsonFile>, wrote: bool },
+    /// A JSON file; `write`: opened for writing.
+    Json { file: Arc<JsonFile>, write: bool },
 }
 
 impl Handle {
@@ -804,26 +806,23 @@ impl Fs {
                 Ok(self.opened(fh, false))
             }
             Node::Index(_) | Node::Metadata(_) | Node::File(_, _, TensorFile::Meta) => {
-                self.open_json(ino, node, truncate)
+                self.open_json(ino, node, write || truncate, truncate)
             }
         }
     }
 
     /// Opens a JSON file: the one open already on this inode, unless its
     /// generated text is out of date, else a new one with the text now.
-    fn open_json(&self, ino: Ino, node: Node, truncate: bool) -> Result<Opened, FsError> {
+    fn open_json(
+        &self,
+        ino: Ino,
+        node: Node,
+        write: bool,
+        truncate: bool,
+    ) -> Result<Opened, FsError> {
         let (attr, text) = {
             let st = self.read_state();
-            let text = match node {
-                Node::Index(i) => st.indexes[i].0.bytes.clone(),
-                Node::Metadata(c) => st.live(c).metadata_text().unwrap_or_default(),
-                Node::File(c, file, _) => {
-                    let id = st.meta_entry(c, file)?;
-                    st.live(c).meta_text(id).unwrap_or_default()
-                }
-                _ => return Err(FsError::IsADirectory),
-            };
-            (self.attr_of(&st, node)?, text)
+            (self.attr_of(&st, node)?, state_text(&st, node)?)
         };
         let mut handles = lock(&self.handles);
         let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
@@ -853,13 +852,7 @@ impl Fs {
             content.written = true;
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        handles.open.insert(
-            fh,
-            Handle::Json {
-                file,
-                wrote: truncate,
-            },
-        );
+        handles.open.insert(fh, Handle::Json { file, write });
         Ok(self.opened(fh, true))
     }
 
@@ -941,9 +934,17 @@ impl Fs {
     fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
         let (ino, text) = {
             let handles = lock(&self.handles);
-            let Some(Handle::Json { file, wrote: true }) = handles.open.get(&fh) else {
+            let Some(Handle::Json { file, write: true }) = handles.open.get(&fh) else {
                 return Ok(());
             };
+            // Another writer still has it open: its text is not final yet.
+            let others = handles.open.iter().any(|(other, h)| {
+                *other != fh
+                    && matches!(h, Handle::Json { file: f, write: true } if Arc::ptr_eq(f, file))
+            });
+            if others {
+                return Ok(());
+            }
             let mut content = lock(&file.content);
             if !content.dirty || (!last_close && content.text.is_empty()) {
                 return Ok(());
@@ -968,7 +969,10 @@ impl Fs {
                 _ => {
                     // Removed or replaced since it was opened: what was
                     // written stays with the descriptors, as on any filesystem.
-                    info!(ino, "a JSON file written after its name was removed or replaced: not applied");
+                    info!(
+                        ino,
+                        "a JSON file written after its name was removed or replaced: not applied"
+                    );
                     return Ok(());
                 }
             }
@@ -977,7 +981,10 @@ impl Fs {
         match kept_invalid {
             None => Ok(()),
             Some(why) => {
-                warn!(file = file_name, "kept as written, but a commit will refuse it: {why}");
+                warn!(
+                    file = file_name,
+                    "kept as written, but a commit will refuse it: {why}"
+                );
                 Err(FsError::Invalid(format!("{file_name}: {why}")))
             }
         }
@@ -1029,7 +1036,11 @@ impl Fs {
         if let Some(Handle::Json { file, .. }) = handles.open.remove(&fh) {
             let ino = file.ino;
             drop(file);
-            if handles.json.get(&ino).is_some_and(|w| w.strong_count() == 0) {
+            if handles
+                .json
+                .get(&ino)
+                .is_some_and(|w| w.strong_count() == 0)
+            {
                 handles.json.remove(&ino);
             }
         }
@@ -1109,7 +1120,7 @@ impl Fs {
         let target = {
             let mut handles = lock(&self.handles);
             match handles.open.get_mut(&fh) {
-                Some(Handle::Json { file, wrote }) => {
+                Some(Handle::Json { file, .. }) => {
                     let end = offset
                         .checked_add(data.len() as u64)
                         .filter(|&e| e <= MAX_JSON as u64)
@@ -1122,7 +1133,6 @@ impl Fs {
                     text[offset as usize..end as usize].copy_from_slice(data);
                     content.dirty = true;
                     content.written = true;
-                    *wrote = true;
                     return Ok(data.len() as u32);
                 }
                 Some(Handle::Data { object, wrote, .. }) => {
@@ -1149,7 +1159,7 @@ impl Fs {
         if let Some(fh) = fh {
             let mut handles = lock(&self.handles);
             match handles.open.get_mut(&fh) {
-                Some(Handle::Json { file, wrote }) => {
+                Some(Handle::Json { file, .. }) => {
                     if size > MAX_JSON as u64 {
                         return Err(EditError::TooLarge.into());
                     }
@@ -1157,7 +1167,6 @@ impl Fs {
                     content.text.resize(size as usize, 0);
                     content.dirty = true;
                     content.written = true;
-                    *wrote = true;
                     drop(content);
                     drop(handles);
                     return self.getattr(ino, Some(fh));
@@ -1281,16 +1290,15 @@ impl Fs {
                         st.live_mut(c).take_data(source, true)?
                     }
                     Name::Tensor(TensorFile::Meta, source) => {
+                        let text = self.json_text(st, from_node)?;
                         let live = st.live_mut(c);
-                        let id = live.find(source).ok_or(FsError::NotFound)?;
-                        let text = live.meta_text(id).unwrap_or_default();
                         let object = live.staged_object(&text)?;
                         live.unlink_meta(source)?;
                         object
                     }
                     Name::Metadata => {
+                        let text = self.json_text(st, from_node)?;
                         let live = st.live_mut(c);
-                        let text = live.metadata_text().unwrap_or_default();
                         let object = live.staged_object(&text)?;
                         live.remove_metadata();
                         object
@@ -1310,13 +1318,7 @@ impl Fs {
                         }
                         bytes.read(0, bytes.len() as u32, |b| b.to_vec())?
                     }
-                    Name::Tensor(TensorFile::Meta, _) => {
-                        let Node::File(_, file, _) = from_node else {
-                            unreachable!()
-                        };
-                        st.live(c).meta_text(st.meta_entry(c, file)?).unwrap_or_default()
-                    }
-                    Name::Metadata => st.live(c).metadata_text().unwrap_or_default(),
+                    _ => self.json_text(st, from_node)?,
                 };
                 let bad = match to {
                     Name::Metadata => crate::checkpoint::meta::parse_metadata(&text).err(),
@@ -1350,6 +1352,23 @@ impl Fs {
             }
         }
         Ok(())
+    }
+
+    /// What a reader of JSON file `node` gets now: the text of the file open
+    /// on it if a descriptor wrote it, else the state's.
+    fn json_text(&self, st: &State, node: Node) -> Result<Vec<u8>, FsError> {
+        let ino = st.ino_of(node);
+        let open = lock(&self.handles)
+            .json
+            .get(&ino)
+            .and_then(std::sync::Weak::upgrade);
+        if let Some(file) = open {
+            let content = lock(&file.content);
+            if content.written {
+                return Ok(content.text.clone());
+            }
+        }
+        state_text(st, node)
     }
 
     /// Commits every checkpoint of the mount, all or none: every plan is made
@@ -1828,6 +1847,19 @@ fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> 
         out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
     }
     out
+}
+
+/// The text of a JSON file as the state has it.
+fn state_text(st: &State, node: Node) -> Result<Vec<u8>, FsError> {
+    Ok(match node {
+        Node::Index(i) => st.indexes[i].0.bytes.clone(),
+        Node::Metadata(c) => st.live(c).metadata_text().unwrap_or_default(),
+        Node::File(c, file, TensorFile::Meta) => {
+            let id = st.meta_entry(c, file)?;
+            st.live(c).meta_text(id).unwrap_or_default()
+        }
+        _ => return Err(FsError::IsADirectory),
+    })
 }
 
 fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
