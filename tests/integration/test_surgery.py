@@ -66,7 +66,13 @@ def test_create_rm_mv_reshape_retype_metadata(tmp_path, mount, run):
         f.write('{"dtype":"F64","shape":[2]}')
     with open(p("w2"), "wb") as f:
         f.write(np.array([1.5, -2.5]).tobytes())
-    # meta alone: zero-filled
+    # meta alone: no data file (a copy of the meta first must not make the
+    # data's O_EXCL create fail); a commit drops it
+    with open(p("lone.meta.json"), "w") as f:
+        f.write('{"dtype":"BOOL","shape":[2,2]}')
+    assert not os.path.exists(p("lone"))
+    # an empty file, then its meta: zero-filled to the meta's size
+    os.close(os.open(p("zeros"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     with open(p("zeros.meta.json"), "w") as f:
         f.write('{"dtype":"BOOL","shape":[2,2]}')
     assert open(p("zeros"), "rb").read() == bytes(4)
