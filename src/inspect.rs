@@ -84,7 +84,7 @@ pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), St
         writeln!(
             out,
             "  {:width$}  {:<11} {:<20} {:>14}  [{}, {}]",
-            format!("{:?}", t.name).trim_matches('"'),
+            crate::format::printable(t.name),
             t.dtype.name(),
             shape,
             t.nbytes(),

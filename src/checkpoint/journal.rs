@@ -84,6 +84,9 @@ pub struct Journal {
     file: Option<std::sync::Arc<File>>,
     /// Records since the last snapshot.
     pub appended: usize,
+    /// Bytes appended since the last snapshot, and the snapshot's size.
+    pub appended_bytes: u64,
+    pub snapshot_bytes: u64,
     /// An append failed: durability is lost until a snapshot succeeds.
     pub broken: bool,
 }
@@ -94,8 +97,17 @@ impl Journal {
             name,
             file: None,
             appended: 0,
+            appended_bytes: 0,
+            snapshot_bytes: 0,
             broken: false,
         }
+    }
+
+    /// Grown well past what a snapshot of the live edits takes (in records,
+    /// or in bytes: a large `__metadata__.json` written again and again).
+    pub fn wants_snapshot(&self, live_entries: usize) -> bool {
+        self.appended > 4096 + 2 * live_entries
+            || self.appended_bytes > (64 << 20) + 2 * self.snapshot_bytes
     }
 
     pub fn name(&self) -> &str {
@@ -137,6 +149,7 @@ impl Journal {
         // One write per line: a crash tears at most the last line, which replay skips.
         (&**f).write_all(&line)?;
         self.appended += records.len();
+        self.appended_bytes += line.len() as u64;
         Ok(())
     }
 
@@ -174,6 +187,8 @@ impl Journal {
             Ok(f) => {
                 self.file = Some(std::sync::Arc::new(f));
                 self.appended = 0;
+                self.appended_bytes = 0;
+                self.snapshot_bytes = text.len() as u64;
                 self.broken = false;
                 Ok(())
             }

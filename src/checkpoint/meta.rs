@@ -7,8 +7,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::{byte_len, Dtype, FormatError, Metadata, SizeError};
 
-/// Largest `.meta.json` or `__metadata__.json` accepted.
+/// Largest `__metadata__.json` accepted.
 pub const MAX_JSON: usize = 16 << 20;
+/// Largest `.meta.json` accepted: a dtype and a shape (the meta of a tensor
+/// of 64 dimensions is under 2 KiB), so that metas kept as written, in
+/// memory and in the journal, stay small.
+pub const MAX_META: usize = 64 << 10;
 
 /// A name's dtype and shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -34,11 +34,11 @@ use tracing::{info, warn};
 
 pub use commit::{CommitError, CommitPlan, Problem};
 use journal::{DataRef, Journal, Record};
-pub use meta::{Meta, MetadataDoc, MAX_JSON};
+pub use meta::{Meta, MetadataDoc, MAX_JSON, MAX_META};
 pub use object::{DataObject, ObjectState};
 use staging::Staging;
 
-use crate::format::{Dtype, Metadata};
+use crate::format::{printable, Dtype, Metadata};
 use crate::source::staged::StagingError;
 use crate::source::{Bytes, SourceFile, StagingDir};
 
@@ -73,8 +73,8 @@ pub enum EditError {
     Exists,
     /// The content does not fit where it goes (a meta that does not parse...).
     Invalid(String),
-    /// A JSON file over the size limit.
-    TooLarge,
+    /// A JSON file over its size limit (in bytes).
+    TooLarge(usize),
     Staging(StagingError),
     Io(std::io::Error),
 }
@@ -85,7 +85,7 @@ impl fmt::Display for EditError {
             EditError::NotFound => f.write_str("no such file"),
             EditError::Exists => f.write_str("exists"),
             EditError::Invalid(why) => f.write_str(why),
-            EditError::TooLarge => write!(f, "a JSON file over {} MiB", MAX_JSON >> 20),
+            EditError::TooLarge(limit) => write!(f, "a JSON file over {} KiB", limit >> 10),
             EditError::Staging(e) => write!(f, "{e}"),
             EditError::Io(e) => write!(f, "{e}"),
         }
@@ -248,6 +248,8 @@ pub struct Status {
 struct NameIndex {
     table: HashTable<Id>,
     hasher: DefaultHashBuilder,
+    /// Changes whenever a name comes or goes.
+    gen: u64,
 }
 
 impl NameIndex {
@@ -261,9 +263,11 @@ impl NameIndex {
         let hasher = &self.hasher;
         self.table
             .insert_unique(hash, id, |&other| hasher.hash_one(name_of(other)));
+        self.gen = next_gen();
     }
 
     fn remove(&mut self, id: Id, name: &str) {
+        self.gen = next_gen();
         let hash = self.hasher.hash_one(name);
         if let Ok(e) = self.table.find_entry(hash, |&other| other == id) {
             e.remove();
@@ -339,6 +343,7 @@ impl Live {
         let mut index = NameIndex {
             table: HashTable::with_capacity(self.entries.len()),
             hasher: DefaultHashBuilder::default(),
+            gen: next_gen(),
         };
         let (entries, source) = (&self.entries, &self.source);
         let name_of = |id: Id| slot_name(entries, source, id).unwrap_or("");
@@ -374,6 +379,12 @@ impl Live {
     /// One past the highest id given out.
     pub fn id_limit(&self) -> Id {
         self.entries.len() as Id
+    }
+
+    /// Changes whenever a name comes or goes (tables of names made from
+    /// the entries are out of date).
+    pub fn names_gen(&self) -> u64 {
+        self.index.gen
     }
 
     pub fn find(&self, name: &str) -> Option<Id> {
@@ -734,8 +745,8 @@ impl Live {
         text: &[u8],
         replace: bool,
     ) -> Result<Option<String>, EditError> {
-        if text.len() > MAX_JSON {
-            return Err(EditError::TooLarge);
+        if text.len() > MAX_META {
+            return Err(EditError::TooLarge(MAX_META));
         }
         let meta = Meta::parse(text);
         let (id, made) = self.entry_for(name);
@@ -779,7 +790,7 @@ impl Live {
         replace: bool,
     ) -> Result<Option<String>, EditError> {
         if text.len() > MAX_JSON {
-            return Err(EditError::TooLarge);
+            return Err(EditError::TooLarge(MAX_JSON));
         }
         if replace || self.metadata == MetadataDoc::Removed {
             self.metadata_file = self.new_id();
@@ -1008,7 +1019,7 @@ impl Live {
             return;
         }
         // Keep the journal within a few times the live edits.
-        if self.committing.is_none() && self.journal.appended > 4096 + 2 * self.entries.len() {
+        if self.committing.is_none() && self.journal.wants_snapshot(self.entries.len()) {
             if let Err(e) = self.snapshot() {
                 warn!("rewriting the journal: {e}");
             }
@@ -1136,18 +1147,22 @@ impl Live {
                     renamed_from.insert(i);
                     changes.push(format!(
                         "renamed    {} -> {}",
-                        source_name(&self.source, i),
-                        e.name
+                        printable(source_name(&self.source, i)),
+                        printable(e.name)
                     ));
                 }
                 (None, _) if e.data.is_some() => {
-                    changes.push(format!("added      {} ({})", e.name, shape_of(&e.meta)));
+                    changes.push(format!(
+                        "added      {} ({})",
+                        printable(e.name),
+                        shape_of(&e.meta)
+                    ));
                     continue;
                 }
                 (None, _) => {
                     changes.push(format!(
                         "meta       {}.meta.json without a data file",
-                        e.name
+                        printable(e.name)
                     ));
                     continue;
                 }
@@ -1161,7 +1176,7 @@ impl Live {
             if e.meta != source_meta {
                 changes.push(format!(
                     "reshaped   {}: {} -> {}",
-                    e.name,
+                    printable(e.name),
                     shape_of(&source_meta),
                     shape_of(&e.meta)
                 ));
@@ -1169,9 +1184,11 @@ impl Live {
             match e.data {
                 None => changes.push(format!(
                     "removed    {} (its .meta.json stays until the commit)",
-                    e.name
+                    printable(e.name)
                 )),
-                Some(_) if bytes_from.is_none() => changes.push(format!("rewritten  {}", e.name)),
+                Some(_) if bytes_from.is_none() => {
+                    changes.push(format!("rewritten  {}", printable(e.name)))
+                }
                 Some(_) => {}
             }
         }
@@ -1181,16 +1198,23 @@ impl Live {
                 e.name == source_name(&self.source, i) && (e.data.is_some() || e.meta.exists())
             });
             if !still_there && !renamed_from.contains(&i) {
-                changes.push(format!("removed    {}", source_name(&self.source, i)));
+                changes.push(format!(
+                    "removed    {}",
+                    printable(source_name(&self.source, i))
+                ));
             }
         }
         match &self.metadata {
             MetadataDoc::Unchanged => {}
             MetadataDoc::Removed => changes.push("metadata   removed".into()),
-            MetadataDoc::Set(m) => changes.push(format!(
-                "metadata   {}",
-                String::from_utf8_lossy(&meta::render_metadata(m.as_ref())).trim_end()
-            )),
+            MetadataDoc::Set(m) => {
+                let pairs: Vec<String> = m
+                    .iter()
+                    .flatten()
+                    .map(|(k, v)| format!("{k:?}: {v:?}"))
+                    .collect();
+                changes.push(format!("metadata   {{{}}}", pairs.join(", ")))
+            }
             MetadataDoc::Invalid { .. } => {}
         }
         Status {

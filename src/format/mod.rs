@@ -16,5 +16,14 @@ pub use header::{
 pub use serialize::{header_bytes, layout, layout_of, write_entry, Layout, TensorSpec};
 pub use tensors::{TensorInfo, TensorRef, Tensors};
 
+/// A tensor name as it may be printed to a terminal: control characters,
+/// quotes and backslashes escaped (as Rust's `{:?}` does), without quotes.
+/// Every listing of names for a person (`inspect`, `stfs status`) uses it,
+/// so that a name cannot move the cursor, retitle the terminal or forge a line.
+pub fn printable(name: &str) -> String {
+    let quoted = format!("{name:?}");
+    quoted[1..quoted.len() - 1].to_string()
+}
+
 #[cfg(test)]
 mod tests;

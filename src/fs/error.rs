@@ -34,8 +34,8 @@ pub enum FsError {
     NotATensor,
     /// The caller went away, or the time limit passed (EINTR).
     Interrupted,
-    /// Written through a descriptor of a file removed or renamed meanwhile (ESTALE).
-    Stale(String),
+    /// A limit of the daemon's memory: what is buffered for open JSON files (ENOSPC).
+    NoSpace(&'static str),
     Edit(EditError),
     Commit(CommitError),
     Staging(StagingError),
@@ -59,12 +59,12 @@ impl FsError {
             FsError::Exists => libc::EEXIST,
             FsError::NotATensor => libc::ENOTTY,
             FsError::Interrupted => libc::EINTR,
-            FsError::Stale(_) => libc::ESTALE,
+            FsError::NoSpace(_) => libc::ENOSPC,
             FsError::Edit(e) => match e {
                 EditError::NotFound => libc::ENOENT,
                 EditError::Exists => libc::EEXIST,
                 EditError::Invalid(_) => libc::EINVAL,
-                EditError::TooLarge => libc::EFBIG,
+                EditError::TooLarge(_) => libc::EFBIG,
                 EditError::Staging(s) => staging_errno(s),
                 EditError::Io(e) => io_errno(e),
             },
@@ -160,10 +160,7 @@ impl fmt::Display for FsError {
             FsError::NotATensor => {
                 f.write_str("not a tensor file: prefetch works on a tensor's data file")
             }
-            FsError::Stale(file) => write!(
-                f,
-                "{file} was removed or renamed while open for writing: what was written is not applied"
-            ),
+            FsError::NoSpace(what) => write!(f, "no space: {what}"),
             FsError::Interrupted => {
                 f.write_str("interrupted: the caller went away or time ran out")
             }

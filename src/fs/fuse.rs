@@ -108,9 +108,33 @@ fn errno(op: &str, e: &FsError) -> Errno {
     if e.is_routine() {
         debug!(op, "{e}");
     } else {
-        warn!(op, "{e}");
+        refused(format_args!("{op}: {e}"));
     }
     Errno::from_i32(e.errno())
+}
+
+/// How many refusals may be logged at once, and then one a second.
+const REFUSALS_BURST: f64 = 20.0;
+
+/// Logs a refused request at warn, rate-limited: any caller can cause these
+/// at will (a loop of bad ioctls by another user), and the log is the
+/// mounting user's. What is left out is counted and said with the next line.
+fn refused(what: std::fmt::Arguments) {
+    static LIMIT: Mutex<Option<(f64, Instant, u64)>> = Mutex::new(None);
+    let mut limit = LIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let now = Instant::now();
+    let (tokens, last, suppressed) = limit.get_or_insert((REFUSALS_BURST, now, 0));
+    *tokens = (*tokens + now.duration_since(*last).as_secs_f64()).min(REFUSALS_BURST);
+    *last = now;
+    if *tokens < 1.0 {
+        *suppressed += 1;
+        return;
+    }
+    *tokens -= 1.0;
+    match std::mem::take(suppressed) {
+        0 => warn!("{what}"),
+        n => warn!("{what} ({n} similar lines left out of the log)"),
+    }
 }
 
 fn file_attr(a: &Attr) -> FileAttr {
@@ -175,7 +199,7 @@ impl FuseAdapter {
         reply: ReplyIoctl,
     ) {
         let Some(mut args) = PrefetchArgs::from_bytes(in_data) else {
-            warn!("STFS_IOC_PREFETCH with a bad struct size");
+            refused(format_args!("STFS_IOC_PREFETCH with a bad struct size"));
             return reply.error(Errno::EINVAL);
         };
         let target = match args.target {
@@ -484,9 +508,13 @@ impl Filesystem for FuseAdapter {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
             IOC_STATUS => {
                 let Some(mut args) = StatusArgs::from_bytes(in_data).map(Box::new) else {
-                    warn!("STFS_IOC_STATUS with a bad struct size");
+                    refused(format_args!("STFS_IOC_STATUS with a bad struct size"));
                     return reply.error(Errno::EINVAL);
                 };
+                // Staged edits may name tensors of a source the caller cannot read.
+                if let Err(e) = self.fs.allowed(uid, "status") {
+                    return reply.error(errno("status", &e));
+                }
                 guarded_read("status", || {
                     let (report, refused) = self.fs.status();
                     args.refused = refused as u32;
@@ -496,7 +524,7 @@ impl Filesystem for FuseAdapter {
             }
             IOC_COMMIT => {
                 let Some(mut args) = CommitArgs::from_bytes(in_data) else {
-                    warn!("STFS_IOC_COMMIT with a bad struct size");
+                    refused(format_args!("STFS_IOC_COMMIT with a bad struct size"));
                     return reply.error(Errno::EINVAL);
                 };
                 let what = if args.flags & COMMIT_DISCARD != 0 {

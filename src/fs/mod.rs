@@ -34,7 +34,9 @@ use tracing::{error, info, warn};
 
 use crate::checkpoint::commit::{land, Written};
 use crate::checkpoint::staging::Staging;
-use crate::checkpoint::{CommitError, CommitPlan, DataObject, EditError, Id, Live, MAX_JSON};
+use crate::checkpoint::{
+    CommitError, CommitPlan, DataObject, EditError, Id, Live, MAX_JSON, MAX_META,
+};
 use crate::format::Dtype;
 use crate::source::{FileStat, SourceFile};
 
@@ -200,6 +202,9 @@ struct State {
     first_ino: Ino,
     /// The folder of a folder mount.
     folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
+    /// Per checkpoint: its hashed file names (stem -> tensor name), and the
+    /// `Live::names_gen` they were made at.
+    hashed: Mutex<HashMap<usize, (u64, HashMap<String, String>)>>,
 }
 
 /// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
@@ -213,7 +218,43 @@ struct JsonFile {
     ino: Ino,
     /// Owner, mode and time, as `stat` showed them at open.
     attr: Attr,
+    /// Its largest size: `MAX_META` for a meta, `MAX_JSON` otherwise.
+    limit: usize,
+    budget: Arc<JsonBudget>,
     content: Mutex<JsonContent>,
+}
+
+/// What all open JSON files may hold together: each may be 16 MiB, and a
+/// caller with many descriptors must not grow the daemon without bound.
+const JSON_BUDGET: usize = 64 << 20;
+
+/// The bytes held by open JSON files.
+#[derive(Default)]
+struct JsonBudget(AtomicU64);
+
+impl JsonBudget {
+    fn take(&self, n: usize) -> Result<(), FsError> {
+        let n = n as u64;
+        self.0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                (held + n <= JSON_BUDGET as u64).then_some(held + n)
+            })
+            .map(drop)
+            .map_err(|_| {
+                FsError::NoSpace("open .meta.json and __metadata__.json files hold 64 MiB already")
+            })
+    }
+
+    fn give(&self, n: usize) {
+        self.0.fetch_sub(n as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for JsonFile {
+    fn drop(&mut self) {
+        let len = lock(&self.content).text.len();
+        self.budget.give(len);
+    }
 }
 
 struct JsonContent {
@@ -225,6 +266,24 @@ struct JsonContent {
 }
 
 impl JsonFile {
+    /// Sets the text's length (zeros past the end), within the file's limit
+    /// (EFBIG) and what all open JSON files may hold (ENOSPC).
+    fn resize(&self, content: &mut JsonContent, len: usize) -> Result<(), FsError> {
+        if len > self.limit {
+            return Err(EditError::TooLarge(self.limit).into());
+        }
+        let old = content.text.len();
+        if len > old {
+            self.budget.take(len - old)?;
+        } else {
+            self.budget.give(old - len);
+        }
+        content.text.resize(len, 0);
+        content.dirty = true;
+        content.written = true;
+        Ok(())
+    }
+
     fn attr(&self, nlink: u32) -> Attr {
         Attr {
             size: lock(&self.content).text.len() as u64,
@@ -272,6 +331,7 @@ pub struct Fs {
     commit_lock: Mutex<()>,
     state: RwLock<State>,
     handles: Mutex<Handles>,
+    json_budget: Arc<JsonBudget>,
     next_fh: AtomicU64,
     next_commit: AtomicU64,
     /// Why this mount does not commit any more (a request handler panicked,
@@ -402,12 +462,21 @@ impl State {
         Ok(Name::Tensor(kind, name.map_err(|_| invalid())?))
     }
 
-    /// Hashed long names cannot be decoded: find the tensor whose file name it is.
+    /// Hashed long names cannot be decoded: find the tensor whose file name
+    /// it is, in a table of the hashed names made again when names change.
     fn hashed_name(&self, c: usize, stem: &str) -> Option<String> {
-        self.live(c)
-            .entries_from(0)
-            .find(|(_, e)| names::is_hashed(e.name) && names::tensor_file_name(e.name) == stem)
-            .map(|(_, e)| e.name.to_string())
+        let live = self.live(c);
+        let mut tables = lock(&self.hashed);
+        let (gen, table) = tables.entry(c).or_insert((u64::MAX, HashMap::new()));
+        if *gen != live.names_gen() {
+            *table = live
+                .entries_from(0)
+                .filter(|(_, e)| names::is_hashed(e.name))
+                .map(|(_, e)| (names::tensor_file_name(e.name), e.name.to_string()))
+                .collect();
+            *gen = live.names_gen();
+        }
+        table.get(stem).cloned()
     }
 
     /// The node a decoded name stands for now, if it exists.
@@ -471,8 +540,10 @@ impl Fs {
                 indexes,
                 fixed,
                 folder,
+                hashed: Mutex::new(HashMap::new()),
             }),
             handles: Mutex::new(Handles::default()),
+            json_budget: Arc::default(),
             next_fh: AtomicU64::new(1),
             next_commit: AtomicU64::new(1),
             tainted: Mutex::new(None),
@@ -512,7 +583,7 @@ impl Fs {
         }
     }
 
-    /// Commit, discard and prefetch are for the user who mounted, and root.
+    /// Commit, discard, prefetch and status are for the user who mounted, and root.
     pub fn allowed(&self, caller: u32, what: &'static str) -> Result<(), FsError> {
         if caller == 0 || caller == self.settings.owner {
             Ok(())
@@ -824,6 +895,10 @@ impl Fs {
             let st = self.read_state();
             (self.attr_of(&st, node)?, state_text(&st, node)?)
         };
+        let limit = match node {
+            Node::File(..) => MAX_META,
+            _ => MAX_JSON,
+        };
         let mut handles = lock(&self.handles);
         let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
         let file = match open.filter(|f| {
@@ -832,9 +907,12 @@ impl Fs {
         }) {
             Some(file) => file,
             None => {
+                self.json_budget.take(text.len())?;
                 let file = Arc::new(JsonFile {
                     ino,
                     attr,
+                    limit,
+                    budget: self.json_budget.clone(),
                     content: Mutex::new(JsonContent {
                         text,
                         dirty: false,
@@ -846,10 +924,7 @@ impl Fs {
             }
         };
         if truncate {
-            let mut content = lock(&file.content);
-            content.text.clear();
-            content.dirty = true;
-            content.written = true;
+            file.resize(&mut lock(&file.content), 0)?;
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         handles.open.insert(fh, Handle::Json { file, write });
@@ -1123,14 +1198,14 @@ impl Fs {
                 Some(Handle::Json { file, .. }) => {
                     let end = offset
                         .checked_add(data.len() as u64)
-                        .filter(|&e| e <= MAX_JSON as u64)
-                        .ok_or(EditError::TooLarge)?;
+                        .filter(|&e| e <= file.limit as u64)
+                        .ok_or(EditError::TooLarge(file.limit))?
+                        as usize;
                     let mut content = lock(&file.content);
-                    let text = &mut content.text;
-                    if text.len() < end as usize {
-                        text.resize(end as usize, 0);
+                    if content.text.len() < end {
+                        file.resize(&mut content, end)?;
                     }
-                    text[offset as usize..end as usize].copy_from_slice(data);
+                    content.text[offset as usize..end].copy_from_slice(data);
                     content.dirty = true;
                     content.written = true;
                     return Ok(data.len() as u32);
@@ -1160,14 +1235,8 @@ impl Fs {
             let mut handles = lock(&self.handles);
             match handles.open.get_mut(&fh) {
                 Some(Handle::Json { file, .. }) => {
-                    if size > MAX_JSON as u64 {
-                        return Err(EditError::TooLarge.into());
-                    }
-                    let mut content = lock(&file.content);
-                    content.text.resize(size as usize, 0);
-                    content.dirty = true;
-                    content.written = true;
-                    drop(content);
+                    let len = usize::try_from(size).unwrap_or(usize::MAX);
+                    file.resize(&mut lock(&file.content), len)?;
                     drop(handles);
                     return self.getattr(ino, Some(fh));
                 }
@@ -1313,8 +1382,12 @@ impl Fs {
                             unreachable!()
                         };
                         let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
-                        if bytes.len() > MAX_JSON as u64 {
-                            return Err(EditError::TooLarge.into());
+                        let limit = match to {
+                            Name::Metadata => MAX_JSON,
+                            _ => MAX_META,
+                        };
+                        if bytes.len() > limit as u64 {
+                            return Err(EditError::TooLarge(limit).into());
                         }
                         bytes.read(0, bytes.len() as u32, |b| b.to_vec())?
                     }
