@@ -289,7 +289,7 @@ impl MMeta {
     /// count; every other field is ignored.
     fn parse(text: &[u8]) -> MMeta {
         let valid = (|| {
-            let v: serde_json::Value = serde_json::from_slice(text).ok()?;
+            let v: serde_json::Value = serde_json::from_slice(without_nuls(text)).ok()?;
             let d = dtype_of(v.get("dtype")?.as_str()?)?;
             let shape = v
                 .get("shape")?
@@ -310,6 +310,12 @@ impl MMeta {
 
 type Map = BTreeMap<String, String>;
 
+/// A JSON file's text without the NULs a tool extended it with.
+fn without_nuls(text: &[u8]) -> &[u8] {
+    let end = text.iter().rposition(|&b| b != 0).map_or(0, |p| p + 1);
+    &text[..end]
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum MMetadata {
     Valid(Option<Map>),
@@ -321,7 +327,7 @@ impl MMetadata {
     /// An object of string values; `{}` is none.
     fn parse(text: &[u8]) -> MMetadata {
         let parsed = (|| {
-            let v: serde_json::Value = serde_json::from_slice(text).ok()?;
+            let v: serde_json::Value = serde_json::from_slice(without_nuls(text)).ok()?;
             let mut map = Map::new();
             for (k, x) in v.as_object()? {
                 map.insert(k.clone(), x.as_str()?.to_string());
@@ -392,6 +398,9 @@ struct MObject {
     moved_away: bool,
     /// The mapped file its bytes are in, unedited: (dir, tensor name there).
     source: Option<(usize, String)>,
+    /// The same, kept through edits: where the tensor lies on disk, as its
+    /// meta shows.
+    origin: Option<(usize, String)>,
 }
 
 #[derive(Debug, Clone)]
@@ -499,6 +508,7 @@ impl Model {
                 ino_key,
                 moved_away: false,
                 source: None,
+                origin: None,
             },
         );
         id
@@ -659,12 +669,11 @@ impl Model {
         match &e.meta {
             MMeta::Invalid(t) => t.clone(),
             MMeta::Valid(d, s) => {
-                let object = e.data.map(|o| &self.objects[&o]);
-                let nbytes = object.map_or(byte_len(*d, s), |o| o.bytes.len() as u64);
-                let offsets = object
-                    .and_then(|o| o.source.as_ref())
+                let offsets = e
+                    .data
+                    .and_then(|o| self.objects[&o].origin.as_ref())
                     .map(|(sd, sn)| offsets_in(&self.dirs[*sd].mapped, sn));
-                render_meta(*d, s, offsets, nbytes, name)
+                render_meta(*d, s, offsets, byte_len(*d, s), name)
             }
             MMeta::None => unreachable!(),
         }
@@ -844,6 +853,7 @@ impl Model {
                 obj.edited = false;
                 obj.moved_away = false;
                 obj.source = Some((dir, name.clone()));
+                obj.origin = obj.source.clone();
                 tensors.insert(name.clone(), (*dt, s.clone(), o, e.eid, obj.bytes.clone()));
             }
         }
@@ -1039,6 +1049,7 @@ fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
             let obj = model.objects.get_mut(&o).unwrap();
             obj.edited = false;
             obj.source = Some((k, name.to_string()));
+            obj.origin = obj.source.clone();
             let eid = fresh(&mut model.next);
             entries.insert(
                 name.to_string(),
@@ -1925,7 +1936,9 @@ fn discard(m: &Mounted, model: &mut Model) {
                 model.objects.get_mut(&fresh).unwrap().edited = false;
                 fresh
             };
-            model.objects.get_mut(&o).unwrap().source = Some((dir, name.clone()));
+            let obj = model.objects.get_mut(&o).unwrap();
+            obj.source = Some((dir, name.clone()));
+            obj.origin = obj.source.clone();
             committed.tensors.get_mut(&name).unwrap().2 = o;
             // A meta shown now keeps its file; one not shown is a new file.
             let shown = model.dirs[dir]
@@ -2001,6 +2014,8 @@ fn remount(m: &mut Mounted, model: &mut Model) {
             if obj.source.as_ref().is_some_and(|(d, _)| *d == dir) {
                 obj.moved_away = false;
             }
+            // Staged bytes come back from their file alone.
+            obj.origin = obj.source.clone();
         }
     }
 }

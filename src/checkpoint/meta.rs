@@ -56,7 +56,15 @@ impl Meta {
     }
 }
 
+/// The JSON of a file, without the NUL bytes a tool may have extended it with
+/// (`ftruncate` to a length it read before the text changed).
+fn json_part(text: &[u8]) -> &[u8] {
+    let end = text.iter().rposition(|&b| b != 0).map_or(0, |p| p + 1);
+    &text[..end]
+}
+
 fn parse_meta(text: &[u8]) -> Result<(Dtype, Vec<u64>), String> {
+    let text = json_part(text);
     if text.iter().all(u8::is_ascii_whitespace) {
         return Err("empty".into());
     }
@@ -136,7 +144,7 @@ impl MetadataDoc {
 
 /// An object of string values; `{}` means none.
 pub fn parse_metadata(text: &[u8]) -> Result<Option<Metadata>, String> {
-    let meta: Metadata = serde_json::from_slice(text)
+    let meta: Metadata = serde_json::from_slice(json_part(text))
         .map_err(|e| format!("must be a JSON object of string values: {e}"))?;
     Ok((!meta.is_empty()).then_some(meta))
 }

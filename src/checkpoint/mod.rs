@@ -493,11 +493,11 @@ impl Live {
     pub fn object(&self, id: Id) -> Option<ObjectState> {
         match self.objects.get(id as usize)? {
             ObjectSlot::Gone => None,
-            ObjectSlot::Source(i) => Some(ObjectState {
-                bytes: Bytes::Source(self.source.clone(), *i),
-                edited: None,
-                gen: 0,
-            }),
+            ObjectSlot::Source(i) => Some(ObjectState::of(
+                Bytes::Source(self.source.clone(), *i),
+                None,
+                0,
+            )),
             ObjectSlot::Live(o) => Some(o.state()),
         }
     }
@@ -539,20 +539,17 @@ impl Live {
         match e.meta {
             MetaView::None => None,
             MetaView::Invalid(text, _) => Some(text.to_vec()),
+            // Only the meta and where the tensor lies on disk: editing the
+            // bytes does not change the text (rsync --inplace sizes a file by
+            // what it read before).
             MetaView::Valid(dtype, shape) => {
-                let object = e.data.and_then(|o| self.object(o));
-                let nbytes = match &object {
-                    Some(o) => o.bytes.len(),
-                    None => crate::format::byte_len(dtype, shape).unwrap_or(0),
-                };
-                let offsets = match object.map(|o| o.bytes) {
-                    Some(Bytes::Source(src, i)) => {
-                        let h = src.header();
-                        let t = h.tensors.get(i as usize);
-                        Some((t.data_offsets, h.data_start() + t.data_offsets.0))
-                    }
-                    _ => None,
-                };
+                let nbytes = crate::format::byte_len(dtype, shape).unwrap_or(0);
+                let origin = e.data.and_then(|o| self.object(o)).and_then(|o| o.origin);
+                let offsets = origin.map(|(src, i)| {
+                    let h = src.header();
+                    let t = h.tensors.get(i as usize);
+                    (t.data_offsets, h.data_start() + t.data_offsets.0)
+                });
                 Some(meta::render_meta(dtype, shape, offsets, nbytes, e.name))
             }
         }

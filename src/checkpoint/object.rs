@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use super::staging::Staging;
 use super::{next_gen, EditError, Id};
-use crate::source::Bytes;
+use crate::source::{Bytes, SourceFile};
 
 pub struct DataObject {
     state: RwLock<ObjectState>,
@@ -27,13 +27,33 @@ pub struct ObjectState {
     pub edited: Option<SystemTime>,
     /// Changes with every edit (0: never edited).
     pub gen: u64,
+    /// The source tensor these bytes were when mapped (or committed), kept
+    /// through edits: where the tensor lies in the file on disk, which a
+    /// `.meta.json` shows whether or not the bytes were edited since, so that
+    /// editing a tensor does not change its meta's text behind a tool's back.
+    pub origin: Option<(Arc<SourceFile>, u32)>,
+}
+
+impl ObjectState {
+    pub fn of(bytes: Bytes, edited: Option<SystemTime>, gen: u64) -> ObjectState {
+        let origin = match &bytes {
+            Bytes::Source(src, i) => Some((src.clone(), *i)),
+            _ => None,
+        };
+        ObjectState {
+            bytes,
+            edited,
+            gen,
+            origin,
+        }
+    }
 }
 
 impl DataObject {
     pub fn new(bytes: Bytes, edited: Option<SystemTime>) -> Arc<DataObject> {
         let gen = if edited.is_some() { next_gen() } else { 0 };
         Arc::new(DataObject {
-            state: RwLock::new(ObjectState { bytes, edited, gen }),
+            state: RwLock::new(ObjectState::of(bytes, edited, gen)),
             writer: Mutex::new(()),
             home: Mutex::new((u64::MAX, Id::MAX)),
         })
@@ -64,14 +84,18 @@ impl DataObject {
         *self.home.lock().unwrap_or_else(|p| p.into_inner()) = (serial, entry);
     }
 
+    /// An edit: new bytes, the same origin.
     fn set(&self, bytes: Bytes, edited: Option<SystemTime>, gen: u64) {
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = ObjectState { bytes, edited, gen };
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        state.bytes = bytes;
+        state.edited = edited;
+        state.gen = gen;
     }
 
     /// The same bytes, found elsewhere (a commit put them in the new file):
     /// not an edit.
     pub fn rebase(&self, bytes: Bytes) {
-        self.set(bytes, None, 0);
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = ObjectState::of(bytes, None, 0);
     }
 
     /// Writes at `offset`, first copying the bytes into a private staging file

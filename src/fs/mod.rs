@@ -181,6 +181,9 @@ enum Node {
     File(usize, Id, TensorFile),
 }
 
+/// Hashed file name stem -> tensor name.
+type HashedNames = HashMap<String, String>;
+
 /// A name in a checkpoint directory, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Name {
@@ -202,9 +205,9 @@ struct State {
     first_ino: Ino,
     /// The folder of a folder mount.
     folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
-    /// Per checkpoint: its hashed file names (stem -> tensor name), and the
-    /// `Live::names_gen` they were made at.
-    hashed: Mutex<HashMap<usize, (u64, HashMap<String, String>)>>,
+    /// Per checkpoint: its hashed file names, and the `Live::names_gen`
+    /// they were made at.
+    hashed: Mutex<HashMap<usize, (u64, HashedNames)>>,
 }
 
 /// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
