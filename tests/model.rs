@@ -869,15 +869,31 @@ impl Model {
         d.metadata_touched = false;
     }
 
-    /// The index file as a commit of the folder leaves it.
+    /// The index file as a commit of the folder leaves it: shards it did
+    /// not write as they are on disk now, and none rewritten if one of them
+    /// is not a valid checkpoint now.
     fn expected_index(&self) -> serde_json::Value {
         let mut index = self.index.clone();
         let mut map = serde_json::Map::new();
         let mut total = 0;
         for (k, d) in self.dirs.iter().enumerate() {
-            for (name, t) in &d.committed.tensors {
-                map.insert(name.clone(), format!("s{k}.safetensors").into());
-                total += t.4.len() as u64;
+            let tensors: Vec<(String, u64)> = if d.disk == d.mapped {
+                let t = &d.committed.tensors;
+                t.iter()
+                    .map(|(n, t)| (n.clone(), t.4.len() as u64))
+                    .collect()
+            } else {
+                match safetensors::SafeTensors::deserialize(&d.disk) {
+                    Ok(st) => {
+                        let t = st.tensors().into_iter();
+                        t.map(|(n, v)| (n, v.data().len() as u64)).collect()
+                    }
+                    Err(_) => return self.index.clone(),
+                }
+            };
+            for (name, len) in tensors {
+                map.insert(name, format!("s{k}.safetensors").into());
+                total += len;
             }
         }
         index["weight_map"] = map.into();
@@ -1145,16 +1161,16 @@ fn model_open_json(model: &mut Model, f: &FileRef, truncate: bool) -> u64 {
 }
 
 /// Flush (`last`: release) of a JSON descriptor open for writing (not held
-/// handle `except`): what was written goes to the name, once no other writer
-/// holds the file and if it is still at its name. Returns the errno expected.
+/// handle `except`): what was written goes to the name if the file is still
+/// there. Returns the errno expected.
 fn model_apply_json(model: &mut Model, file: u64, last: bool, except: Option<usize>) -> i32 {
     let others = model.handles.iter().enumerate().any(|(k, h)| {
         Some(k) != except
             && matches!(h, Some(MHandle::Json { file: f, write: true, .. }) if *f == file)
     });
-    if others {
-        return 0;
-    }
+    // Text that does not parse is the closer's to hear of only when no
+    // other writer may still be writing it.
+    let invalid = if others { 0 } else { libc::EINVAL };
     let j = model.json.get_mut(&file).unwrap();
     if !j.dirty || (!last && j.text.is_empty()) {
         return 0;
@@ -1168,7 +1184,7 @@ fn model_apply_json(model: &mut Model, file: u64, last: bool, except: Option<usi
         if model.dirs[dir].metadata != MMetadata::Removed && model.dirs[dir].metadata_key == key {
             model.set_metadata(dir, &text, false);
             return match model.dirs[dir].metadata {
-                MMetadata::Invalid(_) => libc::EINVAL,
+                MMetadata::Invalid(_) => invalid,
                 _ => 0,
             };
         }
@@ -1180,7 +1196,7 @@ fn model_apply_json(model: &mut Model, file: u64, last: bool, except: Option<usi
         if let Some(name) = owner {
             model.set_meta(dir, &name, &text, false);
             return match model.entry(dir, &name).unwrap().meta {
-                MMeta::Invalid(_) => libc::EINVAL,
+                MMeta::Invalid(_) => invalid,
                 _ => 0,
             };
         }

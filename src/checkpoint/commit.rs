@@ -59,6 +59,8 @@ pub enum CommitError {
     },
     /// The source changed behind the mount (ESTALE); `--force` overrides.
     Conflict { file: PathBuf },
+    /// Another commit of the same files did not end in time (EBUSY).
+    Busy { file: PathBuf },
     /// The mount does not commit any more (EIO): a request handler
     /// panicked, or a commit failed half-way; `why` says which.
     Tainted { why: String },
@@ -99,6 +101,12 @@ impl fmt::Display for CommitError {
                 "{}: the source changed since it was mounted (another program wrote or replaced it); \
                  commit refused: commit with --force to overwrite it, or unmount with --discard",
                 file.display()
+            ),
+            CommitError::Busy { file } => write!(
+                f,
+                "{}: another commit of this file (by another mount) has not ended in {} s; try again",
+                file.display(),
+                LOCK_WAIT.as_secs()
             ),
             CommitError::Tainted { why } => write!(
                 f,
@@ -155,6 +163,8 @@ pub struct CommitPlan {
     mark: u64,
     /// Source tensor index -> its index in the new file (u32::MAX: not in it).
     pub moved: Arc<Vec<u32>>,
+    /// Replace whatever file has the source's name (`--force`).
+    force: bool,
     _pins: Pins,
 }
 
@@ -167,6 +177,60 @@ impl Drop for Pins {
     }
 }
 
+/// How long a commit waits for another commit of the same files.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The files a commit will replace or rewrite, locked (`flock`, exclusive)
+/// from before its plan until it landed: a second mount's commit of the same
+/// source waits, then finds the file changed and refuses (ESTALE) instead of
+/// writing over the first commit. Locks are taken in (device, inode) order.
+pub struct CommitLock(#[allow(dead_code)] Vec<File>);
+
+impl CommitLock {
+    pub fn take(files: &[(Arc<Folder>, OsString)]) -> Result<CommitLock, CommitError> {
+        let mut opened = Vec::new();
+        for (folder, name) in files {
+            let what = |e| CommitError::Io {
+                what: format!(
+                    "locking {} for the commit",
+                    folder.path.join(name).display()
+                ),
+                source: e,
+            };
+            let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+            let file = match folder.open_file(name, flags, 0) {
+                Ok(f) => f,
+                // Gone (the plan says what that means), or a link (an index
+                // of a Hugging Face snapshot): nothing to lock.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => continue,
+                Err(e) => return Err(what(e)),
+            };
+            let st = FileStat::of(&file).map_err(what)?;
+            opened.push(((st.dev, st.ino), folder.path.join(name), file));
+        }
+        opened.sort_by_key(|(key, ..)| *key);
+        opened.dedup_by_key(|(key, ..)| *key);
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        for (_, path, file) in &opened {
+            // SAFETY: a valid descriptor.
+            while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    return Err(CommitError::Io {
+                        what: format!("locking {} for the commit", path.display()),
+                        source: e,
+                    });
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(CommitError::Busy { file: path.clone() });
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+        Ok(CommitLock(opened.into_iter().map(|(_, _, f)| f).collect()))
+    }
+}
+
 /// A new file written beside its target, not yet renamed over it.
 pub struct Written {
     folder: Arc<Folder>,
@@ -174,6 +238,9 @@ pub struct Written {
     target: OsString,
     file: File,
     stat: FileStat,
+    /// The file the target must still be when it is replaced (the source
+    /// as mapped), unless the commit is forced or the target is an index.
+    replaces: Option<FileStat>,
 }
 
 impl Written {
@@ -188,6 +255,37 @@ impl Written {
 
     pub fn target(&self) -> PathBuf {
         self.folder.path.join(&self.target)
+    }
+
+    /// Puts the file in place. With `replaces`: only over that very file
+    /// (exchanged with it, the file taken out checked, exchanged back if it
+    /// is another: a program that replaced the source since the commit's
+    /// check loses nothing), else ESTALE.
+    fn land(&self) -> Result<(), CommitError> {
+        let err = |e| CommitError::Io {
+            what: format!("renaming over {}", self.target().display()),
+            source: e,
+        };
+        let Some(expected) = self.replaces else {
+            return self.folder.rename(&self.tmp, &self.target).map_err(err);
+        };
+        match self.folder.exchange(&self.tmp, &self.target) {
+            Ok(()) => {}
+            // A filesystem without RENAME_EXCHANGE: the check under the lock was the last.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
+                return self.folder.rename(&self.tmp, &self.target).map_err(err);
+            }
+            Err(e) => return Err(err(e)),
+        }
+        let out = self.folder.stat_at(&self.tmp).map_err(err)?;
+        if out.st_dev == expected.dev && out.st_ino == expected.ino {
+            let _ = self.folder.unlink(&self.tmp);
+            return Ok(());
+        }
+        self.folder.exchange(&self.tmp, &self.target).map_err(err)?;
+        Err(CommitError::Conflict {
+            file: self.target(),
+        })
     }
 
     /// Creates the temp file beside `target`, fills it with `fill`, gives it
@@ -232,6 +330,7 @@ impl Written {
                 target: target.to_os_string(),
                 file,
                 stat,
+                replaces: None,
             }),
             Err(e) => {
                 let _ = folder.unlink(&tmp);
@@ -342,6 +441,7 @@ impl Live {
             members,
             mark: next_gen(),
             moved,
+            force,
             _pins: pins,
         }))
     }
@@ -527,12 +627,13 @@ impl CommitPlan {
         let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
             file: self.source.path().to_path_buf(),
         })?;
-        let written = Written::create(
+        let mut written = Written::create(
             folder,
             self.source.file_name(),
             self.source.stat(),
             |file| self.fill(file, progress),
         )?;
+        written.replaces = (!self.force).then(|| *self.source.stat());
         info!(
             file = %self.source.path().display(),
             tensors = self.layout.tensors.len(),
@@ -601,19 +702,13 @@ pub fn land(
         )))
         .map_err(|e| (0, e))?;
     for (k, w) in written.iter().enumerate() {
-        if let Err(e) = w.folder.rename(&w.tmp, &w.target) {
+        if let Err(e) = w.land() {
             if k == 0 {
                 // Nothing changed yet: forget the commit.
                 Renames::clear(&dir);
                 written.iter().for_each(Written::remove);
             }
-            return Err((
-                k,
-                CommitError::Io {
-                    what: format!("renaming over {}", w.target().display()),
-                    source: e,
-                },
-            ));
+            return Err((k, e));
         }
     }
     for w in written {

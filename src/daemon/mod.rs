@@ -380,6 +380,18 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     // before the sources are read.
     let (base, stem) = staging_for(&req.source, req.staging_dir.as_deref())?;
     let mut notes = recover::finish_renames(&base, &stem);
+    // Two mounts of one source are allowed; their commits are taken one at
+    // a time, and the second is refused if the first changed the file.
+    for m in crate::mountinfo::mounts() {
+        if m.fstype == "fuse.stfs" && Path::new(&m.source) == req.source {
+            notes.push(format!(
+                "{} is also mounted at {}: commits of both are taken one at a time, and the \
+                 later one is refused (ESTALE) if the other changed the file meanwhile",
+                req.source.display(),
+                m.point.display()
+            ));
+        }
+    }
     let (source, warnings) = open_source(&req.source)?;
     // Each shard's temp files are beside its own file (a link's target).
     let files: Vec<&SourceFile> = match &source {

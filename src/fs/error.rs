@@ -71,6 +71,7 @@ impl FsError {
             FsError::Commit(e) => match e {
                 CommitError::Refused { .. } => libc::EINVAL,
                 CommitError::Conflict { .. } => libc::ESTALE,
+                CommitError::Busy { .. } => libc::EBUSY,
                 CommitError::Tainted { .. } => libc::EIO,
                 CommitError::Io { source, .. } => io_errno(source),
                 CommitError::Staging(s) => staging_errno(s),

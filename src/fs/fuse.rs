@@ -513,7 +513,10 @@ impl Filesystem for FuseAdapter {
                 };
                 // Staged edits may name tensors of a source the caller cannot read.
                 if let Err(e) = self.fs.allowed(uid, "status") {
-                    return reply.error(errno("status", &e));
+                    let _ = errno("status", &e);
+                    args.result = e.errno();
+                    args.set_page(&e.to_string());
+                    return reply.ioctl(0, args.as_bytes());
                 }
                 guarded_read("status", || {
                     let (report, refused) = self.fs.status();

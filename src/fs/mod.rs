@@ -214,9 +214,10 @@ struct State {
 /// by every descriptor open on the same inode, and theirs alone once the name
 /// is removed or replaced (as an unlinked file is on any filesystem).
 /// Generated text is taken when the first descriptor opens it; what is
-/// written is applied to the checkpoint when the last descriptor open for
-/// writing is flushed (or any such descriptor once the text is not empty),
-/// if this is still the file at its name.
+/// written is applied to the checkpoint when a descriptor open for writing
+/// is flushed (an empty text only at its release), if this is still the file
+/// at its name; text that does not parse is reported to the closer unless
+/// another writer still has the file open (it may be half-written).
 struct JsonFile {
     ino: Ino,
     /// Owner, mode and time, as `stat` showed them at open.
@@ -1010,25 +1011,22 @@ impl Fs {
     /// written: a shell's `>` closes a duplicate descriptor first) and on the
     /// last close. What does not parse is kept as written, and reported.
     fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
-        let (ino, text) = {
+        let (ino, text, others) = {
             let handles = lock(&self.handles);
             let Some(Handle::Json { file, write: true }) = handles.open.get(&fh) else {
                 return Ok(());
             };
-            // Another writer still has it open: its text is not final yet.
+            // Another writer has it open: its text may not be final yet.
             let others = handles.open.iter().any(|(other, h)| {
                 *other != fh
                     && matches!(h, Handle::Json { file: f, write: true } if Arc::ptr_eq(f, file))
             });
-            if others {
-                return Ok(());
-            }
             let mut content = lock(&file.content);
             if !content.dirty || (!last_close && content.text.is_empty()) {
                 return Ok(());
             }
             content.dirty = false;
-            (file.ino, content.text.clone())
+            (file.ino, content.text.clone(), others)
         };
         let (c, file_name, kept_invalid) = {
             let mut st = self.write_state();
@@ -1058,6 +1056,8 @@ impl Fs {
         self.sync_journal(c)?;
         match kept_invalid {
             None => Ok(()),
+            // Not this closer's to report: the other writer's close says.
+            Some(_) if others => Ok(()),
             Some(why) => {
                 warn!(
                     file = file_name,
@@ -1456,6 +1456,29 @@ impl Fs {
             return Err(CommitError::Tainted { why }.into());
         }
         let _one = lock(&self.commit_lock);
+        // The files this commit may replace, locked against other mounts'
+        // commits from before the plan's check until they landed.
+        let targets = {
+            let st = self.read_state();
+            let mut targets: Vec<_> = st
+                .checkpoints
+                .iter()
+                .filter(|m| m.live.is_dirty())
+                .filter_map(|m| {
+                    let src = m.live.source();
+                    Some((src.folder()?.clone(), src.file_name().to_os_string()))
+                })
+                .collect();
+            if let Some((folder, _)) = &st.folder {
+                targets.extend(
+                    st.indexes
+                        .iter()
+                        .map(|(ix, _)| (folder.clone(), ix.name.clone().into())),
+                );
+            }
+            targets
+        };
+        let _locked = crate::checkpoint::commit::CommitLock::take(&targets)?;
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
         let (plans, index_updates) = {
             let mut st = self.write_state();
@@ -1487,7 +1510,14 @@ impl Fs {
                     }
                 }
             }
-            let updates = index_updates(&st, &plans);
+            let updates = match index_updates(&st, &plans) {
+                Ok(updates) => updates,
+                Err(e) => {
+                    plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                    warn!("commit refused: {e}");
+                    return Err(e.into());
+                }
+            };
             (plans, updates)
         };
         if plans.is_empty() {
@@ -1862,18 +1892,24 @@ fn plural(n: usize) -> &'static str {
 type IndexUpdate = (Arc<crate::source::local::Folder>, String, FileStat, Vec<u8>);
 
 /// The `*.index.json` files of a folder mount, rewritten to match the shards
-/// as the plans will leave them (`weight_map`, `metadata.total_size`).
-fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> {
+/// as the plans will leave them (`weight_map`, `metadata.total_size`). Shards
+/// this commit does not write are read as they are on disk now (another
+/// mount may have committed them), and named as the folder shows them (a
+/// link's name, not its target's).
+fn index_updates(
+    st: &State,
+    plans: &[(usize, CommitPlan)],
+) -> Result<Vec<IndexUpdate>, CommitError> {
     let Some((folder, _)) = &st.folder else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
     if plans.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let mut weight_map = serde_json::Map::new();
     let mut total: u64 = 0;
     for (c, m) in st.checkpoints.iter().enumerate() {
-        let shard = m.live.key().to_string();
+        let shard = format!("{}.safetensors", m.dir_name);
         let names: Vec<(String, u64)> = match plans.iter().find(|(pc, _)| *pc == c) {
             Some((_, plan)) => plan
                 .layout
@@ -1881,14 +1917,10 @@ fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> 
                 .iter()
                 .map(|t| (t.name.to_string(), t.nbytes()))
                 .collect(),
-            None => m
-                .live
-                .source()
-                .header()
-                .tensors
-                .iter()
-                .map(|t| (t.name.to_string(), t.nbytes()))
-                .collect(),
+            None => match shard_tensors_now(m.live.source())? {
+                Some(names) => names,
+                None => return Ok(Vec::new()),
+            },
         };
         for (name, n) in names {
             total += n;
@@ -1922,7 +1954,41 @@ fn index_updates(st: &State, plans: &[(usize, CommitPlan)]) -> Vec<IndexUpdate> 
         bytes.push(b'\n');
         out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
     }
-    out
+    Ok(out)
+}
+
+/// A shard's tensors (name, bytes) as its file on disk has them now; None
+/// (and a warning) if that file is not a valid checkpoint now: the index is
+/// then left as it is.
+fn shard_tensors_now(src: &SourceFile) -> Result<Option<Vec<(String, u64)>>, CommitError> {
+    let of = |h: &crate::format::Header| {
+        h.tensors
+            .iter()
+            .map(|t| (t.name.to_string(), t.nbytes()))
+            .collect()
+    };
+    let Some(folder) = src.folder() else {
+        return Ok(Some(of(src.header())));
+    };
+    let io = |e| CommitError::Io {
+        what: format!("reading {} for the index", src.path().display()),
+        source: e,
+    };
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let file = folder.open_file(src.file_name(), flags, 0).map_err(io)?;
+    if FileStat::of(&file).map_err(io)?.same_version(src.stat()) {
+        return Ok(Some(of(src.header())));
+    }
+    match crate::format::Header::read(&file).map_err(io)? {
+        Ok(h) => Ok(Some(of(&h))),
+        Err(e) => {
+            warn!(
+                file = %src.path().display(),
+                "changed since mounted and not valid now ({e}): the index files are left as they are"
+            );
+            Ok(None)
+        }
+    }
 }
 
 /// The text of a JSON file as the state has it.

@@ -251,6 +251,18 @@ impl Folder {
         Ok(())
     }
 
+    /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
+    pub fn exchange(&self, a: &OsStr, b: &OsStr) -> std::io::Result<()> {
+        let (a, b) = (cstr(a)?, cstr(b)?);
+        let dir = self.fd.as_raw_fd();
+        // SAFETY: valid directory fd and NUL-terminated names.
+        let r = unsafe { libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_EXCHANGE) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
     pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
         let c = cstr(name)?;
