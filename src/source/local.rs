@@ -251,6 +251,20 @@ impl Folder {
         Ok(())
     }
 
+    /// Renames, failing with EEXIST if `to` exists (renameat2 RENAME_NOREPLACE).
+    pub fn rename_noreplace(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        let (a, b) = (cstr(from)?, cstr(to)?);
+        let dir = self.fd.as_raw_fd();
+        // SAFETY: valid directory fd and NUL-terminated names.
+        let r = unsafe {
+            libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_NOREPLACE)
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
     pub fn exchange(&self, a: &OsStr, b: &OsStr) -> std::io::Result<()> {
         let (a, b) = (cstr(a)?, cstr(b)?);

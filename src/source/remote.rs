@@ -12,7 +12,8 @@
 //!   start, and sequential reads after it, fetch its next chunks ahead, in
 //!   parallel (docs/SEMANTICS.md, "Remote sources").
 //! - Chunks are kept in files of the cache folder (`<object>.<offset>.chunk`:
-//!   the bytes, then their CRC-32 and length), written to a temp file and
+//!   the bytes, then an HMAC of name and bytes under the cache's own key, and
+//!   their length), written to a temp file and
 //!   renamed, so that two mounts can share the folder; a file that does not
 //!   check out is fetched again. The least recently used go when the cache
 //!   passes its size.
@@ -35,9 +36,10 @@ use lru::LruCache;
 use memmap2::{Advice, Mmap};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig};
+use ring::hmac;
 use tracing::{info, warn};
 
-use super::local::Folder;
+use super::local::{FileStat, Folder};
 use crate::format::{FormatError, Header, MAX_HEADER_LEN, PREFIX_LEN};
 
 /// Bytes fetched at once, at most.
@@ -440,7 +442,9 @@ impl Remote {
         Ok((object, header))
     }
 
-    /// One ranged GET of `version`, bounded in time.
+    /// One ranged GET of `version` (the rest of a header), bounded in time:
+    /// each wait by `--timeout`, all of it by 4 times that (a server that
+    /// sends a byte now and then is not waited for forever).
     fn fetch_range(
         &self,
         path: &ObjectPath,
@@ -451,7 +455,11 @@ impl Remote {
             .fetcher
             .clone()
             .get(path.clone(), Some(version), range, None);
-        match self.block_on(job)? {
+        let all = self.fetcher.timeout.saturating_mul(4);
+        let done = self
+            .block_on(async { tokio::time::timeout(all, job).await })
+            .map_err(|_| FetchError::TimedOut)?;
+        match done? {
             Landed::Memory(bytes) => Ok(bytes),
             Landed::Cache(_) => Err(FetchError::Cache("a header went to the cache".into())),
         }
@@ -1052,9 +1060,72 @@ impl Drop for Done<'_> {
     }
 }
 
-/// Bytes after a chunk's payload: CRC-32 (4), payload length (8), magic (4).
-const TRAILER: u64 = 16;
-const MAGIC: &[u8; 4] = b"stfc";
+/// Bytes after a chunk's payload: HMAC-SHA256 (32) of its name and payload
+/// under the cache's key, payload length (8), magic (4).
+const TRAILER: u64 = 44;
+const MAGIC: &[u8; 4] = b"stfm";
+/// The cache's secret, made with the folder: only files made by a process
+/// that can read it check out, so a file planted by another user (in a folder
+/// that was once open to others) is never served.
+const KEY_FILE: &str = "key";
+
+/// The cache's key: read from the folder, or made (and the folder's files,
+/// made under another key or planted, removed).
+fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String> {
+    let err = |e: std::io::Error| format!("{}/{KEY_FILE}: {e}", dir.display());
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    for _ in 0..3 {
+        match folder.open_file(OsStr::new(KEY_FILE), flags, 0) {
+            Ok(file) => {
+                let st = FileStat::of(&file).map_err(err)?;
+                let mut secret = [0u8; 32];
+                let ours = st.mode & libc::S_IFMT == libc::S_IFREG
+                    && st.uid == euid
+                    && st.mode & 0o077 == 0
+                    && st.len == 32
+                    && file.read_exact_at(&mut secret, 0).is_ok();
+                if ours {
+                    return Ok(hmac::Key::new(hmac::HMAC_SHA256, &secret));
+                }
+                warn!(dir = %dir.display(), "the cache's key file is not one stfs made: made again");
+                folder.unlink(OsStr::new(KEY_FILE)).map_err(err)?;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(err(e)),
+        }
+        // Files keyed by a key that is gone (or none) can never check out.
+        for name in folder.entries() {
+            if name.to_string_lossy().contains(".chunk") {
+                let _ = folder.unlink(&name);
+            }
+        }
+        let mut secret = [0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+            .map_err(|_| format!("{}: no random bytes for the cache's key", dir.display()))?;
+        let tmp = format!("{KEY_FILE}.tmp.{}", std::process::id());
+        let file = folder
+            .open_file(OsStr::new(&tmp), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)
+            .map_err(err)?;
+        let made = file
+            .write_all_at(&secret, 0)
+            .and_then(|()| file.sync_all())
+            .and_then(|()| folder.rename_noreplace(OsStr::new(&tmp), OsStr::new(KEY_FILE)));
+        match made {
+            Ok(()) => return Ok(hmac::Key::new(hmac::HMAC_SHA256, &secret)),
+            // Another mount made one first: use that.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                let _ = folder.unlink(OsStr::new(&tmp));
+            }
+            Err(e) => {
+                let _ = folder.unlink(OsStr::new(&tmp));
+                return Err(err(e));
+            }
+        }
+    }
+    Err(format!("{}: the cache's key keeps changing", dir.display()))
+}
 
 /// The local disk cache of chunks, shared by the mounts of a user.
 pub struct DiskCache {
@@ -1062,6 +1133,7 @@ pub struct DiskCache {
     limit: u64,
     /// A write failed (said once in the log).
     warned: AtomicBool,
+    key: hmac::Key,
     state: Mutex<CacheState>,
     inflight: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Fetched>>>>,
 }
@@ -1070,7 +1142,7 @@ struct CacheState {
     /// Cache files by name, least recently used first, with their sizes.
     lru: LruCache<String, u64>,
     used: u64,
-    /// Files checked (size and CRC) by this process.
+    /// Files checked (size and MAC) by this process.
     verified: HashSet<String>,
     /// The mappings of recently read chunks (address space only: their pages
     /// are the page cache's).
@@ -1109,8 +1181,13 @@ impl DiskCache {
             folder
                 .chmod(0o700)
                 .map_err(|e| format!("{}: making it private (0700): {e}", dir.display()))?;
-            info!(dir = %dir.display(), "cache folder made private (0700)");
+            // Anything in it, the key too, may have been planted by another user.
+            for name in folder.entries() {
+                let _ = folder.unlink(&name);
+            }
+            info!(dir = %dir.display(), "cache folder made private (0700), and emptied");
         }
+        let key = cache_key(&folder, dir)?;
         // What earlier mounts left, oldest first.
         let mut found: Vec<((i64, i64), String, u64)> = folder
             .entries()
@@ -1142,6 +1219,7 @@ impl DiskCache {
             folder,
             limit,
             warned: AtomicBool::new(false),
+            key,
             state: Mutex::new(CacheState {
                 lru,
                 used,
@@ -1173,7 +1251,7 @@ impl DiskCache {
         self.lock().lru.peek(name) == Some(&(range.end - range.start + TRAILER))
     }
 
-    /// A chunk's cache file, mapped, if it is there and checks out (its CRC
+    /// A chunk's cache file, mapped, if it is there and checks out (its MAC
     /// is checked the first time this process maps it). The mappings of
     /// recent chunks are kept: a read of a cached chunk makes no system call.
     fn get(&self, name: &str, range: std::ops::Range<u64>) -> Option<Arc<Mmap>> {
@@ -1185,16 +1263,18 @@ impl DiskCache {
             }
         }
         let len = range.end - range.start;
-        let Ok(file) = self.folder.open_file(OsStr::new(name), libc::O_RDONLY, 0) else {
+        // Never through a link, never blocking on a FIFO: a regular file of ours.
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+        let Ok(file) = self.folder.open_file(OsStr::new(name), flags, 0) else {
             // Gone (another mount evicted it): no longer counted here.
             self.forget(name);
             return None;
         };
-        let good = file
-            .metadata()
-            .ok()
-            .is_some_and(|m| m.len() == len + TRAILER)
-            && (self.lock().verified.contains(name) || verify(&file, len));
+        // SAFETY: geteuid cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        let good = FileStat::of(&file).ok().is_some_and(|st| {
+            st.mode & libc::S_IFMT == libc::S_IFREG && st.uid == euid && st.len == len + TRAILER
+        }) && (self.lock().verified.contains(name) || verify(&file, len, name, &self.key));
         // SAFETY: a private file of this user's cache, mapped read-only; stfs
         // replaces cache files by rename and removes them by unlink, never in
         // place, so the mapped bytes stay those checked.
@@ -1251,7 +1331,7 @@ impl DiskCache {
             tmp,
             file: Some(file),
             written: 0,
-            crc: crc32fast::Hasher::new(),
+            mac: chunk_mac(&self.key, name),
         })
     }
 
@@ -1350,7 +1430,7 @@ struct CacheWriter {
     /// None once finished or abandoned.
     file: Option<File>,
     written: u64,
-    crc: crc32fast::Hasher,
+    mac: hmac::Context,
 }
 
 impl CacheWriter {
@@ -1360,7 +1440,7 @@ impl CacheWriter {
             .as_ref()
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EBADF))?;
         file.write_all_at(data, self.written)?;
-        self.crc.update(data);
+        self.mac.update(data);
         self.written += data.len() as u64;
         Ok(())
     }
@@ -1386,7 +1466,7 @@ impl CacheWriter {
             return Err(FetchError::Cache("a cache file written twice".into()));
         };
         let mut trailer = Vec::with_capacity(TRAILER as usize);
-        trailer.extend_from_slice(&self.crc.clone().finalize().to_le_bytes());
+        trailer.extend_from_slice(self.mac.clone().sign().as_ref());
         trailer.extend_from_slice(&self.written.to_le_bytes());
         trailer.extend_from_slice(MAGIC);
         let done = file.write_all_at(&trailer, self.written).and_then(|()| {
@@ -1447,18 +1527,24 @@ fn writer_gone(name: &str) -> bool {
         && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
-/// Checks a cache file's trailer against its payload.
-fn verify(file: &File, len: u64) -> bool {
+/// The MAC of a chunk file: its name, then its payload.
+fn chunk_mac(key: &hmac::Key, name: &str) -> hmac::Context {
+    let mut mac = hmac::Context::with_key(key);
+    mac.update(name.as_bytes());
+    mac
+}
+
+/// Checks a cache file's trailer against its name and payload.
+fn verify(file: &File, len: u64, name: &str, key: &hmac::Key) -> bool {
     let mut trailer = [0u8; TRAILER as usize];
-    if file.read_exact_at(&mut trailer, len).is_err() || &trailer[12..] != MAGIC {
+    if file.read_exact_at(&mut trailer, len).is_err() || &trailer[40..] != MAGIC {
         return false;
     }
-    let crc = u32::from_le_bytes(trailer[..4].try_into().expect("4 bytes"));
-    let stored_len = u64::from_le_bytes(trailer[4..12].try_into().expect("8 bytes"));
+    let stored_len = u64::from_le_bytes(trailer[32..40].try_into().expect("8 bytes"));
     if stored_len != len {
         return false;
     }
-    let mut hasher = crc32fast::Hasher::new();
+    let mut hasher = chunk_mac(key, name);
     let mut buf = vec![0u8; (1 << 20).min(len as usize).max(1)];
     let mut at = 0;
     while at < len {
@@ -1469,7 +1555,10 @@ fn verify(file: &File, len: u64) -> bool {
         hasher.update(&buf[..n]);
         at += n as u64;
     }
-    hasher.finalize() == crc
+    // Compared without an early exit.
+    let tag = hasher.sign();
+    let diff = tag.as_ref().iter().zip(&trailer[..32]).fold(0, |d, (a, b)| d | (a ^ b));
+    diff == 0
 }
 
 /// The default cache folder: `$XDG_CACHE_HOME/stfs`, else `~/.cache/stfs`.

@@ -227,6 +227,18 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
+        if action == "trickle_body":
+            # Headers, then a byte a second until `release` (or the client leaves).
+            for k in range(len(data)):
+                if proxy.release.wait(1):
+                    break
+                try:
+                    self.wfile.write(data[k:k + 1])
+                    self.wfile.flush()
+                except OSError:
+                    break
+            self.close_connection = True
+            return
         if action == "stall_body":
             # Headers and half the body, then silence.
             self.wfile.write(data[:len(data) // 2])
@@ -244,7 +256,8 @@ class FaultProxy:
     each request: None (forward), an HTTP status to answer instead, "drop",
     "hang" (until `release` is set, then drop), "hold" (until `release` is
     set, then forward), "stall_body" (forward the headers and half the body,
-    then nothing until `release`), or ("delay", seconds) then forward.
+    then nothing until `release`), "trickle_body" (the headers, then a byte a
+    second), or ("delay", seconds) then forward.
     `requests` lists every request seen: {method, path, range}."""
 
     def __init__(self, upstream_port):

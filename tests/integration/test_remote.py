@@ -640,3 +640,66 @@ def test_odd_key_names_in_a_folder_and_the_bucket_top(tmp_path, moto, mount):
             assert read(os.path.join(m.path, name, "t")) == a.tobytes(), name
     finally:
         proxy.stop()
+
+
+def test_a_planted_cache_file_is_never_served(tmp_path, s3, mount):
+    """A cache folder that was open to others is emptied when made private,
+    and a file not written by stfs (no key) never checks out, even under the
+    name of a real chunk."""
+    src = tmp_path / "k.safetensors"
+    tensors = big_checkpoint(src)
+    url = s3.upload(src, "planted/k.safetensors")
+    cache = tmp_path / "cache"
+    m = mount(url, *s3.options)
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
+    m.close()
+    key = cache / "key"
+    assert key.exists() and key.stat().st_mode & 0o777 == 0o600
+    chunks = sorted(cache.glob("*.chunk"), key=lambda f: f.stat().st_size)
+    # A forged file in place of a real chunk, same length, magic and all.
+    victim = chunks[-1]
+    forged = bytearray(victim.read_bytes())
+    forged[:-44] = bytes(len(forged) - 44)
+    victim.write_bytes(bytes(forged))
+    # A FIFO under another chunk's name must not block a read.
+    fifo = chunks[-2]
+    fifo.unlink()
+    os.mkfifo(fifo)
+    s3.reset()
+    m = mount(url, *s3.options)
+    for name in ("big.a", "big.b"):
+        assert read(os.path.join(m.path, name)) == tensors[name].tobytes(), name
+    m.close()
+    # Open to others once: everything in it is dropped, the key too.
+    os.chmod(cache, 0o777)
+    old_key = key.read_bytes()
+    s3.reset()
+    m = mount(url, *s3.options)
+    assert os.stat(cache).st_mode & 0o777 == 0o700
+    assert key.read_bytes() != old_key
+    assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
+    assert s3.count("GET", ranged=True) > 1, "fetched again, not served from planted files"
+
+
+def test_a_header_sent_a_byte_at_a_time_fails_the_mount_in_bounded_time(tmp_path, s3, mount):
+    src = tmp_path / "slow.safetensors"
+    # A header over 1 MiB: the mount asks for the rest in a second GET.
+    save_file({f"t{i:06d}." + "x" * 40: np.zeros(1, np.uint8) for i in range(20000)}, str(src))
+    url = s3.upload(src, "slow/slow.safetensors")
+    ranged = []
+
+    def rule(r):
+        if r["range"]:
+            ranged.append(r)
+            return "trickle_body" if len(ranged) > 1 else None
+        return None
+
+    s3.rule = rule
+    t0 = time.monotonic()
+    m = mount(url, *s3.options, "--timeout", "3", expect_ok=False)
+    took = time.monotonic() - t0
+    s3.let_go()
+    assert not m.ok and "in time" in m.result.stderr, m.result.stderr
+    # The point is "bounded" (4 x --timeout for the header: 12 s), not a
+    # benchmark; each request alone may take 10 x --timeout.
+    assert took < 25, took
