@@ -1929,6 +1929,23 @@ fn index_updates(
     }
     let mut out = Vec::new();
     for (ix, _) in &st.indexes {
+        // An index lists every shard's tensor names: never into a file of
+        // someone who cannot read a shard.
+        let hidden = st.checkpoints.iter().find(|m| {
+            m.live
+                .source()
+                .file()
+                .and_then(|f| FileStat::of(f).ok())
+                .is_some_and(|shard| readable_by_more(&ix.stat, &shard))
+        });
+        if let Some(m) = hidden {
+            warn!(
+                file = ix.name,
+                shard = %m.live.source().path().display(),
+                "left as it is: its owner cannot read this shard, whose tensors it would list"
+            );
+            continue;
+        }
         let Ok(mut doc) = serde_json::from_slice::<serde_json::Value>(&ix.bytes) else {
             warn!(file = ix.name, "not JSON: left as it is");
             continue;
@@ -1955,6 +1972,20 @@ fn index_updates(
         out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
     }
     Ok(out)
+}
+
+/// Whether the owner of `to` (who may read it, and give it to anyone) is
+/// someone who may not read `from`: a file of another user's that a commit
+/// would copy `from`'s tensor names into (an index beside a link to a private
+/// checkpoint). Judged by modes and owners; root may read anything.
+fn readable_by_more(to: &FileStat, from: &FileStat) -> bool {
+    let can = |who: u32| from.mode & (0o4 << who) != 0;
+    let (other, group, owner) = (0, 3, 6);
+    let may_read = to.uid == 0
+        || can(other)
+        || (to.uid == from.uid && can(owner))
+        || (to.gid == from.gid && can(group));
+    !may_read
 }
 
 /// A shard's tensors (name, bytes) as its file on disk has them now; None

@@ -256,9 +256,8 @@ impl Folder {
         let (a, b) = (cstr(from)?, cstr(to)?);
         let dir = self.fd.as_raw_fd();
         // SAFETY: valid directory fd and NUL-terminated names.
-        let r = unsafe {
-            libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_NOREPLACE)
-        };
+        let r =
+            unsafe { libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_NOREPLACE) };
         if r != 0 {
             return Err(std::io::Error::last_os_error());
         }

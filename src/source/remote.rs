@@ -568,7 +568,7 @@ impl Fetcher {
         }
         let mut stream = got.into_stream();
         let mut sink = match file {
-            Some(w) => Sink::Cache(w),
+            Some(w) => Sink::Cache(Box::new(w)),
             None => Sink::Memory(bytes::BytesMut::with_capacity(want as usize)),
         };
         let mut got_len = 0u64;
@@ -596,7 +596,8 @@ impl Fetcher {
 
 /// Where a fetch puts the body as it arrives.
 enum Sink {
-    Cache(CacheWriter),
+    // Boxed: the MAC's state makes a writer large.
+    Cache(Box<CacheWriter>),
     Memory(bytes::BytesMut),
 }
 
@@ -1106,7 +1107,11 @@ fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String> {
             .map_err(|_| format!("{}: no random bytes for the cache's key", dir.display()))?;
         let tmp = format!("{KEY_FILE}.tmp.{}", std::process::id());
         let file = folder
-            .open_file(OsStr::new(&tmp), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)
+            .open_file(
+                OsStr::new(&tmp),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+                0o600,
+            )
             .map_err(err)?;
         let made = file
             .write_all_at(&secret, 0)
@@ -1274,7 +1279,8 @@ impl DiskCache {
         let euid = unsafe { libc::geteuid() };
         let good = FileStat::of(&file).ok().is_some_and(|st| {
             st.mode & libc::S_IFMT == libc::S_IFREG && st.uid == euid && st.len == len + TRAILER
-        }) && (self.lock().verified.contains(name) || verify(&file, len, name, &self.key));
+        }) && (self.lock().verified.contains(name)
+            || verify(&file, len, name, &self.key));
         // SAFETY: a private file of this user's cache, mapped read-only; stfs
         // replaces cache files by rename and removes them by unlink, never in
         // place, so the mapped bytes stay those checked.
@@ -1557,7 +1563,11 @@ fn verify(file: &File, len: u64, name: &str, key: &hmac::Key) -> bool {
     }
     // Compared without an early exit.
     let tag = hasher.sign();
-    let diff = tag.as_ref().iter().zip(&trailer[..32]).fold(0, |d, (a, b)| d | (a ^ b));
+    let diff = tag
+        .as_ref()
+        .iter()
+        .zip(&trailer[..32])
+        .fold(0, |d, (a, b)| d | (a ^ b));
     diff == 0
 }
 

@@ -215,3 +215,27 @@ def test_json_buffers_are_bounded(tmp_path, mount, run):
         f.write('{"format":"pt"}')
     assert run("commit", m.path).returncode == 0
     assert_checkpoint(src, t, {"format": "pt"})
+
+
+def test_an_index_never_lists_a_private_shard_to_its_owner(shared, user, mount, run):  # noqa: F811
+    """A folder of another user's, whose shard links to a checkpoint only root
+    may read: root's commit must not copy that shard's names into the index."""
+    _, uid, gid = user
+    folder = os.path.join(shared, "theirs")
+    os.mkdir(folder)
+    secret = os.path.join(shared, "secret.safetensors")
+    save_file({"private.name": np.zeros(2, np.uint8)}, secret)
+    os.chmod(secret, 0o600)
+    os.symlink(secret, os.path.join(folder, "s2.safetensors"))
+    save_file({"w": np.ones(2, np.uint8)}, os.path.join(folder, "s1.safetensors"))
+    index = os.path.join(folder, "m.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": 2}, "weight_map": {"w": "s1.safetensors"}}, f)
+    for p in (folder, index, os.path.join(folder, "s1.safetensors")):
+        os.lchown(p, uid, gid)
+    m = mount(folder)
+    os.rename(os.path.join(m.path, "s1", "w"), os.path.join(m.path, "s1", "w2"))
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    assert "private.name" not in open(index).read()
+    assert "cannot read this shard" in open(m.log).read()
