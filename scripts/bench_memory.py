@@ -6,6 +6,7 @@ three times with one byte edited each time. For each step: the daemon's
 resident memory (VmRSS) and its peak (VmHWM), and the time taken.
 
 Usage: scripts/bench_memory.py [--stfs target/release/stfs] [--tensors 1000000]
+                               [--commits 3] [--metadata]
 Needs root (or fusermount3).
 """
 
@@ -46,6 +47,8 @@ def main():
     p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
     p.add_argument("--tensors", type=int, default=1_000_000)
     p.add_argument("--commits", type=int, default=3)
+    p.add_argument("--metadata", action="store_true",
+                   help="each commit changes __metadata__.json only (not a tensor byte)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="stfs-bench-") as work:
         src = os.path.join(work, "big.safetensors")
@@ -61,9 +64,9 @@ def main():
         print(f"{a.tensors} tensors, header {header / 1e6:.1f} MB; daemon memory as a multiple of the header:")
 
         def report(step, took):
-            rss, hwm = status(pid, "VmRSS"), status(pid, "VmHWM")
+            rss, hwm, anon = status(pid, "VmRSS"), status(pid, "VmHWM"), status(pid, "RssAnon")
             print(f"  {step:28s} {took:6.2f} s   RSS {rss / 1e6:7.1f} MB = {rss / header:.2f}x"
-                  f"   peak so far {hwm / 1e6:7.1f} MB = {hwm / header:.2f}x")
+                  f" (anonymous {anon / header:.2f}x)   peak so far {hwm / 1e6:7.1f} MB = {hwm / header:.2f}x")
 
         try:
             report("mount", took)
@@ -73,8 +76,12 @@ def main():
             report("ls | wc -l", time.perf_counter() - t)
             victim = os.path.join(mnt, "model.layers.5.block.5.weight")
             for k in range(a.commits):
-                with open(victim, "r+b") as f:
-                    f.write(bytes([k + 1]))
+                if a.metadata:
+                    with open(os.path.join(mnt, "__metadata__.json"), "w") as f:
+                        f.write(json.dumps({"commit": str(k + 1)}))
+                else:
+                    with open(victim, "r+b") as f:
+                        f.write(bytes([k + 1]))
                 t = time.perf_counter()
                 subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True)
                 took = time.perf_counter() - t
