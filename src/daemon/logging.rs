@@ -98,17 +98,32 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
     Ok(file)
 }
 
+/// Where the log goes when the default place cannot be written (no home
+/// folder, a read-only one): `$XDG_RUNTIME_DIR/stfs/stfs.log`, then
+/// `/var/tmp/stfs-<uid>/stfs.log` (a folder of the user's, closed to others).
+fn fallback_log_files() -> Vec<PathBuf> {
+    let mut places = Vec::new();
+    if let Some(run) = std::env::var_os("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()) {
+        places.push(PathBuf::from(run).join("stfs").join("stfs.log"));
+    }
+    places.push(PathBuf::from(format!("/var/tmp/stfs-{}", euid())).join("stfs.log"));
+    places
+}
+
 /// Sets up tracing: to `log_file` if given, else to stderr in the foreground
-/// (colour only on a terminal), else to the private default log.
-pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<PathBuf>, String> {
+/// (colour only on a terminal), else to the private default log, else to the
+/// first fallback that can be written, else nowhere: logging is never the
+/// reason a mount fails. Returns a note for the user when the log is not
+/// where it is documented to be.
+pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<String>, String> {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,fuser=error"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_thread_names(true);
-    let path = match (log_file, foreground) {
-        (Some(p), _) => p.to_path_buf(),
+    let (file, note) = match (log_file, foreground) {
+        (Some(p), _) => (Some(open_private(p, false, false)?), None),
         (None, true) => {
             let _ = builder
                 .with_ansi(std::io::stderr().is_terminal())
@@ -116,9 +131,42 @@ pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<PathBuf>
                 .try_init();
             return Ok(None);
         }
-        (None, false) => default_log_file()?,
+        (None, false) => {
+            let mut failed = Vec::new();
+            let mut opened = None;
+            let default = default_log_file();
+            let places = default.iter().cloned().chain(fallback_log_files());
+            for place in places {
+                match open_private(&place, true, false) {
+                    Ok(f) => {
+                        opened = Some((f, place));
+                        break;
+                    }
+                    Err(e) => failed.push(e),
+                }
+            }
+            if let Err(e) = default {
+                failed.insert(0, e);
+            }
+            match opened {
+                Some((f, _)) if failed.is_empty() => (Some(f), None),
+                Some((f, place)) => {
+                    let why = failed.join("; ");
+                    let note = format!("logging to {} ({why})", place.display());
+                    (Some(f), Some(note))
+                }
+                None => {
+                    let why = failed.join("; ");
+                    let note = format!("no log: nowhere to write one ({why}); give --log-file FILE");
+                    (None, Some(note))
+                }
+            }
+        }
     };
-    let file = open_private(&path, log_file.is_none(), false)?;
+    let Some(file) = file else {
+        let _ = builder.with_writer(std::io::sink).try_init();
+        return Ok(note);
+    };
     // A daemon's stderr is /dev/null: panics must reach the log too.
     std::panic::set_hook(Box::new(|info| {
         error!(
@@ -130,7 +178,7 @@ pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<PathBuf>
         .with_ansi(false)
         .with_writer(std::sync::Mutex::new(file))
         .try_init();
-    Ok(Some(path))
+    Ok(note)
 }
 
 #[cfg(test)]

@@ -471,7 +471,11 @@ fn daemonize(
             let mut ready = Some(write_end);
             // As in `launch`: before any thread starts.
             blocked_signals();
-            let prepared = logging::init(req.log_file.as_deref(), false).and_then(|_| prepare());
+            let prepared = logging::init(req.log_file.as_deref(), false).and_then(|note| {
+                let (fs, mut report) = prepare()?;
+                report.extend(note);
+                Ok((fs, report))
+            });
             let code = match prepared {
                 Err(e) => {
                     error!("{e}");

@@ -386,3 +386,35 @@ def test_a_source_rewritten_or_replaced_behind_the_mount(tmp_path, mount, run):
     assert p.returncode != 0 and "changed since it was mounted" in p.stderr
     assert sorted(load_file(str(src))) == ["other"]
     assert run("umount", "--discard", m.path).returncode == 0
+
+
+def test_a_user_without_a_home_still_mounts_and_is_told_where_the_log_went(tmp_path, stfs):
+    """Logging is never the reason a mount fails (issue 20): no writable home,
+    the log goes to $XDG_RUNTIME_DIR/stfs, else /var/tmp/stfs-<uid>, and
+    `stfs mount` says so."""
+    src = tmp_path / "m.safetensors"
+    base(src)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, HOME="/proc/no-home", XDG_RUNTIME_DIR=str(runtime))
+    env.pop("XDG_STATE_HOME", None)
+    p = subprocess.run([stfs, "mount", str(src), str(mnt)], capture_output=True, text=True, env=env)
+    try:
+        assert p.returncode == 0, p.stderr
+        log = runtime / "stfs" / "stfs.log"
+        assert f"logging to {log}" in p.stderr, p.stderr
+        assert (log.stat().st_mode & 0o777, log.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+        assert "mounted" in log.read_text()
+    finally:
+        subprocess.run([stfs, "umount", str(mnt)], capture_output=True)
+    # No runtime folder either: /var/tmp/stfs-<uid>, private.
+    env.pop("XDG_RUNTIME_DIR")
+    p = subprocess.run([stfs, "mount", str(src), str(mnt)], capture_output=True, text=True, env=env)
+    try:
+        assert p.returncode == 0, p.stderr
+        assert f"logging to /var/tmp/stfs-{os.geteuid()}/stfs.log" in p.stderr, p.stderr
+        assert os.stat(f"/var/tmp/stfs-{os.geteuid()}").st_mode & 0o777 == 0o700
+    finally:
+        subprocess.run([stfs, "umount", str(mnt)], capture_output=True)
