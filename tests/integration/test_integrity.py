@@ -18,6 +18,9 @@ from safetensors.numpy import load_file, save_file
 from ckpt import assert_checkpoint, base
 from test_security import as_user, shared, user  # noqa: F401 (fixtures)
 
+# Tests that create a second user, or chown, run as root only.
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates a user")
+
 
 def test_two_mounts_committing_one_source_lose_no_update(tmp_path, mount, run):
     src = tmp_path / "m.safetensors"
@@ -131,6 +134,7 @@ def test_a_snapshot_of_links_keeps_the_shard_names_in_its_index(tmp_path, mount,
     assert run("verify", folder).returncode == 0
 
 
+@needs_root
 def test_status_is_for_the_mounting_user(shared, user, mount, run, stfs):  # noqa: F811
     src = os.path.join(shared, "s.safetensors")
     base(src)
@@ -159,6 +163,7 @@ def test_status_escapes_control_characters_in_names(tmp_path, mount, run):
     assert not any(line.startswith("  problem") for line in p.stdout.splitlines())
 
 
+@needs_root
 def test_refusals_from_another_user_do_not_flood_the_log(shared, user, mount, stfs):  # noqa: F811
     src = os.path.join(shared, "s.safetensors")
     base(src)
@@ -217,6 +222,7 @@ def test_json_buffers_are_bounded(tmp_path, mount, run):
     assert_checkpoint(src, t, {"format": "pt"})
 
 
+@needs_root
 def test_an_index_never_lists_a_private_shard_to_its_owner(shared, user, mount, run):  # noqa: F811
     """A folder of another user's, whose shard links to a checkpoint only root
     may read: root's commit must not copy that shard's names into the index."""

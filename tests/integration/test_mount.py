@@ -328,7 +328,8 @@ def test_a_mount_that_is_hard_to_misuse(tmp_path, mount, run, stfs):
         assert p.returncode == 0, p.stderr
         [line] = [l for l in open("/proc/self/mountinfo") if l.split()[4] == str(rel)]
         assert line.split(" - ")[1].split()[:2] == ["fuse.stfs", str(src)], line
-        assert "read-ahead of this mount raised" in (tmp_path / "rel.log").read_text()
+        if os.geteuid() == 0:  # only root may raise a mount's read-ahead
+            assert "read-ahead of this mount raised" in (tmp_path / "rel.log").read_text()
         # Mounting again on a live mount: refused, no stacking.
         p = run("mount", src, rel)
         assert p.returncode != 0 and "already a mount point" in p.stderr, p.stderr
@@ -337,16 +338,18 @@ def test_a_mount_that_is_hard_to_misuse(tmp_path, mount, run, stfs):
     # -o nonempty mounts over a non-empty folder.
     m = mount(src, "-o", "nonempty")
     assert m.ok
-    # stfs umount leaves other filesystems alone, and says what is wrong.
-    tmpfs = tmp_path / "tmpfs"
-    tmpfs.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tmpfs)], check=True)
-    try:
-        p = run("umount", tmpfs)
-        assert p.returncode != 0 and "not a stfs mount" in p.stderr, p.stderr
-        assert any(l.split()[4] == str(tmpfs) for l in open("/proc/self/mountinfo"))
-    finally:
-        subprocess.run(["umount", str(tmpfs)], check=True)
+    # stfs umount leaves other filesystems alone, and says what is wrong
+    # (a tmpfs to try it on needs root).
+    if os.geteuid() == 0:
+        tmpfs = tmp_path / "tmpfs"
+        tmpfs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tmpfs)], check=True)
+        try:
+            p = run("umount", tmpfs)
+            assert p.returncode != 0 and "not a stfs mount" in p.stderr, p.stderr
+            assert any(l.split()[4] == str(tmpfs) for l in open("/proc/self/mountinfo"))
+        finally:
+            subprocess.run(["umount", str(tmpfs)], check=True)
     p = run("umount", tmp_path / "nowhere")
     assert p.returncode != 0 and "no such file or folder" in p.stderr, p.stderr
     p = run("umount", full)
