@@ -39,44 +39,71 @@ enum Command {
         /// Stay in the foreground (logs go to stderr unless --log-file); unmount on Ctrl-C.
         #[arg(short)]
         f: bool,
-        /// Mount options, comma-separated: ro, allow_other, allow_root, nonempty,
-        /// cache=keep|direct, noexec, noatime.
-        #[arg(short = 'o', value_name = "OPTIONS")]
+        /// Mount options, comma-separated, repeatable: ro, rw, allow_other,
+        /// allow_root, nonempty, cache=direct|keep (direct, the default: one copy
+        /// in memory; keep: the mount's own page cache too), mapping=keep|release
+        /// (the daemon's page-table references to the source after a read),
+        /// noexec, noatime, nodev, nosuid, default_permissions (always on).
+        #[arg(short = 'o', value_name = "OPTIONS", value_parser = crate::daemon::check_options)]
         options: Vec<String>,
         /// Worker threads serving requests (default: number of CPUs, 2 to 8).
         #[arg(long)]
         threads: Option<usize>,
-        /// Log file of the daemon (default: ~/.local/state/stfs/stfs.log; stderr with -f).
+        /// Log file of the daemon (default: ~/.local/state/stfs/stfs.log, else
+        /// $XDG_RUNTIME_DIR/stfs/stfs.log or /var/tmp/stfs-UID/stfs.log; stderr with -f).
         #[arg(long)]
         log_file: Option<PathBuf>,
         /// Write the daemon's pid here while it runs.
         #[arg(long)]
         pid_file: Option<PathBuf>,
         /// Where staging folders go (default: beside the source).
-        #[arg(long)]
+        #[arg(long, value_name = "DIR", help_heading = "Local sources (edits)")]
         staging_dir: Option<PathBuf>,
         /// Take back the edits kept in this staging folder (by default the newest
         /// kept edits of the source that still apply are taken back).
-        #[arg(long, value_name = "DIR", conflicts_with = "no_resume")]
+        #[arg(
+            long,
+            value_name = "DIR",
+            conflicts_with = "no_resume",
+            help_heading = "Local sources (edits)"
+        )]
         resume: Option<PathBuf>,
         /// Do not take back kept edits; they stay on disk.
-        #[arg(long)]
+        #[arg(long, help_heading = "Local sources (edits)")]
         no_resume: bool,
-        /// Remote sources: an S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
-        #[arg(long, value_name = "URL")]
+        /// An S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
+        #[arg(long, value_name = "URL", help_heading = "Remote sources")]
         endpoint: Option<String>,
-        /// Remote sources: the local cache of fetched bytes (default: $XDG_CACHE_HOME/stfs).
-        #[arg(long, value_name = "DIR")]
-        cache_dir: Option<PathBuf>,
-        /// Remote sources: the cache's size; least recently used chunks go past it (K, M, G, T suffixes).
-        #[arg(long, value_name = "SIZE", default_value = "10G", value_parser = parse_size)]
-        cache_size: u64,
-        /// Remote sources: ranged GETs in flight at once.
-        #[arg(long, value_name = "N", default_value_t = 16)]
+        /// Ranged GETs in flight at once.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 16,
+            help_heading = "Remote sources"
+        )]
         concurrency: usize,
-        /// Remote sources: seconds before a read whose server does not answer fails (EIO).
-        #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
+        /// Seconds before a read whose server does not answer fails (EIO); a
+        /// header is fetched within 4 times that in all.
+        #[arg(
+            long,
+            value_name = "SECONDS",
+            default_value = "30",
+            value_parser = parse_seconds,
+            help_heading = "Remote sources"
+        )]
         timeout: std::time::Duration,
+        /// The local cache of fetched bytes (default: $XDG_CACHE_HOME/stfs, else ~/.cache/stfs).
+        #[arg(long, value_name = "DIR", help_heading = "Remote cache")]
+        cache_dir: Option<PathBuf>,
+        /// The cache's size; least recently used chunks go past it (K, M, G, T suffixes).
+        #[arg(
+            long,
+            value_name = "SIZE",
+            default_value = "10G",
+            value_parser = parse_size,
+            help_heading = "Remote cache"
+        )]
+        cache_size: u64,
         /// A .safetensors file, a folder of them (with *.index.json), or a URL:
         /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
         /// https://host/path.safetensors, gs://, az://.

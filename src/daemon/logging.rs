@@ -157,7 +157,8 @@ pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<String>,
                 }
                 None => {
                     let why = failed.join("; ");
-                    let note = format!("no log: nowhere to write one ({why}); give --log-file FILE");
+                    let note =
+                        format!("no log: nowhere to write one ({why}); give --log-file FILE");
                     (None, Some(note))
                 }
             }

@@ -58,6 +58,12 @@ const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache=keep|direc
                      mapping=keep|release, default_permissions (always on), nodev, nosuid, \
                      noexec, noatime";
 
+/// Checks one `-o` argument (clap's value parser: a bad option is refused
+/// with the command line's usage).
+pub fn check_options(arg: &str) -> Result<String, String> {
+    parse_options(&[arg.to_string()]).map(|_| arg.to_string())
+}
+
 fn parse_options(list: &[String]) -> Result<MountOptions, String> {
     let mut o = MountOptions {
         read_only: false,
