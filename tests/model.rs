@@ -453,6 +453,19 @@ struct MJson {
     written: bool,
 }
 
+impl MJson {
+    /// A write through a descriptor (zeros fill a gap).
+    fn write_at(&mut self, offset: usize, data: &[u8]) {
+        let end = offset + data.len();
+        if self.text.len() < end {
+            self.text.resize(end, 0);
+        }
+        self.text[offset..end].copy_from_slice(data);
+        self.dirty = true;
+        self.written = true;
+    }
+}
+
 #[derive(Debug, Clone)]
 enum MHandle {
     Data {
@@ -1503,13 +1516,7 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
             }) => {
                 fs.write(ino, fh, *offset, data).unwrap();
                 let j = model.json.get_mut(&file).unwrap();
-                let end = *offset as usize + data.len();
-                if j.text.len() < end {
-                    j.text.resize(end, 0);
-                }
-                j.text[*offset as usize..end].copy_from_slice(data);
-                j.dirty = true;
-                j.written = true;
+                j.write_at(*offset as usize, data);
             }
             _ => {}
         },
@@ -1539,9 +1546,8 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                     fs.set_size(ino, Some(fh), 0).unwrap();
                     fs.write(ino, fh, 0, &bytes).unwrap();
                     let j = model.json.get_mut(&file).unwrap();
-                    j.text = bytes;
-                    j.dirty = true;
-                    j.written = true;
+                    j.text.clear();
+                    j.write_at(0, &bytes);
                 }
                 _ => {}
             }
@@ -1692,14 +1698,7 @@ fn write_and_close(
     op: &Op,
 ) {
     m.fs().write(ino, fh, 0, text).unwrap();
-    let j = model.json.get_mut(&file).unwrap();
-    let end = text.len();
-    if j.text.len() < end {
-        j.text.resize(end, 0);
-    }
-    j.text[..end].copy_from_slice(text);
-    j.dirty = true;
-    j.written = true;
+    model.json.get_mut(&file).unwrap().write_at(0, text);
     let flush = model_apply_json(model, file, false, None);
     assert_eq!(
         errno(m.fs().flush(fh)),

@@ -4,6 +4,7 @@ for dtypes it cannot write, by hand) for the integration tests and the demo."""
 import json
 import os
 import struct
+import subprocess
 
 import numpy as np
 from safetensors import TensorSpec, safe_open, serialize_file
@@ -143,3 +144,18 @@ def assert_checkpoint(path, expected, metadata=None):
         os.unlink(ref)
 
 
+
+
+def sh(cmd, cwd=None, check=True):
+    """Runs a shell command line; with `check`, a failure says what it printed."""
+    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd!r} failed ({p.returncode}): {p.stdout}{p.stderr}")
+    return p
+
+
+def committed(run, m):
+    """`stfs commit` of mount `m`, which must succeed."""
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    return p

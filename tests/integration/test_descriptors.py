@@ -7,20 +7,12 @@ case is judged by the official package after a commit."""
 import json
 import mmap
 import os
-import subprocess
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt import assert_checkpoint, base
-
-
-def sh(cmd, cwd=None, check=True):
-    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=120)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd!r} failed ({p.returncode}): {p.stdout}{p.stderr}")
-    return p
+from ckpt import assert_checkpoint, base, committed, sh
 
 
 @pytest.fixture
@@ -28,12 +20,6 @@ def ckpt(tmp_path, mount):
     src = tmp_path / "m.safetensors"
     t = base(src, metadata={"format": "pt"})
     return src, t, mount(src)
-
-
-def committed(run, m):
-    p = run("commit", m.path)
-    assert p.returncode == 0, p.stderr
-    return p
 
 
 def test_ruby_in_place_with_a_backup_keeps_the_metadata(ckpt, run):

@@ -7,7 +7,6 @@ another user cannot flood, and a daemon whose JSON buffers are bounded."""
 import errno
 import json
 import os
-import subprocess
 import threading
 import time
 

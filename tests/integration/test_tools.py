@@ -6,21 +6,13 @@ equality with its save_file."""
 
 import json
 import os
-import subprocess
 import tarfile
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt import assert_checkpoint, base
-
-
-def sh(cmd, cwd=None, check=True):
-    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=60)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd!r} failed ({p.returncode}): {p.stdout}{p.stderr}")
-    return p
+from ckpt import assert_checkpoint, base, committed, sh
 
 
 @pytest.fixture
@@ -29,12 +21,6 @@ def ckpt(tmp_path, mount):
     src = tmp_path / "m.safetensors"
     t = base(src, metadata={"format": "np"})
     return src, t, mount(src)
-
-
-def committed(run, m):
-    p = run("commit", m.path)
-    assert p.returncode == 0, p.stderr
-    return p
 
 
 def test_sed_in_place_on_a_meta(ckpt, run):
