@@ -468,3 +468,35 @@ fn no_tensor_is_named_metadata() {
         libc::ENOENT
     );
 }
+
+#[test]
+fn hashed_long_names_are_found_and_forgotten_as_names_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let long = "w".repeat(300);
+    let other = format!("{}x", "v".repeat(299));
+    write_checkpoint(
+        &path,
+        &[(&long, Dtype::U8, &[2]), (&other, Dtype::U8, &[1])],
+        None,
+    );
+    let fs = mount(&path, settings());
+    let stem = names::tensor_file_name(&long);
+    assert!(names::is_hashed(&long) && stem.len() <= NAME_MAX);
+    let ino = fs.lookup(ROOT_INO, &stem).unwrap().ino;
+    assert!(fs.lookup(ROOT_INO, &format!("{stem}.meta.json")).is_ok());
+    assert_eq!(
+        errno(fs.lookup(ROOT_INO, "w~0000000000000000")),
+        libc::ENOENT
+    );
+    // Renamed to a short name: the hashed one is gone at once, the short one is there.
+    fs.rename(ROOT_INO, &stem, ROOT_INO, "short", false)
+        .unwrap();
+    assert_eq!(errno(fs.lookup(ROOT_INO, &stem)), libc::ENOENT);
+    assert_eq!(fs.lookup(ROOT_INO, "short").unwrap().ino, ino);
+    // The other long name is still found through the table made again.
+    let other_stem = names::tensor_file_name(&other);
+    assert!(fs.lookup(ROOT_INO, &other_stem).is_ok());
+    fs.unlink(ROOT_INO, &other_stem).unwrap();
+    assert_eq!(errno(fs.lookup(ROOT_INO, &other_stem)), libc::ENOENT);
+}
