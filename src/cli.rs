@@ -108,6 +108,8 @@ enum Command {
         /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
         /// https://host/path.safetensors, gs://, az://.
         source: PathBuf,
+        /// An empty folder: the checkpoint's directory (a folder of shards: one
+        /// directory per shard in it).
         mountpoint: PathBuf,
     },
     /// Commit staged edits, then unmount.

@@ -54,8 +54,9 @@ pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), St
     writeln!(out, "{}", path.display()).map_err(io)?;
     writeln!(
         out,
-        "  {} tensors, {} bytes of tensor data, header {} bytes",
+        "  {} tensor{}, {} bytes of tensor data, header {} bytes",
         h.tensors.len(),
+        if h.tensors.len() == 1 { "" } else { "s" },
         total,
         h.header_len
     )

@@ -544,7 +544,6 @@ impl Filesystem for FuseAdapter {
                 self.spawn("commit", move |fs| {
                     let result = if args.flags & COMMIT_DISCARD != 0 {
                         fs.discard(uid)
-                            .map(|()| vec!["staged edits discarded".to_string()])
                     } else {
                         fs.commit(args.flags & COMMIT_FORCE != 0, uid)
                     };

@@ -1667,15 +1667,22 @@ impl Fs {
     }
 
     /// Drops every staged edit. Tensors whose bytes were not edited keep their inodes.
-    pub fn discard(&self, caller: u32) -> Result<(), FsError> {
+    /// Returns a line per file, as `commit` does.
+    pub fn discard(&self, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "discard")?;
         let _one = lock(&self.commit_lock);
         let mut st = self.write_state();
+        let mut lines = Vec::new();
         for m in &mut st.checkpoints {
+            let path = m.live.source().path().display().to_string();
+            lines.push(match m.live.is_dirty() {
+                true => format!("{path}: staged edits discarded"),
+                false => format!("{path}: nothing to discard"),
+            });
             m.live.discard();
         }
         info!("staged edits discarded");
-        Ok(())
+        Ok(lines)
     }
 
     /// `stfs status`: staged changes and problems, one line each; true when a
@@ -1718,8 +1725,9 @@ impl Fs {
             }
         }
         out.push_str(&format!(
-            "served {} reads of tensor bytes ({} bytes) since mounted\n",
+            "served {} read{} of tensor bytes ({} bytes) since mounted\n",
             self.reads.load(Ordering::Relaxed),
+            plural(self.reads.load(Ordering::Relaxed) as usize),
             self.read_bytes.load(Ordering::Relaxed)
         ));
         // The shards of a remote folder share one connection and cache.
