@@ -27,7 +27,7 @@
 //! order (a list renamer, a glob of `mv`) end as `mv` of the tensor alone.
 //!
 //! Bugs planted one at a time (by a script over this list, each a small
-//! edit of the code named), all 23 caught by this file's tests:
+//! edit of the code named), all 25 caught by this file's tests:
 //! 1. RENAME_NOREPLACE ignored (`Fs::rename`);
 //! 2. a handle of a removed tensor not reading it (`Fs::read` from the state);
 //! 3. a wrong shape in a generated `.meta.json` (`meta::render_meta`);
@@ -54,7 +54,9 @@
 //! 22. discard giving a removed `__metadata__.json`'s inode to the restored
 //!     one (`Live::discard`);
 //! 23. a half-written JSON file reported to one of two writers
-//!     (`Fs::apply_json`).
+//!     (`Fs::apply_json`);
+//! 24. a scalar shape `[]` refused (`meta::parse_meta`);
+//! 25. a meta renamed onto a data name losing its last byte (`Fs::rename_parts`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
