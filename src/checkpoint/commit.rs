@@ -216,10 +216,10 @@ impl CommitLock {
             while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                    return Err(CommitError::Io {
-                        what: format!("locking {} for the commit", path.display()),
-                        source: e,
-                    });
+                    // A filesystem without locks (some network ones): the
+                    // check before the swap is all there is.
+                    warn!(file = %path.display(), "cannot lock it for the commit: {e}");
+                    break;
                 }
                 if std::time::Instant::now() > deadline {
                     return Err(CommitError::Busy { file: path.clone() });
