@@ -1585,7 +1585,7 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
             _ => {}
         },
         Op::HandleSetText(k, text) => {
-            let bytes = text.bytes();
+            // ftruncate(0) through the descriptor, then a write at 0.
             match model.handles[*k].clone() {
                 Some(MHandle::Data {
                     fh,
@@ -1595,9 +1595,7 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                     ..
                 }) => {
                     fs.set_size(ino, Some(fh), 0).unwrap();
-                    fs.write(ino, fh, 0, &bytes).unwrap();
                     model.truncate(obj, 0);
-                    model.write(obj, 0, &bytes);
                     model.edited(obj);
                 }
                 Some(MHandle::Json {
@@ -1608,13 +1606,14 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                     ..
                 }) => {
                     fs.set_size(ino, Some(fh), 0).unwrap();
-                    fs.write(ino, fh, 0, &bytes).unwrap();
                     let j = model.json.get_mut(&file).unwrap();
                     j.text.clear();
-                    j.write_at(0, &bytes);
+                    j.dirty = true;
+                    j.written = true;
                 }
-                _ => {}
+                _ => return,
             }
+            apply(m, model, &Op::HandleWrite(*k, 0, text.bytes()));
         }
         Op::Fstat(k) => {
             let Some(h) = model.handles[*k].clone() else {
