@@ -132,6 +132,10 @@ enum Command {
         /// Commit even if the source was changed behind the mount.
         #[arg(long)]
         force: bool,
+        /// Rewrite the file exactly as the reference's save_file lays it out
+        /// (never in place; no room left in the header for later edits).
+        #[arg(long)]
+        compact: bool,
         /// The mount point, or a checkpoint directory or file inside it.
         path: PathBuf,
     },
@@ -268,12 +272,18 @@ pub fn main() -> ExitCode {
             }
             Err(e) => Err(e.to_string()),
         },
-        Command::Commit { force, path } => {
-            let flags = if force {
-                crate::fs::ioctl::COMMIT_FORCE
-            } else {
-                0
-            };
+        Command::Commit {
+            force,
+            compact,
+            path,
+        } => {
+            let mut flags = 0;
+            if force {
+                flags |= crate::fs::ioctl::COMMIT_FORCE;
+            }
+            if compact {
+                flags |= crate::fs::ioctl::COMMIT_COMPACT;
+            }
             crate::client::commit(&absolute(path), flags)
                 .map(|message| println!("{message}"))
                 .map_err(|e| e.to_string())

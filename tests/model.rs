@@ -190,6 +190,8 @@ enum Op {
         force: bool,
         other_user: bool,
     },
+    /// `stfs commit --compact`: the reference's layout, byte for byte.
+    CompactCommit,
     Discard,
     /// Another program replaces the source file behind the mount: by a
     /// rename, or by rewriting it in place.
@@ -269,6 +271,7 @@ fn op(dirs: usize) -> impl Strategy<Value = Op> {
         1 => h.clone().prop_map(Op::Close),
         3 => (any::<bool>(), prop::bool::weighted(0.1))
             .prop_map(|(force, other_user)| Op::Commit { force, other_user }),
+        1 => Just(Op::CompactCommit),
         1 => Just(Op::Discard),
         1 => (d, any::<bool>()).prop_map(|(dir, in_place)| Op::ReplaceSource { dir, in_place }),
         1 => Just(Op::Status),
@@ -1062,11 +1065,13 @@ fn write_file(path: &Path, tensors: &[Tensor]) -> Vec<u8> {
     bytes
 }
 
-fn open_sources(dir: &Path, count: usize) -> Vec<(String, SourceFile)> {
+/// Opened as the daemon opens them (for writing too unless read-only), so
+/// that commits take every way: in place and rewrite.
+fn open_sources(dir: &Path, count: usize, writable: bool) -> Vec<(String, SourceFile)> {
     (0..count)
         .map(|k| {
             let path = dir.join(format!("s{k}.safetensors"));
-            (format!("s{k}"), SourceFile::open(&path).unwrap())
+            (format!("s{k}"), SourceFile::open_with(&path, writable).unwrap())
         })
         .collect()
 }
@@ -1076,7 +1081,7 @@ fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
     let base = Arc::new(Folder::open(dir).unwrap());
     recover::finish_renames(&base, "m");
     let staging = Arc::new(Staging::new(base.clone(), "m"));
-    let mut sources = open_sources(dir, if folder { 2 } else { 1 });
+    let mut sources = open_sources(dir, if folder { 2 } else { 1 }, !read_only);
     let source = if folder {
         let bytes = std::fs::read(dir.join(INDEX)).unwrap();
         let file = std::fs::File::open(dir.join(INDEX)).unwrap();
@@ -1655,7 +1660,8 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
             assert_eq!(errno(fs.flush(fh)), flush, "{op:?}: flush");
             assert_eq!(errno(fs.release(fh)), release, "{op:?}: release");
         }
-        Op::Commit { force, other_user } => commit(m, model, *force, *other_user),
+        Op::Commit { force, other_user } => commit(m, model, *force, *other_user, false),
+        Op::CompactCommit => commit(m, model, false, false, true),
         Op::Discard => discard(m, model),
         Op::ReplaceSource { dir, in_place } => {
             let path = model.dirs[*dir].path.clone();
@@ -1706,6 +1712,13 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                         }
                     })
                     .collect();
+                // The commit's way (in place or a rewrite, and why) is the
+                // integration tests' to check; here: said exactly when a
+                // commit would go ahead.
+                let ways = got.iter().filter(|l| l.starts_with("commit     ")).count();
+                let would_commit = model.dirs[dir].dirty && model.problem_count(dir) == 0;
+                assert_eq!(ways, would_commit as usize, "the commit line of shard {dir}: {report}");
+                got.retain(|l| !l.starts_with("commit     "));
                 let mut want = model.status_lines(dir);
                 got.sort();
                 want.sort();
@@ -1929,14 +1942,21 @@ fn rename(m: &Mounted, model: &mut Model, from: &FileRef, to: &FileRef, no_repla
     assert_eq!(got, want, "{what}");
 }
 
-fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool) {
+fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact: bool) {
+    use std::os::unix::fs::MetadataExt;
     let before: Vec<Vec<u8>> = model
         .dirs
         .iter()
         .map(|d| std::fs::read(&d.path).unwrap())
         .collect();
+    let inos: Vec<u64> = model
+        .dirs
+        .iter()
+        .map(|d| std::fs::metadata(&d.path).unwrap().ino())
+        .collect();
     let caller = if other_user { OTHER_USER } else { 0 };
-    let got = m.fs().commit(force, caller);
+    let options = stfs::checkpoint::commit::CommitOptions { force, compact };
+    let got = m.fs().commit(options, caller);
     let dirty: Vec<bool> = model.dirs.iter().map(|d| d.dirty).collect();
     // Bytes a commit must read from a source rewritten in place.
     let unreadable = model.dirs.iter().enumerate().any(|(k, d)| {
@@ -1973,16 +1993,35 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool) {
         }
         return;
     }
+    let lines = got.unwrap();
     for (dir, &dirty) in dirty.iter().enumerate() {
         if dirty {
+            // The way it says it took is the way it took: in place keeps the inode.
+            let path = model.dirs[dir].path.display().to_string();
+            let line = lines
+                .iter()
+                .find(|l| l.starts_with(&format!("{path}: committed ")))
+                .unwrap_or_else(|| panic!("no commit line for {path}: {lines:?}"));
+            let ino = std::fs::metadata(&model.dirs[dir].path).unwrap().ino();
+            let in_place = line.contains(": committed in place (");
+            assert!(in_place || line.contains(": committed by a rewrite ("), "{line}");
+            assert_eq!(ino == inos[dir], in_place, "{line}");
+            WAYS.with(|w| {
+                let mut w = w.borrow_mut();
+                if in_place { w.0 += 1 } else { w.1 += 1 }
+            });
             let expected = model.serialized(dir);
-            assert_eq!(
-                std::fs::read(&model.dirs[dir].path).unwrap(),
-                expected,
-                "shard {dir}: committed file differs from the reference serialization of the model"
-            );
-            model.dirs[dir].mapped = expected.clone();
-            model.dirs[dir].disk = expected;
+            let got = std::fs::read(&model.dirs[dir].path).unwrap();
+            if compact {
+                assert_eq!(
+                    got, expected,
+                    "shard {dir}: committed file (--compact) differs from the reference serialization of the model"
+                );
+            } else {
+                assert_same_checkpoint(&got, &expected, dir);
+            }
+            model.dirs[dir].mapped = got.clone();
+            model.dirs[dir].disk = got;
             model.committed(dir);
         } else {
             assert_eq!(
@@ -1998,6 +2037,39 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool) {
         assert_eq!(parsed, want, "the index after a commit");
         model.index = want;
     }
+}
+
+/// A commit's file (in place, or rewritten with room in its header) holds
+/// exactly the checkpoint of the reference serialization `expected`: the
+/// same tensors (names, dtypes, shapes, bytes) and metadata, read by the
+/// reference crate, and only spaces after the header's JSON.
+fn assert_same_checkpoint(got: &[u8], expected: &[u8], dir: usize) {
+    use safetensors::SafeTensors;
+    let a = SafeTensors::deserialize(got)
+        .unwrap_or_else(|e| panic!("shard {dir}: the reference refuses the committed file: {e:?}"));
+    let b = SafeTensors::deserialize(expected).unwrap();
+    let mut names: Vec<_> = a.names();
+    let mut want: Vec<_> = b.names();
+    names.sort();
+    want.sort();
+    assert_eq!(names, want, "shard {dir}: tensor names");
+    for n in &want {
+        let (x, y) = (a.tensor(n).unwrap(), b.tensor(n).unwrap());
+        assert_eq!(
+            (x.dtype(), x.shape(), x.data()),
+            (y.dtype(), y.shape(), y.data()),
+            "shard {dir}: tensor {n}"
+        );
+    }
+    let meta = |f: &[u8]| SafeTensors::read_metadata(f).unwrap().1.metadata().clone();
+    assert_eq!(meta(got), meta(expected), "shard {dir}: metadata");
+    let n = u64::from_le_bytes(got[..8].try_into().unwrap()) as usize;
+    let json = &got[8..8 + n];
+    let end = json.iter().rposition(|&c| c == b'}').unwrap() + 1;
+    assert!(
+        json[end..].iter().all(|&c| c == b' '),
+        "shard {dir}: only spaces after the header's JSON"
+    );
 }
 
 fn discard(m: &Mounted, model: &mut Model) {
@@ -2286,21 +2358,40 @@ fn run_with(folder: bool, read_only: bool, ops: &[Op]) {
     let result = m.fs().unmount();
     assert_eq!(result.is_err(), refused, "unmount: {result:?}");
     for dir in 0..model.dirs.len() {
-        let want = if model.dirs[dir].dirty && !refused {
-            model.serialized(dir)
+        let got = std::fs::read(&model.dirs[dir].path).unwrap();
+        if model.dirs[dir].dirty && !refused {
+            assert_same_checkpoint(&got, &model.serialized(dir), dir);
         } else {
-            model.dirs[dir].disk.clone()
-        };
-        assert_eq!(
-            std::fs::read(&model.dirs[dir].path).unwrap(),
-            want,
-            "shard {dir} after unmount"
-        );
+            assert_eq!(got, model.dirs[dir].disk, "shard {dir} after unmount");
+        }
     }
 }
 
 fn run(folder: bool, ops: &[Op]) {
     run_with(folder, false, ops)
+}
+
+thread_local! {
+    /// Commits of this thread's runs: (in place, rewrites).
+    static WAYS: std::cell::RefCell<(usize, usize)> = const { std::cell::RefCell::new((0, 0)) };
+}
+
+/// The model's random runs take both ways of committing, many times each,
+/// and each one's bytes are checked (`commit`).
+#[test]
+fn random_runs_commit_both_in_place_and_by_rewrite() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    for folder in [false, true] {
+        let strategy = prop::collection::vec(op(1 + folder as usize), 1..30);
+        for _ in 0..200 {
+            let ops = strategy.new_tree(&mut runner).unwrap().current();
+            run(folder, &ops);
+        }
+    }
+    let (in_place, rewrites) = WAYS.with(|w| *w.borrow());
+    println!("{in_place} commits in place, {rewrites} rewrites");
+    assert!(in_place >= 10 && rewrites >= 10, "{in_place} in place, {rewrites} rewrites");
 }
 
 proptest! {
@@ -2871,7 +2962,7 @@ proptest! {
             }
             copies[k].advance(&fs);
         }
-        fs.commit(false, 0).unwrap();
+        fs.commit(Default::default(), 0).unwrap();
         let want = tensors_of(&write_file(&dir.path().join("want"), &tensors));
         let got = tensors_of(&std::fs::read(dir.path().join("s0.safetensors")).unwrap());
         prop_assert_eq!(got, want);
@@ -2893,7 +2984,7 @@ proptest! {
                 c.advance(&fs);
             }
         }
-        fs.commit(false, 0).unwrap();
+        fs.commit(Default::default(), 0).unwrap();
         // Per tensor: 0 data then meta, 1 meta then data, 2 data alone.
         let mut plans: Vec<Vec<(String, String)>> = tensors
             .iter()
@@ -2921,7 +3012,7 @@ proptest! {
             fs.rename(ROOT_INO, &from, ROOT_INO, &to, false)
                 .unwrap_or_else(|e| panic!("rename {from} -> {to}: {e}"));
         }
-        fs.commit(false, 0).unwrap();
+        fs.commit(Default::default(), 0).unwrap();
         let renamed: Vec<(String, usize, Vec<u8>, &[u64])> = tensors
             .iter()
             .map(|(n, d, b, s)| (format!("n{n}"), *d, b.clone(), *s))

@@ -3,15 +3,20 @@
 //! 1. `Live::plan` (state locked, briefly): validate every edit, check the
 //!    source is the file that was mapped, lay out the new file, pin the
 //!    staging files it reads, and mark the journal.
-//! 2. `CommitPlan::write` (no lock): a temp file beside the source, the header
-//!    as the reference writes it, bytes copied with copy_file_range, the
-//!    source's mode and owner, fsync. `land` then renames the temp files of
-//!    every shard over their sources (recorded first, so that the next mount
-//!    finishes a rename that a crash interrupted) and fsyncs the folder.
+//!    The plan picks the way: in place (`in_place`) when the edits keep the
+//!    data section's layout but at its end and nobody else has the file
+//!    open, else a rewrite.
+//! 2. `CommitPlan::write` (no lock): for a rewrite, a temp file beside the
+//!    source, the header as the reference writes it (with room to grow, unless
+//!    `--compact`), bytes copied with copy_file_range, the source's mode and
+//!    owner, fsync. `land` then records every file's landing in the staging
+//!    folder (so that the next mount finishes what a crash interrupted),
+//!    writes the in-place files and renames the temp files over their
+//!    sources, and fsyncs the folder.
 //! 3. `Live::finish` (state locked): map the new file; what the plan wrote and
 //!    nobody edited since reads from it now; later edits stay staged.
 //!
-//! Before a rename nothing of the source changed: a failure leaves it
+//! Before `land` nothing of the source changed: a failure leaves it
 //! byte-identical and the edits staged.
 
 use std::ffi::OsString;
@@ -24,6 +29,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
+use super::in_place::{self, InPlaceLayout, InPlaceRecord, Lease};
 use super::journal::Record;
 use super::staging::{PendingRename, Renames, Staging};
 use super::{next_gen, DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot};
@@ -61,6 +67,9 @@ pub enum CommitError {
     Conflict { file: PathBuf },
     /// Another commit of the same files did not end in time (EBUSY).
     Busy { file: PathBuf },
+    /// Another program opened the file just as an in-place commit was about
+    /// to write it: nothing changed (EAGAIN).
+    Opened { file: PathBuf },
     /// The mount does not commit any more (EIO): a request handler
     /// panicked, or a commit failed half-way; `why` says which.
     Tainted { why: String },
@@ -108,6 +117,12 @@ impl fmt::Display for CommitError {
                 file.display(),
                 LOCK_WAIT.as_secs()
             ),
+            CommitError::Opened { file } => write!(
+                f,
+                "{}: another program opened it as the commit was about to write it in place; \
+                 nothing changed and the edits are staged: commit again",
+                file.display()
+            ),
             CommitError::Tainted { why } => write!(
                 f,
                 "{why}: commit refused. The staged edits are kept on disk: unmount, mount again (the \
@@ -149,12 +164,104 @@ struct Member {
     object_gen: u64,
 }
 
+/// What a commit may do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitOptions {
+    /// Replace the source even if it changed behind the mount.
+    pub force: bool,
+    /// Rewrite, exactly as the reference's `save_file` lays a file out (no
+    /// room left in the header, never in place).
+    pub compact: bool,
+}
+
+/// How a plan writes its file: one of the ways of DESIGN §3.4.
+pub enum Way {
+    /// The source's own file, changed where it is, under a write lease.
+    InPlace {
+        layout: InPlaceLayout,
+        lease: Lease,
+        file: Arc<File>,
+        /// The modification time the file gets when done.
+        mtime: (i64, i64),
+    },
+    /// A new file renamed over the source; `why`: why not in place.
+    Rewrite { why: String },
+}
+
+impl Way {
+    /// What `stfs status` and `stfs commit` say of it.
+    pub fn describe(&self, file_len: u64) -> String {
+        match self {
+            Way::InPlace { layout, .. } => format!(
+                "in place ({}; {} written)",
+                layout.summary,
+                human_bytes(layout.bytes)
+            ),
+            Way::Rewrite { why } => format!(
+                "by a rewrite (not in place: {why}; {} written)",
+                human_bytes(file_len)
+            ),
+        }
+    }
+}
+
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    match u {
+        0 => format!("{n} bytes"),
+        _ => format!("{v:.1} {}", UNITS[u]),
+    }
+}
+
+/// Pads a rewrite's header so that the data section starts on a 4 KiB
+/// boundary with room to spare (a quarter of the JSON, at least 4 KiB): the
+/// next header edits are in place. Readers accept trailing spaces.
+fn leave_room(layout: &mut Layout) {
+    const BLOCK: u64 = 4096;
+    let json = layout.header.len() as u64 - crate::format::PREFIX_LEN;
+    let want = crate::format::PREFIX_LEN + json + (json / 4).max(BLOCK);
+    let total = want.div_ceil(BLOCK) * BLOCK;
+    let room = (total - crate::format::PREFIX_LEN).min(crate::format::MAX_HEADER_LEN);
+    if room <= json {
+        return;
+    }
+    layout.header.resize((crate::format::PREFIX_LEN + room) as usize, b' ');
+    layout.header[..8].copy_from_slice(&room.to_le_bytes());
+}
+
+/// A modification time after `old` (and now, if the clock allows): the one an
+/// in-place commit gives the file, known before it writes.
+fn new_mtime(old: (i64, i64)) -> (i64, i64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let now = (now.as_secs() as i64, now.subsec_nanos() as i64);
+    if now > old {
+        now
+    } else if old.1 < 999_999_999 {
+        (old.0, old.1 + 1)
+    } else {
+        (old.0 + 1, 0)
+    }
+}
+
 /// Everything step 2 needs, taken from the state: it holds the bytes by
 /// reference counts, so the state is free again.
 pub struct CommitPlan {
     pub commit: u64,
     pub source: Arc<SourceFile>,
+    /// The new file's layout (the in-place one for `Way::InPlace`).
     pub layout: Layout,
+    /// Taken by `write`.
+    way: Way,
+    /// What the commit does, in words (`Way::describe`).
+    pub described: String,
     metadata: Option<crate::format::Metadata>,
     metadata_gen: u64,
     inputs: Vec<Bytes>,
@@ -187,9 +294,14 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 pub struct CommitLock(#[allow(dead_code)] Vec<File>);
 
 impl CommitLock {
-    pub fn take(files: &[(Arc<Folder>, OsString)]) -> Result<CommitLock, CommitError> {
+    /// `files`: folder, name and, for a source, its open file: locked
+    /// through that descriptor when the name is still that file (a second
+    /// descriptor would keep an in-place commit from taking its lease).
+    pub fn take(
+        files: &[(Arc<Folder>, OsString, Option<Arc<File>>)],
+    ) -> Result<CommitLock, CommitError> {
         let mut opened = Vec::new();
-        for (folder, name) in files {
+        for (folder, name, own) in files {
             let what = |e| CommitError::Io {
                 what: format!(
                     "locking {} for the commit",
@@ -197,6 +309,17 @@ impl CommitLock {
                 ),
                 source: e,
             };
+            if let Some(own) = own {
+                let mine = FileStat::of(own).map_err(what)?;
+                let same = folder
+                    .stat_at(name)
+                    .is_ok_and(|st| (st.st_dev, st.st_ino) == (mine.dev, mine.ino));
+                if same {
+                    let dup = own.try_clone().map_err(what)?;
+                    opened.push(((mine.dev, mine.ino), folder.path.join(name), dup));
+                    continue;
+                }
+            }
             let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
             let file = match folder.open_file(name, flags, 0) {
                 Ok(f) => f,
@@ -341,8 +464,15 @@ impl Written {
 }
 
 impl Live {
-    /// Step 1. None when there is nothing to commit.
-    pub fn plan(&mut self, commit: u64, force: bool) -> Result<Option<CommitPlan>, CommitError> {
+    /// Step 1. None when there is nothing to commit. `held`: the bytes that
+    /// open descriptors and the other checkpoints of the mount read (an
+    /// in-place commit leaves their ranges alone).
+    pub fn plan(
+        &mut self,
+        commit: u64,
+        options: CommitOptions,
+        held: &[Bytes],
+    ) -> Result<Option<CommitPlan>, CommitError> {
         if !self.dirty {
             return Ok(None);
         }
@@ -355,29 +485,7 @@ impl Live {
         if !problems.is_empty() {
             return Err(refused(problems));
         }
-        // Names and shapes are borrowed from the state for the layout, not copied.
-        let mut specs = Vec::new();
-        let mut inputs = Vec::new();
-        let mut members = Vec::new();
-        for (id, e) in self.entries_from(0) {
-            let (Some(object), super::MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
-                continue; // a meta without data: not a tensor
-            };
-            let state = self
-                .object_for_commit(object)
-                .expect("an entry's data exists");
-            specs.push((e.name, dtype, shape));
-            inputs.push(state.bytes);
-            members.push(Member {
-                entry: id,
-                entry_gen: match &self.entries[id as usize] {
-                    EntrySlot::Live(l) => l.gen,
-                    _ => 0,
-                },
-                object,
-                object_gen: state.gen,
-            });
-        }
+        let (inputs, members) = self.commit_inputs(true);
         // Staging files came back pinned: they are unpinned when the plan
         // goes, or now if it is not made.
         let pins = Pins(
@@ -393,14 +501,6 @@ impl Live {
             .metadata()
             .expect("problems() refuses invalid metadata")
             .cloned();
-        let layout =
-            layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(|e: FormatError| {
-                refused(vec![Problem {
-                    tensor: e.tensor().map(str::to_string),
-                    rule: e.to_string(),
-                }])
-            })?;
-        drop(specs);
         // The file now at the source's name (gone: changed too).
         let mapped = self.source.stat();
         let folder = self
@@ -417,13 +517,38 @@ impl Live {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
             Err(e) => return Err(io_err(file.display().to_string())(e)),
         };
-        if !same && !force {
+        if !same && !options.force {
             return Err(CommitError::Conflict { file });
         }
+        let (layout, way) = {
+            let specs = self.commit_specs(&members);
+            let spec = |i: usize| specs[i];
+            let rewrite = layout_of(specs.len(), spec, metadata.as_ref()).map_err(
+                |e: FormatError| {
+                    refused(vec![Problem {
+                        tensor: e.tensor().map(str::to_string),
+                        rule: e.to_string(),
+                    }])
+                },
+            )?;
+            match self.in_place_way(same, options, specs.len(), spec, &inputs, metadata.as_ref(), held) {
+                Ok(way) => {
+                    let Way::InPlace { layout, .. } = &way else { unreachable!() };
+                    (layout.layout.clone(), way)
+                }
+                Err(why) => {
+                    let mut layout = rewrite;
+                    if !options.compact {
+                        leave_room(&mut layout);
+                    }
+                    (layout, Way::Rewrite { why })
+                }
+            }
+        };
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
         for (j, &k) in layout.source_index.iter().enumerate() {
             if let Bytes::Source(src, i) = &inputs[k] {
-                if Arc::ptr_eq(src, &self.source) {
+                if Arc::ptr_eq(src, &self.source) && moved[*i as usize] == u32::MAX {
                     moved[*i as usize] = j as u32
                 }
             }
@@ -431,39 +556,165 @@ impl Live {
         let moved = Arc::new(moved);
         self.committing = Some((commit, moved.clone()));
         self.log(vec![Record::Plan { commit }]);
+        let described = way.describe(layout.file_len());
         Ok(Some(CommitPlan {
             commit,
             source: self.source.clone(),
             layout,
+            way,
+            described,
             metadata,
             metadata_gen: self.metadata_gen,
             inputs,
             members,
             mark: next_gen(),
             moved,
-            force,
+            force: options.force,
             _pins: pins,
         }))
     }
 
+    /// The bytes of each tensor of the new state, and what the plan took them
+    /// from. `pin`: staging files come back pinned (for a commit).
+    fn commit_inputs(&self, pin: bool) -> (Vec<Bytes>, Vec<Member>) {
+        let mut inputs = Vec::new();
+        let mut members = Vec::new();
+        for (id, e) in self.entries_from(0) {
+            let (Some(object), super::MetaView::Valid(..)) = (e.data, e.meta) else {
+                continue; // a meta without data: not a tensor
+            };
+            let state = match pin {
+                true => self.object_for_commit(object),
+                false => self.object(object),
+            }
+            .expect("an entry's data exists");
+            inputs.push(state.bytes);
+            members.push(Member {
+                entry: id,
+                entry_gen: match &self.entries[id as usize] {
+                    EntrySlot::Live(l) => l.gen,
+                    _ => 0,
+                },
+                object,
+                object_gen: state.gen,
+            });
+        }
+        (inputs, members)
+    }
+
+    /// Name, dtype and shape of each member, borrowed from the state.
+    fn commit_specs(&self, members: &[Member]) -> Vec<(&str, crate::format::Dtype, &[u64])> {
+        members
+            .iter()
+            .map(|m| {
+                let e = self.entry(m.entry).expect("a member's entry exists");
+                match e.meta {
+                    super::MetaView::Valid(dtype, shape) => (e.name, dtype, shape),
+                    _ => unreachable!("members have valid metas"),
+                }
+            })
+            .collect()
+    }
+
+    /// The in-place way for this state, or why not (a rewrite then).
+    #[allow(clippy::too_many_arguments)]
+    fn in_place_way<'a>(
+        &self,
+        same: bool,
+        options: CommitOptions,
+        count: usize,
+        spec: impl Fn(usize) -> (&'a str, crate::format::Dtype, &'a [u64]),
+        inputs: &[Bytes],
+        metadata: Option<&crate::format::Metadata>,
+        held: &[Bytes],
+    ) -> Result<Way, String> {
+        if options.compact {
+            return Err("--compact".into());
+        }
+        if !same {
+            return Err("--force over a file that changed".into());
+        }
+        let file = self
+            .source
+            .writable_file()
+            .ok_or("the daemon has it open read-only")?
+            .clone();
+        use std::os::unix::fs::MetadataExt;
+        let links = file.metadata().map_err(|e| e.to_string())?.nlink();
+        if links != 1 {
+            return Err(format!("it has {links} links"));
+        }
+        let mut held_here = vec![false; self.source.header().tensors.len()];
+        for b in held {
+            if let Bytes::Source(src, i) = b {
+                if Arc::ptr_eq(src, &self.source) {
+                    held_here[*i as usize] = true;
+                }
+            }
+        }
+        let layout = in_place::layout(&self.source, count, spec, inputs, metadata, &held_here)?;
+        let lease = Lease::take(&file)?;
+        let mtime = new_mtime(self.source.stat().mtime);
+        Ok(Way::InPlace {
+            layout,
+            lease,
+            file,
+            mtime,
+        })
+    }
+
+    /// What a commit would do now (for `stfs status`): its way, in words.
+    pub fn commit_preview(&self, held: &[Bytes]) -> Option<String> {
+        if !self.dirty || !self.problems().is_empty() {
+            return None;
+        }
+        let (inputs, members) = self.commit_inputs(false);
+        let metadata = self.metadata()?.cloned();
+        let specs = self.commit_specs(&members);
+        let spec = |i: usize| specs[i];
+        let mut rewrite = layout_of(specs.len(), spec, metadata.as_ref()).ok()?;
+        leave_room(&mut rewrite);
+        let same = self.source.folder().is_some_and(|f| {
+            f.stat_at(self.source.file_name()).is_ok_and(|now| {
+                let mapped = self.source.stat();
+                (now.st_dev, now.st_ino, now.st_size as u64) == (mapped.dev, mapped.ino, mapped.len)
+                    && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
+            })
+        });
+        // The lease is taken and let go at once: the answer is for now.
+        let way = self
+            .in_place_way(same, CommitOptions::default(), specs.len(), spec, &inputs, metadata.as_ref(), held)
+            .unwrap_or_else(|why| Way::Rewrite { why });
+        Some(way.describe(rewrite.file_len()))
+    }
     /// The plan of this checkpoint did not go through.
     pub fn abandon(&mut self) {
         self.committing = None;
     }
 
-    /// Step 3: the new file is in place; `written` is it.
-    pub fn finish(&mut self, mut plan: CommitPlan, written: Written) -> Result<(), CommitError> {
-        let what = || written.target().display().to_string();
+    /// Step 3: the new file is in place; `landed` is it.
+    pub fn finish(&mut self, mut plan: CommitPlan, landed: &Landing) -> Result<(), CommitError> {
+        let what = || landed.target().display().to_string();
         self.committing = None;
-        // Read-only descriptor of the very file written (not of whatever has the name now).
-        let file = File::open(format!("/proc/self/fd/{}", written.file.as_raw_fd()))
-            .map_err(io_err(what()))?;
         let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
         plan.layout.header = Vec::new();
         let tensors = std::mem::take(&mut plan.layout.tensors);
         let header = Header::from_parts(header_len, tensors, plan.metadata.clone());
-        let fresh =
-            Arc::new(SourceFile::committed(&self.source, file, header).map_err(io_err(what()))?);
+        let fresh = match landed {
+            Landing::Renamed(written) => {
+                // The very file written (not whatever has the name now):
+                // open for writing too if the source was, read-only if not.
+                let file = match self.source.writable_file() {
+                    Some(_) => written.file.try_clone(),
+                    None => File::open(format!("/proc/self/fd/{}", written.file.as_raw_fd())),
+                }
+                .map_err(io_err(what()))?;
+                let writable = self.source.writable_file().is_some();
+                SourceFile::committed(&self.source, file, writable, header)
+            }
+            Landing::InPlace(_) => self.source.rewritten_in_place(header),
+        };
+        let fresh = Arc::new(fresh.map_err(io_err(what()))?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
         // New index of each member: layout.source_index maps file order -> input order.
         let mut new_index = vec![0u32; plan.members.len()];
@@ -620,13 +871,132 @@ impl Live {
     }
 }
 
+/// A file a commit changes: a new file renamed over its target, or a
+/// source written in place.
+pub enum Landing {
+    Renamed(Written),
+    InPlace(InPlaceJob),
+}
+
+impl Landing {
+    /// The file as it will be once landed.
+    pub fn stat(&self) -> FileStat {
+        match self {
+            Landing::Renamed(w) => w.stat,
+            Landing::InPlace(j) => FileStat {
+                len: j.record.after_len,
+                mtime: j.record.after_mtime,
+                ..j.record.before
+            },
+        }
+    }
+
+    pub fn target(&self) -> PathBuf {
+        match self {
+            Landing::Renamed(w) => w.target(),
+            Landing::InPlace(j) => j.source.path().to_path_buf(),
+        }
+    }
+
+    /// Forgets a landing that will not happen (its temp file, its lease).
+    pub fn remove(&self) {
+        if let Landing::Renamed(w) = self {
+            w.remove()
+        }
+    }
+}
+
+/// An in-place commit of one file, ready to run (its lease held).
+pub struct InPlaceJob {
+    source: Arc<SourceFile>,
+    file: Arc<File>,
+    lease: std::sync::Mutex<Option<Lease>>,
+    record: InPlaceRecord,
+    header: Vec<u8>,
+    /// The staging files the writes copy from.
+    staged: Vec<Arc<StagedFile>>,
+}
+
+impl InPlaceJob {
+    fn run(&self) -> Result<(), in_place::ApplyError> {
+        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if !lease.as_ref().is_some_and(Lease::unbroken) {
+            return Err(in_place::ApplyError {
+                marked: false,
+                error: std::io::Error::from_raw_os_error(libc::EAGAIN),
+            });
+        }
+        let open_staged = |name: &str| {
+            self.staged
+                .iter()
+                .find(|s| s.name() == name)
+                .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?
+                .file()
+        };
+        self.source.begin_in_place();
+        let result = self.record.apply(&self.file, &self.header, &open_staged);
+        let now = result.as_ref().ok().and_then(|_| FileStat::of(&self.file).ok());
+        self.source.end_in_place(now.as_ref());
+        drop(lease); // opens that waited go on, and see the new file
+        result
+    }
+
+    fn error(&self, e: in_place::ApplyError) -> CommitError {
+        let file = self.source.path().to_path_buf();
+        match e.error.raw_os_error() {
+            Some(libc::EAGAIN) if !e.marked => CommitError::Opened { file },
+            _ => CommitError::Io {
+                what: format!("{}: writing in place", file.display()),
+                source: e.error,
+            },
+        }
+    }
+}
+
 impl CommitPlan {
-    /// Step 2, touching no state: writes the new file beside the source.
-    pub fn write(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Written, CommitError> {
+    /// Step 2, touching no state: writes the new file beside the source, or
+    /// gets an in-place commit ready (its staging files durable).
+    pub fn write(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Landing, CommitError> {
         let started = std::time::Instant::now();
         let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
             file: self.source.path().to_path_buf(),
         })?;
+        let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
+        if let Way::InPlace {
+            layout,
+            lease,
+            file,
+            mtime,
+        } = way
+        {
+            let mut staged = Vec::new();
+            for (_, k) in &layout.writes {
+                if let Bytes::Staged(s) = &self.inputs[*k] {
+                    s.sync().map_err(io_err(format!(
+                        "{}: syncing a staging file",
+                        self.source.path().display()
+                    )))?;
+                    staged.push(s.clone());
+                }
+            }
+            let record = InPlaceRecord {
+                folder: folder.path.clone(),
+                name: self.source.file_name().to_string_lossy().into_owned(),
+                before: *self.source.stat(),
+                after_len: layout.file_len,
+                after_mtime: mtime,
+                header_file: format!("in-place-{}-{}.header", self.commit, self.source.stat().ino),
+                writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
+            };
+            return Ok(Landing::InPlace(InPlaceJob {
+                source: self.source.clone(),
+                file,
+                lease: std::sync::Mutex::new(Some(lease)),
+                header: self.layout.header.clone(),
+                record,
+                staged,
+            }));
+        }
         let mut written = Written::create(
             folder,
             self.source.file_name(),
@@ -641,7 +1011,7 @@ impl CommitPlan {
             elapsed = ?started.elapsed(),
             "commit written"
         );
-        Ok(written)
+        Ok(Landing::Renamed(written))
     }
 
     fn fill(&self, file: &File, progress: &mut dyn FnMut(u64, u64)) -> Result<(), CommitError> {
@@ -670,52 +1040,90 @@ impl CommitPlan {
     }
 }
 
-/// Puts the written files in place (each journal already says which file
-/// is landing): the renames are recorded in the staging folder, done, then
-/// forgotten. After the first rename there is no going back: a crash is
-/// finished by the next mount (`staging::Renames`). On failure, says how many
-/// files were renamed (the record then stays for the next mount).
-pub fn land(
-    commit: u64,
-    written: &[Written],
-    staging: &Staging,
-) -> Result<(), (usize, CommitError)> {
-    let dir = staging.dir().map_err(|e| (0, CommitError::Staging(e)))?;
-    let renames = Renames {
+/// Why `land` stopped: after `done` files landed; `changed`: whether
+/// anything changed on disk (if not, the commit is simply abandoned).
+pub struct LandError {
+    pub done: usize,
+    pub changed: bool,
+    pub error: CommitError,
+}
+
+/// Puts the files in place (each journal already says which file is
+/// landing): the landings are recorded in the staging folder (the redo
+/// record of the in-place ones, the renames), done in order, then forgotten.
+/// Once a file changed there is no going back: a crash is finished by the
+/// next mount (`staging::Renames`).
+pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), LandError> {
+    let before = |error| LandError {
+        done: 0,
+        changed: false,
+        error,
+    };
+    let dir = staging.dir().map_err(|e| before(CommitError::Staging(e)))?;
+    let record_err = |name: &str| io_err(format!("{}/{name}", dir.path().display()));
+    let mut renames = Renames {
         commit,
-        files: written
-            .iter()
-            .map(|w| PendingRename {
+        files: Vec::new(),
+        in_place: Vec::new(),
+    };
+    for l in landings {
+        match l {
+            Landing::Renamed(w) => renames.files.push(PendingRename {
                 folder: w.folder.path.clone(),
                 tmp: w.tmp.to_string_lossy().into_owned(),
                 target: w.target.to_string_lossy().into_owned(),
                 stat: w.stat,
-            })
-            .collect(),
-    };
+            }),
+            Landing::InPlace(j) => {
+                dir.write_atomic(&j.record.header_file, &j.header)
+                    .map_err(record_err(&j.record.header_file))
+                    .map_err(before)?;
+                renames.in_place.push(j.record.clone());
+            }
+        }
+    }
     renames
         .write(&dir)
-        .map_err(io_err(format!(
-            "{}/{}",
-            dir.path().display(),
-            super::staging::RENAMES
-        )))
-        .map_err(|e| (0, e))?;
-    for (k, w) in written.iter().enumerate() {
-        if let Err(e) = w.land() {
-            if k == 0 {
-                // Nothing changed yet: forget the commit.
-                Renames::clear(&dir);
-                written.iter().for_each(Written::remove);
+        .map_err(record_err(super::staging::RENAMES))
+        .map_err(before)?;
+    if !renames.in_place.is_empty() {
+        in_place::crash_point("in-place:recorded");
+    }
+    let forget = || {
+        Renames::clear(&dir);
+        landings.iter().for_each(Landing::remove);
+    };
+    for (k, l) in landings.iter().enumerate() {
+        let (changed, error) = match l {
+            Landing::Renamed(w) => match w.land() {
+                Ok(()) => continue,
+                Err(e) => (k > 0, e),
+            },
+            Landing::InPlace(j) => match j.run() {
+                Ok(()) => {
+                    info!(file = %j.source.path().display(), "committed in place");
+                    continue;
+                }
+                Err(e) => (k > 0 || e.marked, j.error(e)),
+            },
+        };
+        if !changed {
+            forget();
+        }
+        return Err(LandError {
+            done: k,
+            changed,
+            error,
+        });
+    }
+    for l in landings {
+        if let Landing::Renamed(w) = l {
+            if let Err(e) = w.folder.sync() {
+                warn!("fsync of {} after the commit: {e}", w.folder.path.display());
             }
-            return Err((k, e));
         }
     }
-    for w in written {
-        if let Err(e) = w.folder.sync() {
-            warn!("fsync of {} after the commit: {e}", w.folder.path.display());
-        }
-    }
+    in_place::crash_point("in-place:landed");
     Renames::clear(&dir);
     Ok(())
 }

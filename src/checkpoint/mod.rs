@@ -15,6 +15,7 @@
 //! tensors is not copied.
 
 pub mod commit;
+pub mod in_place;
 pub mod journal;
 pub mod meta;
 mod object;
@@ -517,6 +518,14 @@ impl Live {
             ObjectSlot::Live(o) => Some(o.take_for_commit()),
             _ => self.object(id),
         }
+    }
+
+    /// The bytes of every object that is not an untouched source tensor.
+    pub fn edited_bytes(&self) -> impl Iterator<Item = Bytes> + '_ {
+        self.objects.iter().filter_map(|o| match o {
+            ObjectSlot::Live(o) => Some(o.bytes()),
+            _ => None,
+        })
     }
 
     /// The object itself (for an open file handle).

@@ -28,13 +28,19 @@ pub enum Resume {
     Never,
 }
 
-/// Before the sources are opened: finishes the renames of a commit that a
-/// crash interrupted (all of its new files were written and fsynced).
+/// Before the sources are opened: finishes a commit that a crash
+/// interrupted: its in-place files are completed from their redo records,
+/// then its renames done (all of its new files were written and fsynced).
 pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
     let mut notes = Vec::new();
     let (dirs, _) = kept(base, stem);
     for dir in dirs {
         if let Some(r) = Renames::read(&dir) {
+            let (completed, keep) = r.complete_in_place(&dir);
+            notes.extend(completed);
+            if keep {
+                continue; // the source stays refused: the next mount tries again
+            }
             let done = r.finish();
             Renames::clear(&dir);
             for path in done {
@@ -254,6 +260,7 @@ mod tests {
             let staging = StagingDir::create(folder.clone(), "f").unwrap();
             Renames {
                 commit: 7,
+                in_place: Vec::new(),
                 files: vec![
                     PendingRename {
                         folder: dir_path.clone(),

@@ -4,6 +4,7 @@
 //! finish a commit of several shards that a crash interrupted.
 
 use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -93,6 +94,9 @@ pub fn kept(base: &Arc<Folder>, stem: &str) -> (Vec<Arc<StagingDir>>, Vec<String
 pub struct Renames {
     pub commit: u64,
     pub files: Vec<PendingRename>,
+    /// Files written in place: their redo records (done before the renames).
+    #[serde(default)]
+    pub in_place: Vec<super::in_place::InPlaceRecord>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -125,11 +129,40 @@ impl Renames {
         serde_json::from_reader(f).ok()
     }
 
+    /// Forgets the record (and the headers of its in-place files).
     pub fn clear(dir: &StagingDir) {
         if let Ok(folder) = dir.folder() {
             let _ = folder.unlink(OsStr::new(RENAMES));
+            for name in dir.list().unwrap_or_default() {
+                if name.as_bytes().starts_with(b"in-place-") {
+                    let _ = folder.unlink(&name);
+                }
+            }
             let _ = folder.sync();
         }
+    }
+
+    /// Completes the in-place commits of the record (`dir` holds it). Returns
+    /// notes, and whether the record must stay (a file still refused by
+    /// every reader that could not be completed now).
+    pub fn complete_in_place(&self, dir: &StagingDir) -> (Vec<String>, bool) {
+        let mut notes = Vec::new();
+        let mut keep = false;
+        let Ok(folder) = dir.folder() else {
+            return (notes, !self.in_place.is_empty());
+        };
+        for r in &self.in_place {
+            match r.complete(&folder) {
+                Ok(Some(note)) => notes.push(note),
+                Ok(None) => {}
+                Err((why, marked)) => {
+                    warn!("{why}");
+                    notes.push(why);
+                    keep |= marked;
+                }
+            }
+        }
+        (notes, keep)
     }
 
     /// Finishes the renames still to do: a temp file is renamed only if it

@@ -100,10 +100,12 @@ fn parse_options(list: &[String]) -> Result<MountOptions, String> {
 
 /// Opens and validates what is to be mounted. Index problems are warnings:
 /// the shards themselves are valid, and the index is shown as it is.
-pub fn open_source(path: &Path) -> Result<(Source, Vec<String>), String> {
+/// `writable`: files are opened for writing too where allowed (for in-place
+/// commits).
+pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>), String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !meta.is_dir() {
-        let file = SourceFile::open(path).map_err(|e| e.to_string())?;
+        let file = SourceFile::open_with(path, writable).map_err(|e| e.to_string())?;
         return Ok((Source::File(file), Vec::new()));
     }
     let listing = list_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -120,7 +122,7 @@ pub fn open_source(path: &Path) -> Result<(Source, Vec<String>), String> {
     for (name, file) in &listing.checkpoints {
         shards.push((
             name.clone(),
-            SourceFile::open(file).map_err(|e| e.to_string())?,
+            SourceFile::open_with(file, writable).map_err(|e| e.to_string())?,
         ));
     }
     let mut indexes = Vec::new();
@@ -398,7 +400,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
             ));
         }
     }
-    let (source, warnings) = open_source(&req.source)?;
+    let (source, warnings) = open_source(&req.source, !options.read_only)?;
     // Each shard's temp files are beside its own file (a link's target).
     let files: Vec<&SourceFile> = match &source {
         Source::File(s) => vec![s],

@@ -19,6 +19,11 @@ pub const PREFIX_LEN: u64 = 8;
 /// The reference refuses headers longer than this.
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
 
+/// What an in-place commit writes over the length prefix while it changes a
+/// file. As a length it is absurd (about 5.8e18), so every reader refuses the
+/// file ("header too large") until stfs completes the commit.
+pub const IN_PLACE_MARKER: [u8; 8] = *b"STFS-WIP";
+
 /// The metadata map of a header (`__metadata__`), kept sorted as it is written.
 pub type Metadata = BTreeMap<String, String>;
 

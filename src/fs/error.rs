@@ -72,6 +72,7 @@ impl FsError {
                 CommitError::Refused { .. } => libc::EINVAL,
                 CommitError::Conflict { .. } => libc::ESTALE,
                 CommitError::Busy { .. } => libc::EBUSY,
+                CommitError::Opened { .. } => libc::EAGAIN,
                 CommitError::Tainted { .. } => libc::EIO,
                 CommitError::Io { source, .. } => io_errno(source),
                 CommitError::Staging(s) => staging_errno(s),

@@ -22,7 +22,7 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT,
+    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT,
     IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{
@@ -545,7 +545,11 @@ impl Filesystem for FuseAdapter {
                     let result = if args.flags & COMMIT_DISCARD != 0 {
                         fs.discard(uid)
                     } else {
-                        fs.commit(args.flags & COMMIT_FORCE != 0, uid)
+                        let options = crate::checkpoint::commit::CommitOptions {
+                            force: args.flags & COMMIT_FORCE != 0,
+                            compact: args.flags & COMMIT_COMPACT != 0,
+                        };
+                        fs.commit(options, uid)
                     };
                     match result {
                         Ok(lines) => args.set_message(&lines.join("\n")),

@@ -16,7 +16,7 @@ pub const MESSAGE_LEN: usize = 4080;
 pub struct CommitArgs {
     /// In: size_of::<CommitArgs>() (4096).
     pub size: u32,
-    /// In: COMMIT_FORCE, COMMIT_DISCARD.
+    /// In: COMMIT_FORCE, COMMIT_DISCARD, COMMIT_COMPACT.
     pub flags: u32,
     /// Out: 0, or the errno of the failure.
     pub result: i32,
@@ -29,6 +29,9 @@ pub struct CommitArgs {
 pub const COMMIT_FORCE: u32 = 1;
 /// Drop the staged edits instead of committing them.
 pub const COMMIT_DISCARD: u32 = 2;
+/// Rewrite as the reference's save_file lays a file out (never in place,
+/// no room left in the header).
+pub const COMMIT_COMPACT: u32 = 4;
 
 /// `_IOWR('s', 2, struct stfs_commit)`.
 pub const IOC_COMMIT: u32 = iowr(2, std::mem::size_of::<CommitArgs>());

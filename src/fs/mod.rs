@@ -32,7 +32,7 @@ pub use files::TensorFile;
 use names::{METADATA_FILE, NAME_MAX};
 use tracing::{error, info, warn};
 
-use crate::checkpoint::commit::{land, Written};
+use crate::checkpoint::commit::{land, CommitOptions, LandError, Landing, Written};
 use crate::checkpoint::staging::Staging;
 use crate::checkpoint::{
     CommitError, CommitPlan, DataObject, EditError, Id, Live, MAX_JSON, MAX_META,
@@ -1450,7 +1450,7 @@ impl Fs {
     /// Commits every checkpoint of the mount, all or none: every plan is made
     /// (and every edit validated) before anything is written, and every new
     /// file is written before the first rename. Returns a line per file.
-    pub fn commit(&self, force: bool, caller: u32) -> Result<Vec<String>, FsError> {
+    pub fn commit(&self, options: CommitOptions, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
         if let Some(why) = self.tainted() {
             return Err(CommitError::Tainted { why }.into());
@@ -1466,21 +1466,25 @@ impl Fs {
                 .filter(|m| m.live.is_dirty())
                 .filter_map(|m| {
                     let src = m.live.source();
-                    Some((src.folder()?.clone(), src.file_name().to_os_string()))
+                    Some((
+                        src.folder()?.clone(),
+                        src.file_name().to_os_string(),
+                        src.file().cloned(),
+                    ))
                 })
                 .collect();
             if let Some((folder, _)) = &st.folder {
                 targets.extend(
                     st.indexes
                         .iter()
-                        .map(|(ix, _)| (folder.clone(), ix.name.clone().into())),
+                        .map(|(ix, _)| (folder.clone(), ix.name.clone().into(), None)),
                 );
             }
             targets
         };
         let _locked = crate::checkpoint::commit::CommitLock::take(&targets)?;
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
-        let (plans, index_updates) = {
+        let (mut plans, index_updates) = {
             let mut st = self.write_state();
             // Every shard is validated before any is checked against its source.
             for m in &st.checkpoints {
@@ -1498,9 +1502,10 @@ impl Fs {
                     return Err(e.into());
                 }
             }
+            let held = self.held_bytes(&st);
             let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
             for c in 0..st.checkpoints.len() {
-                match st.live_mut(c).plan(commit, force) {
+                match st.live_mut(c).plan(commit, options, &held) {
                     Ok(Some(plan)) => plans.push((c, plan)),
                     Ok(None) => {}
                     Err(e) => {
@@ -1528,13 +1533,14 @@ impl Fs {
                 .map(|m| format!("{}: nothing to commit", m.live.source().path().display()))
                 .collect());
         }
-        let abandon = |written: &[Written]| {
-            written.iter().for_each(Written::remove);
+        let planned: Vec<usize> = plans.iter().map(|(c, _)| *c).collect();
+        let abandon = |written: &[Landing]| {
+            written.iter().for_each(Landing::remove);
             let mut st = self.write_state();
-            plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+            planned.iter().for_each(|c| st.live_mut(*c).abandon());
         };
         let mut written = Vec::new();
-        for (_, plan) in &plans {
+        for (_, plan) in &mut plans {
             let path = plan.source.path().display().to_string();
             let mut last_report = std::time::Instant::now();
             let mut progress = |done: u64, total: u64| {
@@ -1561,7 +1567,7 @@ impl Fs {
                 })
             };
             match Written::create(folder, std::ffi::OsStr::new(name), stat, fill) {
-                Ok(w) => written.push(w),
+                Ok(w) => written.push(Landing::Renamed(w)),
                 Err(e) => {
                     warn!("commit failed: {e}");
                     abandon(&written);
@@ -1586,24 +1592,28 @@ impl Fs {
         }
         let landed = match land(commit, &written, &self.staging) {
             Ok(()) => written.len(),
-            Err((0, e)) => {
-                warn!("commit failed: {e}");
+            Err(LandError {
+                changed: false,
+                error,
+                ..
+            }) => {
+                warn!("commit failed: {error}");
                 let mut st = self.write_state();
                 plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                return Err(e.into());
+                return Err(error.into());
             }
-            Err((landed, e)) => {
-                // Some files are in place and others not: the record of the
-                // renames stays, and the next mount finishes them.
+            Err(LandError { done, error, .. }) => {
+                // Some files changed and others not: the record stays, and
+                // the next mount finishes the commit.
                 error!(
-                    "commit failed after {landed} of {} renames: {e}",
+                    "commit failed after {done} of its {} files landed: {error}",
                     written.len()
                 );
                 self.taint(format!(
-                    "a commit failed after renaming {landed} of its {} files ({e})",
+                    "a commit failed after {done} of its {} files landed ({error})",
                     written.len()
                 ));
-                landed
+                done
             }
         };
         let n_plans = plans.len();
@@ -1619,10 +1629,11 @@ impl Fs {
                 continue;
             }
             let (old, moved) = (plan.source.clone(), plan.moved.clone());
-            match st.live_mut(c).finish(plan, w) {
+            let described = plan.described.clone();
+            match st.live_mut(c).finish(plan, &w) {
                 Ok(()) => {
-                    info!(file = %path, "committed");
-                    lines.push(format!("{path}: committed"));
+                    info!(file = %path, "committed: {described}");
+                    lines.push(format!("{path}: committed {described}"));
                     rebases.push((c, old, moved));
                 }
                 Err(e) => {
@@ -1658,6 +1669,23 @@ impl Fs {
         Ok(lines)
     }
 
+    /// The bytes that open descriptors and the checkpoints' edited objects
+    /// read: an in-place commit leaves their ranges of a source alone.
+    fn held_bytes(&self, st: &State) -> Vec<crate::source::Bytes> {
+        let mut held: Vec<crate::source::Bytes> = lock(&self.handles)
+            .open
+            .values()
+            .filter_map(|h| match h {
+                Handle::Data { object, .. } => Some(object.bytes()),
+                Handle::Json { .. } => None,
+            })
+            .collect();
+        for m in &st.checkpoints {
+            held.extend(m.live.edited_bytes());
+        }
+        held
+    }
+
     /// Whether any checkpoint has staged edits.
     pub fn is_dirty(&self) -> bool {
         self.read_state()
@@ -1689,6 +1717,7 @@ impl Fs {
     /// commit would be refused.
     pub fn status(&self) -> (String, bool) {
         let st = self.read_state();
+        let held = self.held_bytes(&st);
         let mut out = String::new();
         let mut refused = false;
         if let Some(why) = self.tainted() {
@@ -1722,6 +1751,9 @@ impl Fs {
             }
             for p in &s.problems {
                 out.push_str(&format!("  problem    {p}\n"));
+            }
+            if let Some(way) = m.live.commit_preview(&held) {
+                out.push_str(&format!("  commit     {way}\n"));
             }
         }
         out.push_str(&format!(
@@ -1843,7 +1875,7 @@ impl Fs {
         } else if let Some(why) = self.tainted() {
             Err(CommitError::Tainted { why }.to_string())
         } else {
-            self.commit(false, self.settings.owner)
+            self.commit(CommitOptions::default(), self.settings.owner)
                 .map(|lines| lines.iter().for_each(|l| info!("at unmount: {l}")))
                 .map_err(|e| e.to_string())
         };

@@ -307,7 +307,7 @@ fn replacing_the_bytes_keeps_the_names_meta() {
         .contains("\"F32\""));
     let (status, refused) = fs.status();
     assert!(!refused, "{status}");
-    fs.commit(false, 0).unwrap();
+    fs.commit(Default::default(), 0).unwrap();
     assert_eq!(cat(&fs, "a"), [1, 2, 3, 4, 5, 6, 7, 8]);
 }
 
@@ -356,7 +356,7 @@ fn invalid_meta_is_kept_and_refused_at_commit() {
         refused && status.contains("unknown dtype \"f32\""),
         "{status}"
     );
-    let e = fs.commit(false, 0).unwrap_err();
+    let e = fs.commit(Default::default(), 0).unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL);
     assert!(e.to_string().contains("tensor \"a\""), "{e}");
     assert_eq!(std::fs::read(&path).unwrap(), before);
@@ -390,9 +390,9 @@ fn only_the_owner_and_root_commit() {
     let (_dir, _path, fs) = small();
     write_file(&fs, "b", b"xyz");
     let stranger = fs.settings().owner + 4242;
-    assert_eq!(errno(fs.commit(false, stranger)), libc::EACCES);
+    assert_eq!(errno(fs.commit(Default::default(), stranger)), libc::EACCES);
     assert_eq!(errno(fs.discard(stranger)), libc::EACCES);
-    fs.commit(false, 0).unwrap();
+    fs.commit(Default::default(), 0).unwrap();
 }
 
 #[test]
@@ -400,7 +400,7 @@ fn a_tainted_mount_does_not_commit() {
     let (_dir, path, fs) = small();
     write_file(&fs, "b", b"xyz");
     fs.taint("a test".into());
-    assert_eq!(errno(fs.commit(false, 0)), libc::EIO);
+    assert_eq!(errno(fs.commit(Default::default(), 0)), libc::EIO);
     let before = std::fs::read(&path).unwrap();
     assert!(fs.unmount().is_err());
     assert_eq!(std::fs::read(&path).unwrap(), before);
@@ -462,7 +462,7 @@ fn no_tensor_is_named_metadata() {
         br#"{"dtype":"U8","shape":[1]}"#,
     );
     assert_eq!(errno(fs.lookup(ROOT_INO, "__metadata__")), libc::ENOENT);
-    fs.commit(false, 0).unwrap();
+    fs.commit(Default::default(), 0).unwrap();
     assert_eq!(
         errno(fs.lookup(ROOT_INO, "__metadata__.meta.json")),
         libc::ENOENT

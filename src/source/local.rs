@@ -12,14 +12,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use memmap2::{Advice, Mmap, UncheckedAdvice};
 use tracing::warn;
 
 use super::remote::RemoteObject;
-use crate::format::{FormatError, Header};
+use crate::format::{FormatError, Header, IN_PLACE_MARKER};
 
 /// Why a source could not be opened.
 #[derive(Debug)]
@@ -35,6 +35,11 @@ pub enum SourceError {
         path: PathBuf,
         error: FormatError,
     },
+    /// An in-place commit of stfs was interrupted: the record that
+    /// completes it is in the staging folder of the mount that made it.
+    Interrupted {
+        path: PathBuf,
+    },
 }
 
 impl fmt::Display for SourceError {
@@ -42,6 +47,14 @@ impl fmt::Display for SourceError {
         match self {
             SourceError::Io { path, source } => write!(f, "{}: {source}", path.display()),
             SourceError::NotRegular { path } => write!(f, "{}: not a regular file", path.display()),
+            SourceError::Interrupted { path } => write!(
+                f,
+                "{}: a commit of stfs that writes this file in place was interrupted, so every \
+                 reader refuses it until it is completed; `stfs mount` of it completes it from the \
+                 record in its staging folder (give the --staging-dir of the interrupted mount, if \
+                 it had one)",
+                path.display()
+            ),
             SourceError::Format { path, error } => {
                 write!(f, "{}: {error}", path.display())?;
                 if looks_foreign(error) {
@@ -70,7 +83,7 @@ impl std::error::Error for SourceError {
         match self {
             SourceError::Io { source, .. } => Some(source),
             SourceError::Format { error, .. } => Some(error),
-            SourceError::NotRegular { .. } => None,
+            SourceError::NotRegular { .. } | SourceError::Interrupted { .. } => None,
         }
     }
 }
@@ -346,14 +359,37 @@ enum Origin {
         map: Mmap,
         /// Drop the daemon's page-table references after each read.
         release_after_read: AtomicBool,
+        /// `file` is open for writing too: commits may write it in place.
+        writable: bool,
+        /// The version of the file reads accept, shared with the
+        /// `SourceFile`s that in-place commits make of the same open file.
+        version: Arc<Version>,
     },
     Remote(Box<RemoteObject>),
+}
+
+/// The length and modification time a local source is expected to have: the
+/// version validated, then the one each in-place commit of this mount left.
+/// The `SourceFile` from before an in-place commit keeps serving the ranges
+/// the commit did not touch, so both accept the new version.
+struct Version {
+    accepted: Mutex<(u64, (i64, i64))>,
+    /// An in-place commit is writing the file: reads of ranges it does not
+    /// touch go on.
+    writing: AtomicBool,
 }
 
 impl SourceFile {
     /// Opens, maps and validates a checkpoint. A symbolic link is followed to
     /// the file it names; commits replace that file and keep the link.
     pub fn open(path: &Path) -> Result<SourceFile, SourceError> {
+        SourceFile::open_with(path, false)
+    }
+
+    /// `open`, with the file opened for writing too when `writable` and the
+    /// file allows it (so that commits may write it in place; the mapping
+    /// stays read-only). Falls back to read-only.
+    pub fn open_with(path: &Path, writable: bool) -> Result<SourceFile, SourceError> {
         let io = |source| SourceError::Io {
             path: path.to_path_buf(),
             source,
@@ -365,7 +401,14 @@ impl SourceFile {
             _ => return Err(SourceError::NotRegular { path }),
         };
         let folder = Arc::new(Folder::open(dir).map_err(io)?);
-        let file = folder.open_file(&name, libc::O_RDONLY, 0).map_err(io)?;
+        let flags = 0;
+        let (file, writable) = match writable {
+            true => match folder.open_file(&name, libc::O_RDWR | flags, 0) {
+                Ok(f) => (f, true),
+                Err(_) => (folder.open_file(&name, libc::O_RDONLY | flags, 0).map_err(io)?, false),
+            },
+            false => (folder.open_file(&name, libc::O_RDONLY | flags, 0).map_err(io)?, false),
+        };
         let stat = FileStat::of(&file).map_err(io)?;
         if stat.mode & libc::S_IFMT != libc::S_IFREG {
             return Err(SourceError::NotRegular { path });
@@ -377,41 +420,88 @@ impl SourceFile {
         if stat.len < 8 {
             return Err(format(FormatError::TooShort { file_len: stat.len }));
         }
-        // SAFETY: the mapping is read-only. stfs never writes the source in
-        // place (commits replace it by rename); another program that does is
-        // detected before each read (`check_unchanged`), and the bytes are only
+        // SAFETY: the mapping is read-only. stfs writes the source in place
+        // only in ranges no reader of this mapping is given (in-place commits,
+        // checkpoint::in_place); another program that does is detected
+        // before each read (`check_unchanged`), and the bytes are only
         // ever read by the kernel on stfs's behalf, where a page that vanished
         // gives EFAULT, never SIGBUS.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        if map.get(..8) == Some(&IN_PLACE_MARKER[..]) {
+            return Err(SourceError::Interrupted { path });
+        }
         let header = Header::parse(&map).map_err(format)?;
+        let version = Arc::new(Version {
+            accepted: Mutex::new((stat.len, stat.mtime)),
+            writing: AtomicBool::new(false),
+        });
         Ok(SourceFile::assemble(
-            path, folder, name, file, stat, map, header,
+            path,
+            folder,
+            name,
+            Arc::new(file),
+            (writable, version),
+            stat,
+            map,
+            header,
         ))
     }
 
-    /// The file a commit just renamed into place: `file` is it, opened
-    /// read-only, and `header` its already validated header.
+    /// The file a commit just renamed into place: `file` is it (open for
+    /// writing too if `writable`), and `header` its already validated header.
     pub fn committed(
         previous: &SourceFile,
         file: File,
+        writable: bool,
+        header: Header,
+    ) -> std::io::Result<SourceFile> {
+        let stat = FileStat::of(&file)?;
+        let version = Arc::new(Version {
+            accepted: Mutex::new((stat.len, stat.mtime)),
+            writing: AtomicBool::new(false),
+        });
+        previous.remade(Arc::new(file), (writable, version), header)
+    }
+
+    /// This file after an in-place commit wrote `header` (validated) and its
+    /// data: the same open file, mapped again at its new length. Reads of this
+    /// `SourceFile` go on for the ranges the commit left alone.
+    pub fn rewritten_in_place(&self, header: Header) -> std::io::Result<SourceFile> {
+        let Origin::Local {
+            file,
+            writable,
+            version,
+            ..
+        } = &self.origin
+        else {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        };
+        self.remade(file.clone(), (*writable, version.clone()), header)
+    }
+
+    fn remade(
+        &self,
+        file: Arc<File>,
+        access: (bool, Arc<Version>),
         header: Header,
     ) -> std::io::Result<SourceFile> {
         let Origin::Local {
             folder,
             release_after_read,
             ..
-        } = &previous.origin
+        } = &self.origin
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
         let stat = FileStat::of(&file)?;
         // SAFETY: as in `open`.
-        let map = unsafe { Mmap::map(&file) }?;
+        let map = unsafe { Mmap::map(&*file) }?;
         let fresh = SourceFile::assemble(
-            previous.path.clone(),
+            self.path.clone(),
             folder.clone(),
-            previous.name.clone(),
+            self.name.clone(),
             file,
+            access,
             stat,
             map,
             header,
@@ -420,11 +510,42 @@ impl SourceFile {
         Ok(fresh)
     }
 
+    /// The open file, for an in-place commit: None when it is not open for
+    /// writing (a read-only mount, a file the daemon may not write, a remote
+    /// object).
+    pub fn writable_file(&self) -> Option<&Arc<File>> {
+        match &self.origin {
+            Origin::Local { file, writable: true, .. } => Some(file),
+            _ => None,
+        }
+    }
+
+    /// An in-place commit starts writing the file: reads go on (they are of
+    /// ranges it leaves alone) although the file changes.
+    pub fn begin_in_place(&self) {
+        if let Origin::Local { version, .. } = &self.origin {
+            version.writing.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// The in-place commit ended: `now` is the version reads accept from now on
+    /// (the file as the commit left it, or as it was if it did not start).
+    pub fn end_in_place(&self, now: Option<&FileStat>) {
+        if let Origin::Local { version, .. } = &self.origin {
+            if let Some(now) = now {
+                *version.accepted.lock().unwrap_or_else(|p| p.into_inner()) = (now.len, now.mtime);
+            }
+            version.writing.store(false, Ordering::SeqCst);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         path: PathBuf,
         folder: Arc<Folder>,
         name: OsString,
-        file: File,
+        file: Arc<File>,
+        (writable, version): (bool, Arc<Version>),
         stat: FileStat,
         map: Mmap,
         header: Header,
@@ -444,9 +565,11 @@ impl SourceFile {
             header,
             origin: Origin::Local {
                 folder,
-                file: Arc::new(file),
+                file,
                 map,
                 release_after_read: AtomicBool::new(false),
+                writable,
+                version,
             },
             warned_stale: AtomicBool::new(false),
         }
@@ -546,12 +669,16 @@ impl SourceFile {
     /// rewrote the file since it was validated (for a remote object: if a
     /// read found it replaced).
     pub fn check_unchanged(&self) -> std::io::Result<()> {
-        let file = match &self.origin {
-            Origin::Local { file, .. } => file,
+        let (file, version) = match &self.origin {
+            Origin::Local { file, version, .. } => (file, version),
             Origin::Remote(r) => return r.check_unchanged(),
         };
+        if version.writing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         let now = FileStat::of(file)?;
-        if now.len == self.stat.len && now.mtime == self.stat.mtime {
+        let accepted = *version.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        if (now.len, now.mtime) == accepted {
             return Ok(());
         }
         if !self.warned_stale.swap(true, Ordering::Relaxed) {
@@ -559,7 +686,7 @@ impl SourceFile {
                 file = %self.path.display(),
                 "the source was {} behind the mount: its reads now fail with EIO (staged edits are kept; \
                  unmount with --discard or commit --force)",
-                if now.len < self.stat.len { "truncated" } else { "rewritten" }
+                if now.len < accepted.0 { "truncated" } else { "rewritten" }
             );
         }
         Err(std::io::Error::from_raw_os_error(libc::EIO))

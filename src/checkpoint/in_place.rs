@@ -1,0 +1,516 @@
+//! In-place commits (DESIGN §3.4, docs/SEMANTICS.md "Commits"): when the
+//! edits keep the data section as it is except at its end, the file is
+//! changed where it is instead of rewritten. The header is rewritten in its
+//! own space (padded with spaces), new tensors are appended, dropped tail
+//! tensors truncated, and tensors of the same size overwritten.
+//!
+//! Only while no other program has the file open or mapped: a write lease on
+//! the daemon's own descriptor (the one it maps through) is refused while any
+//! other exists, and makes any later open wait until the commit is done.
+//!
+//! Crash safety, as a redo journal: a record of everything to write (the
+//! new header, every range and where its bytes come from, the file's version
+//! before and after) is made durable in the staging folder first. Then the
+//! length prefix is overwritten with `IN_PLACE_MARKER`, which every reader
+//! refuses; the data and header are written and synced; the real prefix goes
+//! in last, one aligned 8-byte write. A kill at any moment leaves the old
+//! file, the new one, or one every reader refuses until the next mount
+//! completes it from the record (`InPlaceRecord::complete`). Every step can
+//! be done again, so completing is doing it all again.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::format::{
+    byte_len, header_bytes, Dtype, Header, Layout, Metadata, Tensors, IN_PLACE_MARKER, PREFIX_LEN,
+};
+use crate::source::local::Folder;
+use crate::source::{copy_range, Bytes, FileStat, SourceFile};
+
+/// A range of the new file and where its bytes come from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RangeWrite {
+    /// Offset in the file.
+    pub at: u64,
+    pub len: u64,
+    pub from: WriteFrom,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub enum WriteFrom {
+    /// A staging file (by its name in the staging folder), from its start.
+    Staged { file: String },
+    /// Another range of the same file, which this commit does not change.
+    Here { offset: u64 },
+}
+
+/// How a checkpoint's new state fits in its file: the layout (header padded
+/// to the old header's length, tensors in file order) and what to write.
+pub struct InPlaceLayout {
+    pub layout: Layout,
+    /// For each write, the input (index into the plan's inputs) it copies.
+    pub writes: Vec<(RangeWrite, usize)>,
+    pub file_len: u64,
+    /// Bytes written, header included.
+    pub bytes: u64,
+    /// What changes, in words ("header, 1 tensor appended").
+    pub summary: String,
+}
+
+/// Lays out the new state in the source's own file, or says why it cannot
+/// be: `spec(k)` is input `k`'s name, dtype and shape, `inputs[k]` its bytes;
+/// `held[i]`: source tensor `i`'s bytes are read by a descriptor or another
+/// shard, so they must stay where they are.
+pub fn layout<'a>(
+    source: &Arc<SourceFile>,
+    count: usize,
+    spec: impl Fn(usize) -> (&'a str, Dtype, &'a [u64]),
+    inputs: &[Bytes],
+    metadata: Option<&Metadata>,
+    held: &[bool],
+) -> Result<InPlaceLayout, String> {
+    let old = source.header();
+    let n_old = old.tensors.len();
+    let data_start = old.data_start();
+    let len_of = |k: usize| {
+        let (name, dtype, shape) = spec(k);
+        byte_len(dtype, shape).map_err(|_| format!("tensor {name:?} has no valid size"))
+    };
+    // 1. Tensors whose bytes are the source's own stay where they are (the
+    //    first name that has them; a second is a copy).
+    let mut claimed = vec![false; n_old];
+    let mut place: Vec<Option<(u64, u64)>> = vec![None; count];
+    let mut from: Vec<Option<WriteFrom>> = vec![None; count];
+    for k in 0..count {
+        if let Bytes::Source(src, i) = &inputs[k] {
+            if !Arc::ptr_eq(src, source) {
+                return Err(format!(
+                    "tensor {:?} comes from another file ({})",
+                    spec(k).0,
+                    src.path().display()
+                ));
+            }
+            let i = *i as usize;
+            let t = old.tensors.get(i);
+            if len_of(k)? != t.nbytes() {
+                return Err(format!("tensor {:?} changes size", spec(k).0));
+            }
+            if claimed[i] {
+                from[k] = Some(WriteFrom::Here {
+                    offset: data_start + t.data_offsets.0,
+                });
+            } else {
+                claimed[i] = true;
+                place[k] = Some(t.data_offsets);
+            }
+        }
+    }
+    // 2. New bytes of a tensor's own size overwrite its old range (a range
+    //    that no descriptor still reads), or another freed range of that size.
+    let mut free_by_name = std::collections::HashMap::new();
+    let mut free_by_size: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+    for i in (0..n_old).rev() {
+        if !claimed[i] && !held[i] && old.tensors.nbytes(i) > 0 {
+            free_by_name.insert(old.tensors.name(i), i);
+            free_by_size.entry(old.tensors.nbytes(i)).or_default().push(i);
+        }
+    }
+    let mut overwritten = 0;
+    for pass in 0..2 {
+        for k in 0..count {
+            if place[k].is_some() || len_of(k)? == 0 {
+                continue;
+            }
+            let want = len_of(k)?;
+            let found = match pass {
+                0 => free_by_name
+                    .get(spec(k).0)
+                    .copied()
+                    .filter(|&i| !claimed[i] && old.tensors.nbytes(i) == want),
+                _ => free_by_size
+                    .get_mut(&want)
+                    .and_then(|v| loop {
+                        match v.pop() {
+                            Some(i) if claimed[i] => continue,
+                            other => break other,
+                        }
+                    }),
+            };
+            if let Some(i) = found {
+                claimed[i] = true;
+                place[k] = Some(old.tensors.get(i).data_offsets);
+                overwritten += 1;
+            }
+        }
+    }
+    // 3. What stays must leave no hole: the data section is one run of tensors.
+    let kept_end = (0..n_old)
+        .filter(|&i| claimed[i])
+        .map(|i| old.tensors.get(i).data_offsets.1)
+        .max()
+        .unwrap_or(0);
+    for i in 0..n_old {
+        let t = old.tensors.get(i);
+        if claimed[i] || t.nbytes() == 0 {
+            continue;
+        }
+        if held[i] {
+            return Err(format!(
+                "tensor {:?}'s old bytes are still read (an open descriptor, or another shard), and \
+                 writing in place would change them",
+                t.name
+            ));
+        }
+        if t.data_offsets.1 <= kept_end {
+            return Err(format!(
+                "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one \
+                 of another size)",
+                t.name
+            ));
+        }
+    }
+    // 4. Everything else goes at the end, in name order.
+    let mut rest: Vec<usize> = (0..count).filter(|&k| place[k].is_none()).collect();
+    rest.sort_by(|&a, &b| spec(a).0.cmp(spec(b).0));
+    let mut end = kept_end;
+    let mut appended = 0;
+    for &k in &rest {
+        let n = len_of(k)?;
+        place[k] = Some((end, end + n));
+        end += n;
+        if n > 0 {
+            appended += 1;
+        }
+    }
+    // 5. The header, in file order, in the old header's space.
+    let mut order: Vec<usize> = (0..count).collect();
+    order.sort_by(|&a, &b| {
+        place[a]
+            .cmp(&place[b])
+            .then_with(|| spec(a).0.cmp(spec(b).0))
+    });
+    let mut tensors = Tensors::with_capacity(count);
+    for &k in &order {
+        let (name, dtype, shape) = spec(k);
+        tensors
+            .push(name, dtype, shape, place[k].expect("placed"))
+            .map_err(|_| "the header is too large".to_string())?;
+    }
+    let mut header = header_bytes(&tensors, metadata).map_err(|e| e.to_string())?;
+    let room = old.header_len;
+    let needed = header.len() as u64 - PREFIX_LEN;
+    if needed > room {
+        return Err(format!(
+            "the header grows past its space ({needed} bytes, {room} there)"
+        ));
+    }
+    header.resize((PREFIX_LEN + room) as usize, b' ');
+    header[..PREFIX_LEN as usize].copy_from_slice(&room.to_le_bytes());
+    let file_len = data_start + end;
+    // What a reader will see must be what the reference accepts.
+    Header::parse_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
+    // 6. The writes: every placed input whose bytes are not already there.
+    let mut writes = Vec::new();
+    let mut bytes = header.len() as u64;
+    for k in 0..count {
+        let (start, stop) = place[k].expect("placed");
+        if stop == start {
+            continue;
+        }
+        let kept = matches!(&inputs[k], Bytes::Source(_, i) if old.tensors.get(*i as usize).data_offsets == (start, stop))
+            && from[k].is_none();
+        if kept {
+            continue;
+        }
+        let from = match (&from[k], &inputs[k]) {
+            (Some(f), _) => f.clone(),
+            (None, Bytes::Staged(s)) if s.len() == stop - start => WriteFrom::Staged { file: s.name() },
+            _ => {
+                return Err(format!(
+                    "tensor {:?}'s bytes are not in a staging file of the mount",
+                    spec(k).0
+                ))
+            }
+        };
+        bytes += stop - start;
+        writes.push((
+            RangeWrite {
+                at: data_start + start,
+                len: stop - start,
+                from,
+            },
+            k,
+        ));
+    }
+    let dropped = n_old - claimed.iter().filter(|c| **c).count();
+    let mut summary = vec!["header".to_string()];
+    for (n, what) in [
+        (overwritten, "overwritten"),
+        (appended, "appended"),
+        (dropped, "dropped at the end"),
+    ] {
+        if n > 0 {
+            summary.push(format!("{n} tensor{} {what}", if n == 1 { "" } else { "s" }));
+        }
+    }
+    let source_index = order;
+    Ok(InPlaceLayout {
+        layout: Layout {
+            header,
+            tensors,
+            source_index,
+        },
+        writes,
+        file_len,
+        bytes,
+        summary: summary.join(", "),
+    })
+}
+
+/// A write lease on the daemon's own descriptor of a source: while it is
+/// held, no other program has the file open or mapped, and an open by one
+/// waits (up to /proc/sys/fs/lease-break-time) until it is released.
+pub struct Lease {
+    file: Arc<File>,
+}
+
+impl Lease {
+    pub fn take(file: &Arc<File>) -> Result<Lease, String> {
+        // An open by another program sends the holder SIGIO, whose default
+        // action kills: stfs asks F_GETLEASE instead (`unbroken`).
+        static IGNORE_SIGIO: std::sync::Once = std::sync::Once::new();
+        // SAFETY: setting a signal to be ignored.
+        IGNORE_SIGIO.call_once(|| unsafe {
+            libc::signal(libc::SIGIO, libc::SIG_IGN);
+        });
+        // SAFETY: fcntl on a valid descriptor.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EAGAIN) => "another program has it open or mapped".to_string(),
+                _ => format!("no write lease on it ({e})"),
+            });
+        }
+        Ok(Lease { file: file.clone() })
+    }
+
+    /// Whether nobody asked to open the file since the lease was taken.
+    pub fn unbroken(&self) -> bool {
+        // SAFETY: fcntl on a valid descriptor.
+        unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETLEASE) == libc::F_WRLCK }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // SAFETY: fcntl on a valid descriptor.
+        unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) };
+    }
+}
+
+/// The redo record of one file's in-place commit, in the staging folder.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InPlaceRecord {
+    pub folder: PathBuf,
+    pub name: String,
+    /// The file as it was (identity, length, time).
+    pub before: FileStat,
+    pub after_len: u64,
+    /// The modification time the commit gives the file when done, so that
+    /// the journal's `Landing` knows the new version in advance.
+    pub after_mtime: (i64, i64),
+    /// The file (in the staging folder) holding the new prefix and header.
+    pub header_file: String,
+    pub writes: Vec<RangeWrite>,
+}
+
+/// Where a crash test stops the daemon (`STFS_CRASH_AT=<step>`): the same
+/// as a kill -9 at that moment of an in-place commit.
+pub fn crash_point(step: &str) {
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let at = AT.get_or_init(|| std::env::var("STFS_CRASH_AT").ok());
+    if at.as_deref() == Some(step) {
+        warn!("STFS_CRASH_AT={step}: killing the daemon here");
+        // SAFETY: kill of our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
+/// Why an in-place write stopped: before the marker (the file is as it
+/// was), or after (the record completes it).
+pub struct ApplyError {
+    pub marked: bool,
+    pub error: std::io::Error,
+}
+
+impl InPlaceRecord {
+    /// Does the whole commit to `file` (again, after a crash: every step may
+    /// be repeated). `open_staged` opens a staging file by name.
+    pub fn apply(
+        &self,
+        file: &File,
+        header: &[u8],
+        open_staged: &dyn Fn(&str) -> std::io::Result<Arc<File>>,
+    ) -> Result<(), ApplyError> {
+        let before = |error| ApplyError {
+            marked: false,
+            error,
+        };
+        let after = |error| ApplyError {
+            marked: true,
+            error,
+        };
+        let now = file.metadata().map_err(before)?.len();
+        if self.after_len > now {
+            // Blocks for what is appended, before anything changes: no ENOSPC half-way.
+            // SAFETY: fallocate on a valid descriptor.
+            let r = unsafe {
+                libc::fallocate(
+                    file.as_raw_fd(),
+                    libc::FALLOC_FL_KEEP_SIZE,
+                    now as libc::off_t,
+                    (self.after_len - now) as libc::off_t,
+                )
+            };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
+                    return Err(before(e));
+                }
+            }
+        }
+        file.write_all_at(&IN_PLACE_MARKER, 0).map_err(before)?;
+        file.sync_data().map_err(before)?;
+        crash_point("in-place:marked");
+        for (n, w) in self.writes.iter().enumerate() {
+            match &w.from {
+                WriteFrom::Staged { file: name } => {
+                    let staged = open_staged(name).map_err(after)?;
+                    copy_range(&staged, 0, file, w.at, w.len).map_err(after)?;
+                }
+                WriteFrom::Here { offset } => {
+                    copy_range(file, *offset, file, w.at, w.len).map_err(after)?
+                }
+            }
+            if n == 0 {
+                crash_point("in-place:data");
+            }
+        }
+        file.set_len(self.after_len).map_err(after)?;
+        file.write_all_at(&header[PREFIX_LEN as usize..], PREFIX_LEN)
+            .map_err(after)?;
+        file.sync_data().map_err(after)?;
+        crash_point("in-place:written");
+        file.write_all_at(&header[..PREFIX_LEN as usize], 0)
+            .map_err(after)?;
+        file.sync_data().map_err(after)?;
+        crash_point("in-place:prefix");
+        let (s, ns) = self.after_mtime;
+        let times = [
+            libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            libc::timespec {
+                tv_sec: s as libc::time_t,
+                tv_nsec: ns as libc::c_long,
+            },
+        ];
+        // SAFETY: futimens on a valid descriptor with two timespecs.
+        if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
+            // Not the owner (a file the daemon may only write): the journal
+            // then does not know this version, nothing else changes.
+            warn!(
+                file = self.name,
+                "setting the modification time after an in-place commit: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        file.sync_all().map_err(after)?;
+        Ok(())
+    }
+
+    /// After a crash: completes the commit if the file is still the one it
+    /// was writing (old, marked, or written but for its time), and says what
+    /// it did. `dir` is the staging folder holding the record. An error says
+    /// whether the record must stay (the file is still marked).
+    pub fn complete(&self, dir: &Folder) -> Result<Option<String>, (String, bool)> {
+        self.try_complete(dir).map_err(|why| {
+            let marked = Folder::open(&self.folder)
+                .and_then(|f| f.open_file(OsStr::new(&self.name), libc::O_RDONLY, 0))
+                .map(|f| {
+                    let mut p = [0u8; 8];
+                    f.read_at(&mut p, 0).ok() == Some(8) && p == IN_PLACE_MARKER
+                })
+                .unwrap_or(false);
+            (why, marked)
+        })
+    }
+
+    fn try_complete(&self, dir: &Folder) -> Result<Option<String>, String> {
+        let path = self.folder.join(&self.name);
+        let plain = !self.name.is_empty()
+            && !self.name.contains('/')
+            && self.name != "."
+            && self.name != ".."
+            && self.folder.is_absolute()
+            && !self.header_file.contains('/');
+        if !plain {
+            return Err(format!("{}: not a plain name in a redo record", path.display()));
+        }
+        let io = |e: std::io::Error| format!("{}: completing an interrupted commit: {e}", path.display());
+        let folder = Folder::open(&self.folder).map_err(io)?;
+        let file = folder
+            .open_file(OsStr::new(&self.name), libc::O_RDWR, 0)
+            .map_err(io)?;
+        let st = FileStat::of(&file).map_err(io)?;
+        if (st.dev, st.ino) != (self.before.dev, self.before.ino) {
+            return Err(format!(
+                "{}: replaced since an in-place commit of it was interrupted: its record is dropped",
+                path.display()
+            ));
+        }
+        let mut prefix = [0u8; 8];
+        let got = file.read_at(&mut prefix, 0).map_err(io)?;
+        let marked = got == 8 && prefix == IN_PLACE_MARKER;
+        if !marked && st.len == self.after_len && st.mtime == self.after_mtime {
+            return Ok(None); // done before the crash
+        }
+        let mut header = Vec::new();
+        let h = dir
+            .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
+            .map_err(io)?;
+        std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
+        let mut on_disk = vec![0u8; header.len()];
+        let got = file.read_at(&mut on_disk, 0).map_err(io)?;
+        let unchanged = st.len == self.before.len && st.mtime == self.before.mtime;
+        let written = got == header.len() && on_disk == header && st.len == self.after_len;
+        if header.len() < PREFIX_LEN as usize || !(marked || unchanged || written) {
+            return Err(format!(
+                "{}: changed by another program since an in-place commit of it was interrupted: \
+                 left as it is, its record is dropped",
+                path.display()
+            ));
+        }
+        let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
+            if name.contains('/') {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            Ok(Arc::new(dir.open_file(OsStr::new(name), libc::O_RDONLY, 0)?))
+        };
+        self.apply(&file, &header, &open_staged)
+            .map_err(|e| io(e.error))?;
+        info!(file = %path.display(), "completed an interrupted in-place commit");
+        Ok(Some(format!(
+            "{}: completed a commit that was interrupted (written in place)",
+            path.display()
+        )))
+    }
+}
