@@ -12,6 +12,15 @@ use crate::format::{index, Header, ShapeDisplay};
 /// Reads and validates the header of one file; the error names the file.
 pub fn read_header(path: &Path) -> Result<Header, String> {
     let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut prefix = [0u8; 8];
+    if std::os::unix::fs::FileExt::read_at(&file, &mut prefix, 0).ok() == Some(8)
+        && prefix == crate::format::IN_PLACE_MARKER
+    {
+        return Err(crate::source::SourceError::Interrupted {
+            path: path.to_path_buf(),
+        }
+        .to_string());
+    }
     match Header::read(&file) {
         Ok(Ok(h)) => Ok(h),
         Ok(Err(e)) => Err(e.in_file(path).to_string()),

@@ -291,15 +291,28 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 /// from before its plan until it landed: a second mount's commit of the same
 /// source waits, then finds the file changed and refuses (ESTALE) instead of
 /// writing over the first commit. Locks are taken in (device, inode) order.
-pub struct CommitLock(#[allow(dead_code)] Vec<File>);
+pub struct CommitLock(Vec<File>);
+
+/// A file a commit locks: its folder, its name, and its open descriptor if
+/// the mount holds one.
+pub type LockTarget = (Arc<Folder>, OsString, Option<Arc<File>>);
+
+impl Drop for CommitLock {
+    fn drop(&mut self) {
+        // Explicitly: a source is locked through a duplicate of the
+        // descriptor it stays open by, and a lock lasts while any does.
+        for f in &self.0 {
+            // SAFETY: flock of a valid descriptor.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
+}
 
 impl CommitLock {
     /// `files`: folder, name and, for a source, its open file: locked
     /// through that descriptor when the name is still that file (a second
     /// descriptor would keep an in-place commit from taking its lease).
-    pub fn take(
-        files: &[(Arc<Folder>, OsString, Option<Arc<File>>)],
-    ) -> Result<CommitLock, CommitError> {
+    pub fn take(files: &[LockTarget]) -> Result<CommitLock, CommitError> {
         let mut opened = Vec::new();
         for (folder, name, own) in files {
             let what = |e| CommitError::Io {
@@ -667,6 +680,10 @@ impl Live {
     pub fn commit_preview(&self, held: &[Bytes]) -> Option<String> {
         if !self.dirty || !self.problems().is_empty() {
             return None;
+        }
+        if self.committing.is_some() {
+            // (Its lease is the commit's: taking and letting go of one here would end it.)
+            return Some("a commit of it is running".into());
         }
         let (inputs, members) = self.commit_inputs(false);
         let metadata = self.metadata()?.cloned();

@@ -124,6 +124,7 @@ pub fn layout<'a>(
     }
     let mut overwritten = 0;
     for pass in 0..2 {
+        #[allow(clippy::needless_range_loop)] // k indexes place, spec and inputs
         for k in 0..count {
             if place[k].is_some() || len_of(k)? == 0 {
                 continue;

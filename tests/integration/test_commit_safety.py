@@ -45,6 +45,12 @@ def test_enospc_keeps_source_and_edits_then_retry_succeeds(tmp_path, small_fs, m
     rng = np.random.default_rng(0)
     t = {"a": rng.integers(0, 255, 6 * MIB, dtype=np.uint8), "b": rng.integers(0, 255, 6 * MIB, dtype=np.uint8)}
     save_file(t, str(src))
+    # A first commit (a rewrite, with room) leaves space in the header for the ones below.
+    m = mount(src)
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        f.write('{"step": "1"}')
+    assert "committed by a rewrite" in run("commit", m.path).stdout
+    m.close()
     before = src.read_bytes()
     filler = small_fs / "filler"
     free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
@@ -55,19 +61,38 @@ def test_enospc_keeps_source_and_edits_then_retry_succeeds(tmp_path, small_fs, m
     new_a = np.full(6 * MIB, 7, np.uint8)
     with open(os.path.join(m.path, "a"), "r+b") as f:
         f.write(new_a.tobytes())
-    p = run("commit", m.path)
+    # A rewrite needs room for a second copy.
+    p = run("commit", "--compact", m.path)
     assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr
     assert src.read_bytes() == before
     assert [x for x in os.listdir(small_fs) if x.startswith(".")] == [], "temp file left behind"
     assert open(os.path.join(m.path, "a"), "rb").read() == new_a.tobytes()  # still staged
-    os.unlink(filler)
+    # In place, the same edit needs none.
     p = run("commit", m.path)
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 0 and "committed in place (header, 1 tensor overwritten" in p.stdout, p.stdout + p.stderr
     got = load_file(str(src))
     assert got["a"].tobytes() == new_a.tobytes() and got["b"].tobytes() == t["b"].tobytes()
+    # An appended tensor needs its own size: refused before anything changed.
+    before = src.read_bytes()
+    with open(os.path.join(m.path, "c"), "wb") as f:
+        f.write(b"\3" * 6 * MIB)
+    with open(os.path.join(m.path, "c.meta.json"), "w") as f:
+        f.write('{"dtype": "U8", "shape": [%d]}' % (6 * MIB))
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "writing in place: No space left on device" in p.stderr, p.stdout + p.stderr
+    assert src.read_bytes() == before
+    assert open(os.path.join(m.path, "c"), "rb").read() == b"\3" * 6 * MIB  # still staged
+    os.unlink(filler)
+    p = run("commit", m.path)
+    assert p.returncode == 0 and "committed in place" in p.stdout, p.stdout + p.stderr
+    got = load_file(str(src))
+    assert got["c"].tobytes() == b"\3" * 6 * MIB and got["a"].tobytes() == new_a.tobytes()
 
 
-def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run):
+@pytest.mark.parametrize("way", ["in place", "by a rewrite"])
+def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, way):
+    """Old, new, or (in place) a file every reader refuses that the next mount completes."""
+    args = ["--compact"] if way == "by a rewrite" else []
     pristine = tmp_path / "pristine.safetensors"
     rng = np.random.default_rng(1)
     save_file({"big": rng.integers(0, 255, 240 * MIB, dtype=np.uint8),
@@ -90,9 +115,10 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run):
             with open(mnt / "small", "r+b") as f:
                 f.write(b"new!" * 1024)
             started = time.monotonic()
-            client = subprocess.Popen([stfs, "commit", str(mnt)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = subprocess.Popen([stfs, "commit", *args, str(mnt)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             if kill_after is None:
-                assert client.wait(timeout=120) == 0
+                out = client.communicate(timeout=120)[0]
+                assert client.returncode == 0 and f"committed {way}" in out, out
                 return time.monotonic() - started
             time.sleep(kill_after)
             os.kill(pid, signal.SIGKILL)
@@ -109,21 +135,30 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run):
     duration = trial(None)
     new = sha(src)
     assert new != old
-    outcomes = {"old": 0, "new": 0}
+    outcomes = {"old": 0, "new": 0, "refused": 0}
     random.seed(7)
     for _ in range(20):
         trial(random.uniform(0, duration * 1.2))
         h = sha(src)
-        assert h in (old, new), "source is neither the old nor the new file"
-        outcomes["old" if h == old else "new"] += 1
-        # A later mount is not confused by what the killed daemon left.
+        if h not in (old, new):
+            assert way == "in place", "source is neither the old nor the new file"
+            with pytest.raises(Exception, match="too large|TooLarge"):
+                load_file(str(src))  # the official reader refuses it
+            outcomes["refused"] += 1
+        else:
+            outcomes["old" if h == old else "new"] += 1
+        # A later mount is not confused by what the killed daemon left, and
+        # completes an interrupted in-place commit.
         subprocess.run([stfs, "mount", str(src), str(mnt)], check=True)
         try:
             assert sorted(os.listdir(mnt)) == ["__metadata__.json", "big", "big.meta.json", "small", "small.meta.json"]
         finally:
             subprocess.run([stfs, "umount", str(mnt)], check=True)
-    print("kill -9 outcomes:", outcomes)
-    assert outcomes["old"] > 0
+        if h not in (old, new):
+            assert sha(src) == new, "the next mount did not complete the interrupted commit"
+    print(f"kill -9 outcomes ({way}):", outcomes)
+    # The kills landed inside the commit: a rewrite's window is its copy, an in-place one's its writes.
+    assert outcomes["old" if way == "by a rewrite" else "refused"] > 0
     # The later mounts removed what the killed daemons left: temp files and staging folders.
     leftovers = [p.name for p in tmp_path.iterdir() if ".stfs-tmp-" in p.name]
     assert leftovers == [], leftovers

@@ -52,7 +52,8 @@ def test_parallel_readers_and_mmappers(tmp_path, mount, cache):
     assert not errors, errors
 
 
-def test_reads_never_wait_for_commits_or_edits(tmp_path, mount, run, stfs):
+@pytest.mark.parametrize("way", ["in place", "by a rewrite"])
+def test_reads_never_wait_for_commits_or_edits(tmp_path, mount, run, stfs, way):
     src = tmp_path / "m.safetensors"
     big = np.zeros(768 * MIB, np.uint8)
     small = np.arange(1024, dtype=np.int32)
@@ -62,10 +63,20 @@ def test_reads_never_wait_for_commits_or_edits(tmp_path, mount, run, stfs):
     p = lambda n: os.path.join(m.path, n)
     with open(p("big"), "r+b") as f:
         f.write(b"\x01")  # staged: the commit copies it from staging
-    commit = subprocess.Popen([stfs, "commit", m.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    # Once it writes its new file (its plan is taken) ...
+    args = ["--compact"] if way == "by a rewrite" else []
+    commit = subprocess.Popen([stfs, "commit", *args, m.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def writing():
+        if way == "by a rewrite":  # its new file
+            return bool(list(tmp_path.glob(".m.safetensors.stfs-tmp-*")))
+        # Its write lease (an open of the file would wait for the commit to end).
+        ino = os.stat(src).st_ino
+        with open("/proc/locks") as f:
+            return any("LEASE" in line and line.split()[5].endswith(f":{ino}") for line in f)
+
+    # Once it writes (its plan is taken) ...
     deadline = time.monotonic() + 30
-    while not list(tmp_path.glob(".m.safetensors.stfs-tmp-*")) and time.monotonic() < deadline:
+    while not writing() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert commit.poll() is None, "the commit ended before it could be watched"
     # ... edits while it runs: a write into the tensor being committed (its bytes
@@ -90,7 +101,8 @@ def test_reads_never_wait_for_commits_or_edits(tmp_path, mount, run, stfs):
         slowest = max(slowest, time.monotonic() - t)
         assert np.array_equal(got, small)
     editor.join()
-    assert commit.wait() == 0, commit.stderr.read()
+    out, err = commit.communicate()
+    assert commit.returncode == 0 and f"committed {way}" in out, out + err
     # A generous bound: what matters is that no read queued behind the commit
     # or the edits (which take seconds here).
     print(f"{reads} reads during the commit and the edits, the slowest {slowest:.3f} s")

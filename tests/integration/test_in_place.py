@@ -1,0 +1,301 @@
+"""Commits that cost what the edit costs (DESIGN §3.4): each edit kind is
+committed in place (same inode, a few bytes written by the daemon), the
+official package reads the result, and every reason to rewrite instead is
+said. Crash trials kill the daemon at every step of the in-place protocol
+(STFS_CRASH_AT) and check that the file is old, new, or refused by every
+reader until the next mount completes it."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from ckpt import assert_checkpoint, header_of, sh
+
+MIB = 1 << 20
+
+
+def written_by(pid):
+    """Bytes the process has caused to be written (write_bytes of /proc/PID/io)."""
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("write_bytes")).split()[1])
+
+
+def tensors():
+    rng = np.random.default_rng(5)
+    return {
+        "embed": rng.standard_normal((256, 64)).astype(np.float32),
+        "layer.0": rng.standard_normal((128, 128)).astype(np.float32),
+        "layer.1": rng.integers(0, 100, (64, 64), dtype=np.int64),
+        "z_tail": rng.integers(0, 255, 4096, dtype=np.uint8),
+    }
+
+
+def with_room(path, mount, run, t, metadata):
+    """A checkpoint as a first stfs commit leaves it: rewritten, with room in its header."""
+    save_file(t, str(path))
+    m = mount(path)
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(metadata, f)
+    p = run("commit", m.path)
+    assert "committed by a rewrite" in p.stdout and "the header grows past its space" in p.stdout, p.stdout
+    m.close()
+    _, n, _ = header_of(path)
+    assert (8 + n) % 4096 == 0, "a rewrite puts the data section on a 4 KiB boundary"
+    assert_checkpoint(path, t, metadata)
+
+
+def commit_in_place(run, m, src, what):
+    """Commits; checks it says in place with `what`, kept the inode, and wrote little."""
+    ino = os.stat(src).st_ino
+    before = written_by(m.pid)
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    assert f"committed in place ({what}" in p.stdout, p.stdout
+    assert os.stat(src).st_ino == ino
+    return written_by(m.pid) - before
+
+
+def test_every_edit_kind_commits_in_place(tmp_path, mount, run):
+    if os.geteuid() != 0:
+        pytest.skip("reads the daemon's /proc/PID/io")
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    meta = {"format": "pt"}
+    with_room(src, mount, run, t, meta)
+    m = mount(src)
+    # Metadata.
+    meta["chat_template"] = "{{ messages }}"
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(meta, f)
+    status = run("status", m.path).stdout
+    assert "  commit     in place (header;" in status, status
+    assert commit_in_place(run, m, src, "header;") < 1 * MIB
+    assert_checkpoint(src, t, meta)
+    # Renames, and a reshape of the same size.
+    sh(f"mv {m.path}/layer.0 {m.path}/model.layers.0.weight")
+    with open(os.path.join(m.path, "layer.1.meta.json"), "w") as f:
+        json.dump({"dtype": "I64", "shape": [32, 128]}, f)
+    t["model.layers.0.weight"] = t.pop("layer.0")
+    t["layer.1"] = t["layer.1"].reshape(32, 128)
+    assert commit_in_place(run, m, src, "header;") < 1 * MIB
+    assert_checkpoint(src, t, meta)
+    # A tensor rewritten in place, same size (dd conv=notrunc).
+    new_embed = np.full((256, 64), 0.5, np.float32)
+    (tmp_path / "embed.bin").write_bytes(new_embed.tobytes())
+    sh(f"dd if={tmp_path}/embed.bin of={m.path}/embed bs=64K conv=notrunc status=none")
+    t["embed"] = new_embed
+    n = commit_in_place(run, m, src, "header, 1 tensor overwritten;")
+    assert n < new_embed.nbytes + 1 * MIB, n
+    assert_checkpoint(src, t, meta)
+    # A tensor appended.
+    extra = np.arange(3 * MIB, dtype=np.uint8)
+    (tmp_path / "extra.bin").write_bytes(extra.tobytes())
+    sh(f"cp {tmp_path}/extra.bin {m.path}/lora.A && echo '{{\"dtype\":\"U8\",\"shape\":[{extra.size}]}}' > {m.path}/lora.A.meta.json")
+    t["lora.A"] = extra
+    n = commit_in_place(run, m, src, "header, 1 tensor appended;")
+    assert n < extra.nbytes + 1 * MIB, n
+    assert_checkpoint(src, t, meta)
+    # The last tensor dropped: the file is cut.
+    size = os.path.getsize(src)
+    os.unlink(os.path.join(m.path, "lora.A"))
+    del t["lora.A"]
+    assert commit_in_place(run, m, src, "header, 1 tensor dropped at the end;") < 1 * MIB
+    assert os.path.getsize(src) == size - extra.nbytes
+    assert_checkpoint(src, t, meta)
+    # A tensor dropped from the middle leaves a hole: a rewrite, which says why.
+    os.unlink(os.path.join(m.path, "layer.1"))
+    del t["layer.1"]
+    status = run("status", m.path).stdout
+    assert "commit     by a rewrite (not in place: tensor \"layer.1\" leaves a hole" in status, status
+    p = run("commit", m.path)
+    assert "committed by a rewrite (not in place: tensor \"layer.1\" leaves a hole" in p.stdout, p.stdout
+    assert_checkpoint(src, t, meta)
+
+
+def test_compact_is_the_reference_layout(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src))
+    m = mount(src)
+    sh(f"mv {m.path}/embed {m.path}/wte")
+    t["wte"] = t.pop("embed")
+    p = run("commit", "--compact", m.path)
+    assert "committed by a rewrite (not in place: --compact;" in p.stdout, p.stdout
+    assert_checkpoint(src, t, compact=True)
+
+
+def test_a_reader_of_the_source_keeps_its_bytes_and_the_commit_says_why(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    with_room(src, mount, run, t, {"format": "pt"})
+    m = mount(src)
+    old_tail = t["z_tail"].tobytes()
+    with safe_open(str(src), framework="np") as reader:
+        mapped = np.memmap(src, dtype=np.uint8, mode="r")
+        sh(f"dd if=/dev/zero of={m.path}/z_tail bs=4096 count=1 conv=notrunc status=none")
+        status = run("status", m.path).stdout
+        assert "not in place: another program has it open or mapped" in status, status
+        p = run("commit", m.path)
+        assert "committed by a rewrite (not in place: another program has it open or mapped" in p.stdout, p.stdout
+        # The reader's file is the old one, whole.
+        assert reader.get_tensor("z_tail").tobytes() == old_tail
+        assert mapped[-4096:].tobytes() == old_tail
+        del mapped
+    t["z_tail"] = np.zeros(4096, np.uint8)
+    assert_checkpoint(src, t, {"format": "pt"})
+    # Nobody holds it now: in place again.
+    sh(f"dd if=/dev/zero of={m.path}/embed bs=4096 count=1 conv=notrunc status=none")
+    p = run("commit", m.path)
+    assert "committed in place (header, 1 tensor overwritten" in p.stdout, p.stdout
+
+
+def test_an_open_descriptor_through_the_mount_keeps_its_bytes(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    with_room(src, mount, run, t, {"format": "pt"})
+    m = mount(src)
+    with open(os.path.join(m.path, "z_tail"), "rb") as held:
+        os.unlink(os.path.join(m.path, "z_tail"))  # the tail: in place would cut it off
+        p = run("commit", m.path)
+        assert "committed by a rewrite (not in place: tensor \"z_tail\"'s old bytes are still read" in p.stdout, p.stdout
+        assert held.read() == t["z_tail"].tobytes()
+    del t["z_tail"]
+    assert_checkpoint(src, t, {"format": "pt"})
+
+
+def test_links_and_read_only_mounts_rewrite(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    with_room(src, mount, run, t, {"format": "pt"})
+    os.link(src, tmp_path / "link.safetensors")
+    m = mount(src)
+    sh(f"mv {m.path}/embed {m.path}/wte")
+    p = run("commit", m.path)
+    assert "committed by a rewrite (not in place: it has 2 links" in p.stdout, p.stdout
+    # The other link keeps the old file.
+    assert "embed" in load_file(str(tmp_path / "link.safetensors"))
+
+
+# ---- crash trials ----
+
+STEPS = ["in-place:recorded", "in-place:marked", "in-place:data", "in-place:written", "in-place:prefix", "in-place:landed"]
+
+
+def edit(kind, path, t, meta):
+    """Makes an edit of `kind` through the mount at `path`; returns the expected tensors and metadata."""
+    t, meta = dict(t), dict(meta)
+    if kind in ("metadata", "all"):
+        meta["note"] = "x" * 100
+        with open(os.path.join(path, "__metadata__.json"), "w") as f:
+            json.dump(meta, f)
+    if kind in ("overwrite", "all"):
+        new = np.full((256, 64), 2.0, np.float32)
+        with open(os.path.join(path, "embed"), "r+b") as f:
+            f.write(new.tobytes())
+        t["embed"] = new
+    if kind in ("append", "all"):
+        new = np.arange(1 * MIB, dtype=np.uint8)
+        with open(os.path.join(path, "new.tensor"), "wb") as f:
+            f.write(new.tobytes())
+        with open(os.path.join(path, "new.tensor.meta.json"), "w") as f:
+            json.dump({"dtype": "U8", "shape": [new.size]}, f)
+        t["new.tensor"] = new
+    if kind in ("drop", "all"):
+        os.unlink(os.path.join(path, "z_tail"))
+        del t["z_tail"]
+    return t, meta
+
+
+def same(path, t, meta):
+    try:
+        got = load_file(str(path))
+        with safe_open(str(path), framework="np") as f:
+            got_meta = f.metadata() or {}
+    except Exception:
+        return False
+    return sorted(got) == sorted(t) and all(got[k].tobytes() == v.tobytes() for k, v in t.items()) and got_meta == meta
+
+
+@pytest.mark.parametrize("kind", ["metadata", "overwrite", "append", "drop", "all"])
+def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount, run, monkeypatch, kind):
+    pristine = tmp_path / "pristine.safetensors"
+    t = tensors()
+    meta = {"format": "pt"}
+    with_room(pristine, mount, run, t, meta)
+    outcomes = {}
+    for step in STEPS:
+        src = tmp_path / f"m-{step.split(':')[1]}.safetensors"
+        shutil.copyfile(pristine, src)
+        monkeypatch.setenv("STFS_CRASH_AT", step)
+        m = mount(src)
+        monkeypatch.delenv("STFS_CRASH_AT")
+        new_t, new_meta = edit(kind, m.path, t, meta)
+        p = run("commit", m.path)
+        died = p.returncode != 0
+        if died:
+            m.close()  # the daemon is gone: unmount what it left
+        if same(src, t, meta):
+            outcome = "old"
+        elif same(src, new_t, new_meta):
+            outcome = "new"
+        else:
+            outcome = "refused"
+            with pytest.raises(Exception, match="too large|TooLarge"):
+                load_file(str(src))
+            insp = run("inspect", src)
+            assert insp.returncode != 0 and "was interrupted" in insp.stderr, insp.stderr
+        outcomes[step] = outcome
+        # The next mount completes (or leaves old) and shows the edits' result.
+        m2 = mount(src)
+        listed = sorted(x for x in os.listdir(m2.path) if not x.endswith(".meta.json") and x != "__metadata__.json")
+        assert listed == sorted(new_t), (step, listed)
+        m2.close()
+        assert same(src, new_t, new_meta), f"{kind} killed at {step} ({outcome}): not the new checkpoint after the next mount"
+        if not died:
+            m.close()
+    print(kind, outcomes)
+    # Before the marker: old; from it until the prefix: refused; after: new.
+    assert outcomes["in-place:recorded"] == "old"
+    assert outcomes["in-place:marked"] == "refused"
+    assert outcomes["in-place:written"] == "refused"
+    assert outcomes["in-place:prefix"] == "new" and outcomes["in-place:landed"] == "new"
+
+
+def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, monkeypatch):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    t = tensors()
+    shards = {"model-00001-of-00002": dict(list(t.items())[:2]), "model-00002-of-00002": dict(list(t.items())[2:])}
+    for name, part in shards.items():
+        with_room(folder / f"{name}.safetensors", mount, run, part, {"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: f"{s}.safetensors" for s, p in shards.items() for k in p}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    pristine = tmp_path / "pristine"
+    shutil.copytree(folder, pristine)
+    for step in ["in-place:marked", "in-place:written", "in-place:landed"]:
+        shutil.rmtree(folder)
+        shutil.copytree(pristine, folder)
+        monkeypatch.setenv("STFS_CRASH_AT", step)
+        m = mount(folder)
+        monkeypatch.delenv("STFS_CRASH_AT")
+        a, b = (os.path.join(m.path, s) for s in shards)
+        new1 = np.full((256, 64), 9.0, np.float32)
+        with open(os.path.join(a, "embed"), "r+b") as f:
+            f.write(new1.tobytes())
+        sh(f"mv {b}/layer.1 {b}/layer.one")
+        assert run("commit", m.path).returncode != 0
+        m.close()
+        m2 = mount(folder)
+        m2.close()
+        one = load_file(str(folder / "model-00001-of-00002.safetensors"))
+        two = load_file(str(folder / "model-00002-of-00002.safetensors"))
+        assert one["embed"].tobytes() == new1.tobytes(), step
+        assert sorted(two) == ["layer.one", "z_tail"], step
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        assert weight_map["layer.one"] == "model-00002-of-00002.safetensors", step
