@@ -1,70 +1,193 @@
 #!/usr/bin/env python3
-"""Commit benchmark: a 2 GiB checkpoint with one 64 MiB tensor replaced through
-the mount, `stfs commit` timed against `cp` of the source file to the same
-folder, measured in the same run; and the daemon's peak RSS (VmHWM).
+"""Commit benchmark (DESIGN §3.4: a commit costs what the edit costs).
 
-Usage: scripts/bench_commit.py [--stfs target/release/stfs] [--dir DIR] [--runs 3]
+One checkpoint (default 8 GiB: 64 tensors of 128 MiB, random bytes, laid out
+as the official save_file lays it out), and one row per kind of edit made
+through the mount, each committed by `stfs commit`: its time, the way stfs
+took (in place or a rewrite) and the bytes the daemon wrote during the commit
+(write_bytes of /proc/PID/io). Baselines measured in the same run, on the
+same file: `cp` of the file plus fsync, the Python way (load_file + edit +
+save_file, the same cost for every edit), and dd + fsync of the edit's own
+bytes where it has some.
+
+The rows run in order on the same file, as a user's session would: the first
+header edit of a save_file file has no room in its header, so it is a
+rewrite (which leaves room); the next ones are in place.
+
+Usage: scripts/bench_commit.py [--gib 8] [--dir /var/tmp] [--stfs target/release/stfs] [--no-python]
+Needs root (reads the daemon's /proc/PID/io).
 """
 
 import argparse
+import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
-from safetensors.numpy import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+
+
+def write_checkpoint(path, count, size):
+    """count U8 tensors of `size` random bytes, in save_file's layout (streamed: no copy in memory)."""
+    names = [f"model.layers.{i:02d}.weight" for i in range(count)]
+    header = {"__metadata__": {"format": "pt"}}
+    for i, n in enumerate(names):
+        header[n] = {"dtype": "U8", "shape": [size], "data_offsets": [i * size, (i + 1) * size]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for _ in names:
+            f.write(rng.bytes(size))
+        os.fsync(f.fileno())
+    return names
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def written_by(pid):
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("write_bytes")).split()[1])
+
+
+def dd_time(work, nbytes):
+    """Time to write `nbytes` to a new file in the same folder and fsync it (the edit's own bytes)."""
+    path = os.path.join(work, "dd.bin")
+    t = timed(lambda: subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={nbytes // MIB}",
+                                       "conv=fsync", "status=none"], check=True))
+    os.unlink(path)
+    return t
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
     p.add_argument("--dir", default="/var/tmp")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--gib", type=int, default=8)
+    p.add_argument("--no-python", action="store_true", help="skip the Python baseline (it holds the model in memory)")
     a = p.parse_args()
+    size = 128 * MIB
+    count = a.gib * 1024 // 128
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-") as work:
-        src = os.path.join(work, "two.safetensors")
-        rng = np.random.default_rng(0)
-        save_file({f"t{i:02d}": np.frombuffer(rng.bytes(64 << 20), np.uint8) for i in range(32)}, src)
-        mnt = os.path.join(work, "mnt")
-        os.mkdir(mnt)
-        cp_times, commit_times, rss = [], [], []
-        replacement = np.frombuffer(rng.bytes(64 << 20), np.uint8).tobytes()
-        for _ in range(a.runs):
-            copy = os.path.join(work, "copy.safetensors")
-            t = time.perf_counter()
+        src = os.path.join(work, "model.safetensors")
+        names = write_checkpoint(src, count, size)
+        total = os.path.getsize(src)
+        copy = os.path.join(work, "copy.safetensors")
+
+        def cp():
             subprocess.run(["cp", src, copy], check=True)
-            os.sync()
-            cp_times.append(time.perf_counter() - t)
+            fsync_path(copy)
+
+        cp_time = min(timed(cp), timed(cp))
+        os.unlink(copy)
+        python_time = None
+        if not a.no_python:
+            def python_way():
+                from safetensors import safe_open
+                from safetensors.numpy import load_file, save_file
+                with safe_open(src, framework="np") as f:
+                    meta = dict(f.metadata() or {})
+                tensors = load_file(src)
+                meta["chat_template"] = "{{ messages }}"
+                save_file(tensors, copy, metadata=meta)
+                fsync_path(copy)
+            python_time = timed(python_way)
             os.unlink(copy)
 
-            pid_file = os.path.join(work, "pid")
-            subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", os.path.join(work, "log"), src, mnt], check=True)
-            pid = int(open(pid_file).read())
-            try:
-                with open(os.path.join(mnt, "t07"), "r+b") as f:
-                    f.write(replacement)
-                os.sync()
+        mnt = os.path.join(work, "mnt")
+        os.mkdir(mnt)
+        pid_file = os.path.join(work, "pid")
+        log = os.path.join(work, "log")
+        subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", log, src, mnt], check=True)
+        pid = int(open(pid_file).read())
+        rows = []
+        try:
+            def row(label, edit, own_bytes=0):
+                edit()
+                os.sync()  # staged bytes reach the disk before the commit is timed
+                before = written_by(pid)
                 t = time.perf_counter()
-                subprocess.run([a.stfs, "commit", mnt], check=True, stdout=subprocess.DEVNULL)
-                commit_times.append(time.perf_counter() - t)
-                rss.append(int([l for l in open(f"/proc/{pid}/status") if l.startswith("VmHWM:")][0].split()[1]))
-            finally:
-                subprocess.run([a.stfs, "umount", mnt], check=True)
-        c, k = statistics.median(cp_times), statistics.median(commit_times)
-        print(f"2 GiB checkpoint, one 64 MiB tensor replaced, median of {a.runs}:")
-        print(f"  cp of the source file (+ sync)   {c:6.2f} s  1.00x")
-        print(f"  stfs commit (fsync'd, renamed)   {k:6.2f} s  {k / c:.2f}x")
-        print(f"  daemon peak RSS during it        {max(rss) / 1024:6.1f} MiB")
-        print("  each run, cp / commit (s):", " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(cp_times, commit_times)))
-        for line in open(os.path.join(work, "log")):
-            if "commit written" in line:
-                print("  daemon:", " ".join(f for f in line.split() if f.startswith(("bytes=", "elapsed="))))
+                out = subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True, text=True).stdout
+                seconds = time.perf_counter() - t
+                wrote = written_by(pid) - before
+                way = "in place" if "committed in place" in out else "rewrite"
+                base = dd_time(work, own_bytes) if own_bytes else None
+                rows.append((label, seconds, wrote, way, base, out.strip()))
+
+            def meta_edit(value):
+                def go():
+                    with open(os.path.join(mnt, "__metadata__.json"), "w") as f:
+                        json.dump({"format": "pt", "chat_template": value}, f)
+                return go
+
+            def renames(k):
+                def go():
+                    for n in names[:k]:
+                        os.rename(os.path.join(mnt, n), os.path.join(mnt, n.replace("model.", "base_model.model.")))
+                    names[:k] = [n.replace("model.", "base_model.model.") for n in names[:k]]
+                return go
+
+            def header_mix():
+                meta_edit("{{ messages | tojson }}")()
+                renames(16)()
+                with open(os.path.join(mnt, names[20] + ".meta.json"), "w") as f:
+                    json.dump({"dtype": "U8", "shape": [size // 1024, 1024]}, f)
+
+            def add():
+                with open(os.path.join(mnt, "lora.A"), "wb") as f:
+                    f.write(np.random.default_rng(1).bytes(64 * MIB))
+                with open(os.path.join(mnt, "lora.A.meta.json"), "w") as f:
+                    json.dump({"dtype": "U8", "shape": [64 * MIB]}, f)
+
+            def drop_tail():
+                os.unlink(os.path.join(mnt, "lora.A"))
+
+            def rewrite_one():
+                subprocess.run(["dd", "if=/dev/urandom", f"of={os.path.join(mnt, names[30])}", "bs=1M",
+                                "count=128", "conv=notrunc", "status=none"], check=True)
+
+            def drop_middle():
+                os.unlink(os.path.join(mnt, names[10]))
+
+            row("metadata, first edit of a save_file file (no room yet)", meta_edit("{{ m }}"))
+            row("metadata (__metadata__.json)", meta_edit("{{ messages }}"))
+            row("mv of one tensor", renames(1))
+            row("metadata + 16 renames + an equal-size reshape", header_mix)
+            row("one 64 MiB tensor added", add, 64 * MIB)
+            row("last tensor removed", drop_tail)
+            row("one 128 MiB tensor rewritten (dd conv=notrunc)", rewrite_one, 128 * MIB)
+            row("a tensor removed from the middle", drop_middle)
+        finally:
+            subprocess.run([a.stfs, "umount", mnt], check=True)
+        print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), ext4 in {a.dir}")
+        print(f"baselines: cp + fsync {cp_time:.2f} s", end="")
+        print(f"; Python load_file + edit + save_file {python_time:.2f} s" if python_time else "")
+        print(f"{'edit':52} {'way':9} {'seconds':>8} {'x cp':>7} {'x py':>7} {'written':>10} {'x own bytes':>11}")
+        for label, seconds, wrote, way, base, _ in rows:
+            py = f"{seconds / python_time:7.4f}" if python_time else "      -"
+            own = f"{seconds / base:11.2f}" if base else "          -"
+            print(f"{label:52} {way:9} {seconds:8.3f} {seconds / cp_time:7.4f} {py} {wrote / MIB:7.1f} MiB {own}")
+        print("\nwhat stfs said:")
+        for *_, out in rows:
+            print("  " + out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -6,6 +6,7 @@ pub mod client;
 pub mod create;
 pub mod daemon;
 pub mod format;
+pub mod generation;
 pub mod fs;
 pub mod inspect;
 pub mod mountinfo;

@@ -26,7 +26,6 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -49,13 +48,7 @@ pub type Id = u64;
 /// The one name a tensor cannot have: the header's key for the metadata.
 pub const RESERVED: &str = "__metadata__";
 
-static GEN: AtomicU64 = AtomicU64::new(1);
-
-/// A fresh generation number: every edit gets one, so a commit can tell
-/// whether something changed after it took its plan.
-pub fn next_gen() -> u64 {
-    GEN.fetch_add(1, Ordering::Relaxed)
-}
+pub use crate::generation::next_gen;
 
 /// Hands memory freed by a commit (its plan, the old header) back to the
 /// system, so that a long-lived daemon stays at the size of its state.

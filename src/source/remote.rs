@@ -769,7 +769,7 @@ impl RemoteObject {
             text.push_str(&format!(
                 "\nmount {} {now} {}",
                 std::process::id(),
-                crate::checkpoint::next_gen()
+                crate::generation::next_gen()
             ));
         }
         let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
@@ -1324,7 +1324,7 @@ impl DiskCache {
         let tmp = format!(
             "{name}.tmp.{}.{:x}",
             std::process::id(),
-            crate::checkpoint::next_gen()
+            crate::generation::next_gen()
         );
         let file = self.folder.open_file(
             OsStr::new(&tmp),
