@@ -146,8 +146,8 @@ def main():
 
             def header_mix():
                 meta_edit("{{ messages | tojson }}")()
-                renames(16)()
-                with open(os.path.join(mnt, names[20] + ".meta.json"), "w") as f:
+                renames(min(16, count // 2))()
+                with open(os.path.join(mnt, names[-3] + ".meta.json"), "w") as f:
                     json.dump({"dtype": "U8", "shape": [size // 1024, 1024]}, f)
 
             def add():
@@ -160,11 +160,11 @@ def main():
                 os.unlink(os.path.join(mnt, "lora.A"))
 
             def rewrite_one():
-                subprocess.run(["dd", "if=/dev/urandom", f"of={os.path.join(mnt, names[30])}", "bs=1M",
+                subprocess.run(["dd", "if=/dev/urandom", f"of={os.path.join(mnt, names[count // 2])}", "bs=1M",
                                 "count=128", "conv=notrunc", "status=none"], check=True)
 
             def drop_middle():
-                os.unlink(os.path.join(mnt, names[10]))
+                os.unlink(os.path.join(mnt, names[count // 3]))
 
             row("metadata, first edit of a save_file file (no room yet)", meta_edit("{{ m }}"))
             row("metadata (__metadata__.json)", meta_edit("{{ messages }}"))

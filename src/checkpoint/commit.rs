@@ -150,6 +150,22 @@ impl std::error::Error for CommitError {
     }
 }
 
+impl From<super::EditError> for CommitError {
+    fn from(e: super::EditError) -> Self {
+        match e {
+            super::EditError::Staging(e) => CommitError::Staging(e),
+            super::EditError::Io(source) => CommitError::Io {
+                what: "the journal".into(),
+                source,
+            },
+            other => CommitError::Io {
+                what: "the journal".into(),
+                source: std::io::Error::other(other.to_string()),
+            },
+        }
+    }
+}
+
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CommitError {
     let what = what.into();
     move |source| CommitError::Io { what, source }

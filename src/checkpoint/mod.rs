@@ -21,6 +21,7 @@ pub mod meta;
 mod object;
 pub mod recover;
 pub mod staging;
+pub mod transaction;
 
 use std::collections::HashMap;
 use std::fmt;

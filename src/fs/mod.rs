@@ -10,7 +10,7 @@
 //! id is its object's, a `.meta.json`'s is its name's entry: renames and
 //! commits keep both, so the kernel's inodes stay valid.
 //!
-//! Locks, always taken in this order: `commit_lock` (one commit or discard at
+//! Locks, always taken in this order: the transactions' (one commit or discard at
 //! a time), then `state`, then `handles`. Reads take `state` only to find an
 //! object, and never while reading its bytes; no lock is held across disk I/O
 //! of tensor bytes (copies into staging, commits) or fsync.
@@ -30,12 +30,13 @@ use std::time::{Duration, SystemTime};
 pub use error::FsError;
 pub use files::TensorFile;
 use names::{METADATA_FILE, NAME_MAX};
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
-use crate::checkpoint::commit::{land, CommitOptions, LandError, Landing, Written};
+use crate::checkpoint::commit::CommitOptions;
+use crate::checkpoint::transaction::{Shards, Transactions};
 use crate::checkpoint::staging::Staging;
 use crate::checkpoint::{
-    CommitError, CommitPlan, DataObject, EditError, Id, Live, MAX_JSON, MAX_META,
+    CommitError, DataObject, EditError, Id, Live, MAX_JSON, MAX_META,
 };
 use crate::format::Dtype;
 use crate::source::{FileStat, SourceFile};
@@ -94,12 +95,7 @@ pub struct DirEntry {
     pub next_offset: u64,
 }
 
-/// An `*.index.json` of a folder mount.
-pub struct IndexFile {
-    pub name: String,
-    pub bytes: Vec<u8>,
-    pub stat: FileStat,
-}
+pub use crate::checkpoint::transaction::IndexFile;
 
 /// A source to mount: one checkpoint file, or a folder of shards.
 // Built once per mount: the size of a variant does not matter.
@@ -332,15 +328,12 @@ struct Handles {
 pub struct Fs {
     settings: Settings,
     staging: Arc<Staging>,
-    commit_lock: Mutex<()>,
+    /// Commits and discards (taken before `state`).
+    transactions: Transactions,
     state: RwLock<State>,
     handles: Mutex<Handles>,
     json_budget: Arc<JsonBudget>,
     next_fh: AtomicU64,
-    next_commit: AtomicU64,
-    /// Why this mount does not commit any more (a request handler panicked,
-    /// a commit failed half-way), if it does not.
-    tainted: Mutex<Option<String>>,
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
     reads: AtomicU64,
     read_bytes: AtomicU64,
@@ -536,8 +529,8 @@ impl Fs {
             .collect();
         Fs {
             settings,
+            transactions: Transactions::new(staging.clone()),
             staging,
-            commit_lock: Mutex::new(()),
             state: RwLock::new(State {
                 first_ino: fixed.len() as Ino + 1,
                 checkpoints,
@@ -549,8 +542,6 @@ impl Fs {
             handles: Mutex::new(Handles::default()),
             json_budget: Arc::default(),
             next_fh: AtomicU64::new(1),
-            next_commit: AtomicU64::new(1),
-            tainted: Mutex::new(None),
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
         }
@@ -1070,16 +1061,7 @@ impl Fs {
 
     /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
     fn sync_journal(&self, c: usize) -> Result<(), FsError> {
-        let (handle, broken) = {
-            let st = self.read_state();
-            (st.live(c).journal_handle(), st.live(c).journal_broken())
-        };
-        if broken {
-            self.write_state().live_mut(c).sync_journal()?;
-        } else if let Some(f) = handle {
-            f.sync_data()?;
-        }
-        Ok(())
+        Ok(crate::checkpoint::transaction::sync_journal(&self.state, c)?)
     }
 
     /// Makes what went through a handle durable: its staging file and the journal.
@@ -1447,226 +1429,12 @@ impl Fs {
         state_text(st, node)
     }
 
-    /// Commits every checkpoint of the mount, all or none: every plan is made
-    /// (and every edit validated) before anything is written, and every new
-    /// file is written before the first rename. Returns a line per file.
+    /// Commits every checkpoint of the mount, all or none
+    /// (`checkpoint::transaction`). Returns a line per file.
     pub fn commit(&self, options: CommitOptions, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
-        if let Some(why) = self.tainted() {
-            return Err(CommitError::Tainted { why }.into());
-        }
-        let _one = lock(&self.commit_lock);
-        // The files this commit may replace, locked against other mounts'
-        // commits from before the plan's check until they landed.
-        let targets = {
-            let st = self.read_state();
-            let mut targets: Vec<_> = st
-                .checkpoints
-                .iter()
-                .filter(|m| m.live.is_dirty())
-                .filter_map(|m| {
-                    let src = m.live.source();
-                    Some((
-                        src.folder()?.clone(),
-                        src.file_name().to_os_string(),
-                        src.file().cloned(),
-                    ))
-                })
-                .collect();
-            if let Some((folder, _)) = &st.folder {
-                targets.extend(
-                    st.indexes
-                        .iter()
-                        .map(|(ix, _)| (folder.clone(), ix.name.clone().into(), None)),
-                );
-            }
-            targets
-        };
-        let _locked = crate::checkpoint::commit::CommitLock::take(&targets)?;
-        let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
-        let (mut plans, index_updates) = {
-            let mut st = self.write_state();
-            // Every shard is validated before any is checked against its source.
-            for m in &st.checkpoints {
-                let problems = if m.live.is_dirty() {
-                    m.live.problems()
-                } else {
-                    Vec::new()
-                };
-                if !problems.is_empty() {
-                    let e = CommitError::Refused {
-                        file: m.live.source().path().to_path_buf(),
-                        problems,
-                    };
-                    warn!("commit refused: {e}");
-                    return Err(e.into());
-                }
-            }
-            let held = self.held_bytes(&st);
-            let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
-            for c in 0..st.checkpoints.len() {
-                match st.live_mut(c).plan(commit, options, &held) {
-                    Ok(Some(plan)) => plans.push((c, plan)),
-                    Ok(None) => {}
-                    Err(e) => {
-                        plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                        warn!("commit refused: {e}");
-                        return Err(e.into());
-                    }
-                }
-            }
-            let updates = match index_updates(&st, &plans) {
-                Ok(updates) => updates,
-                Err(e) => {
-                    plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                    warn!("commit refused: {e}");
-                    return Err(e.into());
-                }
-            };
-            (plans, updates)
-        };
-        if plans.is_empty() {
-            let st = self.read_state();
-            return Ok(st
-                .checkpoints
-                .iter()
-                .map(|m| format!("{}: nothing to commit", m.live.source().path().display()))
-                .collect());
-        }
-        let planned: Vec<usize> = plans.iter().map(|(c, _)| *c).collect();
-        let abandon = |written: &[Landing]| {
-            written.iter().for_each(Landing::remove);
-            let mut st = self.write_state();
-            planned.iter().for_each(|c| st.live_mut(*c).abandon());
-        };
-        let mut written = Vec::new();
-        for (_, plan) in &mut plans {
-            let path = plan.source.path().display().to_string();
-            let mut last_report = std::time::Instant::now();
-            let mut progress = |done: u64, total: u64| {
-                if last_report.elapsed().as_secs() >= 2 {
-                    info!(file = %path, "commit: {done} of {total} bytes");
-                    last_report = std::time::Instant::now();
-                }
-            };
-            match plan.write(&mut progress) {
-                Ok(w) => written.push(w),
-                Err(e) => {
-                    warn!("commit failed: {e}");
-                    abandon(&written);
-                    return Err(e.into());
-                }
-            }
-        }
-        for (folder, name, stat, bytes) in &index_updates {
-            let fill = |f: &std::fs::File| {
-                use std::os::unix::fs::FileExt;
-                f.write_all_at(bytes, 0).map_err(|source| CommitError::Io {
-                    what: format!("writing {}", folder.path.join(name).display()),
-                    source,
-                })
-            };
-            match Written::create(folder, std::ffi::OsStr::new(name), stat, fill) {
-                Ok(w) => written.push(Landing::Renamed(w)),
-                Err(e) => {
-                    warn!("commit failed: {e}");
-                    abandon(&written);
-                    return Err(e.into());
-                }
-            }
-        }
-        // Each journal says which file is landing (appended under a short
-        // lock, fsynced outside it); then the renames, under no lock.
-        {
-            let mut st = self.write_state();
-            for ((c, _), w) in plans.iter().zip(&written) {
-                st.live_mut(*c).landing(commit, w.stat());
-            }
-        }
-        for (c, _) in &plans {
-            if let Err(e) = self.sync_journal(*c) {
-                warn!("commit failed: {e}");
-                abandon(&written);
-                return Err(e);
-            }
-        }
-        let landed = match land(commit, &written, &self.staging) {
-            Ok(()) => written.len(),
-            Err(LandError {
-                changed: false,
-                error,
-                ..
-            }) => {
-                warn!("commit failed: {error}");
-                let mut st = self.write_state();
-                plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                return Err(error.into());
-            }
-            Err(LandError { done, error, .. }) => {
-                // Some files changed and others not: the record stays, and
-                // the next mount finishes the commit.
-                error!(
-                    "commit failed after {done} of its {} files landed: {error}",
-                    written.len()
-                );
-                self.taint(format!(
-                    "a commit failed after {done} of its {} files landed ({error})",
-                    written.len()
-                ));
-                done
-            }
-        };
-        let n_plans = plans.len();
-        let mut st = self.write_state();
-        let mut lines = Vec::new();
-        let mut rebases = Vec::new();
-        let mut written = written.into_iter();
-        for (k, (c, plan)) in plans.into_iter().enumerate() {
-            let w = written.next().expect("one written file per plan");
-            let path = st.live(c).source().path().display().to_string();
-            if k >= landed {
-                st.live_mut(c).abandon();
-                continue;
-            }
-            let (old, moved) = (plan.source.clone(), plan.moved.clone());
-            let described = plan.described.clone();
-            match st.live_mut(c).finish(plan, &w) {
-                Ok(()) => {
-                    info!(file = %path, "committed: {described}");
-                    lines.push(format!("{path}: committed {described}"));
-                    rebases.push((c, old, moved));
-                }
-                Err(e) => {
-                    // In place, but not mapped: this mount keeps serving the old file.
-                    error!(file = %path, "mapping the committed file: {e}");
-                    self.taint(format!(
-                        "{path} was committed but could not be mapped ({e})"
-                    ));
-                }
-            }
-        }
-        // Tensors moved here from a committed shard now read from its new file.
-        for (c, old, moved) in rebases {
-            let fresh = st.live(c).source().clone();
-            for other in 0..st.checkpoints.len() {
-                if other != c {
-                    st.live_mut(other).rebase_foreign(&old, &fresh, &moved);
-                }
-            }
-        }
-        for (k, ((_, name, _, bytes), w)) in index_updates.into_iter().zip(written).enumerate() {
-            if n_plans + k >= landed {
-                continue; // not renamed: the next mount does it
-            }
-            if let Some((ix, _)) = st.indexes.iter_mut().find(|(ix, _)| ix.name == name) {
-                ix.bytes = bytes;
-                ix.stat = w.stat();
-            }
-            lines.push(format!("{}: rewritten", w.target().display()));
-        }
-        drop(st);
-        crate::checkpoint::trim_memory();
-        Ok(lines)
+        let held = |st: &State| self.held_bytes(st);
+        Ok(self.transactions.commit(&self.state, &held, options)?)
     }
 
     /// The bytes that open descriptors and the checkpoints' edited objects
@@ -1698,19 +1466,7 @@ impl Fs {
     /// Returns a line per file, as `commit` does.
     pub fn discard(&self, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "discard")?;
-        let _one = lock(&self.commit_lock);
-        let mut st = self.write_state();
-        let mut lines = Vec::new();
-        for m in &mut st.checkpoints {
-            let path = m.live.source().path().display().to_string();
-            lines.push(match m.live.is_dirty() {
-                true => format!("{path}: staged edits discarded"),
-                false => format!("{path}: nothing to discard"),
-            });
-            m.live.discard();
-        }
-        info!("staged edits discarded");
-        Ok(lines)
+        Ok(self.transactions.discard(&self.state))
     }
 
     /// `stfs status`: staged changes and problems, one line each; true when a
@@ -1855,15 +1611,11 @@ impl Fs {
     /// Commit nothing of this mount from now on (its edits stay on disk for
     /// the next mount), saying why.
     pub fn taint(&self, why: String) {
-        let mut tainted = lock(&self.tainted);
-        if tainted.is_none() {
-            tracing::error!("{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back");
-            *tainted = Some(why);
-        }
+        self.transactions.taint(why)
     }
 
     pub fn tainted(&self) -> Option<String> {
-        lock(&self.tainted).clone()
+        self.transactions.tainted()
     }
 
     /// The unmount's policy: commit what is staged; if that cannot be done,
@@ -1929,136 +1681,36 @@ fn plural(n: usize) -> &'static str {
     }
 }
 
-type IndexUpdate = (Arc<crate::source::local::Folder>, String, FileStat, Vec<u8>);
+impl Shards for State {
+    fn count(&self) -> usize {
+        self.checkpoints.len()
+    }
 
-/// The `*.index.json` files of a folder mount, rewritten to match the shards
-/// as the plans will leave them (`weight_map`, `metadata.total_size`). Shards
-/// this commit does not write are read as they are on disk now (another
-/// mount may have committed them), and named as the folder shows them (a
-/// link's name, not its target's).
-fn index_updates(
-    st: &State,
-    plans: &[(usize, CommitPlan)],
-) -> Result<Vec<IndexUpdate>, CommitError> {
-    let Some((folder, _)) = &st.folder else {
-        return Ok(Vec::new());
-    };
-    if plans.is_empty() {
-        return Ok(Vec::new());
+    fn live(&self, c: usize) -> &Live {
+        &self.checkpoints[c].live
     }
-    let mut weight_map = serde_json::Map::new();
-    let mut total: u64 = 0;
-    for (c, m) in st.checkpoints.iter().enumerate() {
-        let shard = format!("{}.safetensors", m.dir_name);
-        let names: Vec<(String, u64)> = match plans.iter().find(|(pc, _)| *pc == c) {
-            Some((_, plan)) => plan
-                .layout
-                .tensors
-                .iter()
-                .map(|t| (t.name.to_string(), t.nbytes()))
-                .collect(),
-            None => match shard_tensors_now(m.live.source())? {
-                Some(names) => names,
-                None => return Ok(Vec::new()),
-            },
-        };
-        for (name, n) in names {
-            total += n;
-            weight_map.insert(name, serde_json::Value::String(shard.clone()));
-        }
-    }
-    let mut out = Vec::new();
-    for (ix, _) in &st.indexes {
-        // An index lists every shard's tensor names: never into a file of
-        // someone who cannot read a shard.
-        let hidden = st.checkpoints.iter().find(|m| {
-            m.live
-                .source()
-                .file()
-                .and_then(|f| FileStat::of(f).ok())
-                .is_some_and(|shard| readable_by_more(&ix.stat, &shard))
-        });
-        if let Some(m) = hidden {
-            warn!(
-                file = ix.name,
-                shard = %m.live.source().path().display(),
-                "left as it is: its owner cannot read this shard, whose tensors it would list"
-            );
-            continue;
-        }
-        let Ok(mut doc) = serde_json::from_slice::<serde_json::Value>(&ix.bytes) else {
-            warn!(file = ix.name, "not JSON: left as it is");
-            continue;
-        };
-        let Some(obj) = doc.as_object_mut() else {
-            continue;
-        };
-        let before = serde_json::Value::Object(obj.clone());
-        obj.insert(
-            "weight_map".into(),
-            serde_json::Value::Object(weight_map.clone()),
-        );
-        let meta = obj
-            .entry("metadata")
-            .or_insert_with(|| serde_json::Value::Object(Default::default()));
-        if let Some(meta) = meta.as_object_mut() {
-            meta.insert("total_size".into(), total.into());
-        }
-        if doc == before {
-            continue;
-        }
-        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
-        bytes.push(b'\n');
-        out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
-    }
-    Ok(out)
-}
 
-/// Whether the owner of `to` (who may read it, and give it to anyone) is
-/// someone who may not read `from`: a file of another user's that a commit
-/// would copy `from`'s tensor names into (an index beside a link to a private
-/// checkpoint). Judged by modes and owners; root may read anything.
-fn readable_by_more(to: &FileStat, from: &FileStat) -> bool {
-    let can = |who: u32| from.mode & (0o4 << who) != 0;
-    let (other, group, owner) = (0, 3, 6);
-    let may_read = to.uid == 0
-        || can(other)
-        || (to.uid == from.uid && can(owner))
-        || (to.gid == from.gid && can(group));
-    !may_read
-}
-
-/// A shard's tensors (name, bytes) as its file on disk has them now; None
-/// (and a warning) if that file is not a valid checkpoint now: the index is
-/// then left as it is.
-fn shard_tensors_now(src: &SourceFile) -> Result<Option<Vec<(String, u64)>>, CommitError> {
-    let of = |h: &crate::format::Header| {
-        h.tensors
-            .iter()
-            .map(|t| (t.name.to_string(), t.nbytes()))
-            .collect()
-    };
-    let Some(folder) = src.folder() else {
-        return Ok(Some(of(src.header())));
-    };
-    let io = |e| CommitError::Io {
-        what: format!("reading {} for the index", src.path().display()),
-        source: e,
-    };
-    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
-    let file = folder.open_file(src.file_name(), flags, 0).map_err(io)?;
-    if FileStat::of(&file).map_err(io)?.same_version(src.stat()) {
-        return Ok(Some(of(src.header())));
+    fn live_mut(&mut self, c: usize) -> &mut Live {
+        &mut self.checkpoints[c].live
     }
-    match crate::format::Header::read(&file).map_err(io)? {
-        Ok(h) => Ok(Some(of(&h))),
-        Err(e) => {
-            warn!(
-                file = %src.path().display(),
-                "changed since mounted and not valid now ({e}): the index files are left as they are"
-            );
-            Ok(None)
-        }
+
+    fn shard_name(&self, c: usize) -> &str {
+        &self.checkpoints[c].dir_name
+    }
+
+    fn folder(&self) -> Option<&Arc<crate::source::local::Folder>> {
+        self.folder.as_ref().map(|(f, _)| f)
+    }
+
+    fn indexes(&self) -> Box<dyn Iterator<Item = &IndexFile> + '_> {
+        Box::new(self.indexes.iter().map(|(ix, _)| ix))
+    }
+
+    fn index_mut(&mut self, name: &str) -> Option<&mut IndexFile> {
+        self.indexes
+            .iter_mut()
+            .map(|(ix, _)| ix)
+            .find(|ix| ix.name == name)
     }
 }
 

@@ -1,0 +1,479 @@
+//! A mount's commits as one transaction over all of its checkpoints: every
+//! shard's plan is made (and every edit validated) before anything is
+//! written, every new file is written before anything lands, and the files
+//! land under one record (`commit::land`). The filesystem holds the shards
+//! (with its inodes) behind its own lock and makes one call; this type owns
+//! the rest: one commit or discard at a time, commit numbers, and the taint
+//! that stops commits after one failed half-way.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use tracing::{error, info, warn};
+
+use super::commit::{land, CommitLock, CommitOptions, LandError, Landing, Written};
+use super::staging::Staging;
+use super::{CommitError, CommitPlan, EditError, Live};
+use crate::source::local::Folder;
+use crate::source::{Bytes, FileStat, SourceFile};
+
+/// A `*.index.json` of a folder mount, as read at mount time (and rewritten by commits).
+#[derive(Clone)]
+pub struct IndexFile {
+    pub name: String,
+    pub bytes: Vec<u8>,
+    pub stat: FileStat,
+}
+
+/// What a commit needs of the checkpoints of a mount.
+pub trait Shards {
+    fn count(&self) -> usize;
+    fn live(&self, c: usize) -> &Live;
+    fn live_mut(&mut self, c: usize) -> &mut Live;
+    /// The shard's name in its folder, without `.safetensors` (for the index).
+    fn shard_name(&self, c: usize) -> &str;
+    /// The folder of a folder mount.
+    fn folder(&self) -> Option<&Arc<Folder>>;
+    fn indexes(&self) -> Box<dyn Iterator<Item = &IndexFile> + '_>;
+    fn index_mut(&mut self, name: &str) -> Option<&mut IndexFile>;
+
+    fn lives(&self) -> Box<dyn Iterator<Item = &Live> + '_> {
+        Box::new((0..self.count()).map(|c| self.live(c)))
+    }
+}
+
+pub struct Transactions {
+    staging: Arc<Staging>,
+    /// One commit or discard at a time (taken before the shards' lock).
+    one_at_a_time: Mutex<()>,
+    next_commit: AtomicU64,
+    /// Why this mount does not commit any more (a request handler panicked,
+    /// a commit failed half-way), if it does not.
+    tainted: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn read<S>(state: &RwLock<S>) -> RwLockReadGuard<'_, S> {
+    state.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<S>(state: &RwLock<S>) -> RwLockWriteGuard<'_, S> {
+    state.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
+pub fn sync_journal<S: Shards>(state: &RwLock<S>, c: usize) -> Result<(), EditError> {
+    let (handle, broken) = {
+        let st = read(state);
+        (st.live(c).journal_handle(), st.live(c).journal_broken())
+    };
+    if broken {
+        write(state).live_mut(c).sync_journal()?;
+    } else if let Some(f) = handle {
+        f.sync_data()?;
+    }
+    Ok(())
+}
+
+impl Transactions {
+    pub fn new(staging: Arc<Staging>) -> Transactions {
+        Transactions {
+            staging,
+            one_at_a_time: Mutex::new(()),
+            next_commit: AtomicU64::new(1),
+            tainted: Mutex::new(None),
+        }
+    }
+
+    /// No more commits from this mount: its edits stay on disk for the next one.
+    pub fn taint(&self, why: String) {
+        let mut tainted = lock(&self.tainted);
+        if tainted.is_none() {
+            error!("{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back");
+            *tainted = Some(why);
+        }
+    }
+
+    pub fn tainted(&self) -> Option<String> {
+        lock(&self.tainted).clone()
+    }
+
+    /// Drops every staged edit. Returns a line per file, as `commit` does.
+    pub fn discard<S: Shards>(&self, state: &RwLock<S>) -> Vec<String> {
+        let _one = lock(&self.one_at_a_time);
+        let mut st = write(state);
+        let mut lines = Vec::new();
+        for c in 0..st.count() {
+            let live = st.live_mut(c);
+            let path = live.source().path().display().to_string();
+            lines.push(match live.is_dirty() {
+                true => format!("{path}: staged edits discarded"),
+                false => format!("{path}: nothing to discard"),
+            });
+            live.discard();
+        }
+        info!("staged edits discarded");
+        lines
+    }
+
+    /// Commits every checkpoint of the mount, all or none: every plan is made
+    /// (and every edit validated) before anything is written, and every new
+    /// file is written before the first rename. Returns a line per file.
+    pub fn commit<S: Shards>(
+        &self,
+        state: &RwLock<S>,
+        held: &dyn Fn(&S) -> Vec<Bytes>,
+        options: CommitOptions,
+    ) -> Result<Vec<String>, CommitError> {
+        if let Some(why) = self.tainted() {
+            return Err(CommitError::Tainted { why });
+        }
+        let _one = lock(&self.one_at_a_time);
+        // The files this commit may replace, locked against other mounts'
+        // commits from before the plan's check until they landed.
+        let targets = {
+            let st = read(state);
+            let mut targets: Vec<_> = st
+                .lives()
+                .filter(|live| live.is_dirty())
+                .filter_map(|live| {
+                    let src = live.source();
+                    Some((
+                        src.folder()?.clone(),
+                        src.file_name().to_os_string(),
+                        src.file().cloned(),
+                    ))
+                })
+                .collect();
+            if let Some(folder) = st.folder() {
+                targets.extend(
+                    st.indexes()
+                        .map(|ix| (folder.clone(), ix.name.clone().into(), None)),
+                );
+            }
+            targets
+        };
+        let _locked = CommitLock::take(&targets)?;
+        let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
+        let (mut plans, index_updates) = {
+            let mut st = write(state);
+            // Every shard is validated before any is checked against its source.
+            for live in st.lives() {
+                let problems = if live.is_dirty() {
+                    live.problems()
+                } else {
+                    Vec::new()
+                };
+                if !problems.is_empty() {
+                    let e = CommitError::Refused {
+                        file: live.source().path().to_path_buf(),
+                        problems,
+                    };
+                    warn!("commit refused: {e}");
+                    return Err(e);
+                }
+            }
+            let held = held(&st);
+            let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
+            for c in 0..st.count() {
+                match st.live_mut(c).plan(commit, options, &held) {
+                    Ok(Some(plan)) => plans.push((c, plan)),
+                    Ok(None) => {}
+                    Err(e) => {
+                        plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                        warn!("commit refused: {e}");
+                        return Err(e);
+                    }
+                }
+            }
+            let updates = match index_updates(&*st, &plans) {
+                Ok(updates) => updates,
+                Err(e) => {
+                    plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                    warn!("commit refused: {e}");
+                    return Err(e);
+                }
+            };
+            (plans, updates)
+        };
+        if plans.is_empty() {
+            let st = read(state);
+            return Ok(st
+                .lives()
+                .map(|live| format!("{}: nothing to commit", live.source().path().display()))
+                .collect());
+        }
+        let planned: Vec<usize> = plans.iter().map(|(c, _)| *c).collect();
+        let abandon = |written: &[Landing]| {
+            written.iter().for_each(Landing::remove);
+            let mut st = write(state);
+            planned.iter().for_each(|c| st.live_mut(*c).abandon());
+        };
+        let mut written = Vec::new();
+        for (_, plan) in &mut plans {
+            let path = plan.source.path().display().to_string();
+            let mut last_report = std::time::Instant::now();
+            let mut progress = |done: u64, total: u64| {
+                if last_report.elapsed().as_secs() >= 2 {
+                    info!(file = %path, "commit: {done} of {total} bytes");
+                    last_report = std::time::Instant::now();
+                }
+            };
+            match plan.write(&mut progress) {
+                Ok(w) => written.push(w),
+                Err(e) => {
+                    warn!("commit failed: {e}");
+                    abandon(&written);
+                    return Err(e);
+                }
+            }
+        }
+        for (folder, name, stat, bytes) in &index_updates {
+            let fill = |f: &std::fs::File| {
+                use std::os::unix::fs::FileExt;
+                f.write_all_at(bytes, 0).map_err(|source| CommitError::Io {
+                    what: format!("writing {}", folder.path.join(name).display()),
+                    source,
+                })
+            };
+            match Written::create(folder, std::ffi::OsStr::new(name), stat, fill) {
+                Ok(w) => written.push(Landing::Renamed(w)),
+                Err(e) => {
+                    warn!("commit failed: {e}");
+                    abandon(&written);
+                    return Err(e);
+                }
+            }
+        }
+        // Each journal says which file is landing (appended under a short
+        // lock, fsynced outside it); then the renames, under no lock.
+        {
+            let mut st = write(state);
+            for ((c, _), w) in plans.iter().zip(&written) {
+                st.live_mut(*c).landing(commit, w.stat());
+            }
+        }
+        for (c, _) in &plans {
+            if let Err(e) = sync_journal(state, *c) {
+                warn!("commit failed: {e}");
+                abandon(&written);
+                return Err(e.into());
+            }
+        }
+        let landed = match land(commit, &written, &self.staging) {
+            Ok(()) => written.len(),
+            Err(LandError {
+                changed: false,
+                error,
+                ..
+            }) => {
+                warn!("commit failed: {error}");
+                let mut st = write(state);
+                plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                return Err(error);
+            }
+            Err(LandError { done, error, .. }) => {
+                // Some files changed and others not: the record stays, and
+                // the next mount finishes the commit.
+                error!(
+                    "commit failed after {done} of its {} files landed: {error}",
+                    written.len()
+                );
+                self.taint(format!(
+                    "a commit failed after {done} of its {} files landed ({error})",
+                    written.len()
+                ));
+                done
+            }
+        };
+        let n_plans = plans.len();
+        let mut st = write(state);
+        let mut lines = Vec::new();
+        let mut rebases = Vec::new();
+        let mut written = written.into_iter();
+        for (k, (c, plan)) in plans.into_iter().enumerate() {
+            let w = written.next().expect("one written file per plan");
+            let path = st.live(c).source().path().display().to_string();
+            if k >= landed {
+                st.live_mut(c).abandon();
+                continue;
+            }
+            let (old, moved) = (plan.source.clone(), plan.moved.clone());
+            let described = plan.described.clone();
+            match st.live_mut(c).finish(plan, &w) {
+                Ok(()) => {
+                    info!(file = %path, "committed: {described}");
+                    lines.push(format!("{path}: committed {described}"));
+                    rebases.push((c, old, moved));
+                }
+                Err(e) => {
+                    // In place, but not mapped: this mount keeps serving the old file.
+                    error!(file = %path, "mapping the committed file: {e}");
+                    self.taint(format!(
+                        "{path} was committed but could not be mapped ({e})"
+                    ));
+                }
+            }
+        }
+        // Tensors moved here from a committed shard now read from its new file.
+        for (c, old, moved) in rebases {
+            let fresh = st.live(c).source().clone();
+            for other in 0..st.count() {
+                if other != c {
+                    st.live_mut(other).rebase_foreign(&old, &fresh, &moved);
+                }
+            }
+        }
+        for (k, ((_, name, _, bytes), w)) in index_updates.into_iter().zip(written).enumerate() {
+            if n_plans + k >= landed {
+                continue; // not renamed: the next mount does it
+            }
+            if let Some(ix) = st.index_mut(&name) {
+                ix.bytes = bytes;
+                ix.stat = w.stat();
+            }
+            lines.push(format!("{}: rewritten", w.target().display()));
+        }
+        drop(st);
+        super::trim_memory();
+        Ok(lines)
+    }
+
+}
+
+type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
+
+/// The `*.index.json` files of a folder mount, rewritten to match the shards
+/// as the plans will leave them (`weight_map`, `metadata.total_size`). Shards
+/// this commit does not write are read as they are on disk now (another
+/// mount may have committed them), and named as the folder shows them (a
+/// link's name, not its target's).
+fn index_updates<S: Shards>(
+    st: &S,
+    plans: &[(usize, CommitPlan)],
+) -> Result<Vec<IndexUpdate>, CommitError> {
+    let Some(folder) = st.folder() else {
+        return Ok(Vec::new());
+    };
+    if plans.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut weight_map = serde_json::Map::new();
+    let mut total: u64 = 0;
+    for c in 0..st.count() {
+        let live = st.live(c);
+        let shard = format!("{}.safetensors", st.shard_name(c));
+        let names: Vec<(String, u64)> = match plans.iter().find(|(pc, _)| *pc == c) {
+            Some((_, plan)) => plan
+                .layout
+                .tensors
+                .iter()
+                .map(|t| (t.name.to_string(), t.nbytes()))
+                .collect(),
+            None => match shard_tensors_now(live.source())? {
+                Some(names) => names,
+                None => return Ok(Vec::new()),
+            },
+        };
+        for (name, n) in names {
+            total += n;
+            weight_map.insert(name, serde_json::Value::String(shard.clone()));
+        }
+    }
+    let mut out = Vec::new();
+    for ix in st.indexes() {
+        // An index lists every shard's tensor names: never into a file of
+        // someone who cannot read a shard.
+        let hidden = st.lives().find(|live| {
+            live.source()
+                .file()
+                .and_then(|f| FileStat::of(f).ok())
+                .is_some_and(|shard| readable_by_more(&ix.stat, &shard))
+        });
+        if let Some(live) = hidden {
+            warn!(
+                file = ix.name,
+                shard = %live.source().path().display(),
+                "left as it is: its owner cannot read this shard, whose tensors it would list"
+            );
+            continue;
+        }
+        let Ok(mut doc) = serde_json::from_slice::<serde_json::Value>(&ix.bytes) else {
+            warn!(file = ix.name, "not JSON: left as it is");
+            continue;
+        };
+        let Some(obj) = doc.as_object_mut() else {
+            continue;
+        };
+        let before = serde_json::Value::Object(obj.clone());
+        obj.insert(
+            "weight_map".into(),
+            serde_json::Value::Object(weight_map.clone()),
+        );
+        let meta = obj
+            .entry("metadata")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert("total_size".into(), total.into());
+        }
+        if doc == before {
+            continue;
+        }
+        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
+        bytes.push(b'\n');
+        out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
+    }
+    Ok(out)
+}
+
+/// Whether the owner of `to` (who may read it, and give it to anyone) is
+/// someone who may not read `from`: a file of another user's that a commit
+/// would copy `from`'s tensor names into (an index beside a link to a private
+/// checkpoint). Judged by modes and owners; root may read anything.
+fn readable_by_more(to: &FileStat, from: &FileStat) -> bool {
+    let can = |who: u32| from.mode & (0o4 << who) != 0;
+    let (other, group, owner) = (0, 3, 6);
+    let may_read = to.uid == 0
+        || can(other)
+        || (to.uid == from.uid && can(owner))
+        || (to.gid == from.gid && can(group));
+    !may_read
+}
+
+/// A shard's tensors (name, bytes) as its file on disk has them now; None
+/// (and a warning) if that file is not a valid checkpoint now: the index is
+/// then left as it is.
+fn shard_tensors_now(src: &SourceFile) -> Result<Option<Vec<(String, u64)>>, CommitError> {
+    let of = |h: &crate::format::Header| {
+        h.tensors
+            .iter()
+            .map(|t| (t.name.to_string(), t.nbytes()))
+            .collect()
+    };
+    let Some(folder) = src.folder() else {
+        return Ok(Some(of(src.header())));
+    };
+    let io = |e| CommitError::Io {
+        what: format!("reading {} for the index", src.path().display()),
+        source: e,
+    };
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let file = folder.open_file(src.file_name(), flags, 0).map_err(io)?;
+    if FileStat::of(&file).map_err(io)?.same_version(src.stat()) {
+        return Ok(Some(of(src.header())));
+    }
+    match crate::format::Header::read(&file).map_err(io)? {
+        Ok(h) => Ok(Some(of(&h))),
+        Err(e) => {
+            warn!(
+                file = %src.path().display(),
+                "changed since mounted and not valid now ({e}): the index files are left as they are"
+            );
+            Ok(None)
+        }
+    }
+}
+
