@@ -267,6 +267,114 @@ fn new_mtime(old: (i64, i64)) -> (i64, i64) {
     }
 }
 
+/// A checkpoint's new state, as the ways of committing see it.
+pub struct NewState<'a> {
+    pub source: &'a Arc<SourceFile>,
+    /// Name, dtype and shape of each tensor; `inputs[k]` holds tensor k's bytes.
+    pub specs: &'a [(&'a str, crate::format::Dtype, &'a [u64])],
+    pub inputs: &'a [Bytes],
+    pub metadata: Option<&'a crate::format::Metadata>,
+    /// Bytes that open descriptors and the other shards read.
+    pub held: &'a [Bytes],
+    /// The file at the source's name is still the one mapped.
+    pub unchanged: bool,
+    pub options: CommitOptions,
+    /// The reference serializer's layout of the new state.
+    pub reference: Layout,
+}
+
+/// A way of committing a checkpoint (DESIGN §3.4): its plan for a new state
+/// (the new file's layout, and what landing it takes), or why it cannot.
+pub trait CommitWay: Sync {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String>;
+}
+
+/// The ways, cheapest first: the planner takes the first that can.
+const WAYS: [&dyn CommitWay; 2] = [&InPlaceWay, &RewriteWay];
+
+/// The plan of the first way that can commit `new`; a rewrite says why the
+/// cheaper ways could not.
+fn choose(new: &NewState) -> (Layout, Way) {
+    let mut why_not = Vec::new();
+    for way in WAYS {
+        match way.plan(new) {
+            Ok((layout, Way::Rewrite { .. })) => {
+                let why = why_not.join("; ");
+                return (layout, Way::Rewrite { why });
+            }
+            Ok(plan) => return plan,
+            Err(why) => why_not.push(why),
+        }
+    }
+    unreachable!("a rewrite can always commit")
+}
+
+/// The source's own file, changed where it is (`in_place`).
+struct InPlaceWay;
+
+impl CommitWay for InPlaceWay {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+        if new.options.compact {
+            return Err("--compact".into());
+        }
+        if !new.unchanged {
+            return Err("--force over a file that changed".into());
+        }
+        let source = new.source;
+        let file = source
+            .writable_file()
+            .ok_or("the daemon has it open read-only")?
+            .clone();
+        use std::os::unix::fs::MetadataExt;
+        let links = file.metadata().map_err(|e| e.to_string())?.nlink();
+        if links != 1 {
+            return Err(format!("it has {links} links"));
+        }
+        let mut held = vec![false; source.header().tensors.len()];
+        for b in new.held {
+            if let Bytes::Source(src, i) = b {
+                if Arc::ptr_eq(src, source) {
+                    held[*i as usize] = true;
+                }
+            }
+        }
+        let specs = new.specs;
+        let layout = in_place::layout(
+            source,
+            specs.len(),
+            |i| specs[i],
+            new.inputs,
+            new.metadata,
+            &held,
+        )?;
+        let lease = Lease::take(&file)?;
+        let mtime = new_mtime(source.stat().mtime);
+        Ok((
+            layout.layout.clone(),
+            Way::InPlace {
+                layout,
+                lease,
+                file,
+                mtime,
+            },
+        ))
+    }
+}
+
+/// A new file renamed over the source: the reference's layout, with room
+/// left in the header unless `--compact`.
+struct RewriteWay;
+
+impl CommitWay for RewriteWay {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+        let mut layout = new.reference.clone();
+        if !new.options.compact {
+            leave_room(&mut layout);
+        }
+        Ok((layout, Way::Rewrite { why: String::new() }))
+    }
+}
+
 /// Everything step 2 needs, taken from the state: it holds the bytes by
 /// reference counts, so the state is free again.
 pub struct CommitPlan {
@@ -551,8 +659,7 @@ impl Live {
         }
         let (layout, way) = {
             let specs = self.commit_specs(&members);
-            let spec = |i: usize| specs[i];
-            let rewrite = layout_of(specs.len(), spec, metadata.as_ref()).map_err(
+            let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(
                 |e: FormatError| {
                     refused(vec![Problem {
                         tensor: e.tensor().map(str::to_string),
@@ -560,19 +667,16 @@ impl Live {
                     }])
                 },
             )?;
-            match self.in_place_way(same, options, specs.len(), spec, &inputs, metadata.as_ref(), held) {
-                Ok(way) => {
-                    let Way::InPlace { layout, .. } = &way else { unreachable!() };
-                    (layout.layout.clone(), way)
-                }
-                Err(why) => {
-                    let mut layout = rewrite;
-                    if !options.compact {
-                        leave_room(&mut layout);
-                    }
-                    (layout, Way::Rewrite { why })
-                }
-            }
+            choose(&NewState {
+                source: &self.source,
+                specs: &specs,
+                inputs: &inputs,
+                metadata: metadata.as_ref(),
+                held,
+                unchanged: same,
+                options,
+                reference,
+            })
         };
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
         for (j, &k) in layout.source_index.iter().enumerate() {
@@ -645,53 +749,6 @@ impl Live {
             .collect()
     }
 
-    /// The in-place way for this state, or why not (a rewrite then).
-    #[allow(clippy::too_many_arguments)]
-    fn in_place_way<'a>(
-        &self,
-        same: bool,
-        options: CommitOptions,
-        count: usize,
-        spec: impl Fn(usize) -> (&'a str, crate::format::Dtype, &'a [u64]),
-        inputs: &[Bytes],
-        metadata: Option<&crate::format::Metadata>,
-        held: &[Bytes],
-    ) -> Result<Way, String> {
-        if options.compact {
-            return Err("--compact".into());
-        }
-        if !same {
-            return Err("--force over a file that changed".into());
-        }
-        let file = self
-            .source
-            .writable_file()
-            .ok_or("the daemon has it open read-only")?
-            .clone();
-        use std::os::unix::fs::MetadataExt;
-        let links = file.metadata().map_err(|e| e.to_string())?.nlink();
-        if links != 1 {
-            return Err(format!("it has {links} links"));
-        }
-        let mut held_here = vec![false; self.source.header().tensors.len()];
-        for b in held {
-            if let Bytes::Source(src, i) = b {
-                if Arc::ptr_eq(src, &self.source) {
-                    held_here[*i as usize] = true;
-                }
-            }
-        }
-        let layout = in_place::layout(&self.source, count, spec, inputs, metadata, &held_here)?;
-        let lease = Lease::take(&file)?;
-        let mtime = new_mtime(self.source.stat().mtime);
-        Ok(Way::InPlace {
-            layout,
-            lease,
-            file,
-            mtime,
-        })
-    }
-
     /// What a commit would do now (for `stfs status`): its way, in words.
     pub fn commit_preview(&self, held: &[Bytes]) -> Option<String> {
         if !self.dirty || !self.problems().is_empty() {
@@ -704,22 +761,28 @@ impl Live {
         let (inputs, members) = self.commit_inputs(false);
         let metadata = self.metadata()?.cloned();
         let specs = self.commit_specs(&members);
-        let spec = |i: usize| specs[i];
-        let mut rewrite = layout_of(specs.len(), spec, metadata.as_ref()).ok()?;
-        leave_room(&mut rewrite);
-        let same = self.source.folder().is_some_and(|f| {
+        let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).ok()?;
+        let unchanged = self.source.folder().is_some_and(|f| {
             f.stat_at(self.source.file_name()).is_ok_and(|now| {
                 let mapped = self.source.stat();
                 (now.st_dev, now.st_ino, now.st_size as u64) == (mapped.dev, mapped.ino, mapped.len)
                     && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
             })
         });
-        // The lease is taken and let go at once: the answer is for now.
-        let way = self
-            .in_place_way(same, CommitOptions::default(), specs.len(), spec, &inputs, metadata.as_ref(), held)
-            .unwrap_or_else(|why| Way::Rewrite { why });
-        Some(way.describe(rewrite.file_len()))
+        // A lease is taken and let go at once: the answer is for now.
+        let (layout, way) = choose(&NewState {
+            source: &self.source,
+            specs: &specs,
+            inputs: &inputs,
+            metadata: metadata.as_ref(),
+            held,
+            unchanged,
+            options: CommitOptions::default(),
+            reference,
+        });
+        Some(way.describe(layout.file_len()))
     }
+
     /// The plan of this checkpoint did not go through.
     pub fn abandon(&mut self) {
         self.committing = None;
