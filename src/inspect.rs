@@ -12,10 +12,9 @@ use crate::format::{index, Header, ShapeDisplay};
 /// Reads and validates the header of one file; the error names the file.
 pub fn read_header(path: &Path) -> Result<Header, String> {
     let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut prefix = [0u8; 8];
-    if std::os::unix::fs::FileExt::read_at(&file, &mut prefix, 0).ok() == Some(8)
-        && prefix == crate::format::IN_PLACE_MARKER
-    {
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let read_at = |b: &mut [u8], p| std::os::unix::fs::FileExt::read_at(&file, b, p);
+    if crate::format::interrupted_in_place(len, read_at) {
         return Err(crate::source::SourceError::Interrupted {
             path: path.to_path_buf(),
         }

@@ -2009,6 +2009,7 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
             WAYS.with(|w| {
                 let mut w = w.borrow_mut();
                 if in_place { w.0 += 1 } else { w.1 += 1 }
+                if line.contains("header grown by") { w.2 += 1 }
             });
             let expected = model.serialized(dir);
             let got = std::fs::read(&model.dirs[dir].path).unwrap();
@@ -2372,8 +2373,8 @@ fn run(folder: bool, ops: &[Op]) {
 }
 
 thread_local! {
-    /// Commits of this thread's runs: (in place, rewrites).
-    static WAYS: std::cell::RefCell<(usize, usize)> = const { std::cell::RefCell::new((0, 0)) };
+    /// Commits of this thread's runs: (in place, rewrites, in place with blocks inserted at the start).
+    static WAYS: std::cell::RefCell<(usize, usize, usize)> = const { std::cell::RefCell::new((0, 0, 0)) };
 }
 
 /// The model's random runs take both ways of committing, many times each,
@@ -2389,9 +2390,9 @@ fn random_runs_commit_both_in_place_and_by_rewrite() {
             run(folder, &ops);
         }
     }
-    let (in_place, rewrites) = WAYS.with(|w| *w.borrow());
-    println!("{in_place} commits in place, {rewrites} rewrites");
-    assert!(in_place >= 10 && rewrites >= 10, "{in_place} in place, {rewrites} rewrites");
+    let (in_place, rewrites, grown) = WAYS.with(|w| *w.borrow());
+    println!("{in_place} commits in place ({grown} growing the header), {rewrites} rewrites");
+    assert!(in_place >= 10 && rewrites >= 10 && grown >= 3, "{in_place} in place ({grown} grown), {rewrites} rewrites");
 }
 
 proptest! {

@@ -346,6 +346,7 @@ impl CommitWay for InPlaceWay {
             new.inputs,
             new.metadata,
             &held,
+            crate::source::local::inserts_blocks(&file),
         )?;
         let lease = Lease::take(&file)?;
         let mtime = new_mtime(source.stat().mtime);
@@ -1030,7 +1031,8 @@ impl InPlaceJob {
                 .file()
         };
         self.source.begin_in_place();
-        let result = self.record.apply(&self.file, &self.header, &open_staged);
+        let insert = |len| self.source.insert_at_start(len);
+        let result = self.record.apply(&self.file, &self.header, &open_staged, &insert);
         let now = result.as_ref().ok().and_then(|_| FileStat::of(&self.file).ok());
         self.source.end_in_place(now.as_ref());
         drop(lease); // opens that waited go on, and see the new file
@@ -1082,6 +1084,7 @@ impl CommitPlan {
                 after_len: layout.file_len,
                 after_mtime: mtime,
                 header_file: format!("in-place-{}-{}.header", self.commit, self.source.stat().ino),
+                inserted: layout.inserted,
                 writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
             };
             return Ok(Landing::InPlace(InPlaceJob {

@@ -55,6 +55,8 @@ pub enum WriteFrom {
 /// to the old header's length, tensors in file order) and what to write.
 pub struct InPlaceLayout {
     pub layout: Layout,
+    /// Bytes inserted at the file's start to grow the header (whole blocks).
+    pub inserted: u64,
     /// For each write, the input (index into the plan's inputs) it copies.
     pub writes: Vec<(RangeWrite, usize)>,
     pub file_len: u64,
@@ -67,7 +69,8 @@ pub struct InPlaceLayout {
 /// Lays out the new state in the source's own file, or says why it cannot
 /// be: `spec(k)` is input `k`'s name, dtype and shape, `inputs[k]` its bytes;
 /// `held[i]`: source tensor `i`'s bytes are read by a descriptor or another
-/// shard, so they must stay where they are.
+/// shard, so they must stay where they are. `block`: the filesystem can
+/// insert blocks of this size at the file's start, to grow the header.
 pub fn layout<'a>(
     source: &Arc<SourceFile>,
     count: usize,
@@ -75,10 +78,13 @@ pub fn layout<'a>(
     inputs: &[Bytes],
     metadata: Option<&Metadata>,
     held: &[bool],
+    block: Option<u64>,
 ) -> Result<InPlaceLayout, String> {
     let old = source.header();
     let n_old = old.tensors.len();
-    let data_start = old.data_start();
+    // Offsets in the file as it is now (earlier in-place commits may have
+    // inserted bytes at its start since `source` was made).
+    let data_start = old.data_start() + source.shift();
     let len_of = |k: usize| {
         let (name, dtype, shape) = spec(k);
         byte_len(dtype, shape).map_err(|_| format!("tensor {name:?} has no valid size"))
@@ -103,8 +109,9 @@ pub fn layout<'a>(
                 return Err(format!("tensor {:?} changes size", spec(k).0));
             }
             if claimed[i] {
+                // (Data-relative here; made a file offset once the header's size is known.)
                 from[k] = Some(WriteFrom::Here {
-                    offset: data_start + t.data_offsets.0,
+                    offset: t.data_offsets.0,
                 });
             } else {
                 claimed[i] = true;
@@ -205,15 +212,27 @@ pub fn layout<'a>(
             .map_err(|_| "the header is too large".to_string())?;
     }
     let mut header = header_bytes(&tensors, metadata).map_err(|e| e.to_string())?;
-    let room = old.header_len;
+    let mut room = old.header_len;
     let needed = header.len() as u64 - PREFIX_LEN;
+    let mut inserted = 0;
     if needed > room {
-        return Err(format!(
-            "the header grows past its space ({needed} bytes, {room} there)"
-        ));
+        let Some(block) = block else {
+            return Err(format!(
+                "the header grows past its space ({needed} bytes, {room} there) and this \
+                 filesystem cannot insert blocks at a file's start (ext4 and XFS can)"
+            ));
+        };
+        // Whole blocks, with room to spare for the next edits (as a rewrite leaves).
+        let want = needed + (needed / 4).max(4096) - room;
+        inserted = want.div_ceil(block) * block;
+        room += inserted;
+        if room > crate::format::MAX_HEADER_LEN {
+            return Err("the header would pass 100,000,000 bytes".into());
+        }
     }
     header.resize((PREFIX_LEN + room) as usize, b' ');
     header[..PREFIX_LEN as usize].copy_from_slice(&room.to_le_bytes());
+    let data_start = data_start + inserted;
     let file_len = data_start + end;
     // What a reader will see must be what the reference accepts.
     Header::parse_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
@@ -231,6 +250,9 @@ pub fn layout<'a>(
             continue;
         }
         let from = match (&from[k], &inputs[k]) {
+            (Some(WriteFrom::Here { offset }), _) => WriteFrom::Here {
+                offset: data_start + offset,
+            },
             (Some(f), _) => f.clone(),
             (None, Bytes::Staged(s)) if s.len() == stop - start => WriteFrom::Staged { file: s.name() },
             _ => {
@@ -251,7 +273,10 @@ pub fn layout<'a>(
         ));
     }
     let dropped = n_old - claimed.iter().filter(|c| **c).count();
-    let mut summary = vec!["header".to_string()];
+    let mut summary = vec![match inserted {
+        0 => "header".to_string(),
+        n => format!("header grown by {} KiB at the start", n >> 10),
+    }];
     for (n, what) in [
         (overwritten, "overwritten"),
         (appended, "appended"),
@@ -268,6 +293,7 @@ pub fn layout<'a>(
             tensors,
             source_index,
         },
+        inserted,
         writes,
         file_len,
         bytes,
@@ -329,6 +355,10 @@ pub struct InPlaceRecord {
     pub after_mtime: (i64, i64),
     /// The file (in the staging folder) holding the new prefix and header.
     pub header_file: String,
+    /// Bytes inserted at the start (FALLOC_FL_INSERT_RANGE) before the
+    /// writes, whose offsets count them.
+    #[serde(default)]
+    pub inserted: u64,
     pub writes: Vec<RangeWrite>,
 }
 
@@ -354,11 +384,14 @@ pub struct ApplyError {
 impl InPlaceRecord {
     /// Does the whole commit to `file` (again, after a crash: every step may
     /// be repeated). `open_staged` opens a staging file by name.
+    /// `insert` inserts the record's bytes at the file's start (the mount
+    /// does it with no read in flight: `SourceFile::insert_at_start`).
     pub fn apply(
         &self,
         file: &File,
         header: &[u8],
         open_staged: &dyn Fn(&str) -> std::io::Result<Arc<File>>,
+        insert: &dyn Fn(u64) -> std::io::Result<()>,
     ) -> Result<(), ApplyError> {
         let before = |error| ApplyError {
             marked: false,
@@ -368,8 +401,14 @@ impl InPlaceRecord {
             marked: true,
             error,
         };
+        // Done already (a crash after it): the marker moved to `inserted`,
+        // or the new header is written.
+        let inserted = self.inserted > 0 && self.inserted_already(file, header).map_err(before)?;
         let now = file.metadata().map_err(before)?.len();
-        if self.after_len > now {
+        // What the file grows by besides the insertion: appended tensors.
+        let to_insert = if inserted { 0 } else { self.inserted };
+        let grows = self.after_len.saturating_sub(now + to_insert);
+        if grows > 0 {
             // Blocks for what is appended, before anything changes: no ENOSPC half-way.
             // SAFETY: fallocate on a valid descriptor.
             let r = unsafe {
@@ -377,7 +416,7 @@ impl InPlaceRecord {
                     file.as_raw_fd(),
                     libc::FALLOC_FL_KEEP_SIZE,
                     now as libc::off_t,
-                    (self.after_len - now) as libc::off_t,
+                    grows as libc::off_t,
                 )
             };
             if r != 0 {
@@ -390,6 +429,15 @@ impl InPlaceRecord {
         file.write_all_at(&IN_PLACE_MARKER, 0).map_err(before)?;
         file.sync_data().map_err(before)?;
         crash_point("in-place:marked");
+        if self.inserted > 0 && !inserted {
+            // The marker moves to `inserted`; zeros at the start (a length of
+            // 0, refused) until it is written there again.
+            insert(self.inserted).map_err(after)?;
+            file.sync_all().map_err(after)?;
+            crash_point("in-place:inserted");
+            file.write_all_at(&IN_PLACE_MARKER, 0).map_err(after)?;
+            file.sync_data().map_err(after)?;
+        }
         for (n, w) in self.writes.iter().enumerate() {
             match &w.from {
                 WriteFrom::Staged { file: name } => {
@@ -455,6 +503,19 @@ impl InPlaceRecord {
         })
     }
 
+    /// Whether the bytes were inserted at the start already: the marker
+    /// written before it is found where the insertion moved it, or the new
+    /// header (which covers that place) is written.
+    fn inserted_already(&self, file: &File, header: &[u8]) -> std::io::Result<bool> {
+        let mut moved = [0u8; 8];
+        if file.read_at(&mut moved, self.inserted)? == 8 && moved == IN_PLACE_MARKER {
+            return Ok(true);
+        }
+        let mut on_disk = vec![0u8; header.len() - PREFIX_LEN as usize];
+        let got = file.read_at(&mut on_disk, PREFIX_LEN)?;
+        Ok(got == on_disk.len() && on_disk == header[PREFIX_LEN as usize..])
+    }
+
     fn try_complete(&self, dir: &Folder) -> Result<Option<String>, String> {
         let path = self.folder.join(&self.name);
         let plain = !self.name.is_empty()
@@ -480,7 +541,11 @@ impl InPlaceRecord {
         }
         let mut prefix = [0u8; 8];
         let got = file.read_at(&mut prefix, 0).map_err(io)?;
-        let marked = got == 8 && prefix == IN_PLACE_MARKER;
+        let mut moved = [0u8; 8];
+        let moved_marker = self.inserted > 0
+            && file.read_at(&mut moved, self.inserted).map_err(io)? == 8
+            && moved == IN_PLACE_MARKER;
+        let marked = got == 8 && (prefix == IN_PLACE_MARKER || (prefix == [0; 8] && moved_marker));
         if !marked && st.len == self.after_len && st.mtime == self.after_mtime {
             return Ok(None); // done before the crash
         }
@@ -506,7 +571,8 @@ impl InPlaceRecord {
             }
             Ok(Arc::new(dir.open_file(OsStr::new(name), libc::O_RDONLY, 0)?))
         };
-        self.apply(&file, &header, &open_staged)
+        let insert = |len| crate::source::local::insert_range(&file, len);
+        self.apply(&file, &header, &open_staged, &insert)
             .map_err(|e| io(e.error))?;
         info!(file = %path.display(), "completed an interrupted in-place commit");
         Ok(Some(format!(

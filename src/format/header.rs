@@ -24,6 +24,35 @@ pub const MAX_HEADER_LEN: u64 = 100_000_000;
 /// file ("header too large") until stfs completes the commit.
 pub const IN_PLACE_MARKER: [u8; 8] = *b"STFS-WIP";
 
+/// Whether a file is one an in-place commit of stfs left half-done: the
+/// marker at its start, or (just after blocks were inserted at its start,
+/// which moved the marker) zeros there and the marker at a block boundary.
+/// `read_at(buf, pos)` reads the file.
+pub fn interrupted_in_place(
+    len: u64,
+    read_at: impl Fn(&mut [u8], u64) -> std::io::Result<usize>,
+) -> bool {
+    let mut prefix = [0u8; 8];
+    if read_at(&mut prefix, 0).ok() != Some(8) {
+        return false;
+    }
+    if prefix == IN_PLACE_MARKER {
+        return true;
+    }
+    if prefix != [0; 8] {
+        return false;
+    }
+    let mut at = 1024;
+    while at + 8 <= len.min(2 * MAX_HEADER_LEN) {
+        let mut here = [0u8; 8];
+        if read_at(&mut here, at).ok() == Some(8) && here == IN_PLACE_MARKER {
+            return true;
+        }
+        at += 1024;
+    }
+    false
+}
+
 /// The metadata map of a header (`__metadata__`), kept sorted as it is written.
 pub type Metadata = BTreeMap<String, String>;
 

@@ -321,6 +321,7 @@ mod tests {
             offset: 0,
             len: 16,
             sparse: false,
+            moves_with: None,
         };
         let e = to_device(0, &backing, &|| true)
             .err()

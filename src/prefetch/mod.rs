@@ -206,6 +206,7 @@ mod tests {
             offset,
             len,
             sparse,
+            moves_with: None,
         }
     }
 

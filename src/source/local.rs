@@ -12,14 +12,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::SystemTime;
 
 use memmap2::{Advice, Mmap, UncheckedAdvice};
 use tracing::warn;
 
 use super::remote::RemoteObject;
-use crate::format::{FormatError, Header, IN_PLACE_MARKER};
+use crate::format::{FormatError, Header};
 
 /// Why a source could not be opened.
 #[derive(Debug)]
@@ -355,8 +355,10 @@ enum Origin {
         folder: Arc<Folder>,
         /// Kept open: commits copy unchanged bytes from it with copy_file_range.
         file: Arc<File>,
-        /// The whole file, mapped read-only and shared with the page cache.
-        map: Mmap,
+        /// Bytes inserted at the file's start (by in-place commits that grew
+        /// the header) before this `SourceFile` was made: its offsets are
+        /// the file's now minus the inserts since (`Version::view`).
+        shift_base: u64,
         /// Drop the daemon's page-table references after each read.
         release_after_read: AtomicBool,
         /// `file` is open for writing too: commits may write it in place.
@@ -377,6 +379,31 @@ struct Version {
     /// An in-place commit is writing the file: reads of ranges it does not
     /// touch go on.
     writing: AtomicBool,
+    /// The mapping every `SourceFile` of this open file reads through.
+    /// Reads hold it shared; an in-place commit holds it alone while it
+    /// inserts blocks at the file's start, and maps the file again.
+    view: RwLock<View>,
+}
+
+struct View {
+    /// The whole file, mapped read-only and shared with the page cache.
+    map: Mmap,
+    /// Bytes inserted at the start since the file was opened.
+    shift: u64,
+}
+
+impl Version {
+    fn new(map: Mmap, stat: &FileStat) -> Arc<Version> {
+        Arc::new(Version {
+            accepted: Mutex::new((stat.len, stat.mtime)),
+            writing: AtomicBool::new(false),
+            view: RwLock::new(View { map, shift: 0 }),
+        })
+    }
+
+    fn view(&self) -> RwLockReadGuard<'_, View> {
+        self.view.read().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl SourceFile {
@@ -427,22 +454,24 @@ impl SourceFile {
         // ever read by the kernel on stfs's behalf, where a page that vanished
         // gives EFAULT, never SIGBUS.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        if map.get(..8) == Some(&IN_PLACE_MARKER[..]) {
+        let read_at = |b: &mut [u8], p: u64| {
+            let p = (p as usize).min(map.len());
+            let n = b.len().min(map.len() - p);
+            b[..n].copy_from_slice(&map[p..p + n]);
+            Ok(n)
+        };
+        if crate::format::interrupted_in_place(map.len() as u64, read_at) {
             return Err(SourceError::Interrupted { path });
         }
         let header = Header::parse(&map).map_err(format)?;
-        let version = Arc::new(Version {
-            accepted: Mutex::new((stat.len, stat.mtime)),
-            writing: AtomicBool::new(false),
-        });
+        let version = Version::new(map, &stat);
         Ok(SourceFile::assemble(
             path,
             folder,
             name,
             Arc::new(file),
-            (writable, version),
+            (writable, version, 0),
             stat,
-            map,
             header,
         ))
     }
@@ -456,11 +485,10 @@ impl SourceFile {
         header: Header,
     ) -> std::io::Result<SourceFile> {
         let stat = FileStat::of(&file)?;
-        let version = Arc::new(Version {
-            accepted: Mutex::new((stat.len, stat.mtime)),
-            writing: AtomicBool::new(false),
-        });
-        previous.remade(Arc::new(file), (writable, version), header)
+        // SAFETY: as in `open`.
+        let map = unsafe { Mmap::map(&file) }?;
+        let version = Version::new(map, &stat);
+        previous.remade(Arc::new(file), (writable, version, 0), header)
     }
 
     /// This file after an in-place commit wrote `header` (validated) and its
@@ -476,13 +504,36 @@ impl SourceFile {
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
-        self.remade(file.clone(), (*writable, version.clone()), header)
+        // Mapped again at the file's new length, for every `SourceFile` of it.
+        let shift = {
+            let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: as in `open`.
+            view.map = unsafe { Mmap::map(&**file) }?;
+            view.shift
+        };
+        self.remade(file.clone(), (*writable, version.clone(), shift), header)
+    }
+
+    /// An in-place commit grows the header: `len` bytes (whole blocks) are
+    /// inserted at the file's start (FALLOC_FL_INSERT_RANGE), while no read
+    /// of this file is in flight; reads after it find their bytes `len`
+    /// further on.
+    pub fn insert_at_start(&self, len: u64) -> std::io::Result<()> {
+        let Origin::Local { file, version, .. } = &self.origin else {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        };
+        let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
+        insert_range(file, len)?;
+        view.shift += len;
+        // SAFETY: as in `open`.
+        view.map = unsafe { Mmap::map(&**file) }?;
+        Ok(())
     }
 
     fn remade(
         &self,
         file: Arc<File>,
-        access: (bool, Arc<Version>),
+        access: (bool, Arc<Version>, u64),
         header: Header,
     ) -> std::io::Result<SourceFile> {
         let Origin::Local {
@@ -494,8 +545,6 @@ impl SourceFile {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
         let stat = FileStat::of(&file)?;
-        // SAFETY: as in `open`.
-        let map = unsafe { Mmap::map(&*file) }?;
         let fresh = SourceFile::assemble(
             self.path.clone(),
             folder.clone(),
@@ -503,7 +552,6 @@ impl SourceFile {
             file,
             access,
             stat,
-            map,
             header,
         );
         fresh.set_release_after_read(release_after_read.load(Ordering::Relaxed));
@@ -545,18 +593,23 @@ impl SourceFile {
         folder: Arc<Folder>,
         name: OsString,
         file: Arc<File>,
-        (writable, version): (bool, Arc<Version>),
+        (writable, version, shift_base): (bool, Arc<Version>, u64),
         stat: FileStat,
-        map: Mmap,
         header: Header,
     ) -> SourceFile {
         // The header's pages were read once, to parse: they need not stay in
         // the daemon's resident memory.
-        let header_end = header.data_start() as usize;
-        if header_end > 0 {
-            // SAFETY: read-only shared file mapping; a later access faults the
-            // same bytes back in from the page cache.
-            let _ = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, 0, header_end) };
+        {
+            let view = version.view();
+            let header_end = ((view.shift - shift_base + header.data_start()) as usize).min(view.map.len());
+            if header_end > 0 {
+                // SAFETY: read-only shared file mapping; a later access faults the
+                // same bytes back in from the page cache.
+                let _ = unsafe {
+                    view.map
+                        .unchecked_advise_range(UncheckedAdvice::DontNeed, 0, header_end)
+                };
+            }
         }
         SourceFile {
             path,
@@ -566,7 +619,7 @@ impl SourceFile {
             origin: Origin::Local {
                 folder,
                 file,
-                map,
+                shift_base,
                 release_after_read: AtomicBool::new(false),
                 writable,
                 version,
@@ -658,7 +711,47 @@ impl SourceFile {
         }
     }
 
-    /// Byte range of tensor `index` in the file.
+    /// Copies bytes `from..from+len` of tensor `index` into `to` at `to_off`,
+    /// with no in-place commit moving them meanwhile.
+    pub fn copy_tensor(
+        &self,
+        index: usize,
+        from: u64,
+        to: &File,
+        to_off: u64,
+        len: u64,
+    ) -> std::io::Result<()> {
+        let start = self.tensor_range(index).start + from;
+        match &self.origin {
+            Origin::Local {
+                file,
+                version,
+                shift_base,
+                ..
+            } => {
+                let view = version.view();
+                super::copy_range(file, start + view.shift - shift_base, to, to_off, len)
+            }
+            Origin::Remote(_) => {
+                super::copy_through(|b, p| self.read_at(b, p), start, to, to_off, len)
+            }
+        }
+    }
+
+    /// Bytes inserted at the file's start since this `SourceFile` was made:
+    /// its offsets plus this are the file's now.
+    pub fn shift(&self) -> u64 {
+        match &self.origin {
+            Origin::Local {
+                version,
+                shift_base,
+                ..
+            } => version.view().shift - shift_base,
+            Origin::Remote(_) => 0,
+        }
+    }
+
+    /// Byte range of tensor `index` in the file (as this `SourceFile` knows it: see `shift`).
     pub fn tensor_range(&self, index: usize) -> Range<u64> {
         let t = self.header.tensors.get(index);
         let start = self.header.data_start();
@@ -710,18 +803,22 @@ impl SourceFile {
         if end == start {
             return Ok(serve(&[]));
         }
-        let (map, release_after_read) = match &self.origin {
+        let (view, shift_base, release_after_read) = match &self.origin {
             Origin::Local {
-                map,
+                version,
+                shift_base,
                 release_after_read,
                 ..
-            } => (map, release_after_read),
+            } => (version.view(), *shift_base, release_after_read),
             Origin::Remote(r) => {
                 let tensor = (index as u32, self.header.tensors.name(index), range);
                 return r.serve(start..end, Some(tensor), serve);
             }
         };
-        let (start, end) = (start as usize, end as usize);
+        // Where the bytes are now: further on by what was inserted since.
+        let delta = view.shift - shift_base;
+        let (start, end) = ((start + delta) as usize, (end + delta) as usize);
+        let map = &view.map;
         self.check_unchanged()?;
         if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
             // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
@@ -743,9 +840,23 @@ impl SourceFile {
 
     /// Reads bytes of the file at `pos` (absolute) into `buf`; fewer at its end.
     pub fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        self.read_shifted(buf, pos, 0)
+    }
+
+    /// `read_at` of a position taken when `seen` bytes had been inserted at
+    /// the start since this `SourceFile` was made (a `Backing` made earlier).
+    pub fn read_shifted(&self, buf: &mut [u8], pos: u64, seen: u64) -> std::io::Result<usize> {
         use std::os::unix::fs::FileExt;
         match &self.origin {
-            Origin::Local { file, .. } => file.read_at(buf, pos),
+            Origin::Local {
+                file,
+                version,
+                shift_base,
+                ..
+            } => {
+                let view = version.view();
+                file.read_at(buf, pos + (view.shift - shift_base) - seen)
+            }
             Origin::Remote(r) => {
                 let end = pos.saturating_add(buf.len() as u64).min(r.data_end());
                 if end <= pos {
@@ -757,4 +868,35 @@ impl SourceFile {
             }
         }
     }
+}
+
+/// FALLOC_FL_INSERT_RANGE of `len` bytes at offset 0 (ext4 and XFS, whole blocks).
+pub fn insert_range(file: &File, len: u64) -> std::io::Result<()> {
+    // SAFETY: fallocate on a valid descriptor.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_INSERT_RANGE,
+            0,
+            len as libc::off_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether the filesystem holding `file` inserts blocks (FALLOC_FL_INSERT_RANGE):
+/// ext4 and XFS; and its block size.
+pub fn inserts_blocks(file: &File) -> Option<u64> {
+    // SAFETY: zeroed statfs is a valid out-parameter.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs of a valid descriptor into a sized out-parameter.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    const EXT4: i64 = 0xEF53;
+    const XFS: i64 = 0x5846_5342;
+    matches!(st.f_type as i64, EXT4 | XFS).then_some(st.f_bsize as u64)
 }

@@ -35,6 +35,9 @@ pub enum Backing {
         len: u64,
         /// Holes may exist (a sparse staging file): skip them instead of reading zeros.
         sparse: bool,
+        /// A source whose in-place commits may insert bytes at its start,
+        /// and how many it had when `offset` was taken: reads follow.
+        moves_with: Option<(Arc<SourceFile>, u64)>,
     },
     Remote {
         source: Arc<SourceFile>,
@@ -57,6 +60,10 @@ impl Backing {
     pub fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
         use std::os::unix::fs::FileExt;
         match self {
+            Backing::File {
+                moves_with: Some((source, seen)),
+                ..
+            } => source.read_shifted(buf, pos, *seen),
             Backing::File { file, .. } => file.read_at(buf, pos),
             Backing::Remote { source, .. } => source.read_at(buf, pos),
         }
@@ -110,11 +117,7 @@ impl Bytes {
             Bytes::Empty => Ok(()),
             Bytes::Source(s, i) => {
                 s.check_unchanged()?;
-                let start = s.tensor_range(*i as usize).start;
-                match s.file() {
-                    Some(file) => copy_range(file, start + from, to, to_off, len),
-                    None => copy_through(|b, p| s.read_at(b, p), start + from, to, to_off, len),
-                }
+                s.copy_tensor(*i as usize, from, to, to_off, len)
             }
             Bytes::Staged(s) => copy_range(&*s.file()?, from, to, to_off, len),
         }
@@ -127,13 +130,15 @@ impl Bytes {
             Bytes::Source(s, i) => {
                 s.check_unchanged()?;
                 let r = s.tensor_range(*i as usize);
-                let (offset, len) = (r.start, r.end - r.start);
+                let shift = s.shift();
+                let (offset, len) = (r.start + shift, r.end - r.start);
                 Some(match s.file() {
                     Some(file) => Backing::File {
                         file: file.clone(),
                         offset,
                         len,
                         sparse: false,
+                        moves_with: Some((s.clone(), shift)),
                     },
                     None => Backing::Remote {
                         source: s.clone(),
@@ -147,6 +152,7 @@ impl Bytes {
                 offset: 0,
                 len: s.len(),
                 sparse: true,
+                moves_with: None,
             }),
         })
     }
@@ -235,7 +241,7 @@ fn copy_by_buffer(
 }
 
 /// Copies by a buffer from whatever `read_at` reads; running out early is an error.
-fn copy_through(
+pub(crate) fn copy_through(
     read_at: impl Fn(&mut [u8], u64) -> std::io::Result<usize>,
     mut from_off: u64,
     to: &File,

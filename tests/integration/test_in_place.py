@@ -7,6 +7,7 @@ reader until the next mount completes it."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -37,16 +38,19 @@ def tensors():
 
 
 def with_room(path, mount, run, t, metadata):
-    """A checkpoint as a first stfs commit leaves it: rewritten, with room in its header."""
+    """A checkpoint as a first stfs commit leaves it: a save_file file, whose header has no
+    room, grown in place by whole blocks inserted at its start (ext4, XFS)."""
     save_file(t, str(path))
+    _, before, _ = header_of(path)
+    ino = os.stat(path).st_ino
     m = mount(path)
     with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
         json.dump(metadata, f)
     p = run("commit", m.path)
-    assert "committed by a rewrite" in p.stdout and "the header grows past its space" in p.stdout, p.stdout
+    assert "committed in place (header grown by 8 KiB at the start;" in p.stdout, p.stdout
     m.close()
     _, n, _ = header_of(path)
-    assert (8 + n) % 4096 == 0, "a rewrite puts the data section on a 4 KiB boundary"
+    assert n == before + 8192 and os.stat(path).st_ino == ino
     assert_checkpoint(path, t, metadata)
 
 
@@ -118,6 +122,49 @@ def test_every_edit_kind_commits_in_place(tmp_path, mount, run):
     assert_checkpoint(src, t, meta)
 
 
+def test_a_rewrite_leaves_room_in_the_header(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src))
+    m = mount(src)
+    os.unlink(os.path.join(m.path, "layer.0"))  # from the middle: a rewrite
+    del t["layer.0"]
+    p = run("commit", m.path)
+    assert "committed by a rewrite (not in place: tensor \"layer.0\" leaves a hole" in p.stdout, p.stdout
+    _, n, _ = header_of(src)
+    assert (8 + n) % 4096 == 0, "a rewrite puts the data section on a 4 KiB boundary"
+    assert_checkpoint(src, t)
+    # The room takes the next header edits in place.
+    sh(f"mv {m.path}/embed {m.path}/model.embed_tokens.weight")
+    t["model.embed_tokens.weight"] = t.pop("embed")
+    p = run("commit", m.path)
+    assert "committed in place (header;" in p.stdout, p.stdout
+    assert_checkpoint(src, t)
+
+
+def test_a_descriptor_reads_the_right_bytes_across_a_header_that_grows(tmp_path, mount, run):
+    """Blocks inserted at the file's start move every tensor: what the mount serves follows."""
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src))
+    m = mount(src)
+    held = open(os.path.join(m.path, "layer.1"), "rb")
+    mapped = np.memmap(os.path.join(m.path, "embed"), dtype=np.float32, mode="r")
+    try:
+        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+            json.dump({"notes": "n" * 20000}, f)
+        p = run("commit", m.path)
+        assert re.search(r"committed in place \(header grown by (4|8|12|16|20|24|28|32) KiB at the start;", p.stdout), p.stdout
+        assert held.read() == t["layer.1"].tobytes()
+        assert np.array_equal(np.asarray(mapped).reshape(256, 64), t["embed"])
+        for name, v in t.items():
+            assert open(os.path.join(m.path, name), "rb").read() == v.tobytes(), name
+    finally:
+        held.close()
+        del mapped
+    assert_checkpoint(src, t, {"notes": "n" * 20000})
+
+
 def test_compact_is_the_reference_layout(tmp_path, mount, run):
     src = tmp_path / "m.safetensors"
     t = tensors()
@@ -184,12 +231,17 @@ def test_links_and_read_only_mounts_rewrite(tmp_path, mount, run):
 
 # ---- crash trials ----
 
-STEPS = ["in-place:recorded", "in-place:marked", "in-place:data", "in-place:written", "in-place:prefix", "in-place:landed"]
+STEPS = ["in-place:recorded", "in-place:marked", "in-place:inserted", "in-place:data", "in-place:written",
+         "in-place:prefix", "in-place:landed"]
 
 
 def edit(kind, path, t, meta):
     """Makes an edit of `kind` through the mount at `path`; returns the expected tensors and metadata."""
     t, meta = dict(t), dict(meta)
+    if kind == "grow":  # past the header's room: blocks inserted at the start
+        meta["note"] = "x" * 30000
+        with open(os.path.join(path, "__metadata__.json"), "w") as f:
+            json.dump(meta, f)
     if kind in ("metadata", "all"):
         meta["note"] = "x" * 100
         with open(os.path.join(path, "__metadata__.json"), "w") as f:
@@ -222,7 +274,7 @@ def same(path, t, meta):
     return sorted(got) == sorted(t) and all(got[k].tobytes() == v.tobytes() for k, v in t.items()) and got_meta == meta
 
 
-@pytest.mark.parametrize("kind", ["metadata", "overwrite", "append", "drop", "all"])
+@pytest.mark.parametrize("kind", ["metadata", "overwrite", "append", "drop", "all", "grow"])
 def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount, run, monkeypatch, kind):
     pristine = tmp_path / "pristine.safetensors"
     t = tensors()
@@ -246,7 +298,8 @@ def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount
             outcome = "new"
         else:
             outcome = "refused"
-            with pytest.raises(Exception, match="too large|TooLarge"):
+            # The marker (too large), or just after blocks were inserted, a length of 0.
+            with pytest.raises(Exception, match="too large|TooLarge|EOF while parsing"):
                 load_file(str(src))
             insp = run("inspect", src)
             assert insp.returncode != 0 and "was interrupted" in insp.stderr, insp.stderr
@@ -265,6 +318,8 @@ def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount
     assert outcomes["in-place:marked"] == "refused"
     assert outcomes["in-place:written"] == "refused"
     assert outcomes["in-place:prefix"] == "new" and outcomes["in-place:landed"] == "new"
+    if kind == "grow":
+        assert outcomes["in-place:inserted"] == "refused"
 
 
 def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, monkeypatch):
