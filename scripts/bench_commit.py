@@ -14,8 +14,13 @@ The rows run in order on the same file, as a user's session would: the first
 header edit of a save_file file has no room in its header, so it is a
 rewrite (which leaves room); the next ones are in place.
 
-Usage: scripts/bench_commit.py [--gib 8] [--dir /var/tmp] [--stfs target/release/stfs] [--no-python]
-Needs root (reads the daemon's /proc/PID/io).
+With --xfs, the same on an XFS filesystem with reflink (a loop image the
+script makes in --dir and removes): there a header that outgrows its space
+grows in place, and a tensor dropped from the middle shares the old file's
+blocks.
+
+Usage: scripts/bench_commit.py [--gib 8] [--dir /var/tmp] [--xfs] [--stfs target/release/stfs] [--no-python]
+Needs root (reads the daemon's /proc/PID/io; --xfs mounts a loop image).
 """
 
 import argparse
@@ -82,7 +87,27 @@ def main():
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--gib", type=int, default=8)
     p.add_argument("--no-python", action="store_true", help="skip the Python baseline (it holds the model in memory)")
+    p.add_argument("--xfs", action="store_true", help="run on an XFS loop image with reflink made in --dir")
     a = p.parse_args()
+    if a.xfs:
+        with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-xfs-") as outer:
+            img, mnt = os.path.join(outer, "xfs.img"), os.path.join(outer, "xfs")
+            os.mkdir(mnt)
+            with open(img, "wb") as f:
+                f.truncate((3 * a.gib + 4) << 30)
+            subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", img], check=True)
+            subprocess.run(["mount", "-o", "loop", img, mnt], check=True)
+            try:
+                a.dir = mnt
+                run(a, "XFS (reflink) on a loop image")
+            finally:
+                subprocess.run(["umount", mnt], check=True)
+        return
+    fs_type = subprocess.run(["stat", "-f", "-c", "%T", a.dir], capture_output=True, text=True).stdout.strip()
+    run(a, fs_type)
+
+
+def run(a, fs_name):
     size = 128 * MIB
     count = a.gib * 1024 // 128
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-") as work:
@@ -127,7 +152,8 @@ def main():
                 out = subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True, text=True).stdout
                 seconds = time.perf_counter() - t
                 wrote = written_by(pid) - before
-                way = "in place" if "committed in place" in out else "rewrite"
+                way = ("in place" if "committed in place" in out
+                       else "shared" if "shares extents" in out else "rewrite")
                 base = dd_time(work, own_bytes) if own_bytes else None
                 rows.append((label, seconds, wrote, way, base, out.strip()))
 
@@ -176,7 +202,7 @@ def main():
             row("a tensor removed from the middle", drop_middle)
         finally:
             subprocess.run([a.stfs, "umount", mnt], check=True)
-        print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), ext4 in {a.dir}")
+        print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), {fs_name} in {a.dir}")
         print(f"baselines: cp + fsync {cp_time:.2f} s", end="")
         print(f"; Python load_file + edit + save_file {python_time:.2f} s" if python_time else "")
         print(f"{'edit':52} {'way':9} {'seconds':>8} {'x cp':>7} {'x py':>7} {'written':>10} {'x own bytes':>11}")

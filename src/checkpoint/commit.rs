@@ -200,6 +200,15 @@ pub enum Way {
         /// The modification time the file gets when done.
         mtime: (i64, i64),
     },
+    /// A new file renamed over the source, its tensors in the source's
+    /// order and at the same places within their blocks, so that their
+    /// blocks are shared with the source's (XFS, btrfs); `shared`: the bytes
+    /// it expects to share.
+    SharedExtents {
+        why: String,
+        block: u64,
+        shared: u64,
+    },
     /// A new file renamed over the source; `why`: why not in place.
     Rewrite { why: String },
 }
@@ -212,6 +221,11 @@ impl Way {
                 "in place ({}; {} written)",
                 layout.summary,
                 human_bytes(layout.bytes)
+            ),
+            Way::SharedExtents { why, shared, .. } => format!(
+                "by a rewrite that shares extents (not in place: {why}; {} written, {} shared with the old file)",
+                human_bytes(file_len - shared),
+                human_bytes(*shared)
             ),
             Way::Rewrite { why } => format!(
                 "by a rewrite (not in place: {why}; {} written)",
@@ -290,7 +304,7 @@ pub trait CommitWay: Sync {
 }
 
 /// The ways, cheapest first: the planner takes the first that can.
-const WAYS: [&dyn CommitWay; 2] = [&InPlaceWay, &RewriteWay];
+const WAYS: [&dyn CommitWay; 3] = [&InPlaceWay, &SharedExtentsWay, &RewriteWay];
 
 /// The plan of the first way that can commit `new`; a rewrite says why the
 /// cheaper ways could not.
@@ -301,6 +315,10 @@ fn choose(new: &NewState) -> (Layout, Way) {
             Ok((layout, Way::Rewrite { .. })) => {
                 let why = why_not.join("; ");
                 return (layout, Way::Rewrite { why });
+            }
+            Ok((layout, Way::SharedExtents { block, shared, .. })) => {
+                let why = why_not.join("; ");
+                return (layout, Way::SharedExtents { why, block, shared });
             }
             Ok(plan) => return plan,
             Err(why) => why_not.push(why),
@@ -357,6 +375,88 @@ impl CommitWay for InPlaceWay {
                 lease,
                 file,
                 mtime,
+            },
+        ))
+    }
+}
+
+/// A new file whose tensors keep the source's order and their places within
+/// their blocks, so that the filesystem shares their blocks (FICLONERANGE):
+/// a tensor dropped from the middle costs what the blocks around it cost.
+struct SharedExtentsWay;
+
+impl CommitWay for SharedExtentsWay {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+        if new.options.compact {
+            return Err("--compact".into());
+        }
+        let source = new.source;
+        let file = source.file().ok_or("a remote source")?;
+        let block = crate::source::local::shares_extents(file)
+            .ok_or("this filesystem cannot share blocks between files (XFS and btrfs can)")?;
+        let old = source.header();
+        let data_start_now = old.data_start() + source.shift();
+        // The source's own tensors in their order, then the others by name.
+        let mut claimed = vec![false; old.tensors.len()];
+        let mut kept = Vec::new();
+        let mut rest = Vec::new();
+        for (k, input) in new.inputs.iter().enumerate() {
+            match input {
+                Bytes::Source(src, i) if Arc::ptr_eq(src, source) && !claimed[*i as usize] => {
+                    claimed[*i as usize] = true;
+                    kept.push((old.tensors.get(*i as usize).data_offsets.0, k));
+                }
+                _ => rest.push(k),
+            }
+        }
+        kept.sort_unstable();
+        rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
+        let order: Vec<usize> = kept.iter().map(|&(_, k)| k).chain(rest).collect();
+        let mut tensors = crate::format::Tensors::with_capacity(order.len());
+        let mut offset = 0;
+        for &k in &order {
+            let (name, dtype, shape) = new.specs[k];
+            let n = new.inputs[k].len();
+            tensors
+                .push(name, dtype, shape, (offset, offset + n))
+                .map_err(|_| "the header is too large".to_string())?;
+            offset += n;
+        }
+        let mut header =
+            crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
+        // Room, and the data section at the old one's place within a block.
+        let json = header.len() as u64 - crate::format::PREFIX_LEN;
+        let base = json + (json / 4).max(4096);
+        let misfit = (data_start_now % block + block - (crate::format::PREFIX_LEN + base) % block) % block;
+        let room = base + misfit;
+        if room > crate::format::MAX_HEADER_LEN {
+            return Err("the header would pass 100,000,000 bytes".into());
+        }
+        header.resize((crate::format::PREFIX_LEN + room) as usize, b' ');
+        header[..8].copy_from_slice(&room.to_le_bytes());
+        let data_start = crate::format::PREFIX_LEN + room;
+        let mut shared = 0;
+        for (j, &(old_start, _)) in kept.iter().enumerate() {
+            let (from, to) = (data_start_now + old_start, data_start + tensors.get(j).data_offsets.0);
+            let len = tensors.get(j).nbytes();
+            if from % block == to % block {
+                let head = ((block - from % block) % block).min(len);
+                shared += (len - head) / block * block;
+            }
+        }
+        if shared == 0 {
+            return Err("no tensor would keep its place within its blocks".into());
+        }
+        Ok((
+            Layout {
+                header,
+                tensors,
+                source_index: order,
+            },
+            Way::SharedExtents {
+                why: String::new(),
+                block,
+                shared,
             },
         ))
     }
@@ -1060,6 +1160,10 @@ impl CommitPlan {
             file: self.source.path().to_path_buf(),
         })?;
         let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
+        let share = match way {
+            Way::SharedExtents { block, .. } => Some(block),
+            _ => None,
+        };
         if let Way::InPlace {
             layout,
             lease,
@@ -1100,7 +1204,7 @@ impl CommitPlan {
             folder,
             self.source.file_name(),
             self.source.stat(),
-            |file| self.fill(file, progress),
+            |file| self.fill(file, share, progress),
         )?;
         written.replaces = (!self.force).then(|| *self.source.stat());
         info!(
@@ -1113,7 +1217,14 @@ impl CommitPlan {
         Ok(Landing::Renamed(written))
     }
 
-    fn fill(&self, file: &File, progress: &mut dyn FnMut(u64, u64)) -> Result<(), CommitError> {
+    /// The new file: header, then every tensor's bytes (with `share`, the
+    /// blocks of the source's tensors shared where they can be).
+    fn fill(
+        &self,
+        file: &File,
+        share: Option<u64>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), CommitError> {
         file.write_all_at(&self.layout.header, 0)
             .map_err(io_err(format!(
                 "writing the commit of {}",
@@ -1121,19 +1232,29 @@ impl CommitPlan {
             )))?;
         let total = self.layout.data_len();
         let mut out = self.layout.header.len() as u64;
-        let mut done = 0;
+        let (mut done, mut shared) = (0, 0);
         for (placed, &k) in self.layout.tensors.iter().zip(&self.layout.source_index) {
             let len = placed.nbytes();
-            self.inputs[k]
-                .copy_to(0, file, out, len)
-                .map_err(io_err(format!(
-                    "{}: tensor {:?}: copying its bytes",
-                    self.source.path().display(),
-                    placed.name
-                )))?;
+            let what = io_err(format!(
+                "{}: tensor {:?}: copying its bytes",
+                self.source.path().display(),
+                placed.name
+            ));
+            match share {
+                Some(block) => shared += self.inputs[k].copy_sharing_to(file, out, block).map_err(what)?,
+                None => self.inputs[k].copy_to(0, file, out, len).map_err(what)?,
+            }
             out += len;
             done += len;
             progress(done, total);
+        }
+        if share.is_some() {
+            info!(
+                file = %self.source.path().display(),
+                shared,
+                copied = total - shared,
+                "commit: blocks shared with the old file"
+            );
         }
         Ok(())
     }

@@ -738,6 +738,24 @@ impl SourceFile {
         }
     }
 
+    /// All of tensor `index` into `to` at `to_off`, its blocks shared where
+    /// they can be (`copy_sharing`). Returns the bytes shared.
+    pub fn share_tensor(&self, index: usize, to: &File, to_off: u64, block: u64) -> std::io::Result<u64> {
+        let range = self.tensor_range(index);
+        let Origin::Local {
+            file,
+            version,
+            shift_base,
+            ..
+        } = &self.origin
+        else {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        };
+        let view = version.view();
+        let start = range.start + view.shift - shift_base;
+        super::copy_sharing(file, start, to, to_off, range.end - range.start, block)
+    }
+
     /// Bytes inserted at the file's start since this `SourceFile` was made:
     /// its offsets plus this are the file's now.
     pub fn shift(&self) -> u64 {
@@ -885,6 +903,20 @@ pub fn insert_range(file: &File, len: u64) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Whether the filesystem holding `file` may share blocks between files
+/// (XFS with reflink, btrfs), and its block size.
+pub fn shares_extents(file: &File) -> Option<u64> {
+    // SAFETY: zeroed statfs is a valid out-parameter.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs of a valid descriptor into a sized out-parameter.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    const XFS: i64 = 0x5846_5342;
+    const BTRFS: i64 = 0x9123_683E;
+    matches!(st.f_type as i64, XFS | BTRFS).then_some(st.f_bsize as u64)
 }
 
 /// Whether the filesystem holding `file` inserts blocks (FALLOC_FL_INSERT_RANGE):

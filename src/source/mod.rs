@@ -123,6 +123,19 @@ impl Bytes {
         }
     }
 
+    /// `copy_to`, sharing blocks where the tensor lies at the same place
+    /// modulo `block` in the source and in `to` (`copy_sharing`). Returns
+    /// the bytes shared.
+    pub fn copy_sharing_to(&self, to: &File, to_off: u64, block: u64) -> std::io::Result<u64> {
+        match self {
+            Bytes::Source(s, i) if s.file().is_some() => {
+                s.check_unchanged()?;
+                s.share_tensor(*i as usize, to, to_off, block)
+            }
+            _ => self.copy_to(0, to, to_off, self.len()).map(|_| 0),
+        }
+    }
+
     /// The file and range holding the bytes, for prefetch.
     pub fn backing(&self) -> std::io::Result<Option<Backing>> {
         Ok(match self {
@@ -241,6 +254,52 @@ fn copy_by_buffer(
 }
 
 /// Copies by a buffer from whatever `read_at` reads; running out early is an error.
+/// Copies as `copy_range` does, but shares the blocks (FICLONERANGE) of the
+/// part of the range that lies on whole blocks of `block` bytes at the same
+/// place in both files, where the filesystem allows (XFS, btrfs). Returns the
+/// bytes shared.
+pub fn copy_sharing(
+    from: &File,
+    from_off: u64,
+    to: &File,
+    to_off: u64,
+    len: u64,
+    block: u64,
+) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    if block == 0 || from_off % block != to_off % block {
+        copy_range(from, from_off, to, to_off, len)?;
+        return Ok(0);
+    }
+    let head = ((block - from_off % block) % block).min(len);
+    let body = (len - head) / block * block;
+    copy_range(from, from_off, to, to_off, head)?;
+    let mut shared = 0;
+    if body > 0 {
+        let range = libc::file_clone_range {
+            src_fd: from.as_raw_fd() as i64,
+            src_offset: from_off + head,
+            src_length: body,
+            dest_offset: to_off + head,
+        };
+        // SAFETY: ioctl on valid descriptors with a sized argument.
+        if unsafe { libc::ioctl(to.as_raw_fd(), libc::FICLONERANGE, &range) } == 0 {
+            shared = body;
+        } else {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP | libc::EXDEV | libc::EINVAL | libc::ENOTTY) => {
+                    copy_range(from, from_off + head, to, to_off + head, body)?
+                }
+                _ => return Err(e),
+            }
+        }
+    }
+    let done = head + body;
+    copy_range(from, from_off + done, to, to_off + done, len - done)?;
+    Ok(shared)
+}
+
 pub(crate) fn copy_through(
     read_at: impl Fn(&mut [u8], u64) -> std::io::Result<usize>,
     mut from_off: u64,
