@@ -1110,8 +1110,8 @@ pub struct InPlaceJob {
     lease: std::sync::Mutex<Option<Lease>>,
     record: InPlaceRecord,
     header: Vec<u8>,
-    /// The staging files the writes copy from.
-    staged: Vec<Arc<StagedFile>>,
+    /// The staging files the writes copy from, by name.
+    staged: std::collections::HashMap<String, Arc<StagedFile>>,
 }
 
 impl InPlaceJob {
@@ -1125,8 +1125,7 @@ impl InPlaceJob {
         }
         let open_staged = |name: &str| {
             self.staged
-                .iter()
-                .find(|s| s.name() == name)
+                .get(name)
                 .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?
                 .file()
         };
@@ -1171,14 +1170,27 @@ impl CommitPlan {
             mtime,
         } = way
         {
-            let mut staged = Vec::new();
+            // The staging files the redo record names must be durable first:
+            // one by one, or (many small ones) the whole filesystem at once.
+            let mut staged = std::collections::HashMap::new();
             for (_, k) in &layout.writes {
                 if let Bytes::Staged(s) = &self.inputs[*k] {
-                    s.sync().map_err(io_err(format!(
-                        "{}: syncing a staging file",
-                        self.source.path().display()
-                    )))?;
-                    staged.push(s.clone());
+                    staged.insert(s.name(), s.clone());
+                }
+            }
+            let what = |source| CommitError::Io {
+                what: format!("{}: syncing the staging files", self.source.path().display()),
+                source,
+            };
+            if staged.len() > 64 {
+                let any = staged.values().next().expect("many").file().map_err(&what)?;
+                // SAFETY: syncfs of a valid descriptor.
+                if unsafe { libc::syncfs(any.as_raw_fd()) } != 0 {
+                    return Err(what(std::io::Error::last_os_error()));
+                }
+            } else {
+                for s in staged.values() {
+                    s.sync().map_err(&what)?;
                 }
             }
             let record = InPlaceRecord {
