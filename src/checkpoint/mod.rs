@@ -22,6 +22,7 @@ mod object;
 pub mod recover;
 pub mod staging;
 pub mod transaction;
+pub mod view;
 
 use std::collections::HashMap;
 use std::fmt;

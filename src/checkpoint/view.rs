@@ -1,0 +1,265 @@
+//! Views (DESIGN §9): read-only files computed from a checkpoint's staged
+//! state on every read, never stored. A view is a whole safetensors file,
+//! laid out as `stfs commit --compact` would write it (the reference
+//! serializer's layout), optionally with every floating-point tensor cast to
+//! one dtype. Its header is made once per staged state; a read at any offset
+//! computes only the bytes asked for, from the tensors' bytes (the source,
+//! a staging file) and, for a cast, a conversion of just those elements.
+
+
+use crate::format::{layout_of, Dtype, FormatError, Metadata};
+use crate::source::Bytes;
+
+/// One tensor of a view: its name, dtype and shape in the checkpoint, and its bytes.
+pub struct ViewTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub bytes: Bytes,
+}
+
+/// A safetensors file generated from tensors: the header, then each
+/// tensor's bytes in file order.
+pub struct GeneratedFile {
+    header: Vec<u8>,
+    /// File order: (start in the file, the tensor, the dtype it is shown as).
+    parts: Vec<(u64, ViewTensor, Dtype)>,
+    len: u64,
+}
+
+/// The dtype a tensor of `dtype` is shown as in a view cast to `to`: every
+/// floating-point dtype but F8 becomes `to`; the others stay.
+pub fn cast_dtype(dtype: Dtype, to: Option<Dtype>) -> Dtype {
+    match to {
+        Some(to) if matches!(dtype, Dtype::F64 | Dtype::F32 | Dtype::F16 | Dtype::BF16) => to,
+        _ => dtype,
+    }
+}
+
+impl GeneratedFile {
+    /// The file `save_file` would write for `tensors` and `metadata`, with
+    /// floating-point tensors cast to `cast` if given.
+    pub fn safetensors(
+        tensors: Vec<ViewTensor>,
+        metadata: Option<&Metadata>,
+        cast: Option<Dtype>,
+    ) -> Result<GeneratedFile, FormatError> {
+        let shown: Vec<Dtype> = tensors.iter().map(|t| cast_dtype(t.dtype, cast)).collect();
+        let layout = layout_of(
+            tensors.len(),
+            |i| (tensors[i].name.as_str(), shown[i], tensors[i].shape.as_slice()),
+            metadata,
+        )?;
+        let start = layout.header.len() as u64;
+        let mut slots: Vec<Option<ViewTensor>> = tensors.into_iter().map(Some).collect();
+        let mut parts = Vec::with_capacity(slots.len());
+        for (placed, &k) in layout.tensors.iter().zip(&layout.source_index) {
+            let t = slots[k].take().expect("each tensor placed once");
+            parts.push((start + placed.data_offsets.0, t, shown[k]));
+        }
+        Ok(GeneratedFile {
+            len: layout.file_len(),
+            header: layout.header,
+            parts,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Fills `buf` with the bytes at `offset` (fewer at the end of the file).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let want = (buf.len() as u64).min(self.len.saturating_sub(offset)) as usize;
+        let mut done = 0;
+        while done < want {
+            let at = offset + done as u64;
+            let out = &mut buf[done..want];
+            let n = if at < self.header.len() as u64 {
+                let h = &self.header[at as usize..];
+                let n = h.len().min(out.len());
+                out[..n].copy_from_slice(&h[..n]);
+                n
+            } else {
+                // The part holding `at`: the last one starting at or before it.
+                let p = self.parts.partition_point(|(start, ..)| *start <= at) - 1;
+                let (start, t, shown) = &self.parts[p];
+                let len = shown.bits() * element_count(&t.shape) / 8;
+                let within = at - start;
+                let n = ((len - within) as usize).min(out.len());
+                read_cast(&t.bytes, t.dtype, *shown, within, &mut out[..n])?;
+                n
+            };
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        Ok(done)
+    }
+}
+
+fn element_count(shape: &[u64]) -> u64 {
+    shape.iter().product()
+}
+
+/// Reads `out.len()` bytes at `offset` of a tensor of `from` shown as `to`.
+fn read_cast(bytes: &Bytes, from: Dtype, to: Dtype, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+    if from == to {
+        return read_exact(bytes, offset, out);
+    }
+    let (a, b) = (from.bits() as u64 / 8, to.bits() as u64 / 8);
+    // The elements that hold the bytes asked for, in chunks.
+    let first = offset / b;
+    let last = (offset + out.len() as u64).div_ceil(b);
+    const CHUNK: u64 = 1 << 16;
+    let mut src = vec![0u8; (CHUNK * a) as usize];
+    let mut dst = vec![0u8; (CHUNK * b) as usize];
+    let mut e = first;
+    while e < last {
+        let n = (last - e).min(CHUNK);
+        let src = &mut src[..(n * a) as usize];
+        read_exact(bytes, e * a, src)?;
+        let dst = &mut dst[..(n * b) as usize];
+        convert(from, to, src, dst);
+        // The part of these elements' bytes that was asked for.
+        let lo = (e * b).max(offset);
+        let hi = ((e + n) * b).min(offset + out.len() as u64);
+        out[(lo - offset) as usize..(hi - offset) as usize]
+            .copy_from_slice(&dst[(lo - e * b) as usize..(hi - e * b) as usize]);
+        e += n;
+    }
+    Ok(())
+}
+
+fn read_exact(bytes: &Bytes, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < out.len() {
+        let want = (out.len() - done).min(u32::MAX as usize) as u32;
+        let got = bytes.read(offset + done as u64, want, |b| {
+            out[done..done + b.len()].copy_from_slice(b);
+            b.len()
+        })?;
+        if got == 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        done += got;
+    }
+    Ok(())
+}
+
+/// Converts little-endian elements of `from` in `src` to `to` in `dst`.
+fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
+    let a = from.bits() as usize / 8;
+    let b = to.bits() as usize / 8;
+    for (s, d) in src.chunks_exact(a).zip(dst.chunks_exact_mut(b)) {
+        // Through f64 where that is exact (from F32, F16, BF16); F64 to a
+        // narrower type goes through f32 first, as ml_dtypes and numpy do.
+        let wide = match from {
+            Dtype::F64 => f64::from_le_bytes(s.try_into().expect("8 bytes")),
+            Dtype::F32 => f32::from_le_bytes(s.try_into().expect("4 bytes")) as f64,
+            Dtype::F16 => half::f16::from_le_bytes(s.try_into().expect("2 bytes")).to_f64(),
+            Dtype::BF16 => bf16_to_f32(u16::from_le_bytes(s.try_into().expect("2 bytes"))) as f64,
+            _ => unreachable!("only floating-point tensors are cast"),
+        };
+        match to {
+            Dtype::F64 => d.copy_from_slice(&wide.to_le_bytes()),
+            Dtype::F32 => d.copy_from_slice(&(wide as f32).to_le_bytes()),
+            Dtype::F16 => d.copy_from_slice(&half::f16::from_f32(wide as f32).to_le_bytes()),
+            Dtype::BF16 => d.copy_from_slice(&f32_to_bf16(wide as f32).to_le_bytes()),
+            _ => unreachable!("casts are to floating-point dtypes"),
+        }
+    }
+}
+
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Round to nearest, ties to even, as ml_dtypes (Eigen) does; a NaN becomes
+/// the quiet NaN of its sign.
+pub fn f32_to_bf16(f: f32) -> u16 {
+    let bits = f.to_bits();
+    if f.is_nan() {
+        return if bits >> 31 == 1 { 0xFFC0 } else { 0x7FC0 };
+    }
+    let lsb = (bits >> 16) & 1;
+    (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_keeps_specials() {
+        assert_eq!(f32_to_bf16(1.0), 0x3F80);
+        // 1 + 2^-8 is halfway between 1 and the next bf16: ties to even (1).
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F80_8000)), 0x3F80);
+        // 1 + 3 * 2^-8: halfway, rounds up to the even 0x3F82.
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3F81_8000)), 0x3F82);
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7F80);
+        assert_eq!(f32_to_bf16(f32::NEG_INFINITY), 0xFF80);
+        assert_eq!(f32_to_bf16(f32::NAN), 0x7FC0);
+        assert_eq!(f32_to_bf16(-f32::NAN), 0xFFC0);
+        // The largest finite f32 rounds to infinity, as in ml_dtypes.
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7F80);
+    }
+
+    #[test]
+    fn a_view_reads_the_same_at_any_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = Arc::new(
+            crate::source::StagingDir::create(
+                Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+                "v",
+            )
+            .unwrap(),
+        );
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.37 - 100.0).collect();
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let a = staging.file_with(&data).unwrap();
+        let b = staging.file_with(&[1, 2, 3]).unwrap();
+        let tensors = || {
+            vec![
+                ViewTensor {
+                    name: "w".into(),
+                    dtype: Dtype::F32,
+                    shape: vec![1000],
+                    bytes: Bytes::Staged(a.clone()),
+                },
+                ViewTensor {
+                    name: "ids".into(),
+                    dtype: Dtype::U8,
+                    shape: vec![3],
+                    bytes: Bytes::Staged(b.clone()),
+                },
+            ]
+        };
+        for cast in [None, Some(Dtype::BF16), Some(Dtype::F16), Some(Dtype::F64)] {
+            let view = GeneratedFile::safetensors(tensors(), None, cast).unwrap();
+            let mut whole = vec![0u8; view.len() as usize];
+            assert_eq!(view.read_at(&mut whole, 0).unwrap(), whole.len());
+            let parsed = crate::format::Header::parse(&whole).unwrap();
+            let w = parsed.get("w").unwrap();
+            assert_eq!(w.dtype, cast.unwrap_or(Dtype::F32));
+            assert_eq!(parsed.get("ids").unwrap().dtype, Dtype::U8);
+            // Every read at any offset and size agrees with the whole.
+            for (off, len) in [(0, 7), (3, 100), (50, 4000), (whole.len() as u64 - 5, 100), (101, 1)] {
+                let mut part = vec![0u8; len];
+                let n = view.read_at(&mut part, off).unwrap();
+                assert_eq!(&part[..n], &whole[off as usize..off as usize + n]);
+            }
+            if cast == Some(Dtype::BF16) {
+                let start = parsed.data_start() + w.data_offsets.0;
+                let got = u16::from_le_bytes(whole[start as usize + 2..start as usize + 4].try_into().unwrap());
+                assert_eq!(got, f32_to_bf16(values[1]));
+            }
+        }
+    }
+}
