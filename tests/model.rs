@@ -2227,7 +2227,7 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        assert_eq!(root, [".", "..", "s0", "s1", INDEX]);
+        assert_eq!(root, [".", "..", "s0", "s1", INDEX, "__views__"]);
         let ino = fs.lookup(ROOT_INO, INDEX).unwrap().ino;
         let on_disk = std::fs::read(m.dir.path().join(INDEX)).unwrap();
         assert_eq!(
@@ -2254,10 +2254,38 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 want.push(TensorFile::Meta.file_name(name));
             }
         }
+        if !model.folder {
+            want.push("__views__".into());
+        }
         let mut names: Vec<String> = listed.iter().map(|(n, _)| n.clone()).collect();
         names.sort();
         want.sort();
         assert_eq!(names, want, "shard {dir} listing after {after:?}");
+        // The export view is, byte for byte, the reference serialization of
+        // the model's state (when that state is a valid checkpoint).
+        let readable = !model.dirs[dir].replaced
+            && model.dirs[dir].entries.values().all(|e| e.data.is_none_or(|o| !model.unreadable(o)));
+        if model.problem_count(dir) == 0 && readable {
+            let top = if model.folder { ROOT_INO } else { dino };
+            let views = fs.lookup(top, "__views__").unwrap();
+            let name = if model.folder { format!("s{dir}.safetensors") } else { "model.safetensors".into() };
+            let view = fs.lookup(views.ino, &name).unwrap();
+            let want = model.serialized(dir);
+            assert_eq!(view.size, want.len() as u64, "the export view's size after {after:?}");
+            let opened = fs.open(view.ino, false, false).unwrap();
+            let mut got = Vec::new();
+            loop {
+                let part = fs
+                    .read(view.ino, opened.fh, got.len() as u64, 1000, |b| b.concat())
+                    .unwrap();
+                if part.is_empty() {
+                    break;
+                }
+                got.extend(part);
+            }
+            fs.release(opened.fh).unwrap();
+            assert!(got == want, "the export view differs from the model's state after {after:?}");
+        }
         // Every listed name looks up to the inode readdir gave.
         for (name, ino) in listed.iter().skip(2) {
             assert_eq!(

@@ -893,6 +893,7 @@ impl Live {
     pub fn finish(&mut self, mut plan: CommitPlan, landed: &Landing) -> Result<(), CommitError> {
         let what = || landed.target().display().to_string();
         self.committing = None;
+        self.version += 1;
         let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
         plan.layout.header = Vec::new();
         let tensors = std::mem::take(&mut plan.layout.tensors);

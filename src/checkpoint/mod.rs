@@ -299,6 +299,9 @@ pub struct Live {
     /// The file id of `__metadata__.json`: a new one when it is made again
     /// or renamed over, like a meta's.
     metadata_file: Id,
+    /// Counts changes of the state (edits, discards, commits): views are
+    /// made again when it moves.
+    version: u64,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
@@ -328,6 +331,7 @@ impl Live {
             batch: None,
             meta_files: HashMap::new(),
             metadata_file: 0,
+            version: 0,
             source,
         };
         live.metadata_file = live.new_id();
@@ -513,6 +517,36 @@ impl Live {
             ObjectSlot::Live(o) => Some(o.take_for_commit()),
             _ => self.object(id),
         }
+    }
+
+    /// Moves with every change of the state (for views).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The tensors and metadata of the state as a commit would write them,
+    /// for a view; what a commit would refuse, if anything.
+    pub fn view_tensors(
+        &self,
+    ) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), String> {
+        if let Some(p) = self.problems().first() {
+            return Err(p.to_string());
+        }
+        let mut tensors = Vec::new();
+        for (_, e) in self.entries_from(0) {
+            let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
+                continue;
+            };
+            let bytes = self.object(object).ok_or("a tensor's bytes are gone")?.bytes;
+            tensors.push(view::ViewTensor {
+                name: e.name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+                bytes,
+            });
+        }
+        let metadata = self.metadata().ok_or("invalid metadata")?.cloned();
+        Ok((tensors, metadata))
     }
 
     /// The bytes of every object that is not an untouched source tensor.
@@ -993,6 +1027,7 @@ impl Live {
     }
 
     fn log(&mut self, mut records: Vec<Record>) {
+        self.version += 1;
         if let Some(batch) = &mut self.batch {
             batch.append(&mut records);
             return;
@@ -1278,6 +1313,7 @@ impl Live {
     /// inodes), edited ones come back under a fresh id, so that no page the
     /// kernel cached of the edited file is served as the source's.
     pub fn discard(&mut self) {
+        self.version += 1;
         let len = self.entries.len();
         let old_objects = std::mem::replace(
             &mut self.objects,
@@ -1348,6 +1384,7 @@ impl Live {
         dir: &Arc<StagingDir>,
         shard: &dyn Fn(&str) -> Option<Arc<SourceFile>>,
     ) -> (usize, Vec<String>) {
+        self.version += 1;
         let mut notes: Vec<String> = folded
             .dropped
             .iter()

@@ -68,6 +68,12 @@ impl GeneratedFile {
         self.len
     }
 
+    /// The bytes it reads from (an in-place commit leaves them alone while
+    /// a descriptor reads the view).
+    pub fn bytes(&self) -> impl Iterator<Item = &Bytes> {
+        self.parts.iter().map(|(_, t, _)| &t.bytes)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -112,7 +118,7 @@ fn read_cast(bytes: &Bytes, from: Dtype, to: Dtype, offset: u64, out: &mut [u8])
     if from == to {
         return read_exact(bytes, offset, out);
     }
-    let (a, b) = (from.bits() as u64 / 8, to.bits() as u64 / 8);
+    let (a, b) = (from.bits() / 8, to.bits() / 8);
     // The elements that hold the bytes asked for, in chunks.
     let first = offset / b;
     let last = (offset + out.len() as u64).div_ceil(b);

@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime};
 
 pub use error::FsError;
 pub use files::TensorFile;
-use names::{METADATA_FILE, NAME_MAX};
+use names::{METADATA_FILE, NAME_MAX, VIEWS_DIR};
 use tracing::{info, warn};
 
 use crate::checkpoint::commit::CommitOptions;
@@ -63,6 +63,16 @@ pub struct Attr {
     pub gid: u32,
     /// Content generated from the state (metas): the kernel must not cache it.
     pub volatile: bool,
+}
+
+impl Attr {
+    /// Without write permission (views).
+    fn read_only(self) -> Attr {
+        Attr {
+            perm: self.perm & !0o222,
+            ..self
+        }
+    }
 }
 
 /// How the kernel caches tensor bytes read through the mount (measured by
@@ -175,7 +185,22 @@ enum Node {
     Metadata(usize),
     Index(usize),
     File(usize, Id, TensorFile),
+    /// `__views__` (None), or its folder of views cast to a dtype.
+    ViewsDir(Option<Dtype>),
+    /// A view: of checkpoint `c`, or (None) of every shard merged; cast.
+    View(Option<usize>, Option<Dtype>),
 }
+
+/// The folders of cast views in `__views__`.
+const CASTS: [(Dtype, &str); 3] = [(Dtype::BF16, "bf16"), (Dtype::F16, "f16"), (Dtype::F32, "f32")];
+
+/// A view as made for one state of its checkpoints (their versions summed),
+/// or why it cannot be made (what a commit would refuse).
+type CachedView = (u64, Result<Arc<GeneratedFile>, String>);
+
+/// Which view: of checkpoint `c` (None: merged), and its cast.
+type ViewKey = (Option<usize>, Option<Dtype>);
+use crate::checkpoint::view::GeneratedFile;
 
 /// Hashed file name stem -> tensor name.
 type HashedNames = HashMap<String, String>;
@@ -306,12 +331,14 @@ enum Handle {
     },
     /// A JSON file; `write`: opened for writing.
     Json { file: Arc<JsonFile>, write: bool },
+    /// A view, as it was made when opened.
+    View { ino: Ino, file: Arc<GeneratedFile> },
 }
 
 impl Handle {
     fn ino(&self) -> Ino {
         match self {
-            Handle::Data { ino, .. } => *ino,
+            Handle::Data { ino, .. } | Handle::View { ino, .. } => *ino,
             Handle::Json { file, .. } => file.ino,
         }
     }
@@ -332,6 +359,9 @@ pub struct Fs {
     transactions: Transactions,
     state: RwLock<State>,
     handles: Mutex<Handles>,
+    /// Views made, by (checkpoint or merged, cast): made again when a
+    /// checkpoint's state moves (taken after `state`).
+    views: Mutex<HashMap<ViewKey, CachedView>>,
     json_budget: Arc<JsonBudget>,
     next_fh: AtomicU64,
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
@@ -400,7 +430,40 @@ impl State {
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
+            Node::ViewsDir(_) | Node::View(..) => {
+                let i = self.fixed.iter().position(|n| *n == node);
+                i.expect("views have fixed inodes") as Ino + 1
+            }
         }
+    }
+
+    /// A view's file name: `model.safetensors` of a file mount; of a folder
+    /// mount, each shard's own name, and `merged.safetensors`.
+    fn view_name(&self, target: Option<usize>) -> String {
+        match (target, &self.folder) {
+            (Some(_), None) => "model.safetensors".into(),
+            (Some(c), Some(_)) => format!("{}.safetensors", self.checkpoints[c].dir_name),
+            (None, _) => "merged.safetensors".into(),
+        }
+    }
+
+    /// The views of one cast, in listing order.
+    fn views(&self, cast: Option<Dtype>) -> impl Iterator<Item = Node> + '_ {
+        self.fixed
+            .iter()
+            .filter(move |n| matches!(n, Node::View(_, c) if *c == cast))
+            .copied()
+    }
+
+    /// The node of `name` in the views folder of `cast`.
+    fn view_entry(&self, cast: Option<Dtype>, name: &str) -> Option<Node> {
+        if cast.is_none() {
+            if let Some((d, _)) = CASTS.iter().find(|(_, n)| *n == name) {
+                return Some(Node::ViewsDir(Some(*d)));
+            }
+        }
+        self.views(cast)
+            .find(|n| matches!(n, Node::View(t, _) if self.view_name(*t) == name))
     }
 
     fn live(&self, c: usize) -> &Live {
@@ -432,6 +495,7 @@ impl State {
             Node::FolderRoot => Err(FsError::NotPermitted(
                 "the root of a folder mount holds one directory per shard: edit inside them",
             )),
+            Node::ViewsDir(_) => Err(FsError::ReadOnly),
             _ => Err(FsError::NotADirectory),
         }
     }
@@ -443,6 +507,10 @@ impl State {
         }
         if file_name == METADATA_FILE {
             return Ok(Name::Metadata);
+        }
+        if file_name == VIEWS_DIR {
+            // (At the top of a file mount, the read-only folder of views.)
+            return Err(FsError::ReadOnly);
         }
         let invalid = || {
             FsError::Invalid(format!(
@@ -527,6 +595,18 @@ impl Fs {
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
+        alloc(&mut fixed, Node::ViewsDir(None));
+        for (d, _) in CASTS {
+            alloc(&mut fixed, Node::ViewsDir(Some(d)));
+        }
+        for cast in [None].into_iter().chain(CASTS.map(|(d, _)| Some(d))) {
+            for c in 0..checkpoints.len() {
+                alloc(&mut fixed, Node::View(Some(c), cast));
+            }
+            if folder.is_some() {
+                alloc(&mut fixed, Node::View(None, cast));
+            }
+        }
         Fs {
             settings,
             transactions: Transactions::new(staging.clone()),
@@ -540,6 +620,7 @@ impl Fs {
                 hashed: Mutex::new(HashMap::new()),
             }),
             handles: Mutex::new(Handles::default()),
+            views: Mutex::new(HashMap::new()),
             json_budget: Arc::default(),
             next_fh: AtomicU64::new(1),
             reads: AtomicU64::new(0),
@@ -601,10 +682,16 @@ impl Fs {
                     Node::CheckpointDir(c)
                 } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
                     Node::Index(i)
+                } else if name == VIEWS_DIR {
+                    Node::ViewsDir(None)
                 } else {
                     return Err(FsError::NotFound);
                 }
             }
+            Node::CheckpointDir(_) if name == VIEWS_DIR && st.folder.is_none() => {
+                Node::ViewsDir(None)
+            }
+            Node::ViewsDir(cast) => st.view_entry(cast, name).ok_or(FsError::NotFound)?,
             Node::CheckpointDir(c) => match st.decode(c, name) {
                 Ok(decoded) => st.find(c, &decoded).ok_or(FsError::NotFound)?,
                 Err(FsError::NameTooLong) => return Err(FsError::NameTooLong),
@@ -642,7 +729,8 @@ impl Fs {
                 Ok(a)
             }
             Some(Handle::Json { file, .. }) => Ok(file.attr(0)),
-            None => Err(node.err().unwrap_or(FsError::NotFound)),
+            // (Views have fixed inodes: never reached.)
+            Some(Handle::View { .. }) | None => Err(node.err().unwrap_or(FsError::NotFound)),
         }
     }
 
@@ -728,6 +816,15 @@ impl Fs {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
                 self.object_attr(st, c, o, ino)
             }
+            Node::ViewsDir(_) => {
+                of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false)
+                    .read_only()
+            }
+            Node::View(target, cast) => {
+                let size = self.view(st, target, cast).map_or(0, |v| v.len());
+                let c = target.unwrap_or(0);
+                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
+            }
             Node::File(c, file, TensorFile::Meta) => {
                 let live = st.live(c);
                 let id = st.meta_entry(c, file)?;
@@ -779,7 +876,12 @@ impl Fs {
                     .indexes
                     .iter()
                     .map(|(ix, ino)| (*ino, Kind::File, ix.name.clone()));
-                for (k, (ino, kind, name)) in dirs.chain(files).enumerate() {
+                let views = std::iter::once((
+                    st.ino_of(Node::ViewsDir(None)),
+                    Kind::Directory,
+                    VIEWS_DIR.to_string(),
+                ));
+                for (k, (ino, kind, name)) in dirs.chain(files).chain(views).enumerate() {
                     let next = 3 + k as u64;
                     if next > offset && emit(ino, kind, name, next) {
                         break;
@@ -800,11 +902,23 @@ impl Fs {
                 {
                     return Ok(());
                 }
-                // File `slot` of id i lists at offset 4 + STRIDE*i + slot.
-                let first = offset.saturating_sub(4) / TensorFile::STRIDE;
+                // The views, at the top of a file mount.
+                if offset < 4
+                    && st.folder.is_none()
+                    && emit(
+                        st.ino_of(Node::ViewsDir(None)),
+                        Kind::Directory,
+                        VIEWS_DIR.into(),
+                        4,
+                    )
+                {
+                    return Ok(());
+                }
+                // File `slot` of id i lists at offset 5 + STRIDE*i + slot.
+                let first = offset.saturating_sub(5) / TensorFile::STRIDE;
                 for (id, e) in m.live.entries_from(first) {
                     for kind in TensorFile::ALL {
-                        let next = 4 + TensorFile::STRIDE * id + kind.slot();
+                        let next = 5 + TensorFile::STRIDE * id + kind.slot();
                         let file_id = match kind {
                             TensorFile::Data => e.data,
                             TensorFile::Meta => {
@@ -826,8 +940,56 @@ impl Fs {
                 }
                 Ok(())
             }
+            Node::ViewsDir(cast) => {
+                let dirs = match cast {
+                    None => CASTS
+                        .iter()
+                        .map(|(d, n)| (st.ino_of(Node::ViewsDir(Some(*d))), Kind::Directory, n.to_string()))
+                        .collect(),
+                    Some(_) => Vec::new(),
+                };
+                let files = st
+                    .views(cast)
+                    .map(|n| match n {
+                        Node::View(t, _) => (st.ino_of(n), Kind::File, st.view_name(t)),
+                        _ => unreachable!("views"),
+                    });
+                for (k, (ino, kind, name)) in dirs.into_iter().chain(files).enumerate() {
+                    let next = 3 + k as u64;
+                    if next > offset && emit(ino, kind, name, next) {
+                        break;
+                    }
+                }
+                Ok(())
+            }
             _ => Err(FsError::NotADirectory),
         }
+    }
+
+    /// The view of checkpoint `target` (None: every shard merged), cast:
+    /// made once per state of its checkpoints; EINVAL (with what a commit
+    /// would refuse) when that state is not a valid checkpoint.
+    fn view(
+        &self,
+        st: &State,
+        target: Option<usize>,
+        cast: Option<Dtype>,
+    ) -> Result<Arc<GeneratedFile>, FsError> {
+        let version: u64 = match target {
+            Some(c) => st.live(c).version(),
+            None => st.checkpoints.iter().map(|m| m.live.version()).sum(),
+        };
+        if let Some((v, made)) = lock(&self.views).get(&(target, cast)) {
+            if *v == version {
+                return made.clone().map_err(FsError::Invalid);
+            }
+        }
+        let made = make_view(st, target, cast).map(Arc::new);
+        if let Err(why) = &made {
+            warn!(view = st.view_name(target), "not a valid checkpoint now: {why}");
+        }
+        lock(&self.views).insert((target, cast), (version, made.clone()));
+        made.map_err(FsError::Invalid)
     }
 
     fn opened(&self, fh: u64, generated: bool) -> Opened {
@@ -854,7 +1016,16 @@ impl Fs {
         }
         let node = self.read_state().node(ino)?;
         match node {
-            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
+                Err(FsError::IsADirectory)
+            }
+            Node::View(..) if write || truncate => Err(FsError::ReadOnly),
+            Node::View(target, cast) => {
+                // A descriptor reads the view as it was when it opened.
+                let file = self.view(&self.read_state(), target, cast)?;
+                let fh = self.new_handle(Handle::View { ino, file });
+                Ok(self.opened(fh, true))
+            }
             Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
                 "index files are rewritten by commits, not edited",
             )),
@@ -1143,6 +1314,10 @@ impl Fs {
                 let content = lock(&file.content);
                 return Ok(reply(&[slice_at(&content.text, offset, size)]));
             }
+            Some(Handle::View { file, .. }) => {
+                let file = file.clone();
+                return read_view(&file, offset, size, reply);
+            }
             None => None,
         };
         let bytes = match object {
@@ -1150,7 +1325,14 @@ impl Fs {
             None => {
                 let st = self.read_state();
                 let text = match st.node(ino)? {
-                    Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+                    Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
+                        return Err(FsError::IsADirectory)
+                    }
+                    Node::View(target, cast) => {
+                        let file = self.view(&st, target, cast)?;
+                        drop(st);
+                        return read_view(&file, offset, size, reply);
+                    }
                     Node::Index(i) => {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
                     }
@@ -1199,6 +1381,7 @@ impl Fs {
                     *wrote = true;
                     object.clone()
                 }
+                Some(Handle::View { .. }) => return Err(FsError::ReadOnly),
                 None => {
                     let _ = ino;
                     return Err(FsError::Invalid(
@@ -1231,6 +1414,7 @@ impl Fs {
                     self.truncate_object(&object, size)?;
                     return self.getattr(ino, Some(fh));
                 }
+                Some(Handle::View { .. }) => return Err(FsError::ReadOnly),
                 None => {}
             }
         }
@@ -1240,7 +1424,10 @@ impl Fs {
                 let object = self.object(c, id)?;
                 self.truncate_object(&object, size)?;
             }
-            Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
+                return Err(FsError::IsADirectory)
+            }
+            Node::View(..) => return Err(FsError::ReadOnly),
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",
@@ -1266,9 +1453,13 @@ impl Fs {
                 Node::FolderRoot => return Err(FsError::NotPermitted(
                     "the root of a folder mount holds one directory per shard: edit inside them",
                 )),
+                Node::ViewsDir(_) => return Err(FsError::ReadOnly),
                 _ => return Err(FsError::NotADirectory),
             };
-        let decoded = st.decode(c, name).map_err(|_| FsError::NotFound)?;
+        let decoded = match st.decode(c, name) {
+            Err(FsError::ReadOnly) => return Err(FsError::ReadOnly),
+            d => d.map_err(|_| FsError::NotFound)?,
+        };
         if st.find(c, &decoded).is_none() {
             return Err(FsError::NotFound);
         }
@@ -1443,9 +1634,10 @@ impl Fs {
         let mut held: Vec<crate::source::Bytes> = lock(&self.handles)
             .open
             .values()
-            .filter_map(|h| match h {
-                Handle::Data { object, .. } => Some(object.bytes()),
-                Handle::Json { .. } => None,
+            .flat_map(|h| match h {
+                Handle::Data { object, .. } => vec![object.bytes()],
+                Handle::View { file, .. } => file.bytes().cloned().collect(),
+                Handle::Json { .. } => Vec::new(),
             })
             .collect();
         for m in &st.checkpoints {
@@ -1712,6 +1904,43 @@ impl Shards for State {
             .map(|(ix, _)| ix)
             .find(|ix| ix.name == name)
     }
+}
+
+/// Serves `size` bytes of a view at `offset` (computed now).
+fn read_view<R>(
+    file: &GeneratedFile,
+    offset: u64,
+    size: u32,
+    reply: impl FnOnce(&[&[u8]]) -> R,
+) -> Result<R, FsError> {
+    let want = (size as u64).min(file.len().saturating_sub(offset)) as usize;
+    let mut buf = vec![0u8; want];
+    let n = file.read_at(&mut buf, offset)?;
+    Ok(reply(&[&buf[..n]]))
+}
+
+/// A view of checkpoint `target` (None: every shard's tensors in one file,
+/// metadata keys of the first shard that has them), cast.
+fn make_view(st: &State, target: Option<usize>, cast: Option<Dtype>) -> Result<GeneratedFile, String> {
+    let (tensors, metadata) = match target {
+        Some(c) => st.live(c).view_tensors()?,
+        None => {
+            let mut all = Vec::new();
+            let mut metadata: Option<crate::format::Metadata> = None;
+            for m in &st.checkpoints {
+                let (tensors, meta) = m
+                    .live
+                    .view_tensors()
+                    .map_err(|e| format!("{}: {e}", m.live.source().path().display()))?;
+                all.extend(tensors);
+                for (k, v) in meta.into_iter().flatten() {
+                    metadata.get_or_insert_with(Default::default).entry(k).or_insert(v);
+                }
+            }
+            (all, metadata)
+        }
+    };
+    GeneratedFile::safetensors(tensors, metadata.as_ref(), cast).map_err(|e| e.to_string())
 }
 
 /// The text of a JSON file as the state has it.

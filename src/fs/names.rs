@@ -3,7 +3,8 @@
 //! - `%` -> `%25`, `/` -> `%2F`, NUL -> `%00`;
 //! - the names `""`, `.`, `..` are written `%`, `%2E`, `%2E%2E`;
 //! - a name ending in `.meta.json` gets that suffix's `.` escaped (`x%2Emeta.json`);
-//! - the name `__metadata__.json` is written `%5F_metadata__.json`;
+//! - the name `__metadata__.json` is written `%5F_metadata__.json`, and
+//!   `__views__` (the folder of views) `%5F_views__`;
 //! - a name whose file name plus `.meta.json` would pass 255 bytes becomes
 //!   `<prefix>~<16 hex digits of a hash>`; its full name is in its `.meta.json`.
 
@@ -11,6 +12,8 @@
 pub const META_SUFFIX: &str = ".meta.json";
 /// The file holding a checkpoint's `__metadata__`.
 pub const METADATA_FILE: &str = "__metadata__.json";
+/// The folder of views at the top of a mount (DESIGN §9).
+pub const VIEWS_DIR: &str = "__views__";
 /// The kernel's limit for one path component.
 pub const NAME_MAX: usize = 255;
 /// Longest tensor file name, so that its `.meta.json` still fits.
@@ -70,6 +73,7 @@ fn escape(name: &str) -> String {
         "." => return "%2E".into(),
         ".." => return "%2E%2E".into(),
         METADATA_FILE => return "%5F_metadata__.json".into(),
+        VIEWS_DIR => return "%5F_views__".into(),
         _ => {}
     }
     if let Some(stem) = out.strip_suffix(META_SUFFIX) {

@@ -1,0 +1,169 @@
+"""Views (DESIGN §9): `MNT/__views__/` holds read-only safetensors files computed from the
+staged state on every read: the checkpoint as `stfs commit --compact` would write it now,
+and the same cast to BF16, F16 or F32. Judged with the official package, numpy and
+ml_dtypes."""
+
+import errno
+import json
+import os
+import random
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from ckpt import sh
+
+
+def tensors():
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((64, 33)).astype(np.float32)
+    w[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    w[1, :3] = [1e-40, 3.4e38, -65519.0]  # a subnormal, one past BF16's range, F16's edge
+    return {
+        "w": w,
+        "h": rng.standard_normal(100).astype(np.float16),
+        "d": rng.standard_normal((3, 5)).astype(np.float64),
+        "ids": np.arange(7, dtype=np.int64),
+        "mask": np.array([True, False, True]),
+    }
+
+
+def reference(t, metadata, path):
+    save_file(t, str(path), metadata=metadata)
+    return path.read_bytes()
+
+
+def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src), metadata={"format": "pt"})
+    before = src.read_bytes()
+    m = mount(src)
+    view = os.path.join(m.path, "__views__", "model.safetensors")
+    assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors"]
+    assert open(view, "rb").read() == before
+    # Edits show at once, in the view's size and bytes; the source stays as it was.
+    sh(f"mv {m.path}/w {m.path}/weight")
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump({"format": "np"}, f)
+    with open(os.path.join(m.path, "ids.meta.json"), "w") as f:
+        json.dump({"dtype": "I64", "shape": [7, 1]}, f)
+    extra = np.arange(12, dtype=np.uint8)
+    with open(os.path.join(m.path, "extra"), "wb") as f:
+        f.write(extra.tobytes())
+    with open(os.path.join(m.path, "extra.meta.json"), "w") as f:
+        json.dump({"dtype": "U8", "shape": [3, 4]}, f)
+    t["weight"] = t.pop("w")
+    t["ids"] = t["ids"].reshape(7, 1)
+    t["extra"] = extra.reshape(3, 4)
+    want = reference(t, {"format": "np"}, tmp_path / "ref.safetensors")
+    assert os.stat(view).st_size == len(want)
+    assert open(view, "rb").read() == want
+    assert src.read_bytes() == before
+    got = load_file(view)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in t.items())
+    # Any offset and size, as a loader's preads ask.
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        rnd = random.Random(5)
+        for _ in range(200):
+            off = rnd.randrange(len(want))
+            n = rnd.randrange(1, 5000)
+            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+    finally:
+        os.close(fd)
+    # cp exports it; the commit then writes the same checkpoint.
+    shutil.copyfile(view, tmp_path / "export.safetensors")
+    assert (tmp_path / "export.safetensors").read_bytes() == want
+    assert run("commit", "--compact", m.path).returncode == 0
+    assert src.read_bytes() == want
+
+
+def test_cast_views_match_ml_dtypes_and_numpy_bit_for_bit(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src), metadata={"format": "pt"})
+    m = mount(src)
+    casts = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+    for folder, dtype in casts.items():
+        path = os.path.join(m.path, "__views__", folder, "model.safetensors")
+        with safe_open(path, framework="np") as f:
+            assert f.metadata() == {"format": "pt"}
+            names = sorted(f.keys())
+        assert names == sorted(t)
+        raw = open(path, "rb").read()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        for name, v in t.items():
+            info = header[name]
+            data = raw[8 + n + info["data_offsets"][0]:8 + n + info["data_offsets"][1]]
+            if v.dtype.kind == "f":
+                # F64 narrows through F32, as ml_dtypes and numpy do.
+                source = v.astype(np.float32) if v.dtype == np.float64 and dtype != np.float32 else v
+                with np.errstate(over="ignore"):  # past F16's range: infinity, as intended
+                    expected = np.asarray(source).astype(dtype)
+                assert info["dtype"] == folder.upper(), (folder, name)
+                assert data == expected.tobytes(), (folder, name)
+            else:
+                assert info["dtype"] == {"int64": "I64", "bool": "BOOL"}[str(v.dtype)]
+                assert data == v.tobytes(), (folder, name)
+        assert info["shape"] == list(t["mask"].shape)
+    # Specials are kept: NaN, infinities, the sign of zero.
+    bf = load_file(os.path.join(m.path, "__views__", "f32", "model.safetensors"))["w"]
+    assert np.isnan(bf[0, 0]) and bf[0, 1] == np.inf and bf[0, 2] == -np.inf and np.signbit(bf[0, 3])
+
+
+def test_views_are_read_only_and_reserved(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    save_file({"__views__": np.zeros(3, np.uint8), "x": np.ones(2, np.float32)}, str(src))
+    m = mount(src)
+    # A tensor named __views__ is escaped, as __metadata__.json is.
+    assert "%5F_views__" in os.listdir(m.path)
+    assert open(os.path.join(m.path, "%5F_views__"), "rb").read() == b"\0\0\0"
+    view = os.path.join(m.path, "__views__", "model.safetensors")
+    for attempt in (lambda: open(view, "r+b"), lambda: os.unlink(view), lambda: os.truncate(view, 0),
+                    lambda: open(os.path.join(m.path, "__views__", "new"), "wb"),
+                    lambda: os.unlink(os.path.join(m.path, "__views__"))):
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EISDIR, errno.EPERM), e.value
+    assert os.stat(view).st_mode & 0o222 == 0
+    # A state a commit would refuse has no view: EINVAL, and the log says why.
+    with open(os.path.join(m.path, "x.meta.json"), "w") as f:
+        json.dump({"dtype": "F32", "shape": [3]}, f)
+    with pytest.raises(OSError) as e:
+        open(view, "rb").read()
+    assert e.value.errno == errno.EINVAL
+
+
+def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src))
+    m = mount(src, "-o", "ro")
+    assert open(os.path.join(m.path, "__views__", "model.safetensors"), "rb").read() == src.read_bytes()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    parts = {"a": {k: t[k] for k in ("w", "h")}, "b": {k: t[k] for k in ("d", "ids", "mask")}}
+    for name, part in parts.items():
+        save_file(part, str(folder / f"{name}.safetensors"), metadata={"shard": name})
+    (folder / "m.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f"{s}.safetensors" for s, p in parts.items() for k in p}}))
+    f = mount(folder)
+    views = os.path.join(f.path, "__views__")
+    assert sorted(os.listdir(views)) == ["a.safetensors", "b.safetensors", "bf16", "f16", "f32", "merged.safetensors"]
+    for name in parts:
+        assert open(os.path.join(views, f"{name}.safetensors"), "rb").read() == (folder / f"{name}.safetensors").read_bytes()
+    # One file with every tensor of every shard; the first shard's metadata keys win.
+    sh(f"mv {f.path}/b/ids {f.path}/a/ids && mv {f.path}/b/ids.meta.json {f.path}/a/ids.meta.json")
+    merged = load_file(os.path.join(views, "merged.safetensors"))
+    assert sorted(merged) == sorted(t) and all(merged[k].tobytes() == v.tobytes() for k, v in t.items())
+    with safe_open(os.path.join(views, "merged.safetensors"), framework="np") as g:
+        assert g.metadata() == {"shard": "a"}
+    assert "ids" in load_file(os.path.join(views, "a.safetensors"))
+    with safe_open(os.path.join(views, "bf16", "merged.safetensors"), framework="np") as g:
+        assert sorted(g.keys()) == sorted(t)
