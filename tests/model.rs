@@ -2227,7 +2227,7 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        assert_eq!(root, [".", "..", "s0", "s1", INDEX, "__views__"]);
+        assert_eq!(root, [".", "..", "s0", "s1", INDEX]);
         let ino = fs.lookup(ROOT_INO, INDEX).unwrap().ino;
         let on_disk = std::fs::read(m.dir.path().join(INDEX)).unwrap();
         assert_eq!(
@@ -2253,9 +2253,6 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             if e.meta != MMeta::None && !e.hidden {
                 want.push(TensorFile::Meta.file_name(name));
             }
-        }
-        if !model.folder {
-            want.push("__views__".into());
         }
         let mut names: Vec<String> = listed.iter().map(|(n, _)| n.clone()).collect();
         names.sort();

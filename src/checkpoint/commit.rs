@@ -1116,7 +1116,7 @@ pub struct InPlaceJob {
 }
 
 impl InPlaceJob {
-    fn run(&self) -> Result<(), in_place::ApplyError> {
+    fn run(&self, dir: &Folder) -> Result<(), in_place::ApplyError> {
         let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
         if !lease.as_ref().is_some_and(Lease::unbroken) {
             return Err(in_place::ApplyError {
@@ -1132,7 +1132,15 @@ impl InPlaceJob {
         };
         self.source.begin_in_place();
         let insert = |len| self.source.insert_at_start(len);
-        let result = self.record.apply(&self.file, &self.header, &open_staged, &insert);
+        let retire = |ranges| self.source.retire(ranges);
+        let steps = in_place::Steps {
+            open_staged: &open_staged,
+            insert: &insert,
+            dir,
+            retire: &retire,
+            fresh: true,
+        };
+        let result = self.record.apply(&self.file, &self.header, &steps);
         let now = result.as_ref().ok().and_then(|_| FileStat::of(&self.file).ok());
         self.source.end_in_place(now.as_ref());
         drop(lease); // opens that waited go on, and see the new file
@@ -1152,6 +1160,13 @@ impl InPlaceJob {
 }
 
 impl CommitPlan {
+    /// A plan whose landing failed half-way: its staging files stay pinned
+    /// (writes copy them aside) and on disk, for the next mount.
+    pub fn keep_pinned(mut self) {
+        let pins = std::mem::replace(&mut self._pins, Pins(Vec::new()));
+        std::mem::forget(pins);
+    }
+
     /// Step 2, touching no state: writes the new file beside the source, or
     /// gets an in-place commit ready (its staging files durable).
     pub fn write(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Landing, CommitError> {
@@ -1194,13 +1209,16 @@ impl CommitPlan {
                     s.sync().map_err(&what)?;
                 }
             }
+            let old_prefix = self.source.header().header_len;
+            let stat = *self.source.stat();
             let record = InPlaceRecord {
                 folder: folder.path.clone(),
                 name: self.source.file_name().to_string_lossy().into_owned(),
-                before: *self.source.stat(),
+                before: stat,
+                old_prefix,
                 after_len: layout.file_len,
                 after_mtime: mtime,
-                header_file: format!("in-place-{}-{}.header", self.commit, self.source.stat().ino),
+                header_file: format!("in-place-{}-{}-{}.header", self.commit, stat.dev, stat.ino),
                 inserted: layout.inserted,
                 writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
             };
@@ -1332,7 +1350,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                 Ok(()) => continue,
                 Err(e) => (k > 0, e),
             },
-            Landing::InPlace(j) => match j.run() {
+            Landing::InPlace(j) => match dir.folder().map_err(|e| in_place::ApplyError {
+                marked: false,
+                error: e,
+            }).and_then(|d| j.run(&d)) {
                 Ok(()) => {
                     info!(file = %j.source.path().display(), "committed in place");
                     continue;

@@ -349,6 +349,10 @@ pub struct InPlaceRecord {
     pub name: String,
     /// The file as it was (identity, length, time).
     pub before: FileStat,
+    /// Its length prefix then: what a step that fails after the marker, before
+    /// anything else changed, puts back.
+    #[serde(default)]
+    pub old_prefix: u64,
     pub after_len: u64,
     /// The modification time the commit gives the file when done, so that
     /// the journal's `Landing` knows the new version in advance.
@@ -356,10 +360,29 @@ pub struct InPlaceRecord {
     /// The file (in the staging folder) holding the new prefix and header.
     pub header_file: String,
     /// Bytes inserted at the start (FALLOC_FL_INSERT_RANGE) before the
-    /// writes, whose offsets count them.
+    /// writes, whose offsets count them. Once the insertion is durable,
+    /// `<header_file>.inserted` says so in the staging folder.
     #[serde(default)]
     pub inserted: u64,
     pub writes: Vec<RangeWrite>,
+}
+
+/// What an in-place commit does besides writing its file, done one way by
+/// the mount and another by the recovery of a later one.
+pub struct Steps<'a> {
+    /// Opens a staging file by name.
+    pub open_staged: &'a dyn Fn(&str) -> std::io::Result<Arc<File>>,
+    /// Inserts the bytes at the file's start (the mount: with no read of it
+    /// in flight, `SourceFile::insert_at_start`).
+    pub insert: &'a dyn Fn(u64) -> std::io::Result<()>,
+    /// The staging folder, where the insertion is recorded durably.
+    pub dir: &'a Folder,
+    /// Told the ranges (the file's offsets then) about to be overwritten or
+    /// cut, before they are (the mount fails reads of them that raced the commit).
+    pub retire: &'a dyn Fn(Vec<std::ops::Range<u64>>),
+    /// The file is the old one (no step of this commit began): a step that
+    /// fails before any byte of it changed puts the old prefix back.
+    pub fresh: bool,
 }
 
 /// Where a crash test stops the daemon (`STFS_CRASH_AT=<step>`): the same
@@ -382,17 +405,34 @@ pub struct ApplyError {
 }
 
 impl InPlaceRecord {
+    fn inserted_flag(&self) -> String {
+        format!("{}.inserted", self.header_file)
+    }
+
+    /// Whether the bytes were inserted at the start already: recorded so
+    /// once the insertion was durable, or (a crash between the two) the
+    /// file is longer by them, which nothing before the insertion makes it.
+    fn inserted_already(&self, file: &File, dir: &Folder) -> std::io::Result<bool> {
+        if dir.stat_at(OsStr::new(&self.inserted_flag())).is_ok() {
+            return Ok(true);
+        }
+        Ok(file.metadata()?.len() == self.before.len + self.inserted)
+    }
+
+    /// A step before the marker failed, or the insertion did: the file is
+    /// put back as it was (its prefix, its modification time).
+    fn put_back(&self, file: &File, marked: bool) -> std::io::Result<()> {
+        if marked {
+            file.write_all_at(&self.old_prefix.to_le_bytes(), 0)?;
+            file.sync_data()?;
+        }
+        set_mtime(file, self.before.mtime)?;
+        file.sync_all()
+    }
+
     /// Does the whole commit to `file` (again, after a crash: every step may
-    /// be repeated). `open_staged` opens a staging file by name.
-    /// `insert` inserts the record's bytes at the file's start (the mount
-    /// does it with no read in flight: `SourceFile::insert_at_start`).
-    pub fn apply(
-        &self,
-        file: &File,
-        header: &[u8],
-        open_staged: &dyn Fn(&str) -> std::io::Result<Arc<File>>,
-        insert: &dyn Fn(u64) -> std::io::Result<()>,
-    ) -> Result<(), ApplyError> {
+    /// be repeated; the insertion is done once).
+    pub fn apply(&self, file: &File, header: &[u8], steps: &Steps) -> Result<(), ApplyError> {
         let before = |error| ApplyError {
             marked: false,
             error,
@@ -401,15 +441,26 @@ impl InPlaceRecord {
             marked: true,
             error,
         };
-        // Done already (a crash after it): the marker moved to `inserted`,
-        // or the new header is written.
-        let inserted = self.inserted > 0 && self.inserted_already(file, header).map_err(before)?;
-        let now = file.metadata().map_err(before)?.len();
+        let inserted = self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
+        // The marker first: nothing changes the file before it (its
+        // modification time included), so a file without it is old or new.
+        let marked = file
+            .write_all_at(&IN_PLACE_MARKER, 0)
+            .and_then(|()| file.sync_data());
+        if let Err(e) = marked {
+            if !steps.fresh {
+                return Err(after(e));
+            }
+            let _ = self.put_back(file, true);
+            return Err(before(e));
+        }
+        let now = file.metadata().map_err(after)?.len();
         // What the file grows by besides the insertion: appended tensors.
         let to_insert = if inserted { 0 } else { self.inserted };
         let grows = self.after_len.saturating_sub(now + to_insert);
         if grows > 0 {
-            // Blocks for what is appended, before anything changes: no ENOSPC half-way.
+            // Blocks for what is appended, before any byte is written: no
+            // ENOSPC half-way; if there is no room, the file is put back.
             // SAFETY: fallocate on a valid descriptor.
             let r = unsafe {
                 libc::fallocate(
@@ -422,26 +473,47 @@ impl InPlaceRecord {
             if r != 0 {
                 let e = std::io::Error::last_os_error();
                 if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
-                    return Err(before(e));
+                    if steps.fresh {
+                        let _ = self.put_back(file, true);
+                        return Err(before(e));
+                    }
+                    return Err(after(e));
                 }
             }
         }
-        file.write_all_at(&IN_PLACE_MARKER, 0).map_err(before)?;
-        file.sync_data().map_err(before)?;
         crash_point("in-place:marked");
         if self.inserted > 0 && !inserted {
             // The marker moves to `inserted`; zeros at the start (a length of
             // 0, refused) until it is written there again.
-            insert(self.inserted).map_err(after)?;
-            file.sync_all().map_err(after)?;
+            if let Err(e) = (steps.insert)(self.inserted).and_then(|()| file.sync_all()) {
+                // Not inserted (an unsupported file, ENOSPC): as it was.
+                if steps.fresh && file.metadata().map(|m| m.len()).ok() == Some(self.before.len) {
+                    let _ = self.put_back(file, true);
+                    return Err(before(e));
+                }
+                return Err(after(e));
+            }
             crash_point("in-place:inserted");
+            let flag = self.inserted_flag();
+            steps
+                .dir
+                .open_file(OsStr::new(&flag), libc::O_WRONLY | libc::O_CREAT, 0o600)
+                .and_then(|f| f.sync_all())
+                .and_then(|()| steps.dir.sync())
+                .map_err(after)?;
             file.write_all_at(&IN_PLACE_MARKER, 0).map_err(after)?;
             file.sync_data().map_err(after)?;
         }
+        let len = file.metadata().map_err(after)?.len();
+        let mut retired: Vec<_> = self.writes.iter().map(|w| w.at..w.at + w.len).collect();
+        if len > self.after_len {
+            retired.push(self.after_len..len);
+        }
+        (steps.retire)(retired);
         for (n, w) in self.writes.iter().enumerate() {
             match &w.from {
                 WriteFrom::Staged { file: name } => {
-                    let staged = open_staged(name).map_err(after)?;
+                    let staged = (steps.open_staged)(name).map_err(after)?;
                     copy_range(&staged, 0, file, w.at, w.len).map_err(after)?;
                 }
                 WriteFrom::Here { offset } => {
@@ -461,59 +533,34 @@ impl InPlaceRecord {
             .map_err(after)?;
         file.sync_data().map_err(after)?;
         crash_point("in-place:prefix");
-        let (s, ns) = self.after_mtime;
-        let times = [
-            libc::timespec {
-                tv_sec: 0,
-                tv_nsec: libc::UTIME_OMIT,
-            },
-            libc::timespec {
-                tv_sec: s as libc::time_t,
-                tv_nsec: ns as libc::c_long,
-            },
-        ];
-        // SAFETY: futimens on a valid descriptor with two timespecs.
-        if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
+        self.finish_time(file).map_err(after)
+    }
+
+    /// The modification time the journal expects, made durable.
+    fn finish_time(&self, file: &File) -> std::io::Result<()> {
+        if let Err(e) = set_mtime(file, self.after_mtime) {
             // Not the owner (a file the daemon may only write): the journal
             // then does not know this version, nothing else changes.
-            warn!(
-                file = self.name,
-                "setting the modification time after an in-place commit: {}",
-                std::io::Error::last_os_error()
-            );
+            warn!(file = self.name, "setting the modification time after an in-place commit: {e}");
         }
-        file.sync_all().map_err(after)?;
-        Ok(())
+        file.sync_all()
     }
 
     /// After a crash: completes the commit if the file is still the one it
     /// was writing (old, marked, or written but for its time), and says what
     /// it did. `dir` is the staging folder holding the record. An error says
-    /// whether the record must stay (the file is still marked).
+    /// whether the record must stay (the file is still refused by readers).
     pub fn complete(&self, dir: &Folder) -> Result<Option<String>, (String, bool)> {
         self.try_complete(dir).map_err(|why| {
-            let marked = Folder::open(&self.folder)
+            let refused = Folder::open(&self.folder)
                 .and_then(|f| f.open_file(OsStr::new(&self.name), libc::O_RDONLY, 0))
                 .map(|f| {
-                    let mut p = [0u8; 8];
-                    f.read_at(&mut p, 0).ok() == Some(8) && p == IN_PLACE_MARKER
+                    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+                    crate::format::interrupted_in_place(len, |b, p| f.read_at(b, p))
                 })
                 .unwrap_or(false);
-            (why, marked)
+            (why, refused)
         })
-    }
-
-    /// Whether the bytes were inserted at the start already: the marker
-    /// written before it is found where the insertion moved it, or the new
-    /// header (which covers that place) is written.
-    fn inserted_already(&self, file: &File, header: &[u8]) -> std::io::Result<bool> {
-        let mut moved = [0u8; 8];
-        if file.read_at(&mut moved, self.inserted)? == 8 && moved == IN_PLACE_MARKER {
-            return Ok(true);
-        }
-        let mut on_disk = vec![0u8; header.len() - PREFIX_LEN as usize];
-        let got = file.read_at(&mut on_disk, PREFIX_LEN)?;
-        Ok(got == on_disk.len() && on_disk == header[PREFIX_LEN as usize..])
     }
 
     fn try_complete(&self, dir: &Folder) -> Result<Option<String>, String> {
@@ -539,13 +586,7 @@ impl InPlaceRecord {
                 path.display()
             ));
         }
-        let mut prefix = [0u8; 8];
-        let got = file.read_at(&mut prefix, 0).map_err(io)?;
-        let mut moved = [0u8; 8];
-        let moved_marker = self.inserted > 0
-            && file.read_at(&mut moved, self.inserted).map_err(io)? == 8
-            && moved == IN_PLACE_MARKER;
-        let marked = got == 8 && (prefix == IN_PLACE_MARKER || (prefix == [0; 8] && moved_marker));
+        let marked = crate::format::interrupted_in_place(st.len, |b, p| file.read_at(b, p));
         if !marked && st.len == self.after_len && st.mtime == self.after_mtime {
             return Ok(None); // done before the crash
         }
@@ -554,11 +595,24 @@ impl InPlaceRecord {
             .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
             .map_err(io)?;
         std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
+        if header.len() < PREFIX_LEN as usize {
+            return Err(format!("{}: a redo record without a header", path.display()));
+        }
         let mut on_disk = vec![0u8; header.len()];
         let got = file.read_at(&mut on_disk, 0).map_err(io)?;
-        let unchanged = st.len == self.before.len && st.mtime == self.before.mtime;
-        let written = got == header.len() && on_disk == header && st.len == self.after_len;
-        if header.len() < PREFIX_LEN as usize || !(marked || unchanged || written) {
+        let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
+        if !marked && started && got == header.len() && on_disk == header && st.len == self.after_len {
+            // All written, the prefix too: only the time is missing.
+            self.finish_time(&file).map_err(io)?;
+            return Ok(Some(format!(
+                "{}: completed a commit that was interrupted (written in place)",
+                path.display()
+            )));
+        }
+        // Nothing changes the file before its marker: without it and as it
+        // was, the commit had not started.
+        let unchanged = !marked && st.len == self.before.len && st.mtime == self.before.mtime;
+        if !(marked || unchanged) {
             return Err(format!(
                 "{}: changed by another program since an in-place commit of it was interrupted: \
                  left as it is, its record is dropped",
@@ -572,12 +626,127 @@ impl InPlaceRecord {
             Ok(Arc::new(dir.open_file(OsStr::new(name), libc::O_RDONLY, 0)?))
         };
         let insert = |len| crate::source::local::insert_range(&file, len);
-        self.apply(&file, &header, &open_staged, &insert)
-            .map_err(|e| io(e.error))?;
+        let steps = Steps {
+            open_staged: &open_staged,
+            insert: &insert,
+            dir,
+            retire: &|_| {},
+            fresh: unchanged,
+        };
+        self.apply(&file, &header, &steps).map_err(|e| io(e.error))?;
         info!(file = %path.display(), "completed an interrupted in-place commit");
         Ok(Some(format!(
             "{}: completed a commit that was interrupted (written in place)",
             path.display()
         )))
+    }
+}
+
+fn set_mtime(file: &File, (s, ns): (i64, i64)) -> std::io::Result<()> {
+    let times = [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        libc::timespec {
+            tv_sec: s as libc::time_t,
+            tv_nsec: ns as libc::c_long,
+        },
+    ];
+    // SAFETY: futimens on a valid descriptor with two timespecs.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file, its record for a commit that grows its header by one block,
+    /// and the bytes the commit ends with.
+    fn setup(dir: &std::path::Path) -> (std::path::PathBuf, InPlaceRecord, Vec<u8>, Vec<u8>) {
+        let json = br#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        let mut old = (json.len() as u64).to_le_bytes().to_vec();
+        old.extend_from_slice(json);
+        old.extend_from_slice(b"DATA");
+        let path = dir.join("m.safetensors");
+        std::fs::write(&path, &old).unwrap();
+        let room = json.len() as u64 + 4096;
+        let mut header = room.to_le_bytes().to_vec();
+        header.extend_from_slice(br#"{"__metadata__":{"k":"v"},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#);
+        header.resize(8 + room as usize, b' ');
+        let mut new = header.clone();
+        new.extend_from_slice(b"DATA");
+        let stat = FileStat::of(&File::open(&path).unwrap()).unwrap();
+        let record = InPlaceRecord {
+            folder: std::fs::canonicalize(dir).unwrap(),
+            name: "m.safetensors".into(),
+            before: stat,
+            old_prefix: json.len() as u64,
+            after_len: new.len() as u64,
+            after_mtime: (stat.mtime.0 + 10, 0),
+            header_file: "in-place-1-1-1.header".into(),
+            inserted: 4096,
+            writes: Vec::new(),
+        };
+        std::fs::write(dir.join("staging").join(&record.header_file), &header).unwrap();
+        (path, record, old, new)
+    }
+
+    fn can_insert(dir: &std::path::Path) -> bool {
+        let f = File::open(dir).unwrap();
+        crate::source::local::inserts_blocks(&f) == Some(4096)
+    }
+
+    #[test]
+    fn a_commit_killed_while_writing_the_header_is_not_inserted_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        if !can_insert(dir.path()) {
+            return; // (tmpfs and others: nothing to insert)
+        }
+        std::fs::create_dir(dir.path().join("staging")).unwrap();
+        let (path, record, _, new) = setup(dir.path());
+        // Killed mid-header: inserted (and recorded so), marker at the start,
+        // the page with the moved marker already overwritten by header bytes.
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        file.write_all_at(&IN_PLACE_MARKER, 0).unwrap();
+        crate::source::local::insert_range(&file, 4096).unwrap();
+        std::fs::write(dir.path().join("staging").join(record.inserted_flag()), b"").unwrap();
+        file.write_all_at(&IN_PLACE_MARKER, 0).unwrap();
+        file.write_all_at(&new[4090..4110], 4090).unwrap();
+        drop(file);
+        let staging = Folder::open(&dir.path().join("staging")).unwrap();
+        let note = record.complete(&staging).unwrap();
+        assert!(note.is_some());
+        assert_eq!(std::fs::read(&path).unwrap(), new);
+        // And again (a crash during the recovery): the same file.
+        record.complete(&staging).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), new);
+    }
+
+    #[test]
+    fn a_commit_killed_before_its_marker_is_completed_and_a_changed_file_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        if !can_insert(dir.path()) {
+            return;
+        }
+        std::fs::create_dir(dir.path().join("staging")).unwrap();
+        let (path, record, old, new) = setup(dir.path());
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+        let staging = Folder::open(&dir.path().join("staging")).unwrap();
+        // Not started: rolled forward (the journal already names the new version).
+        record.complete(&staging).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), new);
+        let st = FileStat::of(&File::open(&path).unwrap()).unwrap();
+        assert_eq!(st.mtime, record.after_mtime);
+        // Done: nothing to do.
+        assert_eq!(record.complete(&staging).unwrap(), None);
+        // Changed by another program since: left alone, and said so.
+        std::fs::write(&path, b"someone else's bytes").unwrap();
+        let other = record.complete(&staging);
+        assert!(other.is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"someone else's bytes");
     }
 }

@@ -299,6 +299,9 @@ impl Transactions {
             let path = st.live(c).source().path().display().to_string();
             if k >= landed {
                 st.live_mut(c).abandon();
+                // The record names its staging files: they stay as they are
+                // (pinned, on disk) for the next mount to complete it.
+                plan.keep_pinned();
                 continue;
             }
             let (old, moved) = (plan.source.clone(), plan.moved.clone());

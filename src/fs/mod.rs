@@ -876,12 +876,8 @@ impl Fs {
                     .indexes
                     .iter()
                     .map(|(ix, ino)| (*ino, Kind::File, ix.name.clone()));
-                let views = std::iter::once((
-                    st.ino_of(Node::ViewsDir(None)),
-                    Kind::Directory,
-                    VIEWS_DIR.to_string(),
-                ));
-                for (k, (ino, kind, name)) in dirs.chain(files).chain(views).enumerate() {
+                // (`__views__` is reached by name, not listed: see CheckpointDir below.)
+                for (k, (ino, kind, name)) in dirs.chain(files).enumerate() {
                     let next = 3 + k as u64;
                     if next > offset && emit(ino, kind, name, next) {
                         break;
@@ -902,23 +898,14 @@ impl Fs {
                 {
                     return Ok(());
                 }
-                // The views, at the top of a file mount.
-                if offset < 4
-                    && st.folder.is_none()
-                    && emit(
-                        st.ino_of(Node::ViewsDir(None)),
-                        Kind::Directory,
-                        VIEWS_DIR.into(),
-                        4,
-                    )
-                {
-                    return Ok(());
-                }
-                // File `slot` of id i lists at offset 5 + STRIDE*i + slot.
-                let first = offset.saturating_sub(5) / TensorFile::STRIDE;
+                // `__views__` is reached by its name and not listed: a
+                // recursive copy, backup or search of the mount would
+                // otherwise compute four more checkpoints (docs/SEMANTICS.md, "Views").
+                // File `slot` of id i lists at offset 4 + STRIDE*i + slot.
+                let first = offset.saturating_sub(4) / TensorFile::STRIDE;
                 for (id, e) in m.live.entries_from(first) {
                     for kind in TensorFile::ALL {
-                        let next = 5 + TensorFile::STRIDE * id + kind.slot();
+                        let next = 4 + TensorFile::STRIDE * id + kind.slot();
                         let file_id = match kind {
                             TensorFile::Data => e.data,
                             TensorFile::Meta => {

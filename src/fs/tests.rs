@@ -98,9 +98,9 @@ fn file_mount_lists_reads_and_stats() {
     let fs = mount(&path, settings());
 
     let listing = list(&fs, ROOT_INO);
-    // ., .., __metadata__.json, __views__, and two files per tensor.
-    assert_eq!(listing.len(), 2 + 2 + 2 * names.len());
-    assert!(listing.contains(&"__views__".to_string()));
+    // ., .., __metadata__.json, and two files per tensor (`__views__` is not listed).
+    assert_eq!(listing.len(), 2 + 1 + 2 * names.len());
+    assert!(fs.lookup(ROOT_INO, "__views__").is_ok());
     assert!(
         listing.contains(&"a%2Fb".to_string())
             && listing.contains(&"x%2Emeta.json.meta.json".to_string())
@@ -241,7 +241,8 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
         },
         staging_beside(&dir.path().join("x")),
     );
-    assert_eq!(list(&fs, ROOT_INO), [".", "..", "s1", "s2", "m.index.json", "__views__"]);
+    assert_eq!(list(&fs, ROOT_INO), [".", "..", "s1", "s2", "m.index.json"]);
+    assert!(fs.lookup(ROOT_INO, "__views__").is_ok());
     let s2 = fs.lookup(ROOT_INO, "s2").unwrap();
     assert_eq!(s2.kind, Kind::Directory);
     let a = fs.lookup(s2.ino, "a").unwrap();

@@ -32,8 +32,13 @@ pub fn to_page_cache(
             file,
             offset,
             sparse,
+            moves_with,
             ..
-        } => (&**file, *offset, *sparse),
+        } => {
+            // Where the bytes are now, if an in-place commit moved them since.
+            let moved = moves_with.as_ref().map_or(0, |(source, seen)| source.shift() - seen);
+            (&**file, *offset + moved, *sparse)
+        }
         // A remote tensor goes into the local disk cache, by parallel GETs.
         Backing::Remote { source, offset, .. } => {
             let object = source.remote_object().expect("a remote source");

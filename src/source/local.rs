@@ -359,6 +359,8 @@ enum Origin {
         /// the header) before this `SourceFile` was made: its offsets are
         /// the file's now minus the inserts since (`Version::view`).
         shift_base: u64,
+        /// Its number among the `SourceFile`s of this open file (`Version::retired`).
+        made: u64,
         /// Drop the daemon's page-table references after each read.
         release_after_read: AtomicBool,
         /// `file` is open for writing too: commits may write it in place.
@@ -379,6 +381,17 @@ struct Version {
     /// An in-place commit is writing the file: reads of ranges it does not
     /// touch go on.
     writing: AtomicBool,
+    /// The file could not be mapped again after bytes were inserted at its
+    /// start: every read fails (EIO).
+    broken: AtomicBool,
+    /// Ranges (the file's offsets now) that in-place commits overwrote or
+    /// cut, each with the count of `SourceFile`s made before it: a read of
+    /// one of those through an older `SourceFile` is of bytes that are gone
+    /// (a read that took its tensor just before an edit and a commit), and
+    /// fails (EIO) instead of serving another tensor's bytes.
+    retired: Mutex<Vec<(u64, Vec<Range<u64>>)>>,
+    /// `SourceFile`s made of this open file so far.
+    made: std::sync::atomic::AtomicU64,
     /// The mapping every `SourceFile` of this open file reads through.
     /// Reads hold it shared; an in-place commit holds it alone while it
     /// inserts blocks at the file's start, and maps the file again.
@@ -397,12 +410,31 @@ impl Version {
         Arc::new(Version {
             accepted: Mutex::new((stat.len, stat.mtime)),
             writing: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            retired: Mutex::new(Vec::new()),
+            made: std::sync::atomic::AtomicU64::new(0),
             view: RwLock::new(View { map, shift: 0 }),
         })
     }
 
     fn view(&self) -> RwLockReadGuard<'_, View> {
         self.view.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// EIO if `range` (the file's offsets now) was overwritten or cut by an
+    /// in-place commit after the `SourceFile` numbered `made` was made.
+    fn alive(&self, made: u64, range: Range<u64>, path: &Path) -> std::io::Result<()> {
+        let retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        let gone = retired
+            .iter()
+            .filter(|(before, _)| made < *before)
+            .flat_map(|(_, ranges)| ranges)
+            .any(|r| r.start < range.end && range.start < r.end);
+        if gone {
+            warn!(file = %path.display(), "a read of bytes that an in-place commit replaced as it started: EIO (read again)");
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
     }
 }
 
@@ -514,6 +546,22 @@ impl SourceFile {
         self.remade(file.clone(), (*writable, version.clone(), shift), header)
     }
 
+    /// An in-place commit is about to overwrite or cut `ranges` (the file's
+    /// offsets now): reads of them through the `SourceFile`s made so far fail
+    /// from now on (the commit made sure none of them is supposed to read them).
+    pub fn retire(&self, ranges: Vec<Range<u64>>) {
+        if let Origin::Local { version, .. } = &self.origin {
+            // Taken alone: no read is between its check and its copy.
+            let _view = version.view.write().unwrap_or_else(|p| p.into_inner());
+            let made = version.made.load(Ordering::SeqCst);
+            version
+                .retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((made, ranges));
+        }
+    }
+
     /// An in-place commit grows the header: `len` bytes (whole blocks) are
     /// inserted at the file's start (FALLOC_FL_INSERT_RANGE), while no read
     /// of this file is in flight; reads after it find their bytes `len`
@@ -524,9 +572,16 @@ impl SourceFile {
         };
         let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
         insert_range(file, len)?;
+        // The bytes moved: until they are mapped again, no read may go on.
         view.shift += len;
         // SAFETY: as in `open`.
-        view.map = unsafe { Mmap::map(&**file) }?;
+        match unsafe { Mmap::map(&**file) } {
+            Ok(map) => view.map = map,
+            Err(e) => {
+                version.broken.store(true, Ordering::SeqCst);
+                return Err(e);
+            }
+        }
         Ok(())
     }
 
@@ -620,6 +675,7 @@ impl SourceFile {
                 folder,
                 file,
                 shift_base,
+                made: version.made.fetch_add(1, Ordering::SeqCst),
                 release_after_read: AtomicBool::new(false),
                 writable,
                 version,
@@ -727,10 +783,13 @@ impl SourceFile {
                 file,
                 version,
                 shift_base,
+                made,
                 ..
             } => {
                 let view = version.view();
-                super::copy_range(file, start + view.shift - shift_base, to, to_off, len)
+                let at = start + view.shift - shift_base;
+                version.alive(*made, at..at + len, &self.path)?;
+                super::copy_range(file, at, to, to_off, len)
             }
             Origin::Remote(_) => {
                 super::copy_through(|b, p| self.read_at(b, p), start, to, to_off, len)
@@ -753,7 +812,11 @@ impl SourceFile {
         };
         let view = version.view();
         let start = range.start + view.shift - shift_base;
-        super::copy_sharing(file, start, to, to_off, range.end - range.start, block)
+        let len = range.end - range.start;
+        if let Origin::Local { made, .. } = &self.origin {
+            version.alive(*made, start..start + len, &self.path)?;
+        }
+        super::copy_sharing(file, start, to, to_off, len, block)
     }
 
     /// Bytes inserted at the file's start since this `SourceFile` was made:
@@ -784,6 +847,9 @@ impl SourceFile {
             Origin::Local { file, version, .. } => (file, version),
             Origin::Remote(r) => return r.check_unchanged(),
         };
+        if version.broken.load(Ordering::SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
         if version.writing.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -838,6 +904,9 @@ impl SourceFile {
         let (start, end) = ((start + delta) as usize, (end + delta) as usize);
         let map = &view.map;
         self.check_unchanged()?;
+        if let Origin::Local { version, made, .. } = &self.origin {
+            version.alive(*made, start as u64..end as u64, &self.path)?;
+        }
         if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
             // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
             if e.raw_os_error() != Some(libc::EINVAL) {
@@ -870,10 +939,13 @@ impl SourceFile {
                 file,
                 version,
                 shift_base,
+                made,
                 ..
             } => {
                 let view = version.view();
-                file.read_at(buf, pos + (view.shift - shift_base) - seen)
+                let at = pos + (view.shift - shift_base) - seen;
+                version.alive(*made, at..at + buf.len() as u64, &self.path)?;
+                file.read_at(buf, at)
             }
             Origin::Remote(r) => {
                 let end = pos.saturating_add(buf.len() as u64).min(r.data_end());

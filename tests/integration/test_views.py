@@ -45,6 +45,8 @@ def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount
     m = mount(src)
     view = os.path.join(m.path, "__views__", "model.safetensors")
     assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors"]
+    # Reached by name, not listed: cp -r, rsync and find of the mount see the checkpoint only.
+    assert "__views__" not in os.listdir(m.path)
     assert open(view, "rb").read() == before
     # Edits show at once, in the view's size and bytes; the source stays as it was.
     sh(f"mv {m.path}/w {m.path}/weight")
