@@ -78,6 +78,38 @@ impl GeneratedFile {
         self.len == 0
     }
 
+    /// Serves up to `size` bytes at `offset` to `reply` (fewer at the end):
+    /// straight from the source's mapping when they lie in one tensor shown
+    /// as it is (most reads of a large file), else through a buffer kept by
+    /// the thread (a fresh large buffer per read costs page faults).
+    pub fn read<R>(
+        &self,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[&[u8]]) -> R,
+    ) -> std::io::Result<R> {
+        let want = (size as u64).min(self.len.saturating_sub(offset));
+        if offset >= self.header.len() as u64 && want > 0 {
+            let p = self.parts.partition_point(|(start, ..)| *start <= offset) - 1;
+            let (start, t, shown) = &self.parts[p];
+            let len = shown.bits() * element_count(&t.shape) / 8;
+            if *shown == t.dtype && offset + want <= start + len {
+                return t.bytes.read(offset - start, want as u32, |b| reply(&[b]));
+            }
+        }
+        thread_local! {
+            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < want as usize {
+                buf.resize(want as usize, 0);
+            }
+            let n = self.read_at(&mut buf[..want as usize], offset)?;
+            Ok(reply(&[&buf[..n]]))
+        })
+    }
+
     /// Fills `buf` with the bytes at `offset` (fewer at the end of the file).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         let want = (buf.len() as u64).min(self.len.saturating_sub(offset)) as usize;
@@ -120,14 +152,35 @@ fn read_cast(bytes: &Bytes, from: Dtype, to: Dtype, offset: u64, out: &mut [u8])
     }
     let (a, b) = (from.bits() / 8, to.bits() / 8);
     // The elements that hold the bytes asked for, in chunks.
+    const CHUNK: u64 = 1 << 16;
+    thread_local! {
+        static CHUNKS: std::cell::RefCell<(Vec<u8>, Vec<u8>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    CHUNKS.with(|chunks| {
+        let (src, dst) = &mut *chunks.borrow_mut();
+        src.resize((CHUNK * 8) as usize, 0);
+        dst.resize((CHUNK * 8) as usize, 0);
+        cast_chunks(bytes, from, to, (a, b), offset, out, (src, dst), CHUNK)
+    })
+}
+
+/// `read_cast`, with its buffers.
+#[allow(clippy::too_many_arguments)]
+fn cast_chunks(
+    bytes: &Bytes,
+    from: Dtype,
+    to: Dtype,
+    (a, b): (u64, u64),
+    offset: u64,
+    out: &mut [u8],
+    (src, dst): (&mut [u8], &mut [u8]),
+    chunk: u64,
+) -> std::io::Result<()> {
     let first = offset / b;
     let last = (offset + out.len() as u64).div_ceil(b);
-    const CHUNK: u64 = 1 << 16;
-    let mut src = vec![0u8; (CHUNK * a) as usize];
-    let mut dst = vec![0u8; (CHUNK * b) as usize];
     let mut e = first;
     while e < last {
-        let n = (last - e).min(CHUNK);
+        let n = (last - e).min(chunk);
         let src = &mut src[..(n * a) as usize];
         read_exact(bytes, e * a, src)?;
         let dst = &mut dst[..(n * b) as usize];

@@ -1900,10 +1900,7 @@ fn read_view<R>(
     size: u32,
     reply: impl FnOnce(&[&[u8]]) -> R,
 ) -> Result<R, FsError> {
-    let want = (size as u64).min(file.len().saturating_sub(offset)) as usize;
-    let mut buf = vec![0u8; want];
-    let n = file.read_at(&mut buf, offset)?;
-    Ok(reply(&[&buf[..n]]))
+    Ok(file.read(offset, size, reply)?)
 }
 
 /// A view of checkpoint `target` (None: every shard's tensors in one file,

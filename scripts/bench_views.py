@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Views benchmark (DESIGN §9), in one run on one F32 checkpoint (default 2 GiB):
+
+- `cp` of __views__/model.safetensors against `cp` of the source file (goal <= 1.2x);
+- `cp` of __views__/bf16/model.safetensors against the Python way (load_file, cast with
+  ml_dtypes, save_file; goal: the view >= 2x faster), and the memory each needs: the
+  Python process's peak RSS against the daemon's private (anonymous) memory.
+
+The source is read once before, so both sides read it from the page cache.
+
+Usage: scripts/bench_views.py [--gib 2] [--dir /var/tmp] [--stfs target/release/stfs]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+
+PYTHON_WAY = """
+import resource, sys, time
+import ml_dtypes, numpy as np
+from safetensors.numpy import load_file, save_file
+t = time.perf_counter()
+tensors = load_file(sys.argv[1])
+tensors = {k: v.astype(ml_dtypes.bfloat16).view(np.uint16) for k, v in tensors.items()}
+save_file(tensors, sys.argv[2])  # (BF16 bits written as U16: same bytes)
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def timed(cmd):
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t
+
+
+def private_memory(pid):
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["RssAnon"].split()[0]) * 1024
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    p.add_argument("--dir", default="/var/tmp")
+    p.add_argument("--gib", type=int, default=2)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-views-") as work:
+        src = os.path.join(work, "model.safetensors")
+        rng = np.random.default_rng(0)
+        from safetensors.numpy import save_file
+        count = a.gib * 8
+        save_file({f"layers.{i:02d}.weight": rng.standard_normal(32 * MIB, dtype=np.float32) for i in range(count)}, src)
+        subprocess.run(["cat", src], stdout=subprocess.DEVNULL, check=True)  # warm
+        out = os.path.join(work, "out.safetensors")
+        mnt = os.path.join(work, "mnt")
+        os.mkdir(mnt)
+        pid_file = os.path.join(work, "pid")
+        subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", os.path.join(work, "log"), src, mnt],
+                       check=True)
+        pid = int(open(pid_file).read())
+        try:
+            cp_src = min(timed(["cp", src, out]) for _ in range(2))
+            cp_view = min(timed(["cp", os.path.join(mnt, "__views__", "model.safetensors"), out]) for _ in range(2))
+            assert open(out, "rb").read(4096) == open(src, "rb").read(4096)
+            cp_bf16 = timed(["cp", os.path.join(mnt, "__views__", "bf16", "model.safetensors"), out])
+            daemon = private_memory(pid)
+        finally:
+            subprocess.run([a.stfs, "umount", mnt], check=True)
+        r = subprocess.run([sys.executable, "-c", PYTHON_WAY, src, out], capture_output=True, text=True, check=True)
+        py_time, py_peak = r.stdout.split()
+        py_time, py_peak = float(py_time), int(py_peak)
+        size = os.path.getsize(src)
+        print(f"{size / (1 << 30):.1f} GiB F32 checkpoint ({count} tensors), page cache warm, {a.dir}")
+        print(f"  cp of the source file                     {cp_src:7.2f} s  1.00x")
+        print(f"  cp of __views__/model.safetensors         {cp_view:7.2f} s  {cp_view / cp_src:.2f}x  (goal <= 1.2x)")
+        print(f"  Python load_file + ml_dtypes cast + save   {py_time:7.2f} s  1.00x, peak RSS {py_peak / MIB:.0f} MiB")
+        print(f"  cp of __views__/bf16/model.safetensors    {cp_bf16:7.2f} s  {py_time / cp_bf16:.2f}x faster  "
+              f"(goal >= 2x), daemon private memory {daemon / MIB:.0f} MiB (goal <= 64 MiB)")
+
+
+if __name__ == "__main__":
+    main()
