@@ -104,6 +104,7 @@ def main():
                 subprocess.run(["umount", mnt], check=True)
         return
     fs_type = subprocess.run(["stat", "-f", "-c", "%T", a.dir], capture_output=True, text=True).stdout.strip()
+    fs_type = {"ext2/ext3": "ext4 (or ext2/3)"}.get(fs_type, fs_type)
     run(a, fs_type)
 
 
