@@ -705,3 +705,29 @@ def test_a_header_sent_a_byte_at_a_time_fails_the_mount_in_bounded_time(tmp_path
     # The point is "bounded" (4 x --timeout for the header: 12 s), not a
     # benchmark; each request alone may take 10 x --timeout.
     assert took < 25, took
+
+
+def test_a_remote_checkpoint_converts_to_bf16_by_cp_of_its_view(tmp_path, s3, mount):
+    """Views of a read-only remote source: `cp` of the BF16 view converts a checkpoint in S3."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    src = tmp_path / "r.safetensors"
+    w = np.random.default_rng(4).standard_normal((300, 70)).astype(np.float32)
+    ids = np.arange(9, dtype=np.int32)
+    save_file({"w": w, "ids": ids}, str(src), metadata={"format": "pt"})
+    url = s3.upload(src, "views/r.safetensors")
+    m = mount(url, *s3.options)
+    export = os.path.join(m.path, "__views__", "model.safetensors")
+    assert open(export, "rb").read() == src.read_bytes()
+    out = tmp_path / "r-bf16.safetensors"
+    subprocess.run(["cp", os.path.join(m.path, "__views__", "bf16", "model.safetensors"), str(out)], check=True)
+    raw = out.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    assert header["w"]["dtype"] == "BF16" and header["ids"]["dtype"] == "I32"
+    start, end = header["w"]["data_offsets"]
+    assert raw[8 + n + start:8 + n + end] == w.astype(ml_dtypes.bfloat16).tobytes()
+    with safe_open(str(out), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.get_tensor("ids").tobytes() == ids.tobytes()
