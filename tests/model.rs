@@ -1716,7 +1716,9 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                 // integration tests' to check; here: said exactly when a
                 // commit would go ahead.
                 let ways = got.iter().filter(|l| l.starts_with("commit     ")).count();
-                let would_commit = model.dirs[dir].dirty && model.problem_count(dir) == 0;
+                let would_commit = model.dirs[dir].dirty
+                    && model.problem_count(dir) == 0
+                    && !model.status_lines(dir).is_empty();
                 assert_eq!(ways, would_commit as usize, "the commit line of shard {dir}: {report}");
                 got.retain(|l| !l.starts_with("commit     "));
                 let mut want = model.status_lines(dir);
@@ -1957,7 +1959,8 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
     let caller = if other_user { OTHER_USER } else { 0 };
     let options = stfs::checkpoint::commit::CommitOptions { force, compact };
     let got = m.fs().commit(options, caller);
-    let dirty: Vec<bool> = model.dirs.iter().map(|d| d.dirty).collect();
+    // (`--compact` rewrites a clean shard too.)
+    let dirty: Vec<bool> = model.dirs.iter().map(|d| d.dirty || compact).collect();
     // Bytes a commit must read from a source rewritten in place.
     let unreadable = model.dirs.iter().enumerate().any(|(k, d)| {
         dirty[k] && d.entries.values().any(|e| {
@@ -1970,7 +1973,7 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
         0
     } else if model.problems() {
         libc::EINVAL
-    } else if !force && model.dirs.iter().any(|d| d.dirty && d.replaced) {
+    } else if !force && model.dirs.iter().zip(&dirty).any(|(d, &dt)| dt && d.replaced) {
         libc::ESTALE
     } else if unreadable {
         libc::EIO

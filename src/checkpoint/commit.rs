@@ -321,6 +321,7 @@ fn choose(new: &NewState) -> (Layout, Way) {
                 return (layout, Way::SharedExtents { why, block, shared });
             }
             Ok(plan) => return plan,
+            Err(why) if why_not.contains(&why) => {}
             Err(why) => why_not.push(why),
         }
     }
@@ -711,7 +712,8 @@ impl Live {
         options: CommitOptions,
         held: &[Bytes],
     ) -> Result<Option<CommitPlan>, CommitError> {
-        if !self.dirty {
+        // (`--compact` rewrites a file with nothing staged too: its layout is the edit.)
+        if !self.dirty && !options.compact {
             return Ok(None);
         }
         let file = self.source.path().to_path_buf();
@@ -1220,6 +1222,7 @@ impl CommitPlan {
                 after_mtime: mtime,
                 header_file: format!("in-place-{}-{}-{}.header", self.commit, stat.dev, stat.ino),
                 inserted: layout.inserted,
+                header_write: layout.header_write,
                 writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
             };
             return Ok(Landing::InPlace(InPlaceJob {

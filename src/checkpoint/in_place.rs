@@ -57,6 +57,8 @@ pub struct InPlaceLayout {
     pub layout: Layout,
     /// Bytes inserted at the file's start to grow the header (whole blocks).
     pub inserted: u64,
+    /// How much of the header (from the file's start) is written.
+    pub header_write: u64,
     /// For each write, the input (index into the plan's inputs) it copies.
     pub writes: Vec<(RangeWrite, usize)>,
     pub file_len: u64,
@@ -107,6 +109,9 @@ pub fn layout<'a>(
             let t = old.tensors.get(i);
             if len_of(k)? != t.nbytes() {
                 return Err(format!("tensor {:?} changes size", spec(k).0));
+            }
+            if t.nbytes() == 0 {
+                continue; // no bytes to keep: placed at the end
             }
             if claimed[i] {
                 // (Data-relative here; made a file offset once the header's size is known.)
@@ -212,6 +217,7 @@ pub fn layout<'a>(
             .map_err(|_| "the header is too large".to_string())?;
     }
     let mut header = header_bytes(&tensors, metadata).map_err(|e| e.to_string())?;
+    let new_json_end = header.len() as u64;
     let mut room = old.header_len;
     let needed = header.len() as u64 - PREFIX_LEN;
     let mut inserted = 0;
@@ -234,11 +240,16 @@ pub fn layout<'a>(
     header[..PREFIX_LEN as usize].copy_from_slice(&room.to_le_bytes());
     let data_start = data_start + inserted;
     let file_len = data_start + end;
+    // Only the part of the header that holds JSON, old or new, is written:
+    // the rest is spaces already.
+    let header_write = new_json_end
+        .max(inserted + source.header_json_end())
+        .min(header.len() as u64);
     // What a reader will see must be what the reference accepts.
     Header::parse_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
     // 6. The writes: every placed input whose bytes are not already there.
     let mut writes = Vec::new();
-    let mut bytes = header.len() as u64;
+    let mut bytes = header_write;
     for k in 0..count {
         let (start, stop) = place[k].expect("placed");
         if stop == start {
@@ -272,7 +283,9 @@ pub fn layout<'a>(
             k,
         ));
     }
-    let dropped = n_old - claimed.iter().filter(|c| **c).count();
+    let dropped = (0..n_old)
+        .filter(|&i| !claimed[i] && old.tensors.nbytes(i) > 0)
+        .count();
     let mut summary = vec![match inserted {
         0 => "header".to_string(),
         n => format!("header grown by {} KiB at the start", n >> 10),
@@ -294,6 +307,7 @@ pub fn layout<'a>(
             source_index,
         },
         inserted,
+        header_write,
         writes,
         file_len,
         bytes,
@@ -364,6 +378,9 @@ pub struct InPlaceRecord {
     /// `<header_file>.inserted` says so in the staging folder.
     #[serde(default)]
     pub inserted: u64,
+    /// The header's bytes to write, from the start (0: all): the rest is spaces already.
+    #[serde(default)]
+    pub header_write: u64,
     pub writes: Vec<RangeWrite>,
 }
 
@@ -525,7 +542,11 @@ impl InPlaceRecord {
             }
         }
         file.set_len(self.after_len).map_err(after)?;
-        file.write_all_at(&header[PREFIX_LEN as usize..], PREFIX_LEN)
+        let end = match self.header_write {
+            0 => header.len(),
+            n => (n as usize).clamp(PREFIX_LEN as usize, header.len()),
+        };
+        file.write_all_at(&header[PREFIX_LEN as usize..end], PREFIX_LEN)
             .map_err(after)?;
         file.sync_data().map_err(after)?;
         crash_point("in-place:written");
@@ -689,6 +710,7 @@ mod tests {
             after_mtime: (stat.mtime.0 + 10, 0),
             header_file: "in-place-1-1-1.header".into(),
             inserted: 4096,
+            header_write: 0,
             writes: Vec::new(),
         };
         std::fs::write(dir.join("staging").join(&record.header_file), &header).unwrap();

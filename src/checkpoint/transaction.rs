@@ -138,7 +138,7 @@ impl Transactions {
             let st = read(state);
             let mut targets: Vec<_> = st
                 .lives()
-                .filter(|live| live.is_dirty())
+                .filter(|live| live.is_dirty() || options.compact)
                 .filter_map(|live| {
                     let src = live.source();
                     Some((

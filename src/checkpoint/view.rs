@@ -216,8 +216,9 @@ fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
     let a = from.bits() as usize / 8;
     let b = to.bits() as usize / 8;
     for (s, d) in src.chunks_exact(a).zip(dst.chunks_exact_mut(b)) {
-        // Through f64 where that is exact (from F32, F16, BF16); F64 to a
-        // narrower type goes through f32 first, as ml_dtypes and numpy do.
+        // Through f64 where that is exact (from F32, F16, BF16). F64 to F16
+        // rounds once, as numpy does; F64 to BF16 goes through F32, as
+        // ml_dtypes does.
         let wide = match from {
             Dtype::F64 => f64::from_le_bytes(s.try_into().expect("8 bytes")),
             Dtype::F32 => f32::from_le_bytes(s.try_into().expect("4 bytes")) as f64,
@@ -228,11 +229,60 @@ fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
         match to {
             Dtype::F64 => d.copy_from_slice(&wide.to_le_bytes()),
             Dtype::F32 => d.copy_from_slice(&(wide as f32).to_le_bytes()),
+            Dtype::F16 if from == Dtype::F64 => d.copy_from_slice(&f64_to_f16(wide).to_le_bytes()),
             Dtype::F16 => d.copy_from_slice(&half::f16::from_f32(wide as f32).to_le_bytes()),
             Dtype::BF16 => d.copy_from_slice(&f32_to_bf16(wide as f32).to_le_bytes()),
             _ => unreachable!("casts are to floating-point dtypes"),
         }
     }
+}
+
+/// F64 to F16 bits, rounded once to nearest, ties to even, as numpy does
+/// (through F32, some halfway cases would round twice); a NaN keeps the top
+/// of its payload, as numpy's.
+pub fn f64_to_f16(x: f64) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 48) & 0x8000) as u16;
+    let exp = ((b >> 52) & 0x7ff) as i64;
+    let man = b & 0x000f_ffff_ffff_ffff;
+    if exp == 0x7ff {
+        if man == 0 {
+            return sign | 0x7c00;
+        }
+        let m = (man >> 42) as u16;
+        return sign | 0x7c00 | if m == 0 { 1 } else { m };
+    }
+    // The significand with its leading bit, and the F16 exponent it has.
+    let (sig, mut e) = match exp {
+        0 => (man, 1 - 1023 + 15),
+        _ => (man | 1 << 52, exp - 1023 + 15),
+    };
+    if e >= 31 {
+        return sign | 0x7c00;
+    }
+    // Bits of the significand that F16 drops: 42, more below its normal range.
+    let shift = if e >= 1 { 42 } else { 42 + (1 - e) } as u32;
+    if shift >= 64 {
+        return sign;
+    }
+    let mut m = sig >> shift;
+    let rest = sig & ((1u64 << shift) - 1);
+    let half = 1u64 << (shift - 1);
+    if rest > half || (rest == half && m & 1 == 1) {
+        m += 1;
+    }
+    if e < 1 {
+        // Subnormal (1024 after rounding is the smallest normal: the same bits).
+        return sign | m as u16;
+    }
+    if m >= 2048 {
+        m >>= 1;
+        e += 1;
+    }
+    if e >= 31 {
+        return sign | 0x7c00;
+    }
+    sign | ((e as u16) << 10) | (m as u16 & 0x3ff)
 }
 
 fn bf16_to_f32(b: u16) -> f32 {
@@ -268,6 +318,28 @@ mod tests {
         assert_eq!(f32_to_bf16(-f32::NAN), 0xFFC0);
         // The largest finite f32 rounds to infinity, as in ml_dtypes.
         assert_eq!(f32_to_bf16(f32::MAX), 0x7F80);
+    }
+
+    #[test]
+    fn f64_to_f16_rounds_once() {
+        // Halfway between two F16 after rounding to F32 first, not before.
+        assert_eq!(f64_to_f16(1.0 + 2f64.powi(-11) + 2f64.powi(-40)), 0x3C01);
+        assert_eq!(f64_to_f16(-(1.0 + 2f64.powi(-11) + 2f64.powi(-40))), 0xBC01);
+        assert_eq!(f64_to_f16(1.0 + 2f64.powi(-11)), 0x3C00); // a tie: to even
+        assert_eq!(f64_to_f16(65504.0), 0x7BFF);
+        assert_eq!(f64_to_f16(65520.0), 0x7C00); // rounds up past the largest
+        assert_eq!(f64_to_f16(2f64.powi(-24)), 0x0001); // the smallest subnormal
+        assert_eq!(f64_to_f16(2f64.powi(-25)), 0x0000); // a tie with 0: to even
+        assert_eq!(f64_to_f16(-0.0), 0x8000);
+        assert_eq!(f64_to_f16(f64::INFINITY), 0x7C00);
+        assert!(f64_to_f16(f64::NAN) & 0x7C00 == 0x7C00 && f64_to_f16(f64::NAN) & 0x3FF != 0);
+        // Every F16 value comes back as itself.
+        for bits in 0..=0xFFFFu16 {
+            let v = half::f16::from_bits(bits);
+            if v.is_finite() {
+                assert_eq!(f64_to_f16(v.to_f64()), bits, "{bits:#x}");
+            }
+        }
     }
 
     #[test]

@@ -710,6 +710,17 @@ impl Fs {
         let st = self.read_state();
         let node = st.node(ino);
         let handles = lock(&self.handles);
+        // A view's descriptor reads the view as it opened it: its size too
+        // (a reader that maps what fstat says must not fault past the end).
+        if let (Ok(n), Some(Handle::View { ino: i, file })) =
+            (node.as_ref(), fh.and_then(|fh| handles.open.get(&fh)))
+        {
+            if *i == ino {
+                let mut a = self.attr_of(&st, *n)?;
+                a.size = file.len();
+                return Ok(a);
+            }
+        }
         if let Ok(node) = node {
             let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
             return match open.filter(|f| lock(&f.content).written) {
@@ -1687,7 +1698,7 @@ impl Fs {
             for p in &s.problems {
                 out.push_str(&format!("  problem    {p}\n"));
             }
-            if let Some(way) = m.live.commit_preview(&held) {
+            if let Some(way) = m.live.commit_preview(&held).filter(|_| !s.changes.is_empty()) {
                 out.push_str(&format!("  commit     {way}\n"));
             }
         }

@@ -819,6 +819,24 @@ impl SourceFile {
         super::copy_sharing(file, start, to, to_off, len, block)
     }
 
+    /// Where the header's JSON ends in the file (its last byte that is not
+    /// a space, plus one): what follows up to the data is padding.
+    pub fn header_json_end(&self) -> u64 {
+        let end = self.header.data_start();
+        let Origin::Local { version, shift_base, .. } = &self.origin else {
+            return end;
+        };
+        let view = version.view();
+        // (The header of the file now: at the start, whatever was inserted since.)
+        if view.shift != *shift_base {
+            return end + view.shift - shift_base;
+        }
+        let map = &view.map[..(end as usize).min(view.map.len())];
+        map.iter()
+            .rposition(|&b| b != b' ')
+            .map_or(end, |i| i as u64 + 1)
+    }
+
     /// Bytes inserted at the file's start since this `SourceFile` was made:
     /// its offsets plus this are the file's now.
     pub fn shift(&self) -> u64 {

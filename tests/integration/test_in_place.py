@@ -175,6 +175,15 @@ def test_compact_is_the_reference_layout(tmp_path, mount, run):
     p = run("commit", "--compact", m.path)
     assert "committed by a rewrite (not in place: --compact;" in p.stdout, p.stdout
     assert_checkpoint(src, t, compact=True)
+    # A file with room in its header is made compact with nothing staged, too.
+    sh(f"mv {m.path}/wte {m.path}/embed")
+    t["embed"] = t.pop("wte")
+    assert "committed in place" in run("commit", m.path).stdout
+    _, n, _ = header_of(src)
+    p = run("commit", "--compact", m.path)
+    assert "committed by a rewrite (not in place: --compact;" in p.stdout, p.stdout
+    assert_checkpoint(src, t, compact=True)
+    assert header_of(src)[1] < n
 
 
 def test_a_reader_of_the_source_keeps_its_bytes_and_the_commit_says_why(tmp_path, mount, run):

@@ -87,5 +87,5 @@ def test_xfs_grows_headers_in_place_and_shares_extents_of_a_rewrite(xfs, mount, 
     sh(f"mv {m.path}/t00 {m.path}/first")
     t["first"] = t.pop("t00")
     p = run("commit", "--compact", m.path)
-    assert "committed by a rewrite (not in place: --compact; --compact;" in p.stdout, p.stdout
+    assert "committed by a rewrite (not in place: --compact;" in p.stdout, p.stdout
     assert_checkpoint(src, t, meta, compact=True)
