@@ -191,6 +191,8 @@ pub struct CommitOptions {
 }
 
 /// How a plan writes its file: one of the ways of DESIGN §3.4.
+// One per plan: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Way {
     /// The source's own file, changed where it is, under a write lease.
     InPlace {
@@ -1120,7 +1122,7 @@ pub struct InPlaceJob {
 impl InPlaceJob {
     fn run(&self, dir: &Folder) -> Result<(), in_place::ApplyError> {
         let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if !lease.as_ref().is_some_and(Lease::unbroken) {
+        if !lease.as_ref().is_some_and(Lease::holds) {
             return Err(in_place::ApplyError {
                 marked: false,
                 error: std::io::Error::from_raw_os_error(libc::EAGAIN),

@@ -320,6 +320,7 @@ pub fn layout<'a>(
 /// waits (up to /proc/sys/fs/lease-break-time) until it is released.
 pub struct Lease {
     file: Arc<File>,
+    taken: std::time::Instant,
 }
 
 impl Lease {
@@ -339,13 +340,27 @@ impl Lease {
                 _ => format!("no write lease on it ({e})"),
             });
         }
-        Ok(Lease { file: file.clone() })
+        Ok(Lease {
+            file: file.clone(),
+            taken: std::time::Instant::now(),
+        })
     }
 
-    /// Whether nobody asked to open the file since the lease was taken.
-    pub fn unbroken(&self) -> bool {
+    /// Whether no other program can have the file open: the lease is whole,
+    /// or an open is waiting for it to be let go (a break pending), which
+    /// the kernel grants only after /proc/sys/fs/lease-break-time.
+    pub fn holds(&self) -> bool {
         // SAFETY: fcntl on a valid descriptor.
-        unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETLEASE) == libc::F_WRLCK }
+        if unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETLEASE) } == libc::F_WRLCK {
+            return true;
+        }
+        let break_time = std::fs::read_to_string("/proc/sys/fs/lease-break-time")
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        // A margin: the commit writes only after this check.
+        self.taken.elapsed() + std::time::Duration::from_secs(2)
+            < std::time::Duration::from_secs(break_time)
     }
 }
 

@@ -122,7 +122,28 @@ impl Transactions {
     /// Commits every checkpoint of the mount, all or none: every plan is made
     /// (and every edit validated) before anything is written, and every new
     /// file is written before the first rename. Returns a line per file.
+    /// A program that opened a source just as an in-place commit was about
+    /// to write it changed nothing: the commit is planned again (a few
+    /// times), and rewrites if that program still has the file open.
     pub fn commit<S: Shards>(
+        &self,
+        state: &RwLock<S>,
+        held: &dyn Fn(&S) -> Vec<Bytes>,
+        options: CommitOptions,
+    ) -> Result<Vec<String>, CommitError> {
+        let mut tries = 0;
+        loop {
+            match self.commit_once(state, held, options) {
+                Err(CommitError::Opened { file }) if tries < 4 => {
+                    tries += 1;
+                    info!(file = %file.display(), "opened by another program as it was about to be written in place: planned again");
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn commit_once<S: Shards>(
         &self,
         state: &RwLock<S>,
         held: &dyn Fn(&S) -> Vec<Bytes>,

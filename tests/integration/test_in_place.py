@@ -379,3 +379,31 @@ def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, mon
             assert f.metadata() == {"format": "pt", "note": "y" * 30000}, step
         weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
         assert weight_map["layer.one"] == "model-00002-of-00002.safetensors", step
+
+
+def test_commits_go_on_while_another_program_keeps_opening_the_source(tmp_path, mount, run):
+    """An opener racing the lease makes the commit plan again, or rewrite: never fail."""
+    import threading
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    with_room(src, mount, run, t, {"format": "pt"})
+    m = mount(src)
+    stop = threading.Event()
+
+    def opener():
+        while not stop.is_set():
+            with open(src, "rb") as f:
+                f.read(8)
+
+    th = threading.Thread(target=opener)
+    th.start()
+    try:
+        for k in range(12):
+            with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+                json.dump({"format": "pt", "round": str(k)}, f)
+            p = run("commit", m.path)
+            assert p.returncode == 0, p.stderr
+    finally:
+        stop.set()
+        th.join()
+    assert_checkpoint(src, t, {"format": "pt", "round": "11"})
