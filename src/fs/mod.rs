@@ -189,6 +189,8 @@ enum Node {
     ViewsDir(Option<Dtype>),
     /// A view: of checkpoint `c`, or (None) of every shard merged; cast.
     View(Option<usize>, Option<Dtype>),
+    /// Index file `i` of a folder mount as a commit would write it now.
+    IndexView(usize),
 }
 
 /// The folders of cast views in `__views__`.
@@ -430,7 +432,7 @@ impl State {
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
-            Node::ViewsDir(_) | Node::View(..) => {
+            Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) => {
                 let i = self.fixed.iter().position(|n| *n == node);
                 i.expect("views have fixed inodes") as Ino + 1
             }
@@ -462,8 +464,42 @@ impl State {
                 return Some(Node::ViewsDir(Some(*d)));
             }
         }
+        if cast.is_none() {
+            if let Some(i) = self.indexes.iter().position(|(ix, _)| ix.name == name) {
+                return Some(Node::IndexView(i));
+            }
+        }
         self.views(cast)
             .find(|n| matches!(n, Node::View(t, _) if self.view_name(*t) == name))
+    }
+
+    /// Index file `i` as a commit would rewrite it now: every shard's
+    /// tensors in `weight_map`, their bytes in `metadata.total_size`.
+    fn index_view(&self, i: usize) -> Result<Vec<u8>, FsError> {
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0;
+        for m in &self.checkpoints {
+            let (tensors, _) = m.live.view_tensors().map_err(FsError::Invalid)?;
+            for t in tensors {
+                total += t.bytes.len();
+                weight_map.insert(t.name, format!("{}.safetensors", m.dir_name).into());
+            }
+        }
+        let mut doc: serde_json::Value = serde_json::from_slice(&self.indexes[i].0.bytes)
+            .map_err(|e| FsError::Invalid(format!("{}: {e}", self.indexes[i].0.name)))?;
+        let obj = doc
+            .as_object_mut()
+            .ok_or_else(|| FsError::Invalid(format!("{}: not a JSON object", self.indexes[i].0.name)))?;
+        obj.insert("weight_map".into(), weight_map.into());
+        let meta = obj
+            .entry("metadata")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert("total_size".into(), total.into());
+        }
+        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
+        bytes.push(b'\n');
+        Ok(bytes)
     }
 
     fn live(&self, c: usize) -> &Live {
@@ -590,7 +626,7 @@ impl Fs {
                 dir_ino,
             });
         }
-        let indexes = indexes
+        let indexes: Vec<(IndexFile, Ino)> = indexes
             .into_iter()
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
@@ -606,6 +642,9 @@ impl Fs {
             if folder.is_some() {
                 alloc(&mut fixed, Node::View(None, cast));
             }
+        }
+        for i in 0..indexes.len() {
+            alloc(&mut fixed, Node::IndexView(i));
         }
         Fs {
             settings,
@@ -831,6 +870,21 @@ impl Fs {
                 of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false)
                     .read_only()
             }
+            Node::IndexView(i) => {
+                let size = st.index_view(i).map_or(0, |b| b.len() as u64);
+                let ix = &st.indexes[i].0;
+                Attr {
+                    ino,
+                    kind: Kind::File,
+                    size,
+                    mtime: ix.stat.modified(),
+                    perm: file_mode(&ix.stat, true),
+                    nlink: 1,
+                    uid: ix.stat.uid,
+                    gid: ix.stat.gid,
+                    volatile: true,
+                }
+            }
             Node::View(target, cast) => {
                 let size = self.view(st, target, cast).map_or(0, |v| v.len());
                 let c = target.unwrap_or(0);
@@ -946,12 +1000,16 @@ impl Fs {
                         .collect(),
                     Some(_) => Vec::new(),
                 };
+                let indexes = st.indexes.iter().enumerate().filter(|_| cast.is_none()).map(|(i, (ix, _))| {
+                    (st.ino_of(Node::IndexView(i)), Kind::File, ix.name.clone())
+                });
                 let files = st
                     .views(cast)
                     .map(|n| match n {
                         Node::View(t, _) => (st.ino_of(n), Kind::File, st.view_name(t)),
                         _ => unreachable!("views"),
-                    });
+                    })
+                    .chain(indexes);
                 for (k, (ino, kind, name)) in dirs.into_iter().chain(files).enumerate() {
                     let next = 3 + k as u64;
                     if next > offset && emit(ino, kind, name, next) {
@@ -1017,7 +1075,11 @@ impl Fs {
             Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
                 Err(FsError::IsADirectory)
             }
-            Node::View(..) if write || truncate => Err(FsError::ReadOnly),
+            Node::View(..) | Node::IndexView(_) if write || truncate => Err(FsError::ReadOnly),
+            Node::IndexView(i) => {
+                self.read_state().index_view(i)?; // (EINVAL now, not at the first read)
+                Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
+            }
             Node::View(target, cast) => {
                 // A descriptor reads the view as it was when it opened.
                 let file = self.view(&self.read_state(), target, cast)?;
@@ -1334,6 +1396,7 @@ impl Fs {
                     Node::Index(i) => {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
                     }
+                    Node::IndexView(i) => Some(st.index_view(i)?),
                     Node::Metadata(c) => st.live(c).metadata_text(),
                     Node::File(c, file, TensorFile::Meta) => {
                         st.live(c).meta_text(st.meta_entry(c, file)?)
@@ -1425,7 +1488,7 @@ impl Fs {
             Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
                 return Err(FsError::IsADirectory)
             }
-            Node::View(..) => return Err(FsError::ReadOnly),
+            Node::View(..) | Node::IndexView(_) => return Err(FsError::ReadOnly),
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",

@@ -182,7 +182,8 @@ def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
         {"metadata": {}, "weight_map": {k: f"{s}.safetensors" for s, p in parts.items() for k in p}}))
     f = mount(folder)
     views = os.path.join(f.path, "__views__")
-    assert sorted(os.listdir(views)) == ["a.safetensors", "b.safetensors", "bf16", "f16", "f32", "merged.safetensors"]
+    assert sorted(os.listdir(views)) == ["a.safetensors", "b.safetensors", "bf16", "f16", "f32", "m.safetensors.index.json",
+                                         "merged.safetensors"]
     for name in parts:
         assert open(os.path.join(views, f"{name}.safetensors"), "rb").read() == (folder / f"{name}.safetensors").read_bytes()
     # One file with every tensor of every shard; the first shard's metadata keys win.
@@ -192,5 +193,11 @@ def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
     with safe_open(os.path.join(views, "merged.safetensors"), framework="np") as g:
         assert g.metadata() == {"shard": "a"}
     assert "ids" in load_file(os.path.join(views, "a.safetensors"))
+    # The index as the commit would write it; the one on disk waits for the commit.
+    index = json.loads(open(os.path.join(views, "m.safetensors.index.json")).read())
+    assert index["weight_map"] == {"w": "a.safetensors", "h": "a.safetensors", "ids": "a.safetensors",
+                                   "d": "b.safetensors", "mask": "b.safetensors"}
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in t.values())
+    assert json.loads((folder / "m.safetensors.index.json").read_text())["weight_map"]["ids"] == "b.safetensors"
     with safe_open(os.path.join(views, "bf16", "merged.safetensors"), framework="np") as g:
         assert sorted(g.keys()) == sorted(t)
