@@ -1071,7 +1071,10 @@ fn open_sources(dir: &Path, count: usize, writable: bool) -> Vec<(String, Source
     (0..count)
         .map(|k| {
             let path = dir.join(format!("s{k}.safetensors"));
-            (format!("s{k}"), SourceFile::open_with(&path, writable).unwrap())
+            (
+                format!("s{k}"),
+                SourceFile::open_with(&path, writable).unwrap(),
+            )
         })
         .collect()
 }
@@ -1719,7 +1722,10 @@ fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
                 let would_commit = model.dirs[dir].dirty
                     && model.problem_count(dir) == 0
                     && !model.status_lines(dir).is_empty();
-                assert_eq!(ways, would_commit as usize, "the commit line of shard {dir}: {report}");
+                assert_eq!(
+                    ways, would_commit as usize,
+                    "the commit line of shard {dir}: {report}"
+                );
                 got.retain(|l| !l.starts_with("commit     "));
                 let mut want = model.status_lines(dir);
                 got.sort();
@@ -1973,7 +1979,13 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
         0
     } else if model.problems() {
         libc::EINVAL
-    } else if !force && model.dirs.iter().zip(&dirty).any(|(d, &dt)| dt && d.replaced) {
+    } else if !force
+        && model
+            .dirs
+            .iter()
+            .zip(&dirty)
+            .any(|(d, &dt)| dt && d.replaced)
+    {
         libc::ESTALE
     } else if unreadable {
         libc::EIO
@@ -2007,12 +2019,21 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
                 .unwrap_or_else(|| panic!("no commit line for {path}: {lines:?}"));
             let ino = std::fs::metadata(&model.dirs[dir].path).unwrap().ino();
             let in_place = line.contains(": committed in place (");
-            assert!(in_place || line.contains(": committed by a rewrite ("), "{line}");
+            assert!(
+                in_place || line.contains(": committed by a rewrite ("),
+                "{line}"
+            );
             assert_eq!(ino == inos[dir], in_place, "{line}");
             WAYS.with(|w| {
                 let mut w = w.borrow_mut();
-                if in_place { w.0 += 1 } else { w.1 += 1 }
-                if line.contains("header grown by") { w.2 += 1 }
+                if in_place {
+                    w.0 += 1
+                } else {
+                    w.1 += 1
+                }
+                if line.contains("header grown by") {
+                    w.2 += 1
+                }
             });
             let expected = model.serialized(dir);
             let got = std::fs::read(&model.dirs[dir].path).unwrap();
@@ -2264,14 +2285,25 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
         // The export view is, byte for byte, the reference serialization of
         // the model's state (when that state is a valid checkpoint).
         let readable = !model.dirs[dir].replaced
-            && model.dirs[dir].entries.values().all(|e| e.data.is_none_or(|o| !model.unreadable(o)));
+            && model.dirs[dir]
+                .entries
+                .values()
+                .all(|e| e.data.is_none_or(|o| !model.unreadable(o)));
         if model.problem_count(dir) == 0 && readable {
             let top = if model.folder { ROOT_INO } else { dino };
             let views = fs.lookup(top, "__views__").unwrap();
-            let name = if model.folder { format!("s{dir}.safetensors") } else { "model.safetensors".into() };
+            let name = if model.folder {
+                format!("s{dir}.safetensors")
+            } else {
+                "model.safetensors".into()
+            };
             let view = fs.lookup(views.ino, &name).unwrap();
             let want = model.serialized(dir);
-            assert_eq!(view.size, want.len() as u64, "the export view's size after {after:?}");
+            assert_eq!(
+                view.size,
+                want.len() as u64,
+                "the export view's size after {after:?}"
+            );
             let opened = fs.open(view.ino, false, false).unwrap();
             let mut got = Vec::new();
             loop {
@@ -2284,7 +2316,10 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 got.extend(part);
             }
             fs.release(opened.fh).unwrap();
-            assert!(got == want, "the export view differs from the model's state after {after:?}");
+            assert!(
+                got == want,
+                "the export view differs from the model's state after {after:?}"
+            );
         }
         // Every listed name looks up to the inode readdir gave.
         for (name, ino) in listed.iter().skip(2) {
@@ -2420,7 +2455,10 @@ fn random_runs_commit_both_in_place_and_by_rewrite() {
     }
     let (in_place, rewrites, grown) = WAYS.with(|w| *w.borrow());
     println!("{in_place} commits in place ({grown} growing the header), {rewrites} rewrites");
-    assert!(in_place >= 10 && rewrites >= 10 && grown >= 3, "{in_place} in place ({grown} grown), {rewrites} rewrites");
+    assert!(
+        in_place >= 10 && rewrites >= 10 && grown >= 3,
+        "{in_place} in place ({grown} grown), {rewrites} rewrites"
+    );
 }
 
 proptest! {

@@ -263,7 +263,9 @@ fn leave_room(layout: &mut Layout) {
     if room <= json {
         return;
     }
-    layout.header.resize((crate::format::PREFIX_LEN + room) as usize, b' ');
+    layout
+        .header
+        .resize((crate::format::PREFIX_LEN + room) as usize, b' ');
     layout.header[..8].copy_from_slice(&room.to_le_bytes());
 }
 
@@ -430,7 +432,8 @@ impl CommitWay for SharedExtentsWay {
         // Room, and the data section at the old one's place within a block.
         let json = header.len() as u64 - crate::format::PREFIX_LEN;
         let base = json + (json / 4).max(4096);
-        let misfit = (data_start_now % block + block - (crate::format::PREFIX_LEN + base) % block) % block;
+        let misfit =
+            (data_start_now % block + block - (crate::format::PREFIX_LEN + base) % block) % block;
         let room = base + misfit;
         if room > crate::format::MAX_HEADER_LEN {
             return Err("the header would pass 100,000,000 bytes".into());
@@ -440,7 +443,10 @@ impl CommitWay for SharedExtentsWay {
         let data_start = crate::format::PREFIX_LEN + room;
         let mut shared = 0;
         for (j, &(old_start, _)) in kept.iter().enumerate() {
-            let (from, to) = (data_start_now + old_start, data_start + tensors.get(j).data_offsets.0);
+            let (from, to) = (
+                data_start_now + old_start,
+                data_start + tensors.get(j).data_offsets.0,
+            );
             let len = tensors.get(j).nbytes();
             if from % block == to % block {
                 let head = ((block - from % block) % block).min(len);
@@ -1145,7 +1151,10 @@ impl InPlaceJob {
             fresh: true,
         };
         let result = self.record.apply(&self.file, &self.header, &steps);
-        let now = result.as_ref().ok().and_then(|_| FileStat::of(&self.file).ok());
+        let now = result
+            .as_ref()
+            .ok()
+            .and_then(|_| FileStat::of(&self.file).ok());
         self.source.end_in_place(now.as_ref());
         drop(lease); // opens that waited go on, and see the new file
         result
@@ -1199,11 +1208,19 @@ impl CommitPlan {
                 }
             }
             let what = |source| CommitError::Io {
-                what: format!("{}: syncing the staging files", self.source.path().display()),
+                what: format!(
+                    "{}: syncing the staging files",
+                    self.source.path().display()
+                ),
                 source,
             };
             if staged.len() > 64 {
-                let any = staged.values().next().expect("many").file().map_err(&what)?;
+                let any = staged
+                    .values()
+                    .next()
+                    .expect("many")
+                    .file()
+                    .map_err(&what)?;
                 // SAFETY: syncfs of a valid descriptor.
                 if unsafe { libc::syncfs(any.as_raw_fd()) } != 0 {
                     return Err(what(std::io::Error::last_os_error()));
@@ -1277,7 +1294,11 @@ impl CommitPlan {
                 placed.name
             ));
             match share {
-                Some(block) => shared += self.inputs[k].copy_sharing_to(file, out, block).map_err(what)?,
+                Some(block) => {
+                    shared += self.inputs[k]
+                        .copy_sharing_to(file, out, block)
+                        .map_err(what)?
+                }
                 None => self.inputs[k].copy_to(0, file, out, len).map_err(what)?,
             }
             out += len;
@@ -1355,10 +1376,14 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                 Ok(()) => continue,
                 Err(e) => (k > 0, e),
             },
-            Landing::InPlace(j) => match dir.folder().map_err(|e| in_place::ApplyError {
-                marked: false,
-                error: e,
-            }).and_then(|d| j.run(&d)) {
+            Landing::InPlace(j) => match dir
+                .folder()
+                .map_err(|e| in_place::ApplyError {
+                    marked: false,
+                    error: e,
+                })
+                .and_then(|d| j.run(&d))
+            {
                 Ok(()) => {
                     info!(file = %j.source.path().display(), "committed in place");
                     continue;

@@ -131,7 +131,10 @@ pub fn layout<'a>(
     for i in (0..n_old).rev() {
         if !claimed[i] && !held[i] && old.tensors.nbytes(i) > 0 {
             free_by_name.insert(old.tensors.name(i), i);
-            free_by_size.entry(old.tensors.nbytes(i)).or_default().push(i);
+            free_by_size
+                .entry(old.tensors.nbytes(i))
+                .or_default()
+                .push(i);
         }
     }
     let mut overwritten = 0;
@@ -147,14 +150,12 @@ pub fn layout<'a>(
                     .get(spec(k).0)
                     .copied()
                     .filter(|&i| !claimed[i] && old.tensors.nbytes(i) == want),
-                _ => free_by_size
-                    .get_mut(&want)
-                    .and_then(|v| loop {
-                        match v.pop() {
-                            Some(i) if claimed[i] => continue,
-                            other => break other,
-                        }
-                    }),
+                _ => free_by_size.get_mut(&want).and_then(|v| loop {
+                    match v.pop() {
+                        Some(i) if claimed[i] => continue,
+                        other => break other,
+                    }
+                }),
             };
             if let Some(i) = found {
                 claimed[i] = true;
@@ -265,7 +266,9 @@ pub fn layout<'a>(
                 offset: data_start + offset,
             },
             (Some(f), _) => f.clone(),
-            (None, Bytes::Staged(s)) if s.len() == stop - start => WriteFrom::Staged { file: s.name() },
+            (None, Bytes::Staged(s)) if s.len() == stop - start => {
+                WriteFrom::Staged { file: s.name() }
+            }
             _ => {
                 return Err(format!(
                     "tensor {:?}'s bytes are not in a staging file of the mount",
@@ -296,7 +299,10 @@ pub fn layout<'a>(
         (dropped, "dropped at the end"),
     ] {
         if n > 0 {
-            summary.push(format!("{n} tensor{} {what}", if n == 1 { "" } else { "s" }));
+            summary.push(format!(
+                "{n} tensor{} {what}",
+                if n == 1 { "" } else { "s" }
+            ));
         }
     }
     let source_index = order;
@@ -473,7 +479,8 @@ impl InPlaceRecord {
             marked: true,
             error,
         };
-        let inserted = self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
+        let inserted =
+            self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
         // The marker first: nothing changes the file before it (its
         // modification time included), so a file without it is old or new.
         let marked = file
@@ -577,7 +584,10 @@ impl InPlaceRecord {
         if let Err(e) = set_mtime(file, self.after_mtime) {
             // Not the owner (a file the daemon may only write): the journal
             // then does not know this version, nothing else changes.
-            warn!(file = self.name, "setting the modification time after an in-place commit: {e}");
+            warn!(
+                file = self.name,
+                "setting the modification time after an in-place commit: {e}"
+            );
         }
         file.sync_all()
     }
@@ -608,9 +618,14 @@ impl InPlaceRecord {
             && self.folder.is_absolute()
             && !self.header_file.contains('/');
         if !plain {
-            return Err(format!("{}: not a plain name in a redo record", path.display()));
+            return Err(format!(
+                "{}: not a plain name in a redo record",
+                path.display()
+            ));
         }
-        let io = |e: std::io::Error| format!("{}: completing an interrupted commit: {e}", path.display());
+        let io = |e: std::io::Error| {
+            format!("{}: completing an interrupted commit: {e}", path.display())
+        };
         let folder = Folder::open(&self.folder).map_err(io)?;
         let file = folder
             .open_file(OsStr::new(&self.name), libc::O_RDWR, 0)
@@ -632,12 +647,20 @@ impl InPlaceRecord {
             .map_err(io)?;
         std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
         if header.len() < PREFIX_LEN as usize {
-            return Err(format!("{}: a redo record without a header", path.display()));
+            return Err(format!(
+                "{}: a redo record without a header",
+                path.display()
+            ));
         }
         let mut on_disk = vec![0u8; header.len()];
         let got = file.read_at(&mut on_disk, 0).map_err(io)?;
         let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
-        if !marked && started && got == header.len() && on_disk == header && st.len == self.after_len {
+        if !marked
+            && started
+            && got == header.len()
+            && on_disk == header
+            && st.len == self.after_len
+        {
             // All written, the prefix too: only the time is missing.
             self.finish_time(&file).map_err(io)?;
             return Ok(Some(format!(
@@ -659,7 +682,11 @@ impl InPlaceRecord {
             if name.contains('/') {
                 return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
             }
-            Ok(Arc::new(dir.open_file(OsStr::new(name), libc::O_RDONLY, 0)?))
+            Ok(Arc::new(dir.open_file(
+                OsStr::new(name),
+                libc::O_RDONLY,
+                0,
+            )?))
         };
         let insert = |len| crate::source::local::insert_range(&file, len);
         let steps = Steps {
@@ -669,7 +696,8 @@ impl InPlaceRecord {
             retire: &|_| {},
             fresh: unchanged,
         };
-        self.apply(&file, &header, &steps).map_err(|e| io(e.error))?;
+        self.apply(&file, &header, &steps)
+            .map_err(|e| io(e.error))?;
         info!(file = %path.display(), "completed an interrupted in-place commit");
         Ok(Some(format!(
             "{}: completed a commit that was interrupted (written in place)",
@@ -711,7 +739,9 @@ mod tests {
         std::fs::write(&path, &old).unwrap();
         let room = json.len() as u64 + 4096;
         let mut header = room.to_le_bytes().to_vec();
-        header.extend_from_slice(br#"{"__metadata__":{"k":"v"},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#);
+        header.extend_from_slice(
+            br#"{"__metadata__":{"k":"v"},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+        );
         header.resize(8 + room as usize, b' ');
         let mut new = header.clone();
         new.extend_from_slice(b"DATA");
@@ -747,7 +777,11 @@ mod tests {
         let (path, record, _, new) = setup(dir.path());
         // Killed mid-header: inserted (and recorded so), marker at the start,
         // the page with the moved marker already overwritten by header bytes.
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
         file.write_all_at(&IN_PLACE_MARKER, 0).unwrap();
         crate::source::local::insert_range(&file, 4096).unwrap();
         std::fs::write(dir.path().join("staging").join(record.inserted_flag()), b"").unwrap();

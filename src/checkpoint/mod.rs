@@ -526,9 +526,7 @@ impl Live {
 
     /// The tensors and metadata of the state as a commit would write them,
     /// for a view; what a commit would refuse, if anything.
-    pub fn view_tensors(
-        &self,
-    ) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), String> {
+    pub fn view_tensors(&self) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), String> {
         if let Some(p) = self.problems().first() {
             return Err(p.to_string());
         }
@@ -537,7 +535,10 @@ impl Live {
             let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
                 continue;
             };
-            let bytes = self.object(object).ok_or("a tensor's bytes are gone")?.bytes;
+            let bytes = self
+                .object(object)
+                .ok_or("a tensor's bytes are gone")?
+                .bytes;
             tensors.push(view::ViewTensor {
                 name: e.name.to_string(),
                 dtype,

@@ -365,7 +365,6 @@ impl Transactions {
         super::trim_memory();
         Ok(lines)
     }
-
 }
 
 type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
@@ -500,4 +499,3 @@ fn shard_tensors_now(src: &SourceFile) -> Result<Option<Vec<(String, u64)>>, Com
         }
     }
 }
-

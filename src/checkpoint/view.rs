@@ -6,7 +6,6 @@
 //! computes only the bytes asked for, from the tensors' bytes (the source,
 //! a staging file) and, for a cast, a conversion of just those elements.
 
-
 use crate::format::{layout_of, Dtype, FormatError, Metadata};
 use crate::source::Bytes;
 
@@ -47,7 +46,13 @@ impl GeneratedFile {
         let shown: Vec<Dtype> = tensors.iter().map(|t| cast_dtype(t.dtype, cast)).collect();
         let layout = layout_of(
             tensors.len(),
-            |i| (tensors[i].name.as_str(), shown[i], tensors[i].shape.as_slice()),
+            |i| {
+                (
+                    tensors[i].name.as_str(),
+                    shown[i],
+                    tensors[i].shape.as_slice(),
+                )
+            },
             metadata,
         )?;
         let start = layout.header.len() as u64;
@@ -146,7 +151,13 @@ fn element_count(shape: &[u64]) -> u64 {
 }
 
 /// Reads `out.len()` bytes at `offset` of a tensor of `from` shown as `to`.
-fn read_cast(bytes: &Bytes, from: Dtype, to: Dtype, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+fn read_cast(
+    bytes: &Bytes,
+    from: Dtype,
+    to: Dtype,
+    offset: u64,
+    out: &mut [u8],
+) -> std::io::Result<()> {
     if from == to {
         return read_exact(bytes, offset, out);
     }
@@ -381,14 +392,24 @@ mod tests {
             assert_eq!(w.dtype, cast.unwrap_or(Dtype::F32));
             assert_eq!(parsed.get("ids").unwrap().dtype, Dtype::U8);
             // Every read at any offset and size agrees with the whole.
-            for (off, len) in [(0, 7), (3, 100), (50, 4000), (whole.len() as u64 - 5, 100), (101, 1)] {
+            for (off, len) in [
+                (0, 7),
+                (3, 100),
+                (50, 4000),
+                (whole.len() as u64 - 5, 100),
+                (101, 1),
+            ] {
                 let mut part = vec![0u8; len];
                 let n = view.read_at(&mut part, off).unwrap();
                 assert_eq!(&part[..n], &whole[off as usize..off as usize + n]);
             }
             if cast == Some(Dtype::BF16) {
                 let start = parsed.data_start() + w.data_offsets.0;
-                let got = u16::from_le_bytes(whole[start as usize + 2..start as usize + 4].try_into().unwrap());
+                let got = u16::from_le_bytes(
+                    whole[start as usize + 2..start as usize + 4]
+                        .try_into()
+                        .unwrap(),
+                );
                 assert_eq!(got, f32_to_bf16(values[1]));
             }
         }

@@ -11,7 +11,8 @@ pub use dtype::Dtype;
 pub(crate) use error::ShapeDisplay;
 pub use error::{FormatError, InFile};
 pub use header::{
-    byte_len, element_count, Header, Metadata, SizeError, IN_PLACE_MARKER, interrupted_in_place, MAX_HEADER_LEN, PREFIX_LEN,
+    byte_len, element_count, interrupted_in_place, Header, Metadata, SizeError, IN_PLACE_MARKER,
+    MAX_HEADER_LEN, PREFIX_LEN,
 };
 pub use serialize::{header_bytes, layout, layout_of, write_entry, Layout, TensorSpec};
 pub use tensors::{TensorInfo, TensorRef, Tensors};

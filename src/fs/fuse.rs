@@ -22,8 +22,8 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, IOC_COMMIT,
-    IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
+    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_COMPACT, COMMIT_DISCARD,
+    COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{
     Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget, PREFETCH_SLICE,

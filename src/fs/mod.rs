@@ -33,11 +33,9 @@ use names::{METADATA_FILE, NAME_MAX, VIEWS_DIR};
 use tracing::{info, warn};
 
 use crate::checkpoint::commit::CommitOptions;
-use crate::checkpoint::transaction::{Shards, Transactions};
 use crate::checkpoint::staging::Staging;
-use crate::checkpoint::{
-    CommitError, DataObject, EditError, Id, Live, MAX_JSON, MAX_META,
-};
+use crate::checkpoint::transaction::{Shards, Transactions};
+use crate::checkpoint::{CommitError, DataObject, EditError, Id, Live, MAX_JSON, MAX_META};
 use crate::format::Dtype;
 use crate::source::{FileStat, SourceFile};
 
@@ -194,7 +192,11 @@ enum Node {
 }
 
 /// The folders of cast views in `__views__`.
-const CASTS: [(Dtype, &str); 3] = [(Dtype::BF16, "bf16"), (Dtype::F16, "f16"), (Dtype::F32, "f32")];
+const CASTS: [(Dtype, &str); 3] = [
+    (Dtype::BF16, "bf16"),
+    (Dtype::F16, "f16"),
+    (Dtype::F32, "f32"),
+];
 
 /// A view as made for one state of its checkpoints (their versions summed),
 /// or why it cannot be made (what a commit would refuse).
@@ -487,9 +489,9 @@ impl State {
         }
         let mut doc: serde_json::Value = serde_json::from_slice(&self.indexes[i].0.bytes)
             .map_err(|e| FsError::Invalid(format!("{}: {e}", self.indexes[i].0.name)))?;
-        let obj = doc
-            .as_object_mut()
-            .ok_or_else(|| FsError::Invalid(format!("{}: not a JSON object", self.indexes[i].0.name)))?;
+        let obj = doc.as_object_mut().ok_or_else(|| {
+            FsError::Invalid(format!("{}: not a JSON object", self.indexes[i].0.name))
+        })?;
         obj.insert("weight_map".into(), weight_map.into());
         let meta = obj
             .entry("metadata")
@@ -867,8 +869,7 @@ impl Fs {
                 self.object_attr(st, c, o, ino)
             }
             Node::ViewsDir(_) => {
-                of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false)
-                    .read_only()
+                of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false).read_only()
             }
             Node::IndexView(i) => {
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
@@ -996,13 +997,24 @@ impl Fs {
                 let dirs = match cast {
                     None => CASTS
                         .iter()
-                        .map(|(d, n)| (st.ino_of(Node::ViewsDir(Some(*d))), Kind::Directory, n.to_string()))
+                        .map(|(d, n)| {
+                            (
+                                st.ino_of(Node::ViewsDir(Some(*d))),
+                                Kind::Directory,
+                                n.to_string(),
+                            )
+                        })
                         .collect(),
                     Some(_) => Vec::new(),
                 };
-                let indexes = st.indexes.iter().enumerate().filter(|_| cast.is_none()).map(|(i, (ix, _))| {
-                    (st.ino_of(Node::IndexView(i)), Kind::File, ix.name.clone())
-                });
+                let indexes = st
+                    .indexes
+                    .iter()
+                    .enumerate()
+                    .filter(|_| cast.is_none())
+                    .map(|(i, (ix, _))| {
+                        (st.ino_of(Node::IndexView(i)), Kind::File, ix.name.clone())
+                    });
                 let files = st
                     .views(cast)
                     .map(|n| match n {
@@ -1042,7 +1054,10 @@ impl Fs {
         }
         let made = make_view(st, target, cast).map(Arc::new);
         if let Err(why) = &made {
-            warn!(view = st.view_name(target), "not a valid checkpoint now: {why}");
+            warn!(
+                view = st.view_name(target),
+                "not a valid checkpoint now: {why}"
+            );
         }
         lock(&self.views).insert((target, cast), (version, made.clone()));
         made.map_err(FsError::Invalid)
@@ -1292,7 +1307,10 @@ impl Fs {
 
     /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
     fn sync_journal(&self, c: usize) -> Result<(), FsError> {
-        Ok(crate::checkpoint::transaction::sync_journal(&self.state, c)?)
+        Ok(crate::checkpoint::transaction::sync_journal(
+            &self.state,
+            c,
+        )?)
     }
 
     /// Makes what went through a handle durable: its staging file and the journal.
@@ -1761,7 +1779,11 @@ impl Fs {
             for p in &s.problems {
                 out.push_str(&format!("  problem    {p}\n"));
             }
-            if let Some(way) = m.live.commit_preview(&held).filter(|_| !s.changes.is_empty()) {
+            if let Some(way) = m
+                .live
+                .commit_preview(&held)
+                .filter(|_| !s.changes.is_empty())
+            {
                 out.push_str(&format!("  commit     {way}\n"));
             }
         }
@@ -1979,7 +2001,11 @@ fn read_view<R>(
 
 /// A view of checkpoint `target` (None: every shard's tensors in one file,
 /// metadata keys of the first shard that has them), cast.
-fn make_view(st: &State, target: Option<usize>, cast: Option<Dtype>) -> Result<GeneratedFile, String> {
+fn make_view(
+    st: &State,
+    target: Option<usize>,
+    cast: Option<Dtype>,
+) -> Result<GeneratedFile, String> {
     let (tensors, metadata) = match target {
         Some(c) => st.live(c).view_tensors()?,
         None => {
@@ -1992,7 +2018,10 @@ fn make_view(st: &State, target: Option<usize>, cast: Option<Dtype>) -> Result<G
                     .map_err(|e| format!("{}: {e}", m.live.source().path().display()))?;
                 all.extend(tensors);
                 for (k, v) in meta.into_iter().flatten() {
-                    metadata.get_or_insert_with(Default::default).entry(k).or_insert(v);
+                    metadata
+                        .get_or_insert_with(Default::default)
+                        .entry(k)
+                        .or_insert(v);
                 }
             }
             (all, metadata)

@@ -36,7 +36,9 @@ pub fn to_page_cache(
             ..
         } => {
             // Where the bytes are now, if an in-place commit moved them since.
-            let moved = moves_with.as_ref().map_or(0, |(source, seen)| source.shift() - seen);
+            let moved = moves_with
+                .as_ref()
+                .map_or(0, |(source, seen)| source.shift() - seen);
             (&**file, *offset + moved, *sparse)
         }
         // A remote tensor goes into the local disk cache, by parallel GETs.

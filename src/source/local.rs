@@ -464,9 +464,19 @@ impl SourceFile {
         let (file, writable) = match writable {
             true => match folder.open_file(&name, libc::O_RDWR | flags, 0) {
                 Ok(f) => (f, true),
-                Err(_) => (folder.open_file(&name, libc::O_RDONLY | flags, 0).map_err(io)?, false),
+                Err(_) => (
+                    folder
+                        .open_file(&name, libc::O_RDONLY | flags, 0)
+                        .map_err(io)?,
+                    false,
+                ),
             },
-            false => (folder.open_file(&name, libc::O_RDONLY | flags, 0).map_err(io)?, false),
+            false => (
+                folder
+                    .open_file(&name, libc::O_RDONLY | flags, 0)
+                    .map_err(io)?,
+                false,
+            ),
         };
         let stat = FileStat::of(&file).map_err(io)?;
         if stat.mode & libc::S_IFMT != libc::S_IFREG {
@@ -618,7 +628,11 @@ impl SourceFile {
     /// object).
     pub fn writable_file(&self) -> Option<&Arc<File>> {
         match &self.origin {
-            Origin::Local { file, writable: true, .. } => Some(file),
+            Origin::Local {
+                file,
+                writable: true,
+                ..
+            } => Some(file),
             _ => None,
         }
     }
@@ -656,7 +670,8 @@ impl SourceFile {
         // the daemon's resident memory.
         {
             let view = version.view();
-            let header_end = ((view.shift - shift_base + header.data_start()) as usize).min(view.map.len());
+            let header_end =
+                ((view.shift - shift_base + header.data_start()) as usize).min(view.map.len());
             if header_end > 0 {
                 // SAFETY: read-only shared file mapping; a later access faults the
                 // same bytes back in from the page cache.
@@ -799,7 +814,13 @@ impl SourceFile {
 
     /// All of tensor `index` into `to` at `to_off`, its blocks shared where
     /// they can be (`copy_sharing`). Returns the bytes shared.
-    pub fn share_tensor(&self, index: usize, to: &File, to_off: u64, block: u64) -> std::io::Result<u64> {
+    pub fn share_tensor(
+        &self,
+        index: usize,
+        to: &File,
+        to_off: u64,
+        block: u64,
+    ) -> std::io::Result<u64> {
         let range = self.tensor_range(index);
         let Origin::Local {
             file,
@@ -823,7 +844,12 @@ impl SourceFile {
     /// a space, plus one): what follows up to the data is padding.
     pub fn header_json_end(&self) -> u64 {
         let end = self.header.data_start();
-        let Origin::Local { version, shift_base, .. } = &self.origin else {
+        let Origin::Local {
+            version,
+            shift_base,
+            ..
+        } = &self.origin
+        else {
             return end;
         };
         let view = version.view();
