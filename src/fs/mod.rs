@@ -846,20 +846,7 @@ impl Fs {
             Node::CheckpointDir(c) => {
                 of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false)
             }
-            Node::Index(i) => {
-                let ix = &st.indexes[i].0;
-                Attr {
-                    ino,
-                    kind: Kind::File,
-                    size: ix.bytes.len() as u64,
-                    mtime: ix.stat.modified(),
-                    perm: file_mode(&ix.stat, true),
-                    nlink: 1,
-                    uid: ix.stat.uid,
-                    gid: ix.stat.gid,
-                    volatile: true,
-                }
-            }
+            Node::Index(i) => index_attr(ino, &st.indexes[i].0, st.indexes[i].0.bytes.len() as u64),
             Node::Metadata(c) => {
                 let size = st.live(c).metadata_text().map_or(0, |t| t.len() as u64);
                 of_source(c, Kind::File, size, st.live(c).source().modified(), true)
@@ -873,18 +860,7 @@ impl Fs {
             }
             Node::IndexView(i) => {
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
-                let ix = &st.indexes[i].0;
-                Attr {
-                    ino,
-                    kind: Kind::File,
-                    size,
-                    mtime: ix.stat.modified(),
-                    perm: file_mode(&ix.stat, true),
-                    nlink: 1,
-                    uid: ix.stat.uid,
-                    gid: ix.stat.gid,
-                    volatile: true,
-                }
+                index_attr(ino, &st.indexes[i].0, size)
             }
             Node::View(target, cast) => {
                 let size = self.view(st, target, cast).map_or(0, |v| v.len());
@@ -1986,6 +1962,21 @@ impl Shards for State {
             .iter_mut()
             .map(|(ix, _)| ix)
             .find(|ix| ix.name == name)
+    }
+}
+
+/// An index file's attributes (read-only, its own owner and mode), with `size`.
+fn index_attr(ino: Ino, ix: &IndexFile, size: u64) -> Attr {
+    Attr {
+        ino,
+        kind: Kind::File,
+        size,
+        mtime: ix.stat.modified(),
+        perm: file_mode(&ix.stat, true),
+        nlink: 1,
+        uid: ix.stat.uid,
+        gid: ix.stat.gid,
+        volatile: true,
     }
 }
 

@@ -1021,30 +1021,29 @@ pub fn insert_range(file: &File, len: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Whether the filesystem holding `file` may share blocks between files
-/// (XFS with reflink, btrfs), and its block size.
-pub fn shares_extents(file: &File) -> Option<u64> {
+const EXT4: i64 = 0xEF53;
+const XFS: i64 = 0x5846_5342;
+const BTRFS: i64 = 0x9123_683E;
+
+/// The type (statfs magic) and block size of the filesystem holding `file`.
+fn filesystem(file: &File) -> Option<(i64, u64)> {
     // SAFETY: zeroed statfs is a valid out-parameter.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: fstatfs of a valid descriptor into a sized out-parameter.
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
         return None;
     }
-    const XFS: i64 = 0x5846_5342;
-    const BTRFS: i64 = 0x9123_683E;
-    matches!(st.f_type as i64, XFS | BTRFS).then_some(st.f_bsize as u64)
+    Some((st.f_type as i64, st.f_bsize as u64))
+}
+
+/// Whether the filesystem holding `file` may share blocks between files
+/// (XFS with reflink, btrfs), and its block size.
+pub fn shares_extents(file: &File) -> Option<u64> {
+    filesystem(file).and_then(|(kind, block)| matches!(kind, XFS | BTRFS).then_some(block))
 }
 
 /// Whether the filesystem holding `file` inserts blocks (FALLOC_FL_INSERT_RANGE):
 /// ext4 and XFS; and its block size.
 pub fn inserts_blocks(file: &File) -> Option<u64> {
-    // SAFETY: zeroed statfs is a valid out-parameter.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: fstatfs of a valid descriptor into a sized out-parameter.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
-        return None;
-    }
-    const EXT4: i64 = 0xEF53;
-    const XFS: i64 = 0x5846_5342;
-    matches!(st.f_type as i64, EXT4 | XFS).then_some(st.f_bsize as u64)
+    filesystem(file).and_then(|(kind, block)| matches!(kind, EXT4 | XFS).then_some(block))
 }
