@@ -69,6 +69,48 @@ impl GeneratedFile {
         })
     }
 
+    /// `tensor` as a `.npy` file (numpy's format, version 1.0; 2.0 for a
+    /// header past 64 KiB): a header that says its dtype and shape, then its
+    /// bytes as they are. Dtypes numpy has no name for are shown as the
+    /// unsigned integers of their width (BF16 as `<u2`, F8 as `|u1`: view
+    /// them as `ml_dtypes` types); packed ones (F4, F6) as their bytes.
+    pub fn npy(tensor: ViewTensor) -> GeneratedFile {
+        let (descr, shape) = npy_descr(tensor.dtype, &tensor.shape, tensor.bytes.len());
+        let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+        let shape = match dims.len() {
+            1 => format!("({},)", dims[0]),
+            _ => format!("({})", dims.join(", ")),
+        };
+        let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        // Magic, version, header length, the dict padded with spaces to a
+        // multiple of 64 bytes in all, then a newline (as numpy writes it).
+        let (version, len_bytes) = if dict.len() + 1 + 10 <= 65535 {
+            (1u8, 2)
+        } else {
+            (2, 4)
+        };
+        let prefix = 6 + 2 + len_bytes;
+        let total = (prefix + dict.len() + 1).div_ceil(64) * 64;
+        let mut header = Vec::with_capacity(total);
+        header.extend_from_slice(b"\x93NUMPY");
+        header.extend_from_slice(&[version, 0]);
+        let dict_len = total - prefix;
+        match version {
+            1 => header.extend_from_slice(&(dict_len as u16).to_le_bytes()),
+            _ => header.extend_from_slice(&(dict_len as u32).to_le_bytes()),
+        }
+        header.extend_from_slice(dict.as_bytes());
+        header.resize(total - 1, b' ');
+        header.push(b'\n');
+        let start = header.len() as u64;
+        let dtype = tensor.dtype;
+        GeneratedFile {
+            len: start + tensor.bytes.len(),
+            header,
+            parts: vec![(start, tensor, dtype)],
+        }
+    }
+
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -144,6 +186,29 @@ impl GeneratedFile {
         }
         Ok(done)
     }
+}
+
+/// The numpy dtype (`descr`) and shape a tensor is shown as in a `.npy` view.
+pub fn npy_descr(dtype: Dtype, shape: &[u64], nbytes: u64) -> (&'static str, Vec<u64>) {
+    use Dtype::*;
+    let descr = match dtype {
+        BOOL => "|b1",
+        U8 | F8_E5M2 | F8_E4M3 | F8_E8M0 | F8_E4M3FNUZ | F8_E5M2FNUZ => "|u1",
+        I8 => "|i1",
+        I16 => "<i2",
+        U16 | BF16 => "<u2",
+        F16 => "<f2",
+        I32 => "<i4",
+        U32 => "<u4",
+        F32 => "<f4",
+        C64 => "<c8",
+        F64 => "<f8",
+        I64 => "<i8",
+        U64 => "<u8",
+        // Packed: several elements per byte, no numpy shape fits.
+        F4 | F6_E2M3 | F6_E3M2 => return ("|u1", vec![nbytes]),
+    };
+    (descr, shape.to_vec())
 }
 
 fn element_count(shape: &[u64]) -> u64 {

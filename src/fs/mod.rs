@@ -189,7 +189,18 @@ enum Node {
     View(Option<usize>, Option<Dtype>),
     /// Index file `i` of a folder mount as a commit would write it now.
     IndexView(usize),
+    /// `__views__/npy` (None), or its folder of shard `c`'s tensors (folder mounts).
+    NpyDir(Option<usize>),
+    /// Entry `id` of checkpoint `c` as a `.npy` file.
+    Npy(usize, Id),
 }
+
+/// Inodes per tensor id and checkpoint: its files' kinds, then its `.npy` view.
+const SLOTS: u64 = TensorFile::STRIDE + 1;
+const NPY_SLOT: u64 = TensorFile::STRIDE;
+/// The folder of `.npy` views, and the suffix of their names.
+const NPY_DIR: &str = "npy";
+const NPY_SUFFIX: &str = ".npy";
 
 /// The folders of cast views in `__views__`.
 const CASTS: [(Dtype, &str); 3] = [
@@ -204,7 +215,8 @@ type CachedView = (u64, Result<Arc<GeneratedFile>, String>);
 
 /// Which view: of checkpoint `c` (None: merged), and its cast.
 type ViewKey = (Option<usize>, Option<Dtype>);
-use crate::checkpoint::view::GeneratedFile;
+use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use crate::checkpoint::MetaView;
 
 /// Hashed file name stem -> tensor name.
 type HashedNames = HashMap<String, String>;
@@ -401,11 +413,17 @@ impl State {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
         let rel = ino - self.first_ino;
-        let kind = TensorFile::from_slot(rel % TensorFile::STRIDE).ok_or(FsError::NotFound)?;
-        let k = rel / TensorFile::STRIDE;
+        let k = rel / SLOTS;
         let count = self.checkpoints.len().max(1) as u64;
         let (c, id) = ((k % count) as usize, k / count);
         let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
+        if rel % SLOTS == NPY_SLOT {
+            return match self.npy_tensor(c, id) {
+                Some(_) => Ok(Node::Npy(c, id)),
+                None => Err(FsError::NotFound),
+            };
+        }
+        let kind = TensorFile::from_slot(rel % SLOTS).ok_or(FsError::NotFound)?;
         let exists = match kind {
             TensorFile::Data => live.object_len(id).is_some(),
             TensorFile::Meta if id == live.metadata_file() => {
@@ -424,7 +442,35 @@ impl State {
 
     fn ino(&self, c: usize, id: Id, kind: TensorFile) -> Ino {
         let count = self.checkpoints.len().max(1) as u64;
-        self.first_ino + TensorFile::STRIDE * (id * count + c as u64) + kind.slot()
+        self.first_ino + SLOTS * (id * count + c as u64) + kind.slot()
+    }
+
+    fn npy_ino(&self, c: usize, entry: Id) -> Ino {
+        let count = self.checkpoints.len().max(1) as u64;
+        self.first_ino + SLOTS * (entry * count + c as u64) + NPY_SLOT
+    }
+
+    /// Entry `id` of checkpoint `c` as a view's tensor, if it has bytes and a valid meta.
+    fn npy_tensor(&self, c: usize, id: Id) -> Option<ViewTensor> {
+        let live = self.live(c);
+        let e = live.entry(id)?;
+        let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
+            return None;
+        };
+        let bytes = live.object(object)?.bytes;
+        // (A tensor whose bytes do not match its meta has no `.npy` view.)
+        (bytes.len() == dtype.bits() * shape.iter().product::<u64>() / 8).then(|| ViewTensor {
+            name: e.name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            bytes,
+        })
+    }
+
+    /// The checkpoint whose tensors a `.npy` folder holds (None: the folder
+    /// of shard folders, at the top of a folder mount's).
+    fn npy_target(&self, dir: Option<usize>) -> Option<usize> {
+        dir.or(if self.folder.is_none() { Some(0) } else { None })
     }
 
     fn ino_of(&self, node: Node) -> Ino {
@@ -434,7 +480,8 @@ impl State {
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
-            Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) => {
+            Node::Npy(c, id) => self.npy_ino(c, id),
+            Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) | Node::NpyDir(_) => {
                 let i = self.fixed.iter().position(|n| *n == node);
                 i.expect("views have fixed inodes") as Ino + 1
             }
@@ -470,9 +517,32 @@ impl State {
             if let Some(i) = self.indexes.iter().position(|(ix, _)| ix.name == name) {
                 return Some(Node::IndexView(i));
             }
+            if name == NPY_DIR {
+                return Some(Node::NpyDir(None));
+            }
         }
         self.views(cast)
             .find(|n| matches!(n, Node::View(t, _) if self.view_name(*t) == name))
+    }
+
+    /// Entry `id` of checkpoint `c` as a `.npy` file now.
+    fn npy_view(&self, c: usize, id: Id) -> Result<GeneratedFile, FsError> {
+        let tensor = self.npy_tensor(c, id).ok_or(FsError::NotFound)?;
+        Ok(GeneratedFile::npy(tensor))
+    }
+
+    /// The node of `name` in a folder of `.npy` views.
+    fn npy_entry(&self, dir: Option<usize>, name: &str) -> Option<Node> {
+        let Some(c) = self.npy_target(dir) else {
+            let c = self.checkpoints.iter().position(|m| m.dir_name == name)?;
+            return Some(Node::NpyDir(Some(c)));
+        };
+        let stem = name.strip_suffix(NPY_SUFFIX)?;
+        let Ok(Name::Tensor(TensorFile::Data, tensor)) = self.decode(c, stem) else {
+            return None;
+        };
+        let id = self.live(c).find(&tensor)?;
+        self.npy_tensor(c, id).map(|_| Node::Npy(c, id))
     }
 
     /// Index file `i` as a commit would rewrite it now: every shard's
@@ -533,7 +603,7 @@ impl State {
             Node::FolderRoot => Err(FsError::NotPermitted(
                 "the root of a folder mount holds one directory per shard: edit inside them",
             )),
-            Node::ViewsDir(_) => Err(FsError::ReadOnly),
+            Node::ViewsDir(_) | Node::NpyDir(_) => Err(FsError::ReadOnly),
             _ => Err(FsError::NotADirectory),
         }
     }
@@ -648,6 +718,12 @@ impl Fs {
         for i in 0..indexes.len() {
             alloc(&mut fixed, Node::IndexView(i));
         }
+        alloc(&mut fixed, Node::NpyDir(None));
+        if folder.is_some() {
+            for c in 0..checkpoints.len() {
+                alloc(&mut fixed, Node::NpyDir(Some(c)));
+            }
+        }
         Fs {
             settings,
             transactions: Transactions::new(staging.clone()),
@@ -733,6 +809,7 @@ impl Fs {
                 Node::ViewsDir(None)
             }
             Node::ViewsDir(cast) => st.view_entry(cast, name).ok_or(FsError::NotFound)?,
+            Node::NpyDir(dir) => st.npy_entry(dir, name).ok_or(FsError::NotFound)?,
             Node::CheckpointDir(c) => match st.decode(c, name) {
                 Ok(decoded) => st.find(c, &decoded).ok_or(FsError::NotFound)?,
                 Err(FsError::NameTooLong) => return Err(FsError::NameTooLong),
@@ -855,8 +932,12 @@ impl Fs {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
                 self.object_attr(st, c, o, ino)
             }
-            Node::ViewsDir(_) => {
+            Node::ViewsDir(_) | Node::NpyDir(_) => {
                 of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false).read_only()
+            }
+            Node::Npy(c, id) => {
+                let size = st.npy_view(c, id)?.len();
+                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
             }
             Node::IndexView(i) => {
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
@@ -980,6 +1061,11 @@ impl Fs {
                                 n.to_string(),
                             )
                         })
+                        .chain([(
+                            st.ino_of(Node::NpyDir(None)),
+                            Kind::Directory,
+                            NPY_DIR.to_string(),
+                        )])
                         .collect(),
                     Some(_) => Vec::new(),
                 };
@@ -1006,6 +1092,38 @@ impl Fs {
                 }
                 Ok(())
             }
+            Node::NpyDir(dir) => match st.npy_target(dir) {
+                // The folder of each shard's `.npy` folder.
+                None => {
+                    for (c, m) in st.checkpoints.iter().enumerate() {
+                        let next = 3 + c as u64;
+                        let ino = st.ino_of(Node::NpyDir(Some(c)));
+                        if next > offset && emit(ino, Kind::Directory, m.dir_name.clone(), next) {
+                            break;
+                        }
+                    }
+                    Ok(())
+                }
+                // Tensor `id` lists at offset 3 + id, in id order like its data file.
+                Some(c) => {
+                    let live = st.live(c);
+                    for (id, e) in live.entries_from(offset.saturating_sub(3)) {
+                        let next = 3 + id + 1;
+                        if next > offset
+                            && st.npy_tensor(c, id).is_some()
+                            && emit(
+                                st.npy_ino(c, id),
+                                Kind::File,
+                                TensorFile::Data.file_name(e.name) + NPY_SUFFIX,
+                                next,
+                            )
+                        {
+                            return Ok(());
+                        }
+                    }
+                    Ok(())
+                }
+            },
             _ => Err(FsError::NotADirectory),
         }
     }
@@ -1063,13 +1181,20 @@ impl Fs {
         }
         let node = self.read_state().node(ino)?;
         match node {
-            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
                 Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) if write || truncate => Err(FsError::ReadOnly),
+            Node::View(..) | Node::IndexView(_) | Node::Npy(..) if write || truncate => {
+                Err(FsError::ReadOnly)
+            }
             Node::IndexView(i) => {
                 self.read_state().index_view(i)?; // (EINVAL now, not at the first read)
                 Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
+            }
+            Node::Npy(c, id) => {
+                let file = Arc::new(self.read_state().npy_view(c, id)?);
+                let fh = self.new_handle(Handle::View { ino, file });
+                Ok(self.opened(fh, true))
             }
             Node::View(target, cast) => {
                 // A descriptor reads the view as it was when it opened.
@@ -1379,9 +1504,10 @@ impl Fs {
             None => {
                 let st = self.read_state();
                 let text = match st.node(ino)? {
-                    Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
-                        return Err(FsError::IsADirectory)
-                    }
+                    Node::FolderRoot
+                    | Node::CheckpointDir(_)
+                    | Node::ViewsDir(_)
+                    | Node::NpyDir(_) => return Err(FsError::IsADirectory),
                     Node::View(target, cast) => {
                         let file = self.view(&st, target, cast)?;
                         drop(st);
@@ -1391,6 +1517,11 @@ impl Fs {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
                     }
                     Node::IndexView(i) => Some(st.index_view(i)?),
+                    Node::Npy(c, id) => {
+                        let file = st.npy_view(c, id)?;
+                        drop(st);
+                        return read_view(&file, offset, size, reply);
+                    }
                     Node::Metadata(c) => st.live(c).metadata_text(),
                     Node::File(c, file, TensorFile::Meta) => {
                         st.live(c).meta_text(st.meta_entry(c, file)?)
@@ -1479,10 +1610,10 @@ impl Fs {
                 let object = self.object(c, id)?;
                 self.truncate_object(&object, size)?;
             }
-            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) => {
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
                 return Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) => return Err(FsError::ReadOnly),
+            Node::View(..) | Node::IndexView(_) | Node::Npy(..) => return Err(FsError::ReadOnly),
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",
@@ -1508,7 +1639,7 @@ impl Fs {
                 Node::FolderRoot => return Err(FsError::NotPermitted(
                     "the root of a folder mount holds one directory per shard: edit inside them",
                 )),
-                Node::ViewsDir(_) => return Err(FsError::ReadOnly),
+                Node::ViewsDir(_) | Node::NpyDir(_) => return Err(FsError::ReadOnly),
                 _ => return Err(FsError::NotADirectory),
             };
         let decoded = match st.decode(c, name) {

@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ckpt import sh
+from ckpt import save_raw, sh, write_by_hand
 
 
 def tensors():
@@ -45,7 +45,7 @@ def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount
     before = src.read_bytes()
     m = mount(src)
     view = os.path.join(m.path, "__views__", "model.safetensors")
-    assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors"]
+    assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors", "npy"]
     # Reached by name, not listed: cp -r, rsync and find of the mount see the checkpoint only.
     assert "__views__" not in os.listdir(m.path)
     assert open(view, "rb").read() == before
@@ -183,7 +183,7 @@ def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
     f = mount(folder)
     views = os.path.join(f.path, "__views__")
     assert sorted(os.listdir(views)) == ["a.safetensors", "b.safetensors", "bf16", "f16", "f32", "m.safetensors.index.json",
-                                         "merged.safetensors"]
+                                         "merged.safetensors", "npy"]
     for name in parts:
         assert open(os.path.join(views, f"{name}.safetensors"), "rb").read() == (folder / f"{name}.safetensors").read_bytes()
     # One file with every tensor of every shard; the first shard's metadata keys win.
@@ -201,3 +201,84 @@ def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
     assert json.loads((folder / "m.safetensors.index.json").read_text())["weight_map"]["ids"] == "b.safetensors"
     with safe_open(os.path.join(views, "bf16", "merged.safetensors"), framework="np") as g:
         assert sorted(g.keys()) == sorted(t)
+
+
+def test_npy_views_load_with_numpy_for_every_dtype_and_follow_edits(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(3)
+    arrays = {
+        "f32": rng.standard_normal((4, 5)).astype(np.float32),
+        "f64": rng.standard_normal(3),
+        "f16": rng.standard_normal((2, 2, 2)).astype(np.float16),
+        "c64": (rng.standard_normal(3) + 1j).astype(np.complex64),
+        "i64": np.arange(-3, 3, dtype=np.int64),
+        "u16": np.arange(6, dtype=np.uint16).reshape(2, 3),
+        "mask": np.array([True, False]),
+        "empty": np.zeros((0, 3), np.int32),
+        "a/b.c": np.ones(2, np.uint8),  # shown as a%2Fb.c.npy
+    }
+    bf16 = rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16)
+    f8 = rng.standard_normal(8).astype(ml_dtypes.float8_e4m3fn)
+    raw = {"bf16": ("BF16", [3, 4], bf16.tobytes()), "f8": ("F8_E4M3", [8], f8.tobytes())}
+    save_raw(str(src), raw, arrays=arrays)
+    m = mount(src)
+    npy = os.path.join(m.path, "__views__", "npy")
+    names = sorted(os.listdir(npy))
+    assert names == sorted(["a%2Fb.c.npy"] + [k + ".npy" for k in arrays if k != "a/b.c"] + ["bf16.npy", "f8.npy"])
+    for name, a in arrays.items():
+        path = os.path.join(npy, name.replace("/", "%2F") + ".npy")
+        got = np.load(path)
+        assert got.dtype == a.dtype and got.shape == a.shape, name
+        assert got.tobytes() == a.tobytes(), name
+        assert os.stat(path).st_size == os.path.getsize(path) == len(open(path, "rb").read())
+        # numpy's own writer: the same bytes (header padding, version, layout).
+        ref = tmp_path / "ref.npy"
+        np.save(ref, a)
+        assert open(path, "rb").read() == ref.read_bytes(), name
+    # No numpy name: BF16 as <u2 and F8 as |u1, to be viewed as ml_dtypes types.
+    got = np.load(os.path.join(npy, "bf16.npy"))
+    assert got.dtype == np.uint16 and got.shape == (3, 4)
+    assert np.array_equal(got.view(ml_dtypes.bfloat16), bf16, equal_nan=True)
+    got = np.load(os.path.join(npy, "f8.npy"))
+    assert got.dtype == np.uint8 and got.view(ml_dtypes.float8_e4m3fn).tobytes() == f8.tobytes()
+    # A memory-mapped load reads the same.
+    assert np.array_equal(np.load(os.path.join(npy, "f32.npy"), mmap_mode="r"), arrays["f32"])
+    # Edits show at once: a rename, a reshape, new bytes, a removal.
+    sh(f"mv {m.path}/f32 {m.path}/weight && rm {m.path}/i64")
+    with open(os.path.join(m.path, "u16.meta.json"), "w") as f:
+        json.dump({"dtype": "U16", "shape": [6]}, f)
+    new = np.arange(20, dtype=np.float32)[::-1].copy()
+    with open(os.path.join(m.path, "weight"), "r+b") as f:
+        f.write(new.tobytes())
+    assert not os.path.exists(os.path.join(npy, "f32.npy")) and not os.path.exists(os.path.join(npy, "i64.npy"))
+    assert np.array_equal(np.load(os.path.join(npy, "weight.npy")), new.reshape(4, 5))
+    assert np.load(os.path.join(npy, "u16.npy")).shape == (6,)
+    # A tensor whose bytes do not match its meta has no .npy view; read-only.
+    with open(os.path.join(m.path, "weight"), "ab") as f:
+        f.write(b"xx")
+    assert "weight.npy" not in os.listdir(npy)
+    with pytest.raises(OSError) as e:
+        open(os.path.join(npy, "f64.npy"), "r+b")
+    assert e.value.errno in (errno.EROFS, errno.EACCES)
+
+
+def test_npy_views_of_packed_dtypes_and_folder_mounts(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    scalar = np.array(7.5, dtype=np.float32)
+    write_by_hand(str(src), [("f6", "F6_E2M3", [4, 4], bytes(range(12))), ("s", "F32", [], scalar.tobytes())])
+    m = mount(src)
+    got = np.load(os.path.join(m.path, "__views__", "npy", "s.npy"))
+    assert got.shape == () and got == scalar
+    got = np.load(os.path.join(m.path, "__views__", "npy", "f6.npy"))
+    assert got.dtype == np.uint8 and got.shape == (12,) and got.tobytes() == bytes(range(12))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"x": np.ones(3, np.float32)}, str(folder / "a.safetensors"))
+    save_file({"y": np.zeros(2, np.int16)}, str(folder / "b.safetensors"))
+    f = mount(folder)
+    npy = os.path.join(f.path, "__views__", "npy")
+    assert sorted(os.listdir(npy)) == ["a", "b"]
+    assert os.listdir(os.path.join(npy, "b")) == ["y.npy"]
+    assert np.array_equal(np.load(os.path.join(npy, "a", "x.npy")), np.ones(3, np.float32))
+    sh(f"mv {f.path}/a/x {f.path}/b/x && mv {f.path}/a/x.meta.json {f.path}/b/x.meta.json")
+    assert sorted(os.listdir(os.path.join(npy, "b"))) == ["x.npy", "y.npy"] and os.listdir(os.path.join(npy, "a")) == []
