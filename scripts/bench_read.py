@@ -2,9 +2,11 @@
 """Read-path benchmarks of stfs, reported as ratios against baselines measured
 in the same run (never as pass/fail thresholds):
 
-1. a 1 GiB tensor, source page cache warm: first read through a fresh mount and
-   second read, against `dd` of the same byte range straight from the source
-   file, and against the Python reference's get_tensor;
+1. a 1 GiB tensor, source page cache warm: first, second and third read through
+   a fresh mount, against `dd` of the same byte range straight from the source
+   file, against a minimal FUSE server that serves the same range from an mmap
+   with direct I/O (examples/minimal_server.rs: the kernel's FUSE path with
+   nothing added), and against the Python reference's get_tensor;
 2. mount + `ls | wc -l` of a 100,000-tensor checkpoint against the reference's
    `safe_open(f, "np").keys()`;
 3. the daemon's private memory (RssAnon) after reading every tensor of a 2 GiB
@@ -92,7 +94,29 @@ def served_reads(stfs, mnt):
     return int(line.split()[1])
 
 
-def bench_throughput(stfs, work, runs):
+class MinimalServer:
+    """The baseline FUSE server (examples/minimal_server.rs): one file served
+    from a populated mmap with direct I/O, nothing else."""
+
+    def __init__(self, binary, src, off, length, mnt):
+        self.mnt = mnt
+        self.proc = subprocess.Popen([binary, src, str(off), str(length), mnt])
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the minimal server did not mount {mnt}")
+            time.sleep(0.02)
+
+    def close(self):
+        subprocess.run(["umount", self.mnt], check=False)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def bench_throughput(stfs, minimal, work, runs):
     src = os.path.join(work, "one.safetensors")
     size = 1 << 30
     save_file({"t": np.frombuffer(np.random.default_rng(0).bytes(size), dtype=np.uint8)}, src)
@@ -100,12 +124,26 @@ def bench_throughput(stfs, work, runs):
     dd(src)  # warm the source's page cache
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    print(f"1 GiB tensor, source page cache warm, median of {runs} (ratios to dd of the range from the source):")
-    print(f"  {'mode':34s} {'1st':>6s} {'2nd':>6s} {'3rd':>6s}  {'cache held':>10s}  {'READs (2nd)':>11s}")
-    python = []
-    for cache in ("keep", "direct"):
+    print(f"1 GiB tensor, source page cache warm, median of {runs}; ratios to dd of the range from the source")
+    print("and (in brackets) to the minimal FUSE server of examples/minimal_server.rs, measured in the same runs:")
+    print(f"  {'server':38s} {'1st':>13s} {'2nd':>13s} {'3rd':>13s}  {'cache held':>10s}  {'READs (2nd)':>11s}")
+    direct, floor = [], [[], [], []]
+    rows = []
+
+    def three_reads(path, reads):
+        for r in reads:
+            r.append(timed(lambda: dd(path)))
+
+    for _ in range(runs):
+        direct.append(timed(lambda: dd(src, off, length)))
+        s = MinimalServer(minimal, src, off, length, mnt)
+        try:
+            three_reads(os.path.join(mnt, "t"), floor)
+        finally:
+            s.close()
+    for cache in ("direct", "keep"):
         for mapping in ("keep", "release"):
-            direct, reads, held, served = [], [[], [], []], [], []
+            reads, held, served = [[], [], []], [], []
             for _ in range(runs):
                 direct.append(timed(lambda: dd(src, off, length)))
                 m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"),
@@ -120,18 +158,24 @@ def bench_throughput(stfs, work, runs):
                     reads[2].append(timed(lambda: dd(os.path.join(mnt, "t"))))
                 finally:
                     m.close()
-            base = statistics.median(direct)
-            r = [base / statistics.median(x) for x in reads]
-            print(f"  cache={cache:6s} mapping={mapping:7s}         {r[0]:6.2f} {r[1]:6.2f} {r[2]:6.2f}"
-                  f"  {statistics.median(held):9.2f}x  {statistics.median(served):11.0f}")
+            rows.append((f"stfs -o cache={cache},mapping={mapping}", reads, held, served))
+    base = statistics.median(direct)
+    fl = [statistics.median(x) for x in floor]
+    print(f"  {'minimal server (direct I/O)':38s}" + "".join(f" {base / f:6.2f}       " for f in fl))
+    for name, reads, held, served in rows:
+        cells = "".join(f" {base / statistics.median(x):6.2f} [{f / statistics.median(x):4.2f}]"
+                        for x, f in zip(reads, fl))
+        print(f"  {name:38s}{cells}  {statistics.median(held):9.2f}x  {statistics.median(served):11.0f}")
+    python = []
     for _ in range(runs):
         def ref():
             with safe_open(src, framework="np") as f:
                 f.get_tensor("t")
         python.append(timed(ref))
-    d = size / statistics.median(direct) / 1e9
+    d = size / base / 1e9
     py = size / statistics.median(python) / 1e9
-    print(f"  dd of the range from the source: {d:.2f} GB/s; Python safe_open().get_tensor: {py:.2f} GB/s ({py / d:.2f}x)")
+    print(f"  dd of the range from the source: {d:.2f} GB/s; minimal server: {size / fl[0] / 1e9:.2f} GB/s;"
+          f" Python safe_open().get_tensor: {py:.2f} GB/s ({py / d:.2f}x)")
     print("  (cache held: growth of the machine's page cache per byte read the first time; the source's")
     print("   pages were cached already, so 0 means one copy in memory, 1 means two)")
     os.unlink(src)
@@ -191,13 +235,15 @@ def bench_rss(stfs, work):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    p.add_argument("--minimal", default=os.path.join(ROOT, "target", "release", "examples", "minimal_server"),
+                   help="the baseline server (cargo build --release --example minimal_server)")
     p.add_argument("--dir", default=None, help="work folder (default: a temp folder under /var/tmp)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--only", choices=["throughput", "listing", "rss"])
     a = p.parse_args()
     with tempfile.TemporaryDirectory(dir=a.dir or "/var/tmp", prefix="stfs-bench-") as work:
         if a.only in (None, "throughput"):
-            bench_throughput(a.stfs, work, a.runs)
+            bench_throughput(a.stfs, a.minimal, work, a.runs)
         if a.only in (None, "listing"):
             bench_listing(a.stfs, work, a.runs)
         if a.only in (None, "rss"):
