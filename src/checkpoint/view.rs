@@ -7,7 +7,9 @@
 //! a staging file) and, for a cast, a conversion of just those elements.
 
 use crate::format::{layout_of, Dtype, FormatError, Metadata};
-use crate::source::Bytes;
+use std::sync::Arc;
+
+use crate::source::{Bytes, SourceFile};
 
 /// One tensor of a view: its name, dtype and shape in the checkpoint, and its bytes.
 pub struct ViewTensor {
@@ -24,6 +26,8 @@ pub struct GeneratedFile {
     /// File order: (start in the file, the tensor, the dtype it is shown as).
     parts: Vec<(u64, ViewTensor, Dtype)>,
     len: u64,
+    /// The source file it is byte for byte, if it is one (found once).
+    same_as: std::sync::OnceLock<Option<Arc<SourceFile>>>,
 }
 
 /// The dtype a tensor of `dtype` is shown as in a view cast to `to`: every
@@ -66,6 +70,7 @@ impl GeneratedFile {
             len: layout.file_len(),
             header: layout.header,
             parts,
+            same_as: Default::default(),
         })
     }
 
@@ -108,11 +113,45 @@ impl GeneratedFile {
             len: start + tensor.bytes.len(),
             header,
             parts: vec![(start, tensor, dtype)],
+            same_as: Default::default(),
         }
     }
 
     pub fn len(&self) -> u64 {
         self.len
+    }
+
+    /// The source file this is, byte for byte, now (a view of an unedited
+    /// checkpoint that `save_file` wrote): a reader can be given that file
+    /// itself (kernel passthrough). Its header is compared once; that the
+    /// file is still as validated, at every call.
+    pub fn whole_source(&self) -> Option<&Arc<SourceFile>> {
+        let source = self
+            .same_as
+            .get_or_init(|| self.find_whole_source())
+            .as_ref()?;
+        source.is_now(&self.header, self.len).then_some(source)
+    }
+
+    fn find_whole_source(&self) -> Option<Arc<SourceFile>> {
+        let Bytes::Source(source, _) = &self.parts.first()?.1.bytes else {
+            return None;
+        };
+        if source.header().tensors.len() != self.parts.len() {
+            return None;
+        }
+        for (start, t, shown) in &self.parts {
+            let Bytes::Source(s, i) = &t.bytes else {
+                return None;
+            };
+            if !Arc::ptr_eq(s, source) || *shown != t.dtype {
+                return None;
+            }
+            if s.tensor_range(*i as usize).start != *start {
+                return None;
+            }
+        }
+        source.starts_with(&self.header).then(|| source.clone())
     }
 
     /// The bytes it reads from (an in-place commit leaves them alone while

@@ -34,6 +34,9 @@ pub enum FsError {
     NotATensor,
     /// The caller went away, or the time limit passed (EINTR).
     Interrupted,
+    /// The file an inode stood for is another one now (ESTALE: the kernel
+    /// looks the name up again and retries).
+    Stale,
     /// A limit of the daemon's memory: what is buffered for open JSON files (ENOSPC).
     NoSpace(&'static str),
     Edit(EditError),
@@ -59,6 +62,7 @@ impl FsError {
             FsError::Exists => libc::EEXIST,
             FsError::NotATensor => libc::ENOTTY,
             FsError::Interrupted => libc::EINTR,
+            FsError::Stale => libc::ESTALE,
             FsError::NoSpace(_) => libc::ENOSPC,
             FsError::Edit(e) => match e {
                 EditError::NotFound => libc::ENOENT,
@@ -166,6 +170,7 @@ impl fmt::Display for FsError {
             FsError::Interrupted => {
                 f.write_str("interrupted: the caller went away or time ran out")
             }
+            FsError::Stale => f.write_str("stale: the view is another file now"),
             FsError::Edit(e) => write!(f, "{e}"),
             FsError::Commit(e) => write!(f, "{e}"),
             FsError::Staging(e) => write!(f, "{e}"),

@@ -26,7 +26,8 @@ use super::ioctl::{
     COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{
-    Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget, PREFETCH_SLICE,
+    lock, Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget,
+    PREFETCH_SLICE,
 };
 
 /// Attributes of files whose content only changes through the mount.
@@ -44,6 +45,16 @@ type Job = Box<dyn FnOnce() + Send>;
 pub struct FuseAdapter {
     fs: Arc<Fs>,
     edits: mpsc::Sender<Job>,
+    backings: Mutex<Backings>,
+}
+
+/// The backing files of opens served by kernel passthrough. The kernel wants
+/// one backing id per inode while any open of it uses one: the id is shared
+/// by the inode's opens and closed with the last (held by each handle).
+#[derive(Default)]
+struct Backings {
+    by_ino: std::collections::HashMap<u64, std::sync::Weak<fuser::BackingId>>,
+    by_fh: std::collections::HashMap<u64, Arc<fuser::BackingId>>,
 }
 
 impl FuseAdapter {
@@ -62,7 +73,11 @@ impl FuseAdapter {
                     job();
                 });
         }
-        FuseAdapter { fs, edits: tx }
+        FuseAdapter {
+            fs,
+            edits: tx,
+            backings: Mutex::default(),
+        }
     }
 
     /// Runs `f` on an edit thread.
@@ -71,6 +86,35 @@ impl FuseAdapter {
         let _ = self
             .edits
             .send(Box::new(move || guarded(&fs, op, || f(&fs))));
+    }
+
+    /// The backing id of `file` for an open of `ino` by handle `fh`: the
+    /// inode's own if one of its opens has one, else a new one. When the
+    /// kernel refuses (a daemon without CAP_SYS_ADMIN), passthrough is
+    /// turned off for the mount and the open is served by the daemon.
+    fn backing(
+        &self,
+        ino: u64,
+        fh: u64,
+        file: &std::fs::File,
+        reply: &ReplyOpen,
+    ) -> Result<Arc<fuser::BackingId>, ()> {
+        let mut b = lock(&self.backings);
+        let id = match b.by_ino.get(&ino).and_then(std::sync::Weak::upgrade) {
+            Some(id) => id,
+            None => match reply.open_backing(file) {
+                Ok(id) => Arc::new(id),
+                Err(e) => {
+                    warn!("kernel passthrough refused ({e}): views are served by the daemon");
+                    self.fs.set_passthrough(false);
+                    return Err(());
+                }
+            },
+        };
+        b.by_ino.retain(|_, w| w.strong_count() > 0);
+        b.by_ino.insert(ino, Arc::downgrade(&id));
+        b.by_fh.insert(fh, id.clone());
+        Ok(id)
     }
 
     /// Runs `f` on a thread of its own (commits, prefetches).
@@ -285,6 +329,15 @@ impl Filesystem for FuseAdapter {
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         // Lookups of a directory run in parallel with each other.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Views that are a source file, served by the kernel from that file
+        // (backing files need CAP_SYS_ADMIN; sources may be on overlayfs).
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } == 0
+            && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+            && config.set_max_stack_depth(2).is_ok()
+        {
+            self.fs.set_passthrough(true);
+        }
         if self.fs.settings().cache == CacheMode::Direct {
             // Readers that mmap a tensor file keep working without a page cache of reads.
             if config
@@ -331,7 +384,17 @@ impl Filesystem for FuseAdapter {
         guarded(&self.fs, "open", || {
             let write = flags.acc_mode() != OpenAccMode::O_RDONLY;
             match self.fs.open(ino.0, write, flags.0 & libc::O_TRUNC != 0) {
-                Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
+                Ok(o) => match o
+                    .passthrough
+                    .as_ref()
+                    .map(|f| self.backing(ino.0, o.fh, f, &reply))
+                {
+                    Some(Ok(id)) => {
+                        reply.opened_passthrough(FileHandle(o.fh), FopenFlags::empty(), &id)
+                    }
+                    // (Served by the daemon: `o` says how.)
+                    Some(Err(())) | None => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
+                },
                 Err(e) => reply.error(errno("open", &e)),
             }
         })
@@ -375,6 +438,9 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        if let Some(id) = lock(&self.backings).by_fh.remove(&fh.0) {
+            drop(id); // (the last handle of its inode closes the backing id)
+        }
         // An error here reaches nobody (close already returned): release logs it.
         self.edit("release", move |fs| {
             let _ = fs.release(fh.0);

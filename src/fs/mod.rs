@@ -87,11 +87,14 @@ pub enum CacheMode {
 }
 
 /// An open file: its handle and how the kernel should cache it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Opened {
     pub fh: u64,
     pub keep_cache: bool,
     pub direct_io: bool,
+    /// Serve this open by kernel passthrough: reads and mmaps go to this
+    /// file, whole, without the daemon (a view that is the source file).
+    pub passthrough: Option<Arc<std::fs::File>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,7 +196,14 @@ enum Node {
     NpyDir(Option<usize>),
     /// Entry `id` of checkpoint `c` as a `.npy` file.
     Npy(usize, Id),
+    /// A view that is checkpoint `c`'s source file byte for byte, served
+    /// by kernel passthrough: an inode of its own for each source file
+    /// (`WHOLE_BIT` and the file's inode number), as the kernel wants one
+    /// backing file per inode while it is open.
+    WholeView(usize),
 }
+
+const WHOLE_BIT: Ino = 1 << 62;
 
 /// Inodes per tensor id and checkpoint: its files' kinds, then its `.npy` view.
 const SLOTS: u64 = TensorFile::STRIDE + 1;
@@ -379,6 +389,8 @@ pub struct Fs {
     /// checkpoint's state moves (taken after `state`).
     views: Mutex<HashMap<ViewKey, CachedView>>,
     json_budget: Arc<JsonBudget>,
+    /// Views that are a source file are served by kernel passthrough.
+    passthrough: std::sync::atomic::AtomicBool,
     next_fh: AtomicU64,
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
     reads: AtomicU64,
@@ -411,6 +423,14 @@ impl State {
         }
         if ino < self.first_ino {
             return Ok(self.fixed[(ino - 1) as usize]);
+        }
+        if ino & WHOLE_BIT != 0 {
+            return self
+                .checkpoints
+                .iter()
+                .position(|m| Some(ino) == whole_ino(m.live.source()))
+                .map(Node::WholeView)
+                .ok_or(FsError::NotFound);
         }
         let rel = ino - self.first_ino;
         let k = rel / SLOTS;
@@ -481,6 +501,7 @@ impl State {
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
             Node::Npy(c, id) => self.npy_ino(c, id),
+            Node::WholeView(c) => whole_ino(self.live(c).source()).expect("a local source"),
             Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) | Node::NpyDir(_) => {
                 let i = self.fixed.iter().position(|n| *n == node);
                 i.expect("views have fixed inodes") as Ino + 1
@@ -739,6 +760,7 @@ impl Fs {
             handles: Mutex::new(Handles::default()),
             views: Mutex::new(HashMap::new()),
             json_budget: Arc::default(),
+            passthrough: Default::default(),
             next_fh: AtomicU64::new(1),
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
@@ -817,7 +839,32 @@ impl Fs {
             },
             _ => return Err(FsError::NotADirectory),
         };
+        let node = match node {
+            Node::View(target, cast) => self.whole_view(&st, target, cast).unwrap_or(node),
+            node => node,
+        };
         self.attr_of(&st, node)
+    }
+
+    /// Views can be served by kernel passthrough (the FUSE adapter says so
+    /// when the kernel and the daemon's privileges allow it).
+    pub fn set_passthrough(&self, on: bool) {
+        self.passthrough.store(on, Ordering::Relaxed);
+    }
+
+    /// The node that serves a view which is a source file byte for byte, by
+    /// passthrough (None: the view is generated, or passthrough is off).
+    fn whole_view(&self, st: &State, target: Option<usize>, cast: Option<Dtype>) -> Option<Node> {
+        if !self.passthrough.load(Ordering::Relaxed) {
+            return None;
+        }
+        let file = self.view(st, target, cast).ok()?;
+        let source = file.whole_source()?;
+        let c = st
+            .checkpoints
+            .iter()
+            .position(|m| Arc::ptr_eq(m.live.source(), source))?;
+        whole_ino(source).map(|_| Node::WholeView(c))
     }
 
     /// A file removed or replaced while open still answers through its
@@ -858,8 +905,22 @@ impl Fs {
                 Ok(a)
             }
             Some(Handle::Json { file, .. }) => Ok(file.attr(0)),
-            // (Views have fixed inodes: never reached.)
-            Some(Handle::View { .. }) | None => Err(node.err().unwrap_or(FsError::NotFound)),
+            // A view served by passthrough whose source file was replaced since.
+            Some(Handle::View { file, .. }) => {
+                let src = st.live(0).source();
+                Ok(Attr {
+                    ino,
+                    kind: Kind::File,
+                    size: file.len(),
+                    mtime: src.modified(),
+                    perm: file_mode(src.stat(), true),
+                    nlink: 1,
+                    uid: src.stat().uid,
+                    gid: src.stat().gid,
+                    volatile: true,
+                })
+            }
+            None => Err(node.err().unwrap_or(FsError::NotFound)),
         }
     }
 
@@ -934,6 +995,10 @@ impl Fs {
             }
             Node::ViewsDir(_) | Node::NpyDir(_) => {
                 of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false).read_only()
+            }
+            Node::WholeView(c) => {
+                let size = self.view(st, Some(c), None).map_or(0, |v| v.len());
+                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
             }
             Node::Npy(c, id) => {
                 let size = st.npy_view(c, id)?.len();
@@ -1163,6 +1228,7 @@ impl Fs {
             fh,
             keep_cache: !direct,
             direct_io: direct,
+            passthrough: None,
         }
     }
 
@@ -1184,12 +1250,33 @@ impl Fs {
             Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
                 Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) | Node::Npy(..) if write || truncate => {
+            Node::View(..) | Node::IndexView(_) | Node::Npy(..) | Node::WholeView(_)
+                if write || truncate =>
+            {
                 Err(FsError::ReadOnly)
             }
             Node::IndexView(i) => {
                 self.read_state().index_view(i)?; // (EINVAL now, not at the first read)
                 Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
+            }
+            Node::WholeView(c) => {
+                // Still the source file, byte for byte? Else the kernel looks
+                // the name up again (ESTALE) and opens what it is now.
+                let st = self.read_state();
+                let file = self.view(&st, Some(c), None)?;
+                let source = st.live(c).source();
+                let same = file.whole_source().is_some_and(|s| Arc::ptr_eq(s, source));
+                let backing = source
+                    .file()
+                    .filter(|_| same)
+                    .ok_or(FsError::Stale)?
+                    .clone();
+                drop(st);
+                let fh = self.new_handle(Handle::View { ino, file });
+                Ok(Opened {
+                    passthrough: Some(backing),
+                    ..self.opened(fh, true)
+                })
             }
             Node::Npy(c, id) => {
                 let file = Arc::new(self.read_state().npy_view(c, id)?);
@@ -1522,6 +1609,11 @@ impl Fs {
                         drop(st);
                         return read_view(&file, offset, size, reply);
                     }
+                    Node::WholeView(c) => {
+                        let file = self.view(&st, Some(c), None)?;
+                        drop(st);
+                        return read_view(&file, offset, size, reply);
+                    }
                     Node::Metadata(c) => st.live(c).metadata_text(),
                     Node::File(c, file, TensorFile::Meta) => {
                         st.live(c).meta_text(st.meta_entry(c, file)?)
@@ -1613,7 +1705,9 @@ impl Fs {
             Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
                 return Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) | Node::Npy(..) => return Err(FsError::ReadOnly),
+            Node::View(..) | Node::IndexView(_) | Node::Npy(..) | Node::WholeView(_) => {
+                return Err(FsError::ReadOnly)
+            }
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",
@@ -2094,6 +2188,12 @@ impl Shards for State {
             .map(|(ix, _)| ix)
             .find(|ix| ix.name == name)
     }
+}
+
+/// The inode of a view that is `source`'s file (None: a remote source).
+fn whole_ino(source: &SourceFile) -> Option<Ino> {
+    source.file()?;
+    Some(WHOLE_BIT | (source.stat().ino & (WHOLE_BIT - 1)))
 }
 
 /// An index file's attributes (read-only, its own owner and mode), with `size`.

@@ -863,6 +863,36 @@ impl SourceFile {
             .map_or(end, |i| i as u64 + 1)
     }
 
+    /// Whether the local file starts with `bytes` (as this `SourceFile` knows it).
+    pub fn starts_with(&self, bytes: &[u8]) -> bool {
+        let Origin::Local {
+            version,
+            shift_base,
+            ..
+        } = &self.origin
+        else {
+            return false;
+        };
+        let view = version.view();
+        let at = (view.shift - shift_base) as usize;
+        view.map.get(at..at + bytes.len()) == Some(bytes)
+    }
+
+    /// Whether the local file is now exactly as this `SourceFile` knows it,
+    /// `len` bytes with `header` at its start: nothing inserted since, not
+    /// changed behind the mount, not being written by a commit.
+    pub fn is_now(&self, header: &[u8], len: u64) -> bool {
+        let Origin::Local { version, .. } = &self.origin else {
+            return false;
+        };
+        let accepted = *version.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        accepted.0 == len
+            && self.shift() == 0
+            && !version.writing.load(Ordering::SeqCst)
+            && self.check_unchanged().is_ok()
+            && self.header.data_start() == header.len() as u64
+    }
+
     /// Bytes inserted at the file's start since this `SourceFile` was made:
     /// its offsets plus this are the file's now.
     pub fn shift(&self) -> u64 {

@@ -282,3 +282,80 @@ def test_npy_views_of_packed_dtypes_and_folder_mounts(tmp_path, mount):
     assert np.array_equal(np.load(os.path.join(npy, "a", "x.npy")), np.ones(3, np.float32))
     sh(f"mv {f.path}/a/x {f.path}/b/x && mv {f.path}/a/x.meta.json {f.path}/b/x.meta.json")
     assert sorted(os.listdir(os.path.join(npy, "b"))) == ["x.npy", "y.npy"] and os.listdir(os.path.join(npy, "a")) == []
+
+
+def read_while_daemon_stopped(m, fd, n, off):
+    """pread through a descriptor while the daemon is stopped (SIGSTOP): only
+    a read the kernel serves without the daemon (passthrough) returns."""
+    import signal
+    import threading
+    got = []
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: got.append(os.pread(fd, n, off)), daemon=True)
+        t.start()
+        t.join(5)
+        while_stopped = list(got)
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    t.join(30)
+    assert not t.is_alive() and len(got) == 1
+    return while_stopped, got[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="kernel passthrough needs CAP_SYS_ADMIN in the daemon")
+def test_a_view_that_is_the_source_file_is_served_by_the_kernel(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src), metadata={"format": "pt"})
+    before = src.read_bytes()
+    m = mount(src)
+    view = os.path.join(m.path, "__views__", "model.safetensors")
+    # Unedited, written by save_file: the view is the source file, and the kernel reads it
+    # without the daemon (a read answered while the daemon is stopped).
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        got, _ = read_while_daemon_stopped(m, fd, len(before), 0)
+        assert got == [before]
+        assert os.fstat(fd).st_size == len(before)
+        # Loaders that map the file (safe_open, np.memmap) read the same through it.
+        with safe_open(view, framework="np") as f:
+            assert f.metadata() == {"format": "pt"} and np.array_equal(f.get_tensor("w"), t["w"], equal_nan=True)
+        assert bytes(np.memmap(view, mode="r")) == before
+        # An edit: new opens get the generated view; this descriptor keeps reading the file.
+        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+            json.dump({"format": "np"}, f)
+        want = reference(t, {"format": "np"}, tmp_path / "ref.safetensors")
+        assert open(view, "rb").read() == want
+        assert os.pread(fd, len(before), 0) == before
+        # A commit while the file is open through the view cannot write it in place
+        # (the kernel's open of the source counts as another reader): it rewrites.
+        p = run("commit", m.path)
+        assert p.returncode == 0 and "committed by a rewrite (not in place:" in p.stdout, p.stdout + p.stderr
+        assert os.pread(fd, len(before), 0) == before
+        assert os.fstat(fd).st_size == len(before)
+    finally:
+        os.close(fd)
+    assert src.read_bytes() != before and load_file(str(src))["w"].tobytes() == t["w"].tobytes()
+    # After a commit with --compact the view is the (new) source file again.
+    assert run("commit", "--compact", m.path).returncode == 0
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        got, _ = read_while_daemon_stopped(m, fd, 100, 0)
+        assert got == [src.read_bytes()[:100]]
+    finally:
+        os.close(fd)
+
+
+def test_a_generated_view_is_served_by_the_daemon(tmp_path, mount):
+    """The control of the test above: a view that is not the source file is read through the
+    daemon, so a read waits while the daemon is stopped."""
+    src = tmp_path / "m.safetensors"
+    save_file(tensors(), str(src))
+    m = mount(src)
+    fd = os.open(os.path.join(m.path, "__views__", "bf16", "model.safetensors"), os.O_RDONLY)
+    try:
+        while_stopped, got = read_while_daemon_stopped(m, fd, 100, 0)
+        assert while_stopped == [] and len(got) == 100  # answered once the daemon went on
+    finally:
+        os.close(fd)
