@@ -128,12 +128,14 @@ def bench_throughput(stfs, minimal, work, runs):
     print("and (in brackets) to the minimal FUSE server of examples/minimal_server.rs, measured in the same runs:")
     print(f"  {'server':38s} {'1st':>13s} {'2nd':>13s} {'3rd':>13s}  {'cache held':>10s}  {'READs (2nd)':>11s}")
     direct, floor = [], [[], [], []]
-    rows = []
 
     def three_reads(path, reads):
         for r in reads:
             r.append(timed(lambda: dd(path)))
 
+    modes = [(cache, mapping) for cache in ("direct", "keep") for mapping in ("keep", "release")]
+    rows = [(f"stfs -o cache={c},mapping={mp}", [[], [], []], [], []) for c, mp in modes]
+    # Interleaved, so that the machine's drift falls on every server alike.
     for _ in range(runs):
         direct.append(timed(lambda: dd(src, off, length)))
         s = MinimalServer(minimal, src, off, length, mnt)
@@ -141,24 +143,19 @@ def bench_throughput(stfs, minimal, work, runs):
             three_reads(os.path.join(mnt, "t"), floor)
         finally:
             s.close()
-    for cache in ("direct", "keep"):
-        for mapping in ("keep", "release"):
-            reads, held, served = [[], [], []], [], []
-            for _ in range(runs):
-                direct.append(timed(lambda: dd(src, off, length)))
-                m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"),
-                            ["-o", f"cache={cache},mapping={mapping}"])
-                try:
-                    before = cached_kib()
-                    reads[0].append(timed(lambda: dd(os.path.join(mnt, "t"))))
-                    held.append((cached_kib() - before) / (size / 1024))
-                    n = served_reads(stfs, mnt)
-                    reads[1].append(timed(lambda: dd(os.path.join(mnt, "t"))))
-                    served.append(served_reads(stfs, mnt) - n)
-                    reads[2].append(timed(lambda: dd(os.path.join(mnt, "t"))))
-                finally:
-                    m.close()
-            rows.append((f"stfs -o cache={cache},mapping={mapping}", reads, held, served))
+        for (cache, mapping), (_, reads, held, served) in zip(modes, rows):
+            m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"),
+                        ["-o", f"cache={cache},mapping={mapping}"])
+            try:
+                before = cached_kib()
+                reads[0].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                held.append((cached_kib() - before) / (size / 1024))
+                n = served_reads(stfs, mnt)
+                reads[1].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                served.append(served_reads(stfs, mnt) - n)
+                reads[2].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+            finally:
+                m.close()
     base = statistics.median(direct)
     fl = [statistics.median(x) for x in floor]
     print(f"  {'minimal server (direct I/O)':38s}" + "".join(f" {base / f:6.2f}       " for f in fl))
@@ -178,7 +175,27 @@ def bench_throughput(stfs, minimal, work, runs):
           f" Python safe_open().get_tensor: {py:.2f} GB/s ({py / d:.2f}x)")
     print("  (cache held: growth of the machine's page cache per byte read the first time; the source's")
     print("   pages were cached already, so 0 means one copy in memory, 1 means two)")
+    bench_passthrough(stfs, src, mnt, work, runs)
     os.unlink(src)
+
+
+def bench_passthrough(stfs, src, mnt, work, runs):
+    """The export view of an unedited checkpoint is the source file: served by kernel passthrough."""
+    whole, reads = [], [[], []]
+    for _ in range(runs):
+        whole.append(timed(lambda: dd(src)))
+        m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
+        try:
+            view = os.path.join(mnt, "__views__", "model.safetensors")
+            for r in reads:
+                r.append(timed(lambda: dd(view)))
+        finally:
+            m.close()
+    base = statistics.median(whole)
+    r = [base / statistics.median(x) for x in reads]
+    print(f"  __views__/model.safetensors of it (the source file: kernel passthrough), whole file,"
+          f" ratio to dd of the source: 1st {r[0]:.2f}, 2nd {r[1]:.2f}"
+          f" ({os.path.getsize(src) / base / 1e9:.2f} GB/s direct)")
 
 
 def bench_listing(stfs, work, runs):
@@ -241,6 +258,8 @@ def main():
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--only", choices=["throughput", "listing", "rss"])
     a = p.parse_args()
+    if not os.path.exists(a.minimal) and a.only in (None, "throughput"):
+        subprocess.run(["cargo", "build", "--release", "--example", "minimal_server"], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory(dir=a.dir or "/var/tmp", prefix="stfs-bench-") as work:
         if a.only in (None, "throughput"):
             bench_throughput(a.stfs, a.minimal, work, a.runs)

@@ -41,6 +41,15 @@ def timed(cmd):
     return time.perf_counter() - t
 
 
+def timed_copy(src, out):
+    """`cp src out` into a new file, after the last copy's writeback (overwriting a 2 GiB
+    file that is still being written back costs more than the copy itself, and varies)."""
+    if os.path.exists(out):
+        os.unlink(out)
+    os.sync()
+    return timed(["cp", src, out])
+
+
 def private_memory(pid):
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f)
@@ -68,20 +77,31 @@ def main():
                        check=True)
         pid = int(open(pid_file).read())
         try:
-            cp_src = min(timed(["cp", src, out]) for _ in range(2))
-            cp_view = min(timed(["cp", os.path.join(mnt, "__views__", "model.safetensors"), out]) for _ in range(2))
+            view = os.path.join(mnt, "__views__", "model.safetensors")
+            cp_src, cp_view = [], []
+            for _ in range(3):  # interleaved, so that drift falls on both alike
+                cp_src.append(timed_copy(src, out))
+                cp_view.append(timed_copy(view, out))
+            cp_src, cp_view = min(cp_src), min(cp_view)
             assert open(out, "rb").read(4096) == open(src, "rb").read(4096)
-            cp_bf16 = timed(["cp", os.path.join(mnt, "__views__", "bf16", "model.safetensors"), out])
+            cp_bf16 = timed_copy(os.path.join(mnt, "__views__", "bf16", "model.safetensors"), out)
+            # Edited, the view is no longer the source file: generated, read through the daemon.
+            with open(os.path.join(mnt, "__metadata__.json"), "w") as f:
+                f.write('{"format": "edited"}')
+            cp_edited = min(timed_copy(view, out) for _ in range(2))
             daemon = private_memory(pid)
         finally:
-            subprocess.run([a.stfs, "umount", mnt], check=True)
+            subprocess.run([a.stfs, "umount", "--discard", mnt], check=True)
         r = subprocess.run([sys.executable, "-c", PYTHON_WAY, src, out], capture_output=True, text=True, check=True)
         py_time, py_peak = r.stdout.split()
         py_time, py_peak = float(py_time), int(py_peak)
         size = os.path.getsize(src)
         print(f"{size / (1 << 30):.1f} GiB F32 checkpoint ({count} tensors), page cache warm, {a.dir}")
         print(f"  cp of the source file                     {cp_src:7.2f} s  1.00x")
-        print(f"  cp of __views__/model.safetensors         {cp_view:7.2f} s  {cp_view / cp_src:.2f}x  (goal <= 1.2x)")
+        print(f"  cp of __views__/model.safetensors         {cp_view:7.2f} s  {cp_view / cp_src:.2f}x  (goal <= 1.2x;"
+              " unedited: the source file, by kernel passthrough)")
+        print(f"  the same after a metadata edit            {cp_edited:7.2f} s  {cp_edited / cp_src:.2f}x  "
+              "(generated, read through the daemon)")
         print(f"  Python load_file + ml_dtypes cast + save   {py_time:7.2f} s  1.00x, peak RSS {py_peak / MIB:.0f} MiB")
         print(f"  cp of __views__/bf16/model.safetensors    {cp_bf16:7.2f} s  {py_time / cp_bf16:.2f}x faster  "
               f"(goal >= 2x), daemon private memory {daemon / MIB:.0f} MiB (goal <= 64 MiB)")
