@@ -2320,6 +2320,41 @@ fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 got == want,
                 "the export view differs from the model's state after {after:?}"
             );
+            // Each tensor's .npy view: numpy's header, then its bytes.
+            let mut npy = fs.lookup(views.ino, "npy").unwrap();
+            if model.folder {
+                npy = fs.lookup(npy.ino, &format!("s{dir}")).unwrap();
+            }
+            let mut files = Vec::new();
+            fs.readdir(npy.ino, 0, |e| {
+                files.push(e.name);
+                false
+            })
+            .unwrap();
+            let mut want_files = Vec::new();
+            for (name, e) in &model.dirs[dir].entries {
+                let (MMeta::Valid(..), Some(o), false) = (&e.meta, e.data, e.hidden) else {
+                    continue;
+                };
+                let file = TensorFile::Data.file_name(name) + ".npy";
+                let a = fs.lookup(npy.ino, &file).unwrap();
+                let opened = fs.open(a.ino, false, false).unwrap();
+                let got = fs
+                    .read(a.ino, opened.fh, 0, a.size as u32, |b| b.concat())
+                    .unwrap();
+                fs.release(opened.fh).unwrap();
+                let bytes = &model.objects[&o].bytes;
+                let header = got.len() - bytes.len();
+                assert!(
+                    got.starts_with(b"\x93NUMPY") && header % 64 == 0 && got[header..] == bytes[..],
+                    "the .npy view of {name:?} after {after:?}"
+                );
+                want_files.push(file);
+            }
+            files.retain(|n| n != "." && n != "..");
+            files.sort();
+            want_files.sort();
+            assert_eq!(files, want_files, "the .npy views after {after:?}");
         }
         // Every listed name looks up to the inode readdir gave.
         for (name, ino) in listed.iter().skip(2) {
