@@ -503,3 +503,42 @@ fn hashed_long_names_are_found_and_forgotten_as_names_change() {
     fs.unlink(ROOT_INO, &other_stem).unwrap();
     assert_eq!(errno(fs.lookup(ROOT_INO, &other_stem)), libc::ENOENT);
 }
+
+#[test]
+fn a_view_that_is_the_source_file_has_an_inode_of_its_own_until_an_edit() {
+    let (_dir, path, fs) = small();
+    let source = std::fs::read(&path).unwrap();
+    let views = fs.lookup(ROOT_INO, VIEWS_DIR).unwrap();
+    let generated = fs.lookup(views.ino, "model.safetensors").unwrap().ino;
+    // Passthrough off (a daemon without CAP_SYS_ADMIN): the generated view.
+    assert!(fs
+        .open(generated, false, false)
+        .unwrap()
+        .passthrough
+        .is_none());
+    fs.set_passthrough(true);
+    let whole = fs.lookup(views.ino, "model.safetensors").unwrap();
+    assert_ne!(whole.ino, generated);
+    assert_eq!(whole.size, source.len() as u64);
+    let opened = fs.open(whole.ino, false, false).unwrap();
+    assert!(opened.passthrough.is_some());
+    assert_eq!(errno(fs.open(whole.ino, true, false)), libc::EROFS);
+    // An edit: the name is the generated view again; the old inode is stale
+    // for new opens (the kernel looks the name up again), while its open
+    // descriptor keeps its size and bytes.
+    write_file(&fs, METADATA_FILE, br#"{"k": "v"}"#);
+    assert_eq!(
+        fs.lookup(views.ino, "model.safetensors").unwrap().ino,
+        generated
+    );
+    assert_eq!(errno(fs.open(whole.ino, false, false)), libc::ESTALE);
+    assert_eq!(
+        fs.getattr(whole.ino, Some(opened.fh)).unwrap().size,
+        source.len() as u64
+    );
+    let got = fs
+        .read(whole.ino, opened.fh, 0, 1 << 20, |b| b.concat())
+        .unwrap();
+    assert_eq!(got, source);
+    fs.release(opened.fh).unwrap();
+}
