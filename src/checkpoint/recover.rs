@@ -193,11 +193,18 @@ pub fn resume(
             }
         }
         info!(dir = %dir.path().display(), restored, "took back the edits of an earlier mount");
-        notes.push(format!(
-            "{}: took back {restored} staged change{} of an earlier mount (stfs status lists them)",
-            dir.path().display(),
-            if restored == 1 { "" } else { "s" }
-        ));
+        notes.push(match restored {
+            // (A commit that a crash interrupted and this mount completed.)
+            0 => format!(
+                "{}: took back the staging folder of an earlier mount; no staged change was left in it",
+                dir.path().display()
+            ),
+            n => format!(
+                "{}: took back {n} staged change{} of an earlier mount (stfs status lists them)",
+                dir.path().display(),
+                if n == 1 { "" } else { "s" }
+            ),
+        });
     }
     Ok(notes)
 }

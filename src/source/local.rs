@@ -875,7 +875,19 @@ impl SourceFile {
         };
         let view = version.view();
         let at = (view.shift - shift_base) as usize;
-        view.map.get(at..at + bytes.len()) == Some(bytes)
+        if at + bytes.len() > view.map.len() || self.check_unchanged().is_err() {
+            return false;
+        }
+        // Faulted in first: a file cut short behind the mount gives EFAULT
+        // here, never SIGBUS in the comparison.
+        if view
+            .map
+            .advise_range(Advice::PopulateRead, at, bytes.len())
+            .is_err()
+        {
+            return false;
+        }
+        view.map[at..at + bytes.len()] == *bytes
     }
 
     /// Whether the local file is now exactly as this `SourceFile` knows it,
