@@ -359,3 +359,20 @@ def test_a_generated_view_is_served_by_the_daemon(tmp_path, mount):
         assert while_stopped == [] and len(got) == 100  # answered once the daemon went on
     finally:
         os.close(fd)
+
+
+def test_views_of_a_source_cut_short_behind_the_mount(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    save_file(tensors(), str(src))
+    m = mount(src)
+    os.truncate(src, 16)  # another program cuts the file inside its header
+    view = os.path.join(m.path, "__views__", "model.safetensors")
+    # No longer the source file (so not served by it): the tensor bytes are gone, EIO.
+    with pytest.raises(OSError) as e:
+        open(view, "rb").read()
+    assert e.value.errno == errno.EIO
+    with pytest.raises(OSError) as e:
+        np.load(os.path.join(m.path, "__views__", "npy", "w.npy"))
+    assert e.value.errno == errno.EIO
+    # The daemon is alive.
+    assert "w.meta.json" in os.listdir(m.path)
