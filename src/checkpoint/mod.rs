@@ -302,6 +302,9 @@ pub struct Live {
     /// Counts changes of the state (edits, discards, commits): views are
     /// made again when it moves.
     version: u64,
+    /// When the state last changed, bytes written included (nanoseconds
+    /// since the epoch; 0: never): the views' modification time.
+    changed: std::sync::atomic::AtomicU64,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
@@ -332,6 +335,7 @@ impl Live {
             meta_files: HashMap::new(),
             metadata_file: 0,
             version: 0,
+            changed: Default::default(),
             source,
         };
         live.metadata_file = live.new_id();
@@ -522,6 +526,24 @@ impl Live {
     /// Moves with every change of the state (for views).
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// The state changed now (bytes written through a descriptor, which
+    /// change no version: views read them where they are).
+    pub fn touch(&self) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        self.changed
+            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When the state last changed (None: not since the mount).
+    pub fn changed(&self) -> Option<std::time::SystemTime> {
+        match self.changed.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            n => Some(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(n)),
+        }
     }
 
     /// The tensors and metadata of the state as a commit would write them,
@@ -1029,6 +1051,7 @@ impl Live {
 
     fn log(&mut self, mut records: Vec<Record>) {
         self.version += 1;
+        self.touch();
         if let Some(batch) = &mut self.batch {
             batch.append(&mut records);
             return;
@@ -1315,6 +1338,7 @@ impl Live {
     /// kernel cached of the edited file is served as the source's.
     pub fn discard(&mut self) {
         self.version += 1;
+        self.touch();
         let len = self.entries.len();
         let old_objects = std::mem::replace(
             &mut self.objects,
@@ -1386,6 +1410,7 @@ impl Live {
         shard: &dyn Fn(&str) -> Option<Arc<SourceFile>>,
     ) -> (usize, Vec<String>) {
         self.version += 1;
+        self.touch();
         let mut notes: Vec<String> = folded
             .dropped
             .iter()

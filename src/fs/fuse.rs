@@ -338,13 +338,15 @@ impl Filesystem for FuseAdapter {
         {
             self.fs.set_passthrough(true);
         }
-        if self.fs.settings().cache == CacheMode::Direct {
-            // Readers that mmap a tensor file keep working without a page cache of reads.
-            if config
-                .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
-                .is_err()
-            {
-                warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): use -o cache=keep to mmap tensor files");
+        // Readers that mmap a file opened with direct I/O keep working: a
+        // tensor file with -o cache=direct, a generated view in every mode.
+        if config
+            .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+            .is_err()
+        {
+            match self.fs.settings().cache {
+                CacheMode::Direct => warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): use -o cache=keep to mmap tensor files; views cannot be mapped"),
+                CacheMode::Keep => warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): views cannot be mapped"),
             }
         }
         Ok(())

@@ -239,9 +239,22 @@ enum Name {
 }
 
 struct Mounted {
+    /// The shard's file name without `.safetensors`.
     dir_name: String,
     live: Live,
     dir_ino: Ino,
+}
+
+impl Mounted {
+    /// The name of the shard's directory in a folder mount: its file's, but
+    /// a shard `__views__.safetensors` is `%5F_views__` (as a tensor of that
+    /// name is), so that `__views__` stays the views.
+    fn shown_name(&self) -> String {
+        match self.dir_name.as_str() {
+            VIEWS_DIR => "%5F_views__".into(),
+            name => name.into(),
+        }
+    }
 }
 
 struct State {
@@ -358,7 +371,35 @@ enum Handle {
     /// A JSON file; `write`: opened for writing.
     Json { file: Arc<JsonFile>, write: bool },
     /// A view, as it was made when opened.
-    View { ino: Ino, file: Arc<GeneratedFile> },
+    View {
+        ino: Ino,
+        file: Arc<GeneratedFile>,
+        _pins: Pins,
+    },
+}
+
+/// The staging files a view's descriptor reads, pinned while it is open: a
+/// later write into one of those tensors copies it to a new staging file
+/// instead of changing the bytes under the descriptor.
+struct Pins(Vec<Arc<crate::source::StagedFile>>);
+
+impl Pins {
+    fn of(file: &GeneratedFile) -> Pins {
+        let staged = file.bytes().filter_map(|b| match b {
+            crate::source::Bytes::Staged(s) => {
+                s.pin();
+                Some(s.clone())
+            }
+            _ => None,
+        });
+        Pins(staged.collect())
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|s| s.unpin());
+    }
 }
 
 impl Handle {
@@ -515,8 +556,36 @@ impl State {
         match (target, &self.folder) {
             (Some(_), None) => "model.safetensors".into(),
             (Some(c), Some(_)) => format!("{}.safetensors", self.checkpoints[c].dir_name),
-            (None, _) => "merged.safetensors".into(),
+            (None, _) => self.merged_name(),
         }
+    }
+
+    /// The modification time of the views of checkpoint `target` (None: of
+    /// all): the last change of their state or of their source files, so
+    /// that `rsync`, `make` and `cp -u` see every edit.
+    fn views_changed(&self, target: Option<usize>) -> SystemTime {
+        let of = |m: &Mounted| {
+            let source = m.live.source().modified();
+            m.live.changed().map_or(source, |t| t.max(source))
+        };
+        match target {
+            Some(c) => of(&self.checkpoints[c]),
+            None => self
+                .checkpoints
+                .iter()
+                .map(of)
+                .max()
+                .unwrap_or(SystemTime::UNIX_EPOCH),
+        }
+    }
+
+    /// `merged.safetensors`, with `_` before it as long as a shard has that name.
+    fn merged_name(&self) -> String {
+        let mut stem = "merged".to_string();
+        while self.checkpoints.iter().any(|m| m.dir_name == stem) {
+            stem.insert(0, '_');
+        }
+        stem + ".safetensors"
     }
 
     /// The views of one cast, in listing order.
@@ -555,7 +624,10 @@ impl State {
     /// The node of `name` in a folder of `.npy` views.
     fn npy_entry(&self, dir: Option<usize>, name: &str) -> Option<Node> {
         let Some(c) = self.npy_target(dir) else {
-            let c = self.checkpoints.iter().position(|m| m.dir_name == name)?;
+            let c = self
+                .checkpoints
+                .iter()
+                .position(|m| m.shown_name() == name)?;
             return Some(Node::NpyDir(Some(c)));
         };
         let stem = name.strip_suffix(NPY_SUFFIX)?;
@@ -817,18 +889,21 @@ impl Fs {
         let st = self.read_state();
         let node = match st.node(parent)? {
             Node::FolderRoot => {
-                if let Some(c) = st.checkpoints.iter().position(|m| m.dir_name == name) {
+                if name == VIEWS_DIR {
+                    Node::ViewsDir(None)
+                } else if let Some(c) = st.checkpoints.iter().position(|m| m.shown_name() == name) {
                     Node::CheckpointDir(c)
                 } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
                     Node::Index(i)
-                } else if name == VIEWS_DIR {
-                    Node::ViewsDir(None)
                 } else {
                     return Err(FsError::NotFound);
                 }
             }
             Node::CheckpointDir(_) if name == VIEWS_DIR && st.folder.is_none() => {
                 Node::ViewsDir(None)
+            }
+            Node::ViewsDir(_) | Node::NpyDir(_) if name.len() > NAME_MAX => {
+                return Err(FsError::NameTooLong)
             }
             Node::ViewsDir(cast) => st.view_entry(cast, name).ok_or(FsError::NotFound)?,
             Node::NpyDir(dir) => st.npy_entry(dir, name).ok_or(FsError::NotFound)?,
@@ -877,7 +952,7 @@ impl Fs {
         let handles = lock(&self.handles);
         // A view's descriptor reads the view as it opened it: its size too
         // (a reader that maps what fstat says must not fault past the end).
-        if let (Ok(n), Some(Handle::View { ino: i, file })) =
+        if let (Ok(n), Some(Handle::View { ino: i, file, .. })) =
             (node.as_ref(), fh.and_then(|fh| handles.open.get(&fh)))
         {
             if *i == ino {
@@ -996,22 +1071,27 @@ impl Fs {
             Node::ViewsDir(_) | Node::NpyDir(_) => {
                 of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false).read_only()
             }
+            // (The source file itself, whatever the views show now.)
             Node::WholeView(c) => {
-                let size = self.view(st, Some(c), None).map_or(0, |v| v.len());
-                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
+                let src = st.live(c).source();
+                of_source(c, Kind::File, src.stat().len, src.modified(), true).read_only()
             }
             Node::Npy(c, id) => {
                 let size = st.npy_view(c, id)?.len();
-                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
+                of_source(c, Kind::File, size, st.views_changed(Some(c)), true).read_only()
             }
             Node::IndexView(i) => {
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
-                index_attr(ino, &st.indexes[i].0, size)
+                let a = index_attr(ino, &st.indexes[i].0, size);
+                Attr {
+                    mtime: a.mtime.max(st.views_changed(None)),
+                    ..a
+                }
             }
             Node::View(target, cast) => {
                 let size = self.view(st, target, cast).map_or(0, |v| v.len());
                 let c = target.unwrap_or(0);
-                of_source(c, Kind::File, size, st.live(c).source().modified(), true).read_only()
+                of_source(c, Kind::File, size, st.views_changed(target), true).read_only()
             }
             Node::File(c, file, TensorFile::Meta) => {
                 let live = st.live(c);
@@ -1059,7 +1139,7 @@ impl Fs {
                 let dirs = st
                     .checkpoints
                     .iter()
-                    .map(|m| (m.dir_ino, Kind::Directory, m.dir_name.clone()));
+                    .map(|m| (m.dir_ino, Kind::Directory, m.shown_name()));
                 let files = st
                     .indexes
                     .iter()
@@ -1163,7 +1243,7 @@ impl Fs {
                     for (c, m) in st.checkpoints.iter().enumerate() {
                         let next = 3 + c as u64;
                         let ino = st.ino_of(Node::NpyDir(Some(c)));
-                        if next > offset && emit(ino, Kind::Directory, m.dir_name.clone(), next) {
+                        if next > offset && emit(ino, Kind::Directory, m.shown_name(), next) {
                             break;
                         }
                     }
@@ -1260,19 +1340,35 @@ impl Fs {
                 Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
             }
             Node::WholeView(c) => {
-                // Still the source file, byte for byte? Else the kernel looks
-                // the name up again (ESTALE) and opens what it is now.
                 let st = self.read_state();
-                let file = self.view(&st, Some(c), None)?;
+                let now = self.view(&st, Some(c), None)?;
                 let source = st.live(c).source();
-                let same = file.whole_source().is_some_and(|s| Arc::ptr_eq(s, source));
-                let backing = source
-                    .file()
-                    .filter(|_| same)
+                let file = if now.whole_source().is_some_and(|s| Arc::ptr_eq(s, source)) {
+                    now
+                } else {
+                    // An edit came between the lookup and this open: while
+                    // another descriptor reads this inode's file, this open
+                    // gets it too (the name was that file when looked up);
+                    // else the kernel looks the name up again (ESTALE).
+                    let handles = lock(&self.handles);
+                    let open = handles.open.values().find_map(|h| match h {
+                        Handle::View { ino: i, file, .. } if *i == ino => Some(file.clone()),
+                        _ => None,
+                    });
+                    open.filter(|f| f.whole_source().is_some())
+                        .ok_or(FsError::Stale)?
+                };
+                let backing = file
+                    .whole_source()
+                    .and_then(|s| s.file())
                     .ok_or(FsError::Stale)?
                     .clone();
                 drop(st);
-                let fh = self.new_handle(Handle::View { ino, file });
+                let fh = self.new_handle(Handle::View {
+                    ino,
+                    _pins: Pins::of(&file),
+                    file,
+                });
                 Ok(Opened {
                     passthrough: Some(backing),
                     ..self.opened(fh, true)
@@ -1280,13 +1376,21 @@ impl Fs {
             }
             Node::Npy(c, id) => {
                 let file = Arc::new(self.read_state().npy_view(c, id)?);
-                let fh = self.new_handle(Handle::View { ino, file });
+                let fh = self.new_handle(Handle::View {
+                    ino,
+                    _pins: Pins::of(&file),
+                    file,
+                });
                 Ok(self.opened(fh, true))
             }
             Node::View(target, cast) => {
                 // A descriptor reads the view as it was when it opened.
                 let file = self.view(&self.read_state(), target, cast)?;
-                let fh = self.new_handle(Handle::View { ino, file });
+                let fh = self.new_handle(Handle::View {
+                    ino,
+                    _pins: Pins::of(&file),
+                    file,
+                });
                 Ok(self.opened(fh, true))
             }
             Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
@@ -1371,6 +1475,9 @@ impl Fs {
     fn note_write(&self, object: &Arc<DataObject>, moved: bool) {
         if !moved {
             let st = self.read_state();
+            if let Some(c) = st.home(object) {
+                st.live(c).touch();
+            }
             if st.home(object).is_none_or(|c| st.live(c).is_dirty()) {
                 return;
             }

@@ -5,9 +5,11 @@ ml_dtypes."""
 
 import errno
 import json
+import mmap
 import os
 import random
 import shutil
+import time
 
 import ml_dtypes
 import numpy as np
@@ -376,3 +378,121 @@ def test_views_of_a_source_cut_short_behind_the_mount(tmp_path, mount):
     assert e.value.errno == errno.EIO
     # The daemon is alive.
     assert "w.meta.json" in os.listdir(m.path)
+
+
+def test_shards_named_like_views_do_not_hide_them(tmp_path, mount):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(folder / "__views__.safetensors"))
+    save_file({"b": np.zeros(3, np.int8)}, str(folder / "merged.safetensors"))
+    save_file({"c": np.arange(4, dtype=np.int64)}, str(folder / "npy.safetensors"))
+    f = mount(folder)
+    # The shard __views__ is shown escaped, as a tensor of that name is; __views__ is the views.
+    assert sorted(os.listdir(f.path)) == ["%5F_views__", "merged", "npy"]
+    assert {"a", "a.meta.json"} <= set(os.listdir(os.path.join(f.path, "%5F_views__")))
+    views = os.path.join(f.path, "__views__")
+    # The merged view steps aside for the shard named merged.
+    assert sorted(os.listdir(views)) == ["__views__.safetensors", "_merged.safetensors", "bf16", "f16", "f32",
+                                         "merged.safetensors", "npy", "npy.safetensors"]
+    assert sorted(load_file(os.path.join(views, "_merged.safetensors"))) == ["a", "b", "c"]
+    assert sorted(load_file(os.path.join(views, "merged.safetensors"))) == ["b"]
+    assert sorted(os.listdir(os.path.join(views, "npy"))) == ["%5F_views__", "merged", "npy"]
+    assert np.array_equal(np.load(os.path.join(views, "npy", "%5F_views__", "a.npy")), np.ones(2, np.float32))
+    # Over-long names: ENAMETOOLONG, as anywhere.
+    with pytest.raises(OSError) as e:
+        os.stat(os.path.join(views, "x" * 300))
+    assert e.value.errno == errno.ENAMETOOLONG
+
+
+def test_views_change_their_mtime_with_every_edit(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(16, np.uint8), "b": np.ones(4, np.float32)}, str(src))
+    m = mount(src)
+    views = os.path.join(m.path, "__views__")
+    paths = [os.path.join(views, "model.safetensors"), os.path.join(views, "bf16", "model.safetensors"),
+             os.path.join(views, "npy", "a.npy")]
+    out = tmp_path / "out"
+    sh(f"rsync -a {views}/ {out}/")
+    for edit in range(2):  # the first write stages the tensor; the second writes into its staging file
+        before = {p: os.stat(p) for p in paths}
+        time.sleep(1.1)  # rsync's quick check compares whole seconds
+        sh(f"printf 'XYZ{edit}' | dd of={m.path}/a bs=4 seek=1 conv=notrunc status=none")
+        for p in paths:
+            now = os.stat(p)
+            assert now.st_size == before[p].st_size and now.st_mtime_ns > before[p].st_mtime_ns, p
+        # rsync (size + mtime) sees the edit.
+        sh(f"rsync -a {views}/ {out}/")
+        assert (out / "npy" / "a.npy").read_bytes() == open(paths[2], "rb").read()
+        assert (out / "npy" / "a.npy").read_bytes()[-12:-8] == f"XYZ{edit}".encode()
+
+
+def test_a_view_descriptor_keeps_its_bytes_when_a_staged_tensor_is_written_again(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(8, np.uint8)}, str(src))
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(b"AAAA")  # staged now
+    npy = os.path.join(m.path, "__views__", "npy", "a.npy")
+    with open(npy, "rb") as held:
+        with open(os.path.join(m.path, "a"), "r+b") as f:
+            f.write(b"BBBB")  # into the staged tensor, while the view is open
+        assert held.read()[-8:] == b"AAAA\0\0\0\0"
+    assert open(npy, "rb").read()[-8:] == b"BBBB\0\0\0\0"
+
+
+def test_cast_and_npy_views_can_be_mapped_with_the_page_cache_kept(tmp_path, mount):
+    src = tmp_path / "m.safetensors"
+    t = tensors()
+    save_file(t, str(src))
+    m = mount(src, "-o", "cache=keep")
+    assert np.array_equal(np.load(os.path.join(m.path, "__views__", "npy", "h.npy"), mmap_mode="r"), t["h"])
+    with open(os.path.join(m.path, "__views__", "bf16", "model.safetensors"), "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        assert mm[:8] == f.read(8)
+        mm.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="kernel passthrough needs CAP_SYS_ADMIN in the daemon")
+def test_opens_racing_edits_that_switch_passthrough_never_fail(tmp_path, mount):
+    """The export view switches between the source file (passthrough, an inode of its own)
+    and a generated file with every edit of the metadata: readers opening it all the while
+    never see an error (the kernel retries a stale inode once; an open racing an edit while
+    another descriptor reads the file gets that file)."""
+    import threading
+    src = tmp_path / "m.safetensors"
+    save_file(tensors(), str(src), metadata={"format": "pt"})
+    original = src.read_bytes()
+    m = mount(src)
+    view = os.path.join(m.path, "__views__", "model.safetensors")
+    meta = os.path.join(m.path, "__metadata__.json")
+    stop, errors, opens = threading.Event(), [], [0]
+
+    def reader():
+        while not stop.is_set():
+            try:
+                fd = os.open(view, os.O_RDONLY)
+                try:
+                    head = os.pread(fd, 8, 0)
+                    assert len(head) == 8
+                finally:
+                    os.close(fd)
+                opens[0] += 1
+            except Exception as e:  # noqa: BLE001 - every error is a failure here
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 4
+        k = 0
+        while time.monotonic() < deadline:
+            with open(meta, "r+") as f:  # same length, applied whole at close
+                f.write('{"format": "np"}' if k % 2 == 0 else '{"format": "pt"}')
+            k += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == [] and opens[0] > 100, (errors[:5], opens[0])
+    assert open(view, "rb").read() == (original if k % 2 == 0 else open(view, "rb").read())
