@@ -13,7 +13,7 @@ use tracing::{error, info, warn};
 
 use super::commit::{land, CommitLock, CommitOptions, LandError, Landing, Written};
 use super::staging::Staging;
-use super::{CommitError, CommitPlan, EditError, Live};
+use super::{CommitError, CommitPlan, EditError, Live, Problem};
 use crate::source::local::Folder;
 use crate::source::{Bytes, FileStat, SourceFile};
 
@@ -197,6 +197,22 @@ impl Transactions {
                     return Err(e);
                 }
             }
+            // (Without an index, the files of a folder are independent.)
+            let writes = options.compact || st.lives().any(Live::is_dirty);
+            let indexed = st.indexes().next().is_some();
+            if let Some(folder) = st.folder().filter(|_| writes && indexed) {
+                let shards = (0..st.count())
+                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
+                let problems = in_two_shards(shards);
+                if !problems.is_empty() {
+                    let e = CommitError::Refused {
+                        file: folder.path.clone(),
+                        problems,
+                    };
+                    warn!("commit refused: {e}");
+                    return Err(e);
+                }
+            }
             let held = held(&st);
             let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
             for c in 0..st.count() {
@@ -368,6 +384,30 @@ impl Transactions {
 }
 
 type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
+
+/// Tensors of a folder mount that are in two shards (given as their file
+/// names and states): an index maps each name to one file, so a commit
+/// refuses them, and `stfs status` and the merged and index views say so.
+pub fn in_two_shards<'a>(shards: impl Iterator<Item = (String, &'a Live)>) -> Vec<Problem> {
+    let mut first: std::collections::HashMap<&'a str, String> = Default::default();
+    let mut found = Vec::new();
+    for (shard, live) in shards {
+        for (_, e) in live.entries_from(0).filter(|(_, e)| e.data.is_some()) {
+            match first.get(e.name) {
+                Some(a) => found.push(Problem {
+                    tensor: Some(e.name.to_string()),
+                    rule: format!(
+                        "is in two shards, {a} and {shard}: an index names one file per tensor (remove or rename one)"
+                    ),
+                }),
+                None => {
+                    first.insert(e.name, shard.clone());
+                }
+            }
+        }
+    }
+    found
+}
 
 /// The `*.index.json` files of a folder mount, rewritten to match the shards
 /// as the plans will leave them (`weight_map`, `metadata.total_size`). Shards

@@ -650,6 +650,9 @@ impl State {
                 weight_map.insert(t.name, format!("{}.safetensors", m.dir_name).into());
             }
         }
+        if let Some(p) = self.in_two_shards().first() {
+            return Err(FsError::Invalid(p.to_string()));
+        }
         let mut doc: serde_json::Value = serde_json::from_slice(&self.indexes[i].0.bytes)
             .map_err(|e| FsError::Invalid(format!("{}: {e}", self.indexes[i].0.name)))?;
         let obj = doc.as_object_mut().ok_or_else(|| {
@@ -665,6 +668,18 @@ impl State {
         let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
         bytes.push(b'\n');
         Ok(bytes)
+    }
+
+    /// Tensors of a folder mount with an index that are in two shards now.
+    fn in_two_shards(&self) -> Vec<crate::checkpoint::Problem> {
+        if self.indexes.is_empty() {
+            return Vec::new();
+        }
+        let shards = self
+            .checkpoints
+            .iter()
+            .map(|m| (format!("{}.safetensors", m.dir_name), &m.live));
+        crate::checkpoint::transaction::in_two_shards(shards)
     }
 
     fn live(&self, c: usize) -> &Live {
@@ -2093,6 +2108,19 @@ impl Fs {
                 .filter(|_| !s.changes.is_empty())
             {
                 out.push_str(&format!("  commit     {way}\n"));
+            }
+        }
+        let across = st.in_two_shards();
+        if let (Some((folder, _)), false) = (&st.folder, across.is_empty()) {
+            refused = true;
+            let n = across.len();
+            out.push_str(&format!(
+                "{}: {n} problem{} across shards (a commit would refuse)\n",
+                folder.path.display(),
+                plural(n)
+            ));
+            for p in across {
+                out.push_str(&format!("  problem    {p}\n"));
             }
         }
         out.push_str(&format!(

@@ -496,3 +496,31 @@ def test_opens_racing_edits_that_switch_passthrough_never_fail(tmp_path, mount):
             t.join()
     assert errors == [] and opens[0] > 100, (errors[:5], opens[0])
     assert open(view, "rb").read() == (original if k % 2 == 0 else open(view, "rb").read())
+
+
+def test_a_tensor_copied_into_a_second_shard_is_a_problem_not_a_silent_index(tmp_path, mount, run):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(folder / "a.safetensors"))
+    save_file({"v": np.zeros(3, np.int8)}, str(folder / "b.safetensors"))
+    (folder / "m.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "a.safetensors", "v": "b.safetensors"}}))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    f = mount(folder)
+    sh(f"cp {f.path}/a/w {f.path}/a/w.meta.json {f.path}/b/")
+    p = run("status", f.path)
+    assert p.returncode == 1 and 'tensor "w" is in two shards, a.safetensors and b.safetensors' in p.stdout, p.stdout
+    p = run("commit", f.path)
+    assert p.returncode != 0 and "is in two shards" in p.stderr, p.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if not p.name.startswith(".")} == before
+    views = os.path.join(f.path, "__views__")
+    for name in ("merged.safetensors", "m.safetensors.index.json"):
+        with pytest.raises(OSError) as e:
+            open(os.path.join(views, name), "rb").read()
+        assert e.value.errno == errno.EINVAL, name
+    # Each shard on its own is still a valid file.
+    assert sorted(load_file(os.path.join(views, "b.safetensors"))) == ["v", "w"]
+    os.unlink(os.path.join(f.path, "a", "w"))
+    assert run("commit", f.path).returncode == 0
+    assert json.loads((folder / "m.safetensors.index.json").read_text())["weight_map"] == {"w": "b.safetensors",
+                                                                                          "v": "b.safetensors"}
