@@ -432,6 +432,10 @@ pub struct Fs {
     json_budget: Arc<JsonBudget>,
     /// Views that are a source file are served by kernel passthrough.
     passthrough: std::sync::atomic::AtomicBool,
+    /// The view each passthrough inode was when last looked up: an open
+    /// that races an edit gets the file its lookup saw, while it is still
+    /// that file (taken after `state`).
+    looked_up: Mutex<HashMap<Ino, Arc<GeneratedFile>>>,
     next_fh: AtomicU64,
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
     reads: AtomicU64,
@@ -848,6 +852,7 @@ impl Fs {
             views: Mutex::new(HashMap::new()),
             json_budget: Arc::default(),
             passthrough: Default::default(),
+            looked_up: Default::default(),
             next_fh: AtomicU64::new(1),
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
@@ -954,7 +959,9 @@ impl Fs {
             .checkpoints
             .iter()
             .position(|m| Arc::ptr_eq(m.live.source(), source))?;
-        whole_ino(source).map(|_| Node::WholeView(c))
+        let ino = whole_ino(source)?;
+        lock(&self.looked_up).insert(ino, file.clone());
+        Some(Node::WholeView(c))
     }
 
     /// A file removed or replaced while open still answers through its
@@ -1361,16 +1368,11 @@ impl Fs {
                 let file = if now.whole_source().is_some_and(|s| Arc::ptr_eq(s, source)) {
                     now
                 } else {
-                    // An edit came between the lookup and this open: while
-                    // another descriptor reads this inode's file, this open
-                    // gets it too (the name was that file when looked up);
-                    // else the kernel looks the name up again (ESTALE).
-                    let handles = lock(&self.handles);
-                    let open = handles.open.values().find_map(|h| match h {
-                        Handle::View { ino: i, file, .. } if *i == ino => Some(file.clone()),
-                        _ => None,
-                    });
-                    open.filter(|f| f.whole_source().is_some())
+                    // An edit came between the lookup and this open: it gets
+                    // the file the lookup saw, if the file is still exactly
+                    // that; else the kernel looks the name up again (ESTALE).
+                    let seen = lock(&self.looked_up).get(&ino).cloned();
+                    seen.filter(|f| f.whole_source().is_some_and(|s| Arc::ptr_eq(s, source)))
                         .ok_or(FsError::Stale)?
                 };
                 let backing = file
@@ -2027,7 +2029,18 @@ impl Fs {
     pub fn commit(&self, options: CommitOptions, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
         let held = |st: &State| self.held_bytes(st);
-        Ok(self.transactions.commit(&self.state, &held, options)?)
+        let done = self.transactions.commit(&self.state, &held, options);
+        // Views looked up before are of source files a commit may have
+        // replaced: do not keep those open and mapped.
+        let st = self.read_state();
+        lock(&self.looked_up).retain(|_, f| {
+            f.whole_source().is_some_and(|s| {
+                st.checkpoints
+                    .iter()
+                    .any(|m| Arc::ptr_eq(m.live.source(), s))
+            })
+        });
+        Ok(done?)
     }
 
     /// The bytes that open descriptors and the checkpoints' edited objects

@@ -894,11 +894,13 @@ impl SourceFile {
     /// `len` bytes with `header` at its start: nothing inserted since, not
     /// changed behind the mount, not being written by a commit.
     pub fn is_now(&self, header: &[u8], len: u64) -> bool {
-        let Origin::Local { version, .. } = &self.origin else {
+        let Origin::Local { version, made, .. } = &self.origin else {
             return false;
         };
         let accepted = *version.accepted.lock().unwrap_or_else(|p| p.into_inner());
-        accepted.0 == len
+        // (The newest `SourceFile` of the file: no in-place commit since.)
+        *made + 1 == version.made.load(Ordering::SeqCst)
+            && accepted.0 == len
             && self.shift() == 0
             && !version.writing.load(Ordering::SeqCst)
             && self.check_unchanged().is_ok()

@@ -40,13 +40,18 @@ def reference(t, metadata, path):
     return path.read_bytes()
 
 
-def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount, run):
+def mounted_sample(tmp_path, mount):
+    """The sample tensors saved by save_file (with metadata) and mounted: (source, tensors,
+    its bytes, the mount, its export view)."""
     src = tmp_path / "m.safetensors"
     t = tensors()
     save_file(t, str(src), metadata={"format": "pt"})
-    before = src.read_bytes()
     m = mount(src)
-    view = os.path.join(m.path, "__views__", "model.safetensors")
+    return src, t, src.read_bytes(), m, os.path.join(m.path, "__views__", "model.safetensors")
+
+
+def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount, run):
+    src, t, before, m, view = mounted_sample(tmp_path, mount)
     assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors", "npy"]
     # Reached by name, not listed: cp -r, rsync and find of the mount see the checkpoint only.
     assert "__views__" not in os.listdir(m.path)
@@ -307,12 +312,7 @@ def read_while_daemon_stopped(m, fd, n, off):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="kernel passthrough needs CAP_SYS_ADMIN in the daemon")
 def test_a_view_that_is_the_source_file_is_served_by_the_kernel(tmp_path, mount, run):
-    src = tmp_path / "m.safetensors"
-    t = tensors()
-    save_file(t, str(src), metadata={"format": "pt"})
-    before = src.read_bytes()
-    m = mount(src)
-    view = os.path.join(m.path, "__views__", "model.safetensors")
+    src, t, before, m, view = mounted_sample(tmp_path, mount)
     # Unedited, written by save_file: the view is the source file, and the kernel reads it
     # without the daemon (a read answered while the daemon is stopped).
     fd = os.open(view, os.O_RDONLY)
