@@ -96,10 +96,24 @@ impl Bytes {
             Bytes::Source(s, i) => s.serve(*i as usize, offset, size, reply),
             Bytes::Staged(s) => {
                 let want = (size as u64).min(s.len().saturating_sub(offset)) as usize;
-                let mut buf = vec![0u8; want];
-                let got = s.read_at(&mut buf, offset)?;
-                buf.truncate(got);
-                Ok(reply(&buf))
+                // A buffer kept by the thread: a fresh 1 MiB buffer per read
+                // costs its page faults, which cost more than the copy here.
+                thread_local! {
+                    static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+                }
+                BUF.with(|cell| {
+                    let mut fresh = Vec::new();
+                    let mut kept = cell.try_borrow_mut();
+                    let buf = match kept.as_deref_mut() {
+                        Ok(buf) => buf,
+                        Err(_) => &mut fresh, // (a read inside a reply: not shared)
+                    };
+                    if buf.len() < want {
+                        buf.resize(want, 0);
+                    }
+                    let got = s.read_at(&mut buf[..want], offset)?;
+                    Ok(reply(&buf[..got]))
+                })
             }
         }
     }
