@@ -86,20 +86,31 @@ impl GeneratedFile {
             1 => format!("({},)", dims[0]),
             _ => format!("({})", dims.join(", ")),
         };
-        let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
-        // Magic, version, header length, the dict padded with spaces to a
-        // multiple of 64 bytes in all, then a newline (as numpy writes it).
-        let (version, len_bytes) = if dict.len() + 1 + 10 <= 65535 {
-            (1u8, 2)
-        } else {
-            (2, 4)
+        let mut dict =
+            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        // As numpy's `_write_array_header`: room for the first axis to grow
+        // to 21 digits, then spaces to a multiple of 64 bytes in all (64 more
+        // when it is one already), then a newline; version 2.0 (a 4-byte
+        // length) only when that passes 65535 bytes.
+        if let Some(first) = dims.first() {
+            dict.extend(std::iter::repeat_n(
+                ' ',
+                21usize.saturating_sub(first.len()),
+            ));
+        }
+        let stored = |prefix: usize| {
+            let hlen = dict.len() + 1;
+            hlen + 64 - (prefix + hlen) % 64
         };
-        let prefix = 6 + 2 + len_bytes;
-        let total = (prefix + dict.len() + 1).div_ceil(64) * 64;
+        let (version, prefix) = match stored(10) {
+            n if n <= 65535 => (1u8, 10),
+            _ => (2, 12),
+        };
+        let dict_len = stored(prefix);
+        let total = prefix + dict_len;
         let mut header = Vec::with_capacity(total);
         header.extend_from_slice(b"\x93NUMPY");
         header.extend_from_slice(&[version, 0]);
-        let dict_len = total - prefix;
         match version {
             1 => header.extend_from_slice(&(dict_len as u16).to_le_bytes()),
             _ => header.extend_from_slice(&(dict_len as u32).to_le_bytes()),

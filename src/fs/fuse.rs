@@ -104,9 +104,15 @@ impl FuseAdapter {
             Some(id) => id,
             None => match reply.open_backing(file) {
                 Ok(id) => Arc::new(id),
-                Err(e) => {
+                // Not allowed (no CAP_SYS_ADMIN): off for the mount. Other
+                // errors (a file on a stacked filesystem, EMFILE): this open.
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                     warn!("kernel passthrough refused ({e}): views are served by the daemon");
                     self.fs.set_passthrough(false);
+                    return Err(());
+                }
+                Err(e) => {
+                    warn!("kernel passthrough refused for this open ({e}): served by the daemon");
                     return Err(());
                 }
             },

@@ -268,6 +268,9 @@ struct State {
     /// Per checkpoint: its hashed file names, and the `Live::names_gen`
     /// they were made at.
     hashed: Mutex<HashMap<usize, (u64, HashedNames)>>,
+    /// The inode of the passthrough views of each source file (device,
+    /// inode number) seen: `WHOLE_BIT` and a count.
+    whole_inos: Mutex<HashMap<(u64, u64), Ino>>,
 }
 
 /// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
@@ -375,6 +378,9 @@ enum Handle {
         ino: Ino,
         file: Arc<GeneratedFile>,
         _pins: Pins,
+        /// A view served by passthrough: the daemon's read-only open of
+        /// the source file (no in-place commit while it is open).
+        _reader: Option<Arc<std::fs::File>>,
     },
 }
 
@@ -470,12 +476,13 @@ impl State {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
         if ino & WHOLE_BIT != 0 {
+            // (A source file replaced since: the kernel looks the name up again.)
             return self
                 .checkpoints
                 .iter()
-                .position(|m| Some(ino) == whole_ino(m.live.source()))
+                .position(|m| Some(ino) == self.whole_ino(m.live.source()))
                 .map(Node::WholeView)
-                .ok_or(FsError::NotFound);
+                .ok_or(FsError::Stale);
         }
         let rel = ino - self.first_ino;
         let k = rel / SLOTS;
@@ -546,7 +553,9 @@ impl State {
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
             Node::Npy(c, id) => self.npy_ino(c, id),
-            Node::WholeView(c) => whole_ino(self.live(c).source()).expect("a local source"),
+            Node::WholeView(c) => self
+                .whole_ino(self.live(c).source())
+                .expect("a local source"),
             Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) | Node::NpyDir(_) => {
                 let i = self.fixed.iter().position(|n| *n == node);
                 i.expect("views have fixed inodes") as Ino + 1
@@ -672,6 +681,15 @@ impl State {
         let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
         bytes.push(b'\n');
         Ok(bytes)
+    }
+
+    /// The inode of a view that is `source`'s file (None: a remote source).
+    fn whole_ino(&self, source: &SourceFile) -> Option<Ino> {
+        source.file()?;
+        let key = (source.stat().dev, source.stat().ino);
+        let mut inos = lock(&self.whole_inos);
+        let next = WHOLE_BIT + inos.len() as Ino;
+        Some(*inos.entry(key).or_insert(next))
     }
 
     /// Tensors of a folder mount with an index that are in two shards now.
@@ -847,6 +865,7 @@ impl Fs {
                 fixed,
                 folder,
                 hashed: Mutex::new(HashMap::new()),
+                whole_inos: Mutex::new(HashMap::new()),
             }),
             handles: Mutex::new(Handles::default()),
             views: Mutex::new(HashMap::new()),
@@ -959,7 +978,7 @@ impl Fs {
             .checkpoints
             .iter()
             .position(|m| Arc::ptr_eq(m.live.source(), source))?;
-        let ino = whole_ino(source)?;
+        let ino = st.whole_ino(source)?;
         lock(&self.looked_up).insert(ino, file.clone());
         Some(Node::WholeView(c))
     }
@@ -1002,18 +1021,22 @@ impl Fs {
                 Ok(a)
             }
             Some(Handle::Json { file, .. }) => Ok(file.attr(0)),
-            // A view served by passthrough whose source file was replaced since.
+            // A view served by passthrough whose source file was replaced
+            // since: that file's attributes, gone from the mount.
             Some(Handle::View { file, .. }) => {
-                let src = st.live(0).source();
+                let stat = match file.whole_source() {
+                    Some(s) => *s.stat(),
+                    None => *st.live(0).source().stat(),
+                };
                 Ok(Attr {
                     ino,
                     kind: Kind::File,
                     size: file.len(),
-                    mtime: src.modified(),
-                    perm: file_mode(src.stat(), true),
-                    nlink: 1,
-                    uid: src.stat().uid,
-                    gid: src.stat().gid,
+                    mtime: stat.modified(),
+                    perm: file_mode(&stat, true),
+                    nlink: 0,
+                    uid: stat.uid,
+                    gid: stat.gid,
                     volatile: true,
                 })
             }
@@ -1362,32 +1385,36 @@ impl Fs {
                 Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
             }
             Node::WholeView(c) => {
+                // The daemon's own read-only open of the file comes first:
+                // from then on no in-place commit can start (its write lease
+                // wants no other reader), and one under way is waited for.
+                // (No lock is held while it may wait.)
+                let source = self.read_state().live(c).source().clone();
+                let reader = Arc::new(source.reopen_read_only()?);
                 let st = self.read_state();
-                let now = self.view(&st, Some(c), None)?;
                 let source = st.live(c).source();
-                let file = if now.whole_source().is_some_and(|s| Arc::ptr_eq(s, source)) {
-                    now
-                } else {
+                let is_source =
+                    |f: &GeneratedFile| f.whole_source().is_some_and(|s| Arc::ptr_eq(s, source));
+                let file = match self.view(&st, Some(c), None) {
+                    Ok(now) if is_source(&now) => now,
                     // An edit came between the lookup and this open: it gets
                     // the file the lookup saw, if the file is still exactly
                     // that; else the kernel looks the name up again (ESTALE).
-                    let seen = lock(&self.looked_up).get(&ino).cloned();
-                    seen.filter(|f| f.whole_source().is_some_and(|s| Arc::ptr_eq(s, source)))
-                        .ok_or(FsError::Stale)?
+                    _ => lock(&self.looked_up)
+                        .get(&ino)
+                        .filter(|f| is_source(f))
+                        .cloned()
+                        .ok_or(FsError::Stale)?,
                 };
-                let backing = file
-                    .whole_source()
-                    .and_then(|s| s.file())
-                    .ok_or(FsError::Stale)?
-                    .clone();
                 drop(st);
                 let fh = self.new_handle(Handle::View {
                     ino,
                     _pins: Pins::of(&file),
                     file,
+                    _reader: Some(reader.clone()),
                 });
                 Ok(Opened {
-                    passthrough: Some(backing),
+                    passthrough: Some(reader),
                     ..self.opened(fh, true)
                 })
             }
@@ -1397,6 +1424,7 @@ impl Fs {
                     ino,
                     _pins: Pins::of(&file),
                     file,
+                    _reader: None,
                 });
                 Ok(self.opened(fh, true))
             }
@@ -1407,6 +1435,7 @@ impl Fs {
                     ino,
                     _pins: Pins::of(&file),
                     file,
+                    _reader: None,
                 });
                 Ok(self.opened(fh, true))
             }
@@ -2336,12 +2365,6 @@ impl Shards for State {
             .map(|(ix, _)| ix)
             .find(|ix| ix.name == name)
     }
-}
-
-/// The inode of a view that is `source`'s file (None: a remote source).
-fn whole_ino(source: &SourceFile) -> Option<Ino> {
-    source.file()?;
-    Some(WHOLE_BIT | (source.stat().ino & (WHOLE_BIT - 1)))
 }
 
 /// An index file's attributes (read-only, its own owner and mode), with `size`.

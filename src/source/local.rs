@@ -863,6 +863,18 @@ impl SourceFile {
             .map_or(end, |i| i as u64 + 1)
     }
 
+    /// A read-only open of the same file (not of its path, which another
+    /// program may have replaced): another reader of it, as the kernel
+    /// counts readers for leases. Waits while an in-place commit holds its
+    /// write lease.
+    pub fn reopen_read_only(&self) -> std::io::Result<File> {
+        use std::os::fd::AsRawFd;
+        let file = self
+            .file()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EROFS))?;
+        File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+    }
+
     /// Whether the local file starts with `bytes` (as this `SourceFile` knows it).
     pub fn starts_with(&self, bytes: &[u8]) -> bool {
         let Origin::Local {
@@ -873,21 +885,18 @@ impl SourceFile {
         else {
             return false;
         };
-        let view = version.view();
-        let at = (view.shift - shift_base) as usize;
-        if at + bytes.len() > view.map.len() || self.check_unchanged().is_err() {
+        let at = version.view().shift - shift_base;
+        if self.check_unchanged().is_err() {
             return false;
         }
-        // Faulted in first: a file cut short behind the mount gives EFAULT
-        // here, never SIGBUS in the comparison.
-        if view
-            .map
-            .advise_range(Advice::PopulateRead, at, bytes.len())
-            .is_err()
-        {
-            return false;
+        // Read, not compared in the mapping: a file cut short behind the
+        // mount must give an error here, never SIGBUS.
+        let mut head = vec![0u8; bytes.len()];
+        use std::os::unix::fs::FileExt;
+        match self.file() {
+            Some(file) => file.read_exact_at(&mut head, at).is_ok() && head == bytes,
+            None => false,
         }
-        view.map[at..at + bytes.len()] == *bytes
     }
 
     /// Whether the local file is now exactly as this `SourceFile` knows it,

@@ -223,6 +223,10 @@ def test_npy_views_load_with_numpy_for_every_dtype_and_follow_edits(tmp_path, mo
         "mask": np.array([True, False]),
         "empty": np.zeros((0, 3), np.int32),
         "a/b.c": np.ones(2, np.uint8),  # shown as a%2Fb.c.npy
+        # Headers numpy grows past 64 or 128 bytes (room for the first axis, a full pad).
+        "many": np.arange(1, dtype=np.uint8).reshape((1,) * 15),
+        "deep": np.zeros((2,) * 12, np.int16),
+        "wide": np.zeros((123456789, 0), np.float32),
     }
     bf16 = rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16)
     f8 = rng.standard_normal(8).astype(ml_dtypes.float8_e4m3fn)
