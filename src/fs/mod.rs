@@ -247,12 +247,21 @@ struct Mounted {
 
 impl Mounted {
     /// The name of the shard's directory in a folder mount: its file's, but
-    /// a shard `__views__.safetensors` is `%5F_views__` (as a tensor of that
-    /// name is), so that `__views__` stays the views.
+    /// `__views__` is `%5F_views__` (as for a tensor) so that `__views__`
+    /// stays the views, and a shard already named `%5F_views__` (or that
+    /// with `%25`s before it) gets one `%25` more, so no two shards share one.
     fn shown_name(&self) -> String {
-        match self.dir_name.as_str() {
-            VIEWS_DIR => "%5F_views__".into(),
-            name => name.into(),
+        let name = self.dir_name.as_str();
+        if name == VIEWS_DIR {
+            return "%5F_views__".into();
+        }
+        let mut rest = name;
+        while let Some(r) = rest.strip_prefix("%25") {
+            rest = r;
+        }
+        match rest {
+            "%5F_views__" => format!("%25{name}"),
+            _ => name.into(),
         }
     }
 }

@@ -390,17 +390,20 @@ def test_shards_named_like_views_do_not_hide_them(tmp_path, mount):
     save_file({"a": np.ones(2, np.float32)}, str(folder / "__views__.safetensors"))
     save_file({"b": np.zeros(3, np.int8)}, str(folder / "merged.safetensors"))
     save_file({"c": np.arange(4, dtype=np.int64)}, str(folder / "npy.safetensors"))
+    save_file({"d": np.ones(1, np.uint8)}, str(folder / "%5F_views__.safetensors"))
     f = mount(folder)
-    # The shard __views__ is shown escaped, as a tensor of that name is; __views__ is the views.
-    assert sorted(os.listdir(f.path)) == ["%5F_views__", "merged", "npy"]
+    # The shard __views__ is shown escaped, as a tensor of that name is, and a shard already
+    # named like that gets a %25 more (no two shards share a directory); __views__ is the views.
+    assert sorted(os.listdir(f.path)) == ["%25%5F_views__", "%5F_views__", "merged", "npy"]
+    assert "d" in os.listdir(os.path.join(f.path, "%25%5F_views__"))
     assert {"a", "a.meta.json"} <= set(os.listdir(os.path.join(f.path, "%5F_views__")))
     views = os.path.join(f.path, "__views__")
     # The merged view steps aside for the shard named merged.
-    assert sorted(os.listdir(views)) == ["__views__.safetensors", "_merged.safetensors", "bf16", "f16", "f32",
-                                         "merged.safetensors", "npy", "npy.safetensors"]
-    assert sorted(load_file(os.path.join(views, "_merged.safetensors"))) == ["a", "b", "c"]
+    assert sorted(os.listdir(views)) == ["%5F_views__.safetensors", "__views__.safetensors", "_merged.safetensors",
+                                         "bf16", "f16", "f32", "merged.safetensors", "npy", "npy.safetensors"]
+    assert sorted(load_file(os.path.join(views, "_merged.safetensors"))) == ["a", "b", "c", "d"]
     assert sorted(load_file(os.path.join(views, "merged.safetensors"))) == ["b"]
-    assert sorted(os.listdir(os.path.join(views, "npy"))) == ["%5F_views__", "merged", "npy"]
+    assert sorted(os.listdir(os.path.join(views, "npy"))) == ["%25%5F_views__", "%5F_views__", "merged", "npy"]
     assert np.array_equal(np.load(os.path.join(views, "npy", "%5F_views__", "a.npy")), np.ones(2, np.float32))
     # Over-long names: ENAMETOOLONG, as anywhere.
     with pytest.raises(OSError) as e:
