@@ -546,6 +546,20 @@ impl Live {
         }
     }
 
+    /// Entry `id` as a view's tensor, if it has bytes and a valid meta.
+    pub fn view_tensor(&self, id: Id) -> Option<view::ViewTensor> {
+        let e = self.entry(id)?;
+        let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
+            return None;
+        };
+        Some(view::ViewTensor {
+            name: e.name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            bytes: self.object(object)?.bytes,
+        })
+    }
+
     /// The tensors and metadata of the state as a commit would write them,
     /// for a view; what a commit would refuse, if anything.
     pub fn view_tensors(&self) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), String> {
@@ -553,20 +567,10 @@ impl Live {
             return Err(p.to_string());
         }
         let mut tensors = Vec::new();
-        for (_, e) in self.entries_from(0) {
-            let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
-                continue;
-            };
-            let bytes = self
-                .object(object)
-                .ok_or("a tensor's bytes are gone")?
-                .bytes;
-            tensors.push(view::ViewTensor {
-                name: e.name.to_string(),
-                dtype,
-                shape: shape.to_vec(),
-                bytes,
-            });
+        for (id, e) in self.entries_from(0) {
+            if let (Some(_), MetaView::Valid(..)) = (e.data, e.meta) {
+                tensors.push(self.view_tensor(id).ok_or("a tensor's bytes are gone")?);
+            }
         }
         let metadata = self.metadata().ok_or("invalid metadata")?.cloned();
         Ok((tensors, metadata))

@@ -464,32 +464,41 @@ fn index_updates<S: Shards>(
             );
             continue;
         }
-        let Ok(mut doc) = serde_json::from_slice::<serde_json::Value>(&ix.bytes) else {
-            warn!(file = ix.name, "not JSON: left as it is");
-            continue;
-        };
-        let Some(obj) = doc.as_object_mut() else {
-            continue;
-        };
-        let before = serde_json::Value::Object(obj.clone());
-        obj.insert(
-            "weight_map".into(),
-            serde_json::Value::Object(weight_map.clone()),
-        );
-        let meta = obj
-            .entry("metadata")
-            .or_insert_with(|| serde_json::Value::Object(Default::default()));
-        if let Some(meta) = meta.as_object_mut() {
-            meta.insert("total_size".into(), total.into());
+        match rewrite_index(&ix.bytes, &weight_map, total) {
+            Ok(Some(bytes)) => out.push((folder.clone(), ix.name.clone(), ix.stat, bytes)),
+            Ok(None) => {}
+            Err(why) => warn!(file = ix.name, "{why}: left as it is"),
         }
-        if doc == before {
-            continue;
-        }
-        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
-        bytes.push(b'\n');
-        out.push((folder.clone(), ix.name.clone(), ix.stat, bytes));
     }
     Ok(out)
+}
+
+/// An index file's text with `weight_map` and `metadata.total_size` set,
+/// its other fields kept, as a commit writes it (None: nothing to change).
+pub fn rewrite_index(
+    text: &[u8],
+    weight_map: &serde_json::Map<String, serde_json::Value>,
+    total: u64,
+) -> Result<Option<Vec<u8>>, &'static str> {
+    let mut doc: serde_json::Value = serde_json::from_slice(text).map_err(|_| "not JSON")?;
+    let obj = doc.as_object_mut().ok_or("not a JSON object")?;
+    let before = serde_json::Value::Object(obj.clone());
+    obj.insert(
+        "weight_map".into(),
+        serde_json::Value::Object(weight_map.clone()),
+    );
+    let meta = obj
+        .entry("metadata")
+        .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    if let Some(meta) = meta.as_object_mut() {
+        meta.insert("total_size".into(), total.into());
+    }
+    if doc == before {
+        return Ok(None);
+    }
+    let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
+    bytes.push(b'\n');
+    Ok(Some(bytes))
 }
 
 /// Whether the owner of `to` (who may read it, and give it to anyone) is

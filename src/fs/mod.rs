@@ -226,7 +226,6 @@ type CachedView = (u64, Result<Arc<GeneratedFile>, String>);
 /// Which view: of checkpoint `c` (None: merged), and its cast.
 type ViewKey = (Option<usize>, Option<Dtype>);
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
-use crate::checkpoint::MetaView;
 
 /// Hashed file name stem -> tensor name.
 type HashedNames = HashMap<String, String>;
@@ -531,21 +530,12 @@ impl State {
         self.first_ino + SLOTS * (entry * count + c as u64) + NPY_SLOT
     }
 
-    /// Entry `id` of checkpoint `c` as a view's tensor, if it has bytes and a valid meta.
+    /// Entry `id` of checkpoint `c` as a `.npy` view's tensor: if it has
+    /// bytes, a valid meta, and as many bytes as its meta says.
     fn npy_tensor(&self, c: usize, id: Id) -> Option<ViewTensor> {
-        let live = self.live(c);
-        let e = live.entry(id)?;
-        let (Some(object), MetaView::Valid(dtype, shape)) = (e.data, e.meta) else {
-            return None;
-        };
-        let bytes = live.object(object)?.bytes;
-        // (A tensor whose bytes do not match its meta has no `.npy` view.)
-        (bytes.len() == dtype.bits() * shape.iter().product::<u64>() / 8).then(|| ViewTensor {
-            name: e.name.to_string(),
-            dtype,
-            shape: shape.to_vec(),
-            bytes,
-        })
+        let t = self.live(c).view_tensor(id)?;
+        let want = t.dtype.bits() * t.shape.iter().product::<u64>() / 8;
+        (t.bytes.len() == want).then_some(t)
     }
 
     /// The checkpoint whose tensors a `.npy` folder holds (None: the folder
@@ -675,21 +665,12 @@ impl State {
         if let Some(p) = self.in_two_shards().first() {
             return Err(FsError::Invalid(p.to_string()));
         }
-        let mut doc: serde_json::Value = serde_json::from_slice(&self.indexes[i].0.bytes)
-            .map_err(|e| FsError::Invalid(format!("{}: {e}", self.indexes[i].0.name)))?;
-        let obj = doc.as_object_mut().ok_or_else(|| {
-            FsError::Invalid(format!("{}: not a JSON object", self.indexes[i].0.name))
-        })?;
-        obj.insert("weight_map".into(), weight_map.into());
-        let meta = obj
-            .entry("metadata")
-            .or_insert_with(|| serde_json::Value::Object(Default::default()));
-        if let Some(meta) = meta.as_object_mut() {
-            meta.insert("total_size".into(), total.into());
+        let ix = &self.indexes[i].0;
+        match crate::checkpoint::transaction::rewrite_index(&ix.bytes, &weight_map, total) {
+            Ok(Some(bytes)) => Ok(bytes),
+            Ok(None) => Ok(ix.bytes.clone()), // (a commit leaves it as it is)
+            Err(why) => Err(FsError::Invalid(format!("{}: {why}", ix.name))),
         }
-        let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
-        bytes.push(b'\n');
-        Ok(bytes)
     }
 
     /// The inode of a view that is `source`'s file (None: a remote source).
@@ -1366,6 +1347,26 @@ impl Fs {
         }
     }
 
+    /// A descriptor of a view, which reads it as it was when it opened; by
+    /// passthrough to `reader` (the source file) if given.
+    fn open_view(
+        &self,
+        ino: Ino,
+        file: Arc<GeneratedFile>,
+        reader: Option<Arc<std::fs::File>>,
+    ) -> Opened {
+        let fh = self.new_handle(Handle::View {
+            ino,
+            _pins: Pins::of(&file),
+            file,
+            _reader: reader.clone(),
+        });
+        Opened {
+            passthrough: reader,
+            ..self.opened(fh, true)
+        }
+    }
+
     /// The object of a data file, made shareable for a handle.
     fn object(&self, c: usize, id: Id) -> Result<Arc<DataObject>, FsError> {
         self.write_state()
@@ -1416,37 +1417,15 @@ impl Fs {
                         .ok_or(FsError::Stale)?,
                 };
                 drop(st);
-                let fh = self.new_handle(Handle::View {
-                    ino,
-                    _pins: Pins::of(&file),
-                    file,
-                    _reader: Some(reader.clone()),
-                });
-                Ok(Opened {
-                    passthrough: Some(reader),
-                    ..self.opened(fh, true)
-                })
+                Ok(self.open_view(ino, file, Some(reader)))
             }
             Node::Npy(c, id) => {
                 let file = Arc::new(self.read_state().npy_view(c, id)?);
-                let fh = self.new_handle(Handle::View {
-                    ino,
-                    _pins: Pins::of(&file),
-                    file,
-                    _reader: None,
-                });
-                Ok(self.opened(fh, true))
+                Ok(self.open_view(ino, file, None))
             }
             Node::View(target, cast) => {
-                // A descriptor reads the view as it was when it opened.
                 let file = self.view(&self.read_state(), target, cast)?;
-                let fh = self.new_handle(Handle::View {
-                    ino,
-                    _pins: Pins::of(&file),
-                    file,
-                    _reader: None,
-                });
-                Ok(self.opened(fh, true))
+                Ok(self.open_view(ino, file, None))
             }
             Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
                 "index files are rewritten by commits, not edited",
@@ -1530,10 +1509,11 @@ impl Fs {
     fn note_write(&self, object: &Arc<DataObject>, moved: bool) {
         if !moved {
             let st = self.read_state();
-            if let Some(c) = st.home(object) {
+            let home = st.home(object);
+            if let Some(c) = home {
                 st.live(c).touch();
             }
-            if st.home(object).is_none_or(|c| st.live(c).is_dirty()) {
+            if home.is_none_or(|c| st.live(c).is_dirty()) {
                 return;
             }
         }
