@@ -12,3 +12,4 @@ pub mod inspect;
 pub mod mountinfo;
 pub mod prefetch;
 pub mod source;
+pub mod testpoint;

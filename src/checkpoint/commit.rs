@@ -82,6 +82,21 @@ pub enum CommitError {
     Staging(StagingError),
     /// The source cannot be written (a remote object) (EROFS).
     ReadOnly { file: PathBuf },
+    /// The commit failed after a file of it began to change: `landed` of
+    /// its `total` files landed; `file` is refused by every reader until the
+    /// next mount completes the commit from its record (the errno of `source`).
+    NotLanded {
+        file: PathBuf,
+        landed: usize,
+        total: usize,
+        source: Box<CommitError>,
+    },
+    /// A discard ran while this commit waited for it: nothing was committed
+    /// (ECANCELED).
+    Discarded,
+    /// A commit ran while this discard waited for it: the edits it would
+    /// have dropped are in the files now (ECANCELED).
+    CommittedFirst,
 }
 
 impl fmt::Display for CommitError {
@@ -136,6 +151,29 @@ impl fmt::Display for CommitError {
                 "{}: a remote source is read-only (stfs does not write to object stores yet)",
                 file.display()
             ),
+            CommitError::NotLanded {
+                file,
+                landed,
+                total,
+                source,
+            } => write!(
+                f,
+                "{}: the commit did not land ({landed} of its {total} file{} landed): {source}. \
+                 Every reader refuses this file until the commit is completed; the record and the \
+                 staged edits are kept on disk, and this mount commits no more: unmount it with \
+                 a plain `umount` and mount the source again with stfs (after making room, if the \
+                 disk was full), which completes the commit",
+                file.display(),
+                if *total == 1 { "" } else { "s" },
+            ),
+            CommitError::Discarded => f.write_str(
+                "nothing committed: the staged edits were discarded (stfs umount --discard) while \
+                 this commit waited for that discard to end",
+            ),
+            CommitError::CommittedFirst => f.write_str(
+                "nothing discarded: a commit that ran while this discard waited for it wrote the \
+                 staged edits into the files",
+            ),
         }
     }
 }
@@ -145,6 +183,7 @@ impl std::error::Error for CommitError {
         match self {
             CommitError::Io { source, .. } => Some(source),
             CommitError::Staging(e) => Some(e),
+            CommitError::NotLanded { source, .. } => Some(source),
             _ => None,
         }
     }
@@ -521,10 +560,15 @@ impl Drop for Pins {
 /// How long a commit waits for another commit of the same files.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// The files a commit will replace or rewrite, locked (`flock`, exclusive)
-/// from before its plan until it landed: a second mount's commit of the same
-/// source waits, then finds the file changed and refuses (ESTALE) instead of
-/// writing over the first commit. Locks are taken in (device, inode) order.
+/// The files a commit will replace or rewrite, locked from before its plan
+/// until they landed: a second mount's commit of the same source waits, then
+/// finds the file changed and refuses (ESTALE) instead of writing over the
+/// first commit. The lock is not on the file itself, which any reader may
+/// lock to hold commits up, but on a file named for it (device and inode) in
+/// a private folder of the user's (`$XDG_RUNTIME_DIR/stfs/locks`, else
+/// `$XDG_STATE_HOME/stfs/locks`): mounts of one user take turns; mounts of
+/// different users are kept apart by the checks at landing (the swap only
+/// over the file that was mapped, the write lease of an in-place commit).
 pub struct CommitLock(Vec<File>);
 
 /// A file a commit locks: its folder, its name, and its open descriptor if
@@ -533,8 +577,6 @@ pub type LockTarget = (Arc<Folder>, OsString, Option<Arc<File>>);
 
 impl Drop for CommitLock {
     fn drop(&mut self) {
-        // Explicitly: a source is locked through a duplicate of the
-        // descriptor it stays open by, and a lock lasts while any does.
         for f in &self.0 {
             // SAFETY: flock of a valid descriptor.
             unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
@@ -542,62 +584,92 @@ impl Drop for CommitLock {
     }
 }
 
+/// The private folder of commit locks, made 0700 if missing; refused if it
+/// is a link, another user's or open to others.
+fn lock_folder() -> Result<Folder, String> {
+    use std::os::unix::fs::DirBuilderExt;
+    let var = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let base = var("XDG_RUNTIME_DIR")
+        .or_else(|| var("XDG_STATE_HOME"))
+        .or_else(|| var("HOME").map(|h| h.join(".local/state")))
+        .ok_or("no XDG_RUNTIME_DIR, XDG_STATE_HOME or HOME")?;
+    let dir = base.join("stfs").join("locks");
+    let what = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| what(&e))?;
+    let folder = Folder::open_private(&dir).map_err(|e| what(&e))?;
+    let st = folder.stat().map_err(|e| what(&e))?;
+    // SAFETY: geteuid cannot fail.
+    if st.uid != unsafe { libc::geteuid() } || st.mode & 0o077 != 0 {
+        return Err(what(&"not a private folder of this user's"));
+    }
+    Ok(folder)
+}
+
 impl CommitLock {
-    /// `files`: folder, name and, for a source, its open file: locked
-    /// through that descriptor when the name is still that file (a second
-    /// descriptor would keep an in-place commit from taking its lease).
+    /// `files`: folder, name and, for a source, its open file (whose identity
+    /// names the lock when the name is still that file).
     pub fn take(files: &[LockTarget]) -> Result<CommitLock, CommitError> {
-        let mut opened = Vec::new();
+        let mut keys = Vec::new();
         for (folder, name, own) in files {
-            let what = |e| CommitError::Io {
-                what: format!(
-                    "locking {} for the commit",
-                    folder.path.join(name).display()
-                ),
-                source: e,
+            let path = folder.path.join(name);
+            let mine = own.as_ref().and_then(|f| FileStat::of(f).ok());
+            let key = match folder.stat_at(name) {
+                Ok(st) => (st.st_dev, st.st_ino),
+                // Gone (the plan says what that means): the file it was.
+                Err(_) => match mine {
+                    Some(m) => (m.dev, m.ino),
+                    None => continue,
+                },
             };
-            if let Some(own) = own {
-                let mine = FileStat::of(own).map_err(what)?;
-                let same = folder
-                    .stat_at(name)
-                    .is_ok_and(|st| (st.st_dev, st.st_ino) == (mine.dev, mine.ino));
-                if same {
-                    let dup = own.try_clone().map_err(what)?;
-                    opened.push(((mine.dev, mine.ino), folder.path.join(name), dup));
+            keys.push((key, path));
+        }
+        keys.sort();
+        keys.dedup_by_key(|(key, _)| *key);
+        if keys.is_empty() {
+            return Ok(CommitLock(Vec::new()));
+        }
+        let dir = match lock_folder() {
+            Ok(dir) => dir,
+            Err(e) => {
+                warn!("commits are not locked against other mounts of this user's: {e}");
+                return Ok(CommitLock(Vec::new()));
+            }
+        };
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        let mut locked = Vec::new();
+        for ((dev, ino), path) in keys {
+            let name = OsString::from(format!("{dev}-{ino}.lock"));
+            let flags = libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+            let file = match dir.open_file(&name, flags, 0o600) {
+                Ok(f) => f,
+                Err(e) => {
+                    warn!(file = %path.display(), "no commit lock for it: {e}");
                     continue;
                 }
-            }
-            let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
-            let file = match folder.open_file(name, flags, 0) {
-                Ok(f) => f,
-                // Gone (the plan says what that means), or a link (an index
-                // of a Hugging Face snapshot): nothing to lock.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => continue,
-                Err(e) => return Err(what(e)),
             };
-            let st = FileStat::of(&file).map_err(what)?;
-            opened.push(((st.dev, st.ino), folder.path.join(name), file));
-        }
-        opened.sort_by_key(|(key, ..)| *key);
-        opened.dedup_by_key(|(key, ..)| *key);
-        let deadline = std::time::Instant::now() + LOCK_WAIT;
-        for (_, path, file) in &opened {
             // SAFETY: a valid descriptor.
             while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                    // A filesystem without locks (some network ones): the
-                    // check before the swap is all there is.
                     warn!(file = %path.display(), "cannot lock it for the commit: {e}");
                     break;
                 }
                 if std::time::Instant::now() > deadline {
-                    return Err(CommitError::Busy { file: path.clone() });
+                    return Err(CommitError::Busy { file: path });
                 }
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
+            locked.push(file);
         }
-        Ok(CommitLock(opened.into_iter().map(|(_, _, f)| f).collect()))
+        Ok(CommitLock(locked))
     }
 }
 
@@ -659,26 +731,31 @@ impl Written {
     }
 
     /// Creates the temp file beside `target`, fills it with `fill`, gives it
-    /// `like`'s mode (and owner, as root) and fsyncs it. On failure nothing is left.
+    /// `like`'s mode (and owner, as root) and fsyncs it. With `like_file`
+    /// (the source), its owner and mode as they are now, and its extended
+    /// attributes (ACLs, user attributes, labels), are carried over. On
+    /// failure nothing is left.
     pub fn create(
         folder: &Arc<Folder>,
         target: &std::ffi::OsStr,
         like: &FileStat,
+        like_file: Option<&File>,
         fill: impl FnOnce(&File) -> Result<(), CommitError>,
     ) -> Result<Written, CommitError> {
-        let tmp = OsString::from(format!(
-            ".{}.stfs-tmp-{}-{:x}",
-            target.to_string_lossy(),
-            std::process::id(),
-            next_gen()
-        ));
+        let like = match like_file.map(FileStat::of) {
+            Some(Ok(now)) => FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*like
+            },
+            _ => *like,
+        };
+        let (tmp, file) = create_temp(folder, target)?;
         let what = |e| CommitError::Io {
             what: format!("writing {}", folder.path.join(&tmp).display()),
             source: e,
         };
-        let file = folder
-            .open_file(&tmp, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600)
-            .map_err(what)?;
         let finish = || -> Result<FileStat, CommitError> {
             fill(&file)?;
             use std::os::unix::fs::PermissionsExt;
@@ -687,9 +764,19 @@ impl Written {
             // SAFETY: geteuid cannot fail.
             if unsafe { libc::geteuid() } == 0 {
                 std::os::unix::fs::fchown(&file, Some(like.uid), Some(like.gid)).map_err(what)?;
-                // chown clears set-id bits: put the mode back.
-                file.set_permissions(mode).map_err(what)?;
             }
+            if let Some(from) = like_file {
+                let missed = crate::source::access::copy_xattrs(from, &file);
+                if !missed.is_empty() {
+                    warn!(
+                        file = %folder.path.join(target).display(),
+                        "extended attributes not carried over to the new file: {}",
+                        missed.join(", ")
+                    );
+                }
+            }
+            // chown clears set-id bits, and an ACL set the group bits: the mode last.
+            file.set_permissions(mode).map_err(what)?;
             file.sync_all().map_err(what)?;
             FileStat::of(&file).map_err(what)
         };
@@ -708,6 +795,46 @@ impl Written {
             }
         }
     }
+}
+
+/// A new temp file beside `target`: `.<target>.stfs-tmp-<pid>-<random>`,
+/// made with O_EXCL. The random part keeps another user from making the name
+/// first (in a sticky folder such as /tmp, a file made there in advance
+/// could not be removed); a name taken anyway is tried again with another.
+fn create_temp(folder: &Folder, target: &std::ffi::OsStr) -> Result<(OsString, File), CommitError> {
+    let rng = ring::rand::SystemRandom::new();
+    let mut last = None;
+    for _ in 0..16 {
+        let mut r = [0u8; 8];
+        ring::rand::SecureRandom::fill(&rng, &mut r).map_err(|_| {
+            io_err("making a temp file's name")(std::io::Error::other("no random bytes"))
+        })?;
+        let tmp = OsString::from(format!(
+            ".{}.stfs-tmp-{}-{:016x}",
+            target.to_string_lossy(),
+            std::process::id(),
+            u64::from_le_bytes(r)
+        ));
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW;
+        match folder.open_file(&tmp, flags, 0o600) {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                warn!(folder = %folder.path.display(), "temp name {} taken by someone else: another", tmp.to_string_lossy());
+                last = Some((tmp, e));
+            }
+            Err(e) => {
+                return Err(io_err(format!(
+                    "writing {}",
+                    folder.path.join(&tmp).display()
+                ))(e))
+            }
+        }
+    }
+    let (tmp, e) = last.expect("tried");
+    Err(io_err(format!(
+        "writing {}",
+        folder.path.join(&tmp).display()
+    ))(e))
 }
 
 impl Live {
@@ -918,9 +1045,16 @@ impl Live {
                 }
                 .map_err(io_err(what()))?;
                 let writable = self.source.writable_file().is_some();
-                SourceFile::committed(&self.source, file, writable, header)
+                SourceFile::committed(&self.source, file, writable, header, written.stat)
             }
-            Landing::InPlace(_) => self.source.rewritten_in_place(header),
+            Landing::InPlace(job) => {
+                let landed = job.landed.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let landed = landed.ok_or_else(|| CommitError::Io {
+                    what: what(),
+                    source: std::io::Error::other("the in-place commit left no version"),
+                })?;
+                self.source.rewritten_in_place(header, landed)
+            }
         };
         let fresh = Arc::new(fresh.map_err(io_err(what()))?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
@@ -1117,6 +1251,11 @@ impl Landing {
 /// An in-place commit of one file, ready to run (its lease held).
 pub struct InPlaceJob {
     source: Arc<SourceFile>,
+    /// The file as the commit left it, taken while the lease still kept
+    /// every other writer out: the version later commits check the file
+    /// against (a program that writes as soon as its open returns has
+    /// changed it since, and the next commit is refused).
+    landed: std::sync::Mutex<Option<FileStat>>,
     file: Arc<File>,
     lease: std::sync::Mutex<Option<Lease>>,
     record: InPlaceRecord,
@@ -1142,10 +1281,12 @@ impl InPlaceJob {
         };
         self.source.begin_in_place();
         let insert = |len| self.source.insert_at_start(len);
+        let collapse = |len| self.source.collapse_at_start(len);
         let retire = |ranges| self.source.retire(ranges);
         let steps = in_place::Steps {
             open_staged: &open_staged,
             insert: &insert,
+            collapse: &collapse,
             dir,
             retire: &retire,
             fresh: true,
@@ -1156,7 +1297,10 @@ impl InPlaceJob {
             .ok()
             .and_then(|_| FileStat::of(&self.file).ok());
         self.source.end_in_place(now.as_ref());
+        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = now;
         drop(lease); // opens that waited go on, and see the new file
+                     // (A test pauses here to write as another program would.)
+        let _ = crate::testpoint::point("in-place:unleased");
         result
     }
 
@@ -1231,8 +1375,17 @@ impl CommitPlan {
                 }
             }
             let old_prefix = self.source.header().header_len;
-            let stat = *self.source.stat();
-            let record = InPlaceRecord {
+            // The file as mapped, with its owner and mode as they are now
+            // (set-id bits a write clears are put back from them).
+            let now =
+                FileStat::of(&file).map_err(io_err(self.source.path().display().to_string()))?;
+            let stat = FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*self.source.stat()
+            };
+            let mut record = InPlaceRecord {
                 folder: folder.path.clone(),
                 name: self.source.file_name().to_string_lossy().into_owned(),
                 before: stat,
@@ -1243,9 +1396,12 @@ impl CommitPlan {
                 inserted: layout.inserted,
                 header_write: layout.header_write,
                 writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
+                sum: String::new(),
             };
+            record.seal(&self.layout.header);
             return Ok(Landing::InPlace(InPlaceJob {
                 source: self.source.clone(),
+                landed: std::sync::Mutex::new(None),
                 file,
                 lease: std::sync::Mutex::new(Some(lease)),
                 header: self.layout.header.clone(),
@@ -1257,6 +1413,7 @@ impl CommitPlan {
             folder,
             self.source.file_name(),
             self.source.stat(),
+            self.source.file().map(|f| &**f),
             |file| self.fill(file, share, progress),
         )?;
         written.replaces = (!self.force).then(|| *self.source.stat());
@@ -1364,7 +1521,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
         .map_err(record_err(super::staging::RENAMES))
         .map_err(before)?;
     if !renames.in_place.is_empty() {
-        in_place::crash_point("in-place:recorded");
+        if let Err(e) = crate::testpoint::point("in-place:recorded") {
+            Renames::clear(&dir);
+            return Err(before(io_err("recording the commit")(e)));
+        }
     }
     let forget = || {
         Renames::clear(&dir);
@@ -1407,7 +1567,7 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
             }
         }
     }
-    in_place::crash_point("in-place:landed");
+    let _ = crate::testpoint::point("in-place:landed");
     Renames::clear(&dir);
     Ok(())
 }

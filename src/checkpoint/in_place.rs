@@ -33,6 +33,7 @@ use crate::format::{
 };
 use crate::source::local::Folder;
 use crate::source::{copy_range, Bytes, FileStat, SourceFile};
+use crate::testpoint::point;
 
 /// A range of the new file and where its bytes come from.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -403,6 +404,10 @@ pub struct InPlaceRecord {
     #[serde(default)]
     pub header_write: u64,
     pub writes: Vec<RangeWrite>,
+    /// SHA-256 (hex) of the record (with this field empty) and of its header
+    /// file: a record changed or cut short since it was made is not applied.
+    #[serde(default)]
+    pub sum: String,
 }
 
 /// What an in-place commit does besides writing its file, done one way by
@@ -415,24 +420,15 @@ pub struct Steps<'a> {
     pub insert: &'a dyn Fn(u64) -> std::io::Result<()>,
     /// The staging folder, where the insertion is recorded durably.
     pub dir: &'a Folder,
+    /// Takes back an insertion of that many bytes (FALLOC_FL_COLLAPSE_RANGE),
+    /// when the blocks for the grown header cannot be had.
+    pub collapse: &'a dyn Fn(u64) -> std::io::Result<()>,
     /// Told the ranges (the file's offsets then) about to be overwritten or
     /// cut, before they are (the mount fails reads of them that raced the commit).
     pub retire: &'a dyn Fn(Vec<std::ops::Range<u64>>),
     /// The file is the old one (no step of this commit began): a step that
     /// fails before any byte of it changed puts the old prefix back.
     pub fresh: bool,
-}
-
-/// Where a crash test stops the daemon (`STFS_CRASH_AT=<step>`): the same
-/// as a kill -9 at that moment of an in-place commit.
-pub fn crash_point(step: &str) {
-    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let at = AT.get_or_init(|| std::env::var("STFS_CRASH_AT").ok());
-    if at.as_deref() == Some(step) {
-        warn!("STFS_CRASH_AT={step}: killing the daemon here");
-        // SAFETY: kill of our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    }
 }
 
 /// Why an in-place write stopped: before the marker (the file is as it
@@ -443,6 +439,96 @@ pub struct ApplyError {
 }
 
 impl InPlaceRecord {
+    fn digest(&self, header: &[u8]) -> String {
+        let unsealed = InPlaceRecord {
+            sum: String::new(),
+            ..self.clone()
+        };
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(&serde_json::to_vec(&unsealed).expect("serializes"));
+        ctx.update(header);
+        ctx.finish()
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Seals the record with its header (`sum`).
+    pub fn seal(&mut self, header: &[u8]) {
+        self.sum = self.digest(header);
+    }
+
+    /// Why the record cannot be applied to a file of `len` bytes now, if it
+    /// cannot: its sum, the new header against the new length, every range
+    /// within the file and its staging file. Checked before anything is
+    /// written, so a record that does not hold leaves the file as it is.
+    fn check(
+        &self,
+        header: &[u8],
+        len: u64,
+        staged_len: &dyn Fn(&str) -> std::io::Result<u64>,
+    ) -> Result<(), String> {
+        if self.sum.is_empty() || self.sum != self.digest(header) {
+            return Err(
+                "its checksum does not match: changed or cut short since it was made".into(),
+            );
+        }
+        let parsed = Header::parse_prefix(header, self.after_len)
+            .map_err(|e| format!("its new header is not valid for the new length: {e}"))?;
+        let header_end = header.len() as u64;
+        if parsed.data_start() != header_end || self.header_write > header_end {
+            return Err("its new header's length disagrees with its data".into());
+        }
+        // The old bytes end here once the insertion is done; appends, then
+        // the cut, take the file to its new length.
+        let old_end = self.before.len + self.inserted;
+        let (low, high) = (
+            self.before.len.min(self.after_len),
+            old_end.max(self.after_len),
+        );
+        if len < low || len > high {
+            return Err(format!(
+                "the file is {len} bytes, which no step of this commit leaves (from {} to {})",
+                self.before.len, self.after_len
+            ));
+        }
+        for w in &self.writes {
+            let end = w.at.checked_add(w.len).ok_or("a range past any file")?;
+            if w.at < header_end || end > self.after_len {
+                return Err(format!(
+                    "a write of {} bytes at {} falls outside the new data section ({header_end}..{})",
+                    w.len, w.at, self.after_len
+                ));
+            }
+            match &w.from {
+                WriteFrom::Here { offset } => {
+                    let from_end = offset.checked_add(w.len).ok_or("a range past any file")?;
+                    if *offset < self.inserted + PREFIX_LEN || from_end > old_end {
+                        return Err(format!(
+                            "a copy of {} bytes from {offset} falls outside the old data",
+                            w.len
+                        ));
+                    }
+                }
+                WriteFrom::Staged { file } => {
+                    if file.contains('/') || file.is_empty() || file == "." || file == ".." {
+                        return Err(format!("{file:?} is not a plain name of a staging file"));
+                    }
+                    let have =
+                        staged_len(file).map_err(|e| format!("its staging file {file}: {e}"))?;
+                    if have < w.len {
+                        return Err(format!(
+                            "its staging file {file} holds {have} bytes, not the {} it writes",
+                            w.len
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn inserted_flag(&self) -> String {
         format!("{}.inserted", self.header_file)
     }
@@ -483,8 +569,8 @@ impl InPlaceRecord {
             self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
         // The marker first: nothing changes the file before it (its
         // modification time included), so a file without it is old or new.
-        let marked = file
-            .write_all_at(&IN_PLACE_MARKER, 0)
+        let marked = point("in-place:mark")
+            .and_then(|()| file.write_all_at(&IN_PLACE_MARKER, 0))
             .and_then(|()| file.sync_data());
         if let Err(e) = marked {
             if !steps.fresh {
@@ -500,31 +586,22 @@ impl InPlaceRecord {
         if grows > 0 {
             // Blocks for what is appended, before any byte is written: no
             // ENOSPC half-way; if there is no room, the file is put back.
-            // SAFETY: fallocate on a valid descriptor.
-            let r = unsafe {
-                libc::fallocate(
-                    file.as_raw_fd(),
-                    libc::FALLOC_FL_KEEP_SIZE,
-                    now as libc::off_t,
-                    grows as libc::off_t,
-                )
-            };
-            if r != 0 {
-                let e = std::io::Error::last_os_error();
-                if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
-                    if steps.fresh {
-                        let _ = self.put_back(file, true);
-                        return Err(before(e));
-                    }
-                    return Err(after(e));
+            if let Err(e) = point("in-place:reserve").and_then(|()| reserve(file, now, grows)) {
+                if steps.fresh {
+                    let _ = self.put_back(file, true);
+                    return Err(before(e));
                 }
+                return Err(after(e));
             }
         }
-        crash_point("in-place:marked");
+        point("in-place:marked").map_err(after)?;
         if self.inserted > 0 && !inserted {
             // The marker moves to `inserted`; zeros at the start (a length of
             // 0, refused) until it is written there again.
-            if let Err(e) = (steps.insert)(self.inserted).and_then(|()| file.sync_all()) {
+            let done = point("in-place:insert")
+                .and_then(|()| (steps.insert)(self.inserted))
+                .and_then(|()| file.sync_all());
+            if let Err(e) = done {
                 // Not inserted (an unsupported file, ENOSPC): as it was.
                 if steps.fresh && file.metadata().map(|m| m.len()).ok() == Some(self.before.len) {
                     let _ = self.put_back(file, true);
@@ -532,7 +609,22 @@ impl InPlaceRecord {
                 }
                 return Err(after(e));
             }
-            crash_point("in-place:inserted");
+            // The inserted range is a hole: its blocks are had now, or the
+            // insertion is taken back (the header's write cannot meet ENOSPC).
+            let header_blocks =
+                point("in-place:reserve-header").and_then(|()| reserve(file, 0, self.inserted));
+            if let Err(e) = header_blocks {
+                let undone = steps.fresh
+                    && (steps.collapse)(self.inserted)
+                        .and_then(|()| file.sync_all())
+                        .is_ok();
+                if undone {
+                    let _ = self.put_back(file, true);
+                    return Err(before(e));
+                }
+                return Err(after(e));
+            }
+            point("in-place:inserted").map_err(after)?;
             let flag = self.inserted_flag();
             steps
                 .dir
@@ -550,6 +642,7 @@ impl InPlaceRecord {
         }
         (steps.retire)(retired);
         for (n, w) in self.writes.iter().enumerate() {
+            point("in-place:write").map_err(after)?;
             match &w.from {
                 WriteFrom::Staged { file: name } => {
                     let staged = (steps.open_staged)(name).map_err(after)?;
@@ -560,7 +653,7 @@ impl InPlaceRecord {
                 }
             }
             if n == 0 {
-                crash_point("in-place:data");
+                point("in-place:data").map_err(after)?;
             }
         }
         file.set_len(self.after_len).map_err(after)?;
@@ -568,19 +661,38 @@ impl InPlaceRecord {
             0 => header.len(),
             n => (n as usize).clamp(PREFIX_LEN as usize, header.len()),
         };
+        point("in-place:header").map_err(after)?;
         file.write_all_at(&header[PREFIX_LEN as usize..end], PREFIX_LEN)
             .map_err(after)?;
+        // The data and header are durable before the prefix makes them the file.
+        point("in-place:sync").map_err(after)?;
         file.sync_data().map_err(after)?;
-        crash_point("in-place:written");
+        point("in-place:written").map_err(after)?;
         file.write_all_at(&header[..PREFIX_LEN as usize], 0)
             .map_err(after)?;
         file.sync_data().map_err(after)?;
-        crash_point("in-place:prefix");
+        point("in-place:prefix").map_err(after)?;
         self.finish_time(file).map_err(after)
     }
 
     /// The modification time the journal expects, made durable.
+    /// Set-user-ID and set-group-ID bits that the kernel cleared when a
+    /// writer other than root wrote the file are put back too.
     fn finish_time(&self, file: &File) -> std::io::Result<()> {
+        let set_id = self.before.mode & (libc::S_ISUID | libc::S_ISGID);
+        if set_id != 0 {
+            use std::os::unix::fs::{MetadataExt, PermissionsExt};
+            let now = file.metadata()?.mode();
+            if now & set_id != set_id {
+                let mode = std::fs::Permissions::from_mode(self.before.mode & 0o7777);
+                if let Err(e) = file.set_permissions(mode) {
+                    warn!(
+                        file = self.name,
+                        "putting back its set-id bits after an in-place commit: {e}"
+                    );
+                }
+            }
+        }
         if let Err(e) = set_mtime(file, self.after_mtime) {
             // Not the owner (a file the daemon may only write): the journal
             // then does not know this version, nothing else changes.
@@ -688,10 +800,23 @@ impl InPlaceRecord {
                 0,
             )?))
         };
+        let staged_len =
+            |name: &str| -> std::io::Result<u64> { Ok(open_staged(name)?.metadata()?.len()) };
+        self.check(&header, st.len, &staged_len).map_err(|why| {
+            format!(
+                "{}: the record of an interrupted in-place commit does not hold ({why}): not \
+                 applied; the file is left as it is (every reader refuses it) and the record is \
+                 kept in {}",
+                path.display(),
+                dir.path.display()
+            )
+        })?;
         let insert = |len| crate::source::local::insert_range(&file, len);
+        let collapse = |len| crate::source::local::collapse_range(&file, len);
         let steps = Steps {
             open_staged: &open_staged,
             insert: &insert,
+            collapse: &collapse,
             dir,
             retire: &|_| {},
             fresh: unchanged,
@@ -704,6 +829,27 @@ impl InPlaceRecord {
             path.display()
         )))
     }
+}
+
+/// Allocates the blocks of `len` bytes at `at` without changing the size
+/// (a filesystem that cannot: nothing to do, its writes allocate).
+fn reserve(file: &File, at: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: fallocate on a valid descriptor.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_KEEP_SIZE,
+            at as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 fn set_mtime(file: &File, (s, ns): (i64, i64)) -> std::io::Result<()> {
@@ -746,7 +892,7 @@ mod tests {
         let mut new = header.clone();
         new.extend_from_slice(b"DATA");
         let stat = FileStat::of(&File::open(&path).unwrap()).unwrap();
-        let record = InPlaceRecord {
+        let mut record = InPlaceRecord {
             folder: std::fs::canonicalize(dir).unwrap(),
             name: "m.safetensors".into(),
             before: stat,
@@ -757,7 +903,9 @@ mod tests {
             inserted: 4096,
             header_write: 0,
             writes: Vec::new(),
+            sum: String::new(),
         };
+        record.seal(&header);
         std::fs::write(dir.join("staging").join(&record.header_file), &header).unwrap();
         (path, record, old, new)
     }
@@ -819,5 +967,95 @@ mod tests {
         let other = record.complete(&staging);
         assert!(other.is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"someone else's bytes");
+    }
+
+    #[test]
+    fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("staging")).unwrap();
+        let (path, record, old, new) = setup(dir.path());
+        let header = &new[..new.len() - 4];
+        let staging = Folder::open(&dir.path().join("staging")).unwrap();
+        std::fs::write(dir.path().join("staging").join("short"), b"xy").unwrap();
+        let data_at = header.len() as u64;
+        let tampered: Vec<(&str, Box<dyn Fn(&mut InPlaceRecord)>)> = vec![
+            (
+                "a write far past the end",
+                Box::new(|r| {
+                    r.writes = vec![RangeWrite {
+                        at: 1 << 40,
+                        len: 4,
+                        from: WriteFrom::Here { offset: 4096 + 8 },
+                    }];
+                }),
+            ),
+            (
+                "a copy from past the old data",
+                Box::new(|r| {
+                    r.writes = vec![RangeWrite {
+                        at: data_at,
+                        len: 4,
+                        from: WriteFrom::Here { offset: 1 << 30 },
+                    }];
+                }),
+            ),
+            (
+                "a new length the header does not describe",
+                Box::new(|r| r.after_len += 4096),
+            ),
+            (
+                "a staging file shorter than its write",
+                Box::new(|r| {
+                    r.writes = vec![RangeWrite {
+                        at: data_at,
+                        len: 4,
+                        from: WriteFrom::Staged {
+                            file: "short".into(),
+                        },
+                    }];
+                }),
+            ),
+            (
+                "a staging file by a path",
+                Box::new(|r| {
+                    r.writes = vec![RangeWrite {
+                        at: data_at,
+                        len: 4,
+                        from: WriteFrom::Staged {
+                            file: "../short".into(),
+                        },
+                    }];
+                }),
+            ),
+        ];
+        for (what, change) in &tampered {
+            let mut r = record.clone();
+            change(&mut r);
+            // Sealed again (as whoever changed it could), and not: both refused.
+            let unsealed = r.clone();
+            r.seal(header);
+            for r in [r, unsealed] {
+                let e = r.complete(&staging).expect_err(what);
+                assert!(e.0.contains("does not hold"), "{what}: {}", e.0);
+                assert_eq!(
+                    std::fs::read(&path).unwrap(),
+                    old,
+                    "{what}: the file changed"
+                );
+            }
+        }
+        // A header file cut short: its checksum no longer matches.
+        std::fs::write(
+            dir.path().join("staging").join(&record.header_file),
+            &header[..header.len() - 1],
+        )
+        .unwrap();
+        let e = record.complete(&staging).expect_err("cut short");
+        assert!(
+            e.0.contains("does not hold") || e.0.contains("without a header"),
+            "{}",
+            e.0
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), old);
     }
 }

@@ -47,6 +47,11 @@ pub struct Transactions {
     /// One commit or discard at a time (taken before the shards' lock).
     one_at_a_time: Mutex<()>,
     next_commit: AtomicU64,
+    /// Discards that dropped edits, and commits that landed, so far: a
+    /// commit that waited for a discard (or the other way round) and finds
+    /// nothing left to do says why instead of reporting success.
+    discards: AtomicU64,
+    landings: AtomicU64,
     /// Why this mount does not commit any more (a request handler panicked,
     /// a commit failed half-way), if it does not.
     tainted: Mutex<Option<String>>,
@@ -84,6 +89,8 @@ impl Transactions {
             staging,
             one_at_a_time: Mutex::new(()),
             next_commit: AtomicU64::new(1),
+            discards: AtomicU64::new(0),
+            landings: AtomicU64::new(0),
             tainted: Mutex::new(None),
         }
     }
@@ -102,9 +109,23 @@ impl Transactions {
     }
 
     /// Drops every staged edit. Returns a line per file, as `commit` does.
-    pub fn discard<S: Shards>(&self, state: &RwLock<S>) -> Vec<String> {
+    /// Refused on a mount that no longer commits: its staging folder holds
+    /// what the next mount needs (the record of a commit that did not land).
+    pub fn discard<S: Shards>(&self, state: &RwLock<S>) -> Result<Vec<String>, CommitError> {
+        let landings = self.landings.load(Ordering::SeqCst);
+        let _ = crate::testpoint::point("discard:waiting");
         let _one = lock(&self.one_at_a_time);
+        let _ = crate::testpoint::point("discard:locked");
+        if let Some(why) = self.tainted() {
+            return Err(CommitError::Tainted { why });
+        }
         let mut st = write(state);
+        if self.landings.load(Ordering::SeqCst) != landings && !st.lives().any(Live::is_dirty) {
+            return Err(CommitError::CommittedFirst);
+        }
+        if st.lives().any(Live::is_dirty) {
+            self.discards.fetch_add(1, Ordering::SeqCst);
+        }
         let mut lines = Vec::new();
         for c in 0..st.count() {
             let live = st.live_mut(c);
@@ -116,7 +137,7 @@ impl Transactions {
             live.discard();
         }
         info!("staged edits discarded");
-        lines
+        Ok(lines)
     }
 
     /// Commits every checkpoint of the mount, all or none: every plan is made
@@ -131,9 +152,11 @@ impl Transactions {
         held: &dyn Fn(&S) -> Vec<Bytes>,
         options: CommitOptions,
     ) -> Result<Vec<String>, CommitError> {
+        let discards = self.discards.load(Ordering::SeqCst);
+        let _ = crate::testpoint::point("commit:waiting");
         let mut tries = 0;
         loop {
-            match self.commit_once(state, held, options) {
+            match self.commit_once(state, held, options, discards) {
                 Err(CommitError::Opened { file }) if tries < 4 => {
                     tries += 1;
                     info!(file = %file.display(), "opened by another program as it was about to be written in place: planned again");
@@ -148,11 +171,13 @@ impl Transactions {
         state: &RwLock<S>,
         held: &dyn Fn(&S) -> Vec<Bytes>,
         options: CommitOptions,
+        discards: u64,
     ) -> Result<Vec<String>, CommitError> {
         if let Some(why) = self.tainted() {
             return Err(CommitError::Tainted { why });
         }
         let _one = lock(&self.one_at_a_time);
+        let _ = crate::testpoint::point("commit:locked");
         // The files this commit may replace, locked against other mounts'
         // commits from before the plan's check until they landed.
         let targets = {
@@ -197,8 +222,22 @@ impl Transactions {
                     return Err(e);
                 }
             }
-            // (Without an index, the files of a folder are independent.)
             let writes = options.compact || st.lives().any(Live::is_dirty);
+            // Two shard names of one file: a commit of either writes the other.
+            if let Some(folder) = st.folder().filter(|_| writes) {
+                let shards = (0..st.count())
+                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
+                let problems = one_file_shards(shards);
+                if !problems.is_empty() {
+                    let e = CommitError::Refused {
+                        file: folder.path.clone(),
+                        problems,
+                    };
+                    warn!("commit refused: {e}");
+                    return Err(e);
+                }
+            }
+            // (Without an index, the files of a folder are independent.)
             let indexed = st.indexes().next().is_some();
             if let Some(folder) = st.folder().filter(|_| writes && indexed) {
                 let shards = (0..st.count())
@@ -237,6 +276,9 @@ impl Transactions {
             (plans, updates)
         };
         if plans.is_empty() {
+            if self.discards.load(Ordering::SeqCst) != discards {
+                return Err(CommitError::Discarded);
+            }
             let st = read(state);
             return Ok(st
                 .lives()
@@ -276,7 +318,7 @@ impl Transactions {
                     source,
                 })
             };
-            match Written::create(folder, std::ffi::OsStr::new(name), stat, fill) {
+            match Written::create(folder, std::ffi::OsStr::new(name), stat, None, fill) {
                 Ok(w) => written.push(Landing::Renamed(w)),
                 Err(e) => {
                     warn!("commit failed: {e}");
@@ -300,6 +342,7 @@ impl Transactions {
                 return Err(e.into());
             }
         }
+        let mut failed = None;
         let landed = match land(commit, &written, &self.staging) {
             Ok(()) => written.len(),
             Err(LandError {
@@ -323,9 +366,18 @@ impl Transactions {
                     "a commit failed after {done} of its {} files landed ({error})",
                     written.len()
                 ));
+                failed = Some(CommitError::NotLanded {
+                    file: written[done].target(),
+                    landed: done,
+                    total: written.len(),
+                    source: Box::new(error),
+                });
                 done
             }
         };
+        if landed > 0 {
+            self.landings.fetch_add(1, Ordering::SeqCst);
+        }
         let n_plans = plans.len();
         let mut st = write(state);
         let mut lines = Vec::new();
@@ -379,11 +431,46 @@ impl Transactions {
         }
         drop(st);
         super::trim_memory();
-        Ok(lines)
+        match failed {
+            Some(e) => {
+                lines.iter().for_each(|l| info!("{l}"));
+                Err(e)
+            }
+            None => Ok(lines),
+        }
     }
 }
 
 type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
+
+/// Shards of a folder mount that are one file (two names linked to one
+/// blob, as a snapshot folder may have): a commit of one would change the
+/// other under the mount, and a rename of one would drop the other's edits,
+/// so commits refuse them, and `stfs status` says so.
+pub fn one_file_shards<'a>(shards: impl Iterator<Item = (String, &'a Live)>) -> Vec<Problem> {
+    let mut first: std::collections::HashMap<(u64, u64), String> = Default::default();
+    let mut found = Vec::new();
+    for (shard, live) in shards {
+        let src = live.source();
+        if src.file().is_none() {
+            continue; // remote: objects are not linked
+        }
+        let key = (src.stat().dev, src.stat().ino);
+        match first.get(&key) {
+            Some(a) => found.push(Problem {
+                tensor: None,
+                rule: format!(
+                    "{a} and {shard} are one file (two links to it): a commit would write it \
+                     twice; mount a folder whose shards are separate files, or copy one of them"
+                ),
+            }),
+            None => {
+                first.insert(key, shard);
+            }
+        }
+    }
+    found
+}
 
 /// Tensors of a folder mount that are in two shards (given as their file
 /// names and states): an index maps each name to one file, so a commit

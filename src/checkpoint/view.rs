@@ -322,6 +322,14 @@ fn cast_chunks(
 }
 
 fn read_exact(bytes: &Bytes, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+    if let Bytes::Source(s, i) = bytes {
+        if s.file().is_some() {
+            // Read from the file, not copied out of its mapping: a source cut
+            // short behind the mount gives EIO here, where a copy from the
+            // mapping would kill the daemon (SIGBUS).
+            return s.read_tensor_exact(*i as usize, offset, out);
+        }
+    }
     let mut done = 0;
     while done < out.len() {
         let want = (out.len() - done).min(u32::MAX as usize) as u32;

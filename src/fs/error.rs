@@ -72,16 +72,7 @@ impl FsError {
                 EditError::Staging(s) => staging_errno(s),
                 EditError::Io(e) => io_errno(e),
             },
-            FsError::Commit(e) => match e {
-                CommitError::Refused { .. } => libc::EINVAL,
-                CommitError::Conflict { .. } => libc::ESTALE,
-                CommitError::Busy { .. } => libc::EBUSY,
-                CommitError::Opened { .. } => libc::EAGAIN,
-                CommitError::Tainted { .. } => libc::EIO,
-                CommitError::Io { source, .. } => io_errno(source),
-                CommitError::Staging(s) => staging_errno(s),
-                CommitError::ReadOnly { .. } => libc::EROFS,
-            },
+            FsError::Commit(e) => commit_errno(e),
             FsError::Staging(s) => staging_errno(s),
             FsError::Cuda(e) => match e {
                 CudaError::NoDriver(_) | CudaError::NoDevice(_) => libc::ENODEV,
@@ -127,6 +118,21 @@ impl From<std::io::Error> for FsError {
 impl From<EditError> for FsError {
     fn from(e: EditError) -> Self {
         FsError::Edit(e)
+    }
+}
+
+fn commit_errno(e: &CommitError) -> i32 {
+    match e {
+        CommitError::Refused { .. } => libc::EINVAL,
+        CommitError::Conflict { .. } => libc::ESTALE,
+        CommitError::Busy { .. } => libc::EBUSY,
+        CommitError::Opened { .. } => libc::EAGAIN,
+        CommitError::Tainted { .. } => libc::EIO,
+        CommitError::Io { source, .. } => io_errno(source),
+        CommitError::Staging(s) => staging_errno(s),
+        CommitError::ReadOnly { .. } => libc::EROFS,
+        CommitError::NotLanded { source, .. } => commit_errno(source),
+        CommitError::Discarded | CommitError::CommittedFirst => libc::ECANCELED,
     }
 }
 

@@ -476,6 +476,30 @@ fn dir_mode(stat: &FileStat, read_only: bool) -> u16 {
 }
 
 impl State {
+    /// Owner and mode for what draws on every checkpoint (a merged view, an
+    /// index): only those who may read every source may read it.
+    fn all_owners(&self) -> FileStat {
+        let owners: Vec<FileStat> = self
+            .checkpoints
+            .iter()
+            .map(|m| m.live.source().owner_now())
+            .collect();
+        crate::source::access::narrowest(&owners).expect("a mount has a checkpoint")
+    }
+
+    /// Owner and mode of the mount's top folder as they are now.
+    fn root_owner(&self) -> FileStat {
+        match &self.folder {
+            Some((folder, stat)) => folder.stat().map_or(*stat, |now| FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*stat
+            }),
+            None => self.live(0).source().owner_now(),
+        }
+    }
+
     fn node(&self, ino: Ino) -> Result<Node, FsError> {
         if ino == 0 {
             return Err(FsError::NotFound);
@@ -682,16 +706,20 @@ impl State {
         Some(*inos.entry(key).or_insert(next))
     }
 
-    /// Tensors of a folder mount with an index that are in two shards now.
+    /// Problems across the shards of a folder mount: two shards that are one
+    /// file, and (with an index) tensors that are in two shards now.
     fn in_two_shards(&self) -> Vec<crate::checkpoint::Problem> {
-        if self.indexes.is_empty() {
-            return Vec::new();
+        use crate::checkpoint::transaction::{in_two_shards, one_file_shards};
+        let shards = || {
+            self.checkpoints
+                .iter()
+                .map(|m| (format!("{}.safetensors", m.dir_name), &m.live))
+        };
+        let mut found = one_file_shards(shards());
+        if !self.indexes.is_empty() {
+            found.extend(in_two_shards(shards()));
         }
-        let shards = self
-            .checkpoints
-            .iter()
-            .map(|m| (format!("{}.safetensors", m.dir_name), &m.live));
-        crate::checkpoint::transaction::in_two_shards(shards)
+        found
     }
 
     fn live(&self, c: usize) -> &Live {
@@ -1042,15 +1070,16 @@ impl Fs {
         ino: Ino,
     ) -> Attr {
         let src = st.live(c).source();
+        let owner = src.owner_now();
         Attr {
             ino,
             kind: Kind::File,
             size: o.bytes.len(),
             mtime: o.edited.unwrap_or_else(|| src.modified()),
-            perm: file_mode(src.stat(), self.settings.read_only),
+            perm: file_mode(&owner, self.settings.read_only),
             nlink: 1,
-            uid: src.stat().uid,
-            gid: src.stat().gid,
+            uid: owner.uid,
+            gid: owner.gid,
             volatile: false,
         }
     }
@@ -1058,36 +1087,38 @@ impl Fs {
     fn attr_of(&self, st: &State, node: Node) -> Result<Attr, FsError> {
         let ro = self.settings.read_only;
         let ino = st.ino_of(node);
+        // Owner and mode as the sources have them now (`SourceFile::owner_now`).
+        let of_stat = |owner: FileStat, kind, size, mtime, volatile| Attr {
+            ino,
+            kind,
+            size,
+            mtime,
+            perm: if kind == Kind::Directory {
+                dir_mode(&owner, ro)
+            } else {
+                file_mode(&owner, ro)
+            },
+            nlink: if kind == Kind::Directory { 2 } else { 1 },
+            uid: owner.uid,
+            gid: owner.gid,
+            volatile,
+        };
         let of_source = |c: usize, kind, size, mtime, volatile| {
-            let src = st.live(c).source().stat();
-            Attr {
-                ino,
-                kind,
-                size,
-                mtime,
-                perm: if kind == Kind::Directory {
-                    dir_mode(src, ro)
-                } else {
-                    file_mode(src, ro)
-                },
-                nlink: if kind == Kind::Directory { 2 } else { 1 },
-                uid: src.uid,
-                gid: src.gid,
-                volatile,
-            }
+            of_stat(st.live(c).source().owner_now(), kind, size, mtime, volatile)
         };
         Ok(match node {
             Node::FolderRoot => {
                 let (_, stat) = st.folder.as_ref().expect("a folder mount");
+                let now = st.root_owner();
                 Attr {
                     ino,
                     kind: Kind::Directory,
                     size: 0,
                     mtime: stat.modified(),
-                    perm: dir_mode(stat, ro) & !0o222,
+                    perm: dir_mode(&now, ro) & !0o222,
                     nlink: 2 + st.checkpoints.len() as u32,
-                    uid: stat.uid,
-                    gid: stat.gid,
+                    uid: now.uid,
+                    gid: now.gid,
                     volatile: false,
                 }
             }
@@ -1103,8 +1134,13 @@ impl Fs {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
                 self.object_attr(st, c, o, ino)
             }
-            Node::ViewsDir(_) | Node::NpyDir(_) => {
-                of_source(0, Kind::Directory, 0, st.live(0).source().modified(), false).read_only()
+            // Each shard's `.npy` folder lists its tensor names: its own mode.
+            Node::NpyDir(Some(c)) => {
+                of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false).read_only()
+            }
+            Node::ViewsDir(_) | Node::NpyDir(None) => {
+                let mtime = st.live(0).source().modified();
+                of_stat(st.root_owner(), Kind::Directory, 0, mtime, false).read_only()
             }
             // (The source file itself, whatever the views show now.)
             Node::WholeView(c) => {
@@ -1116,17 +1152,22 @@ impl Fs {
                 of_source(c, Kind::File, size, st.views_changed(Some(c)), true).read_only()
             }
             Node::IndexView(i) => {
+                let ix = &st.indexes[i].0;
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
-                let a = index_attr(ino, &st.indexes[i].0, size);
-                Attr {
-                    mtime: a.mtime.max(st.views_changed(None)),
-                    ..a
-                }
+                // Its weight map names the tensors of every shard.
+                let owner =
+                    crate::source::access::narrowest(&[ix.stat, st.all_owners()]).expect("two");
+                let mtime = ix.stat.modified().max(st.views_changed(None));
+                of_stat(owner, Kind::File, size, mtime, true).read_only()
             }
             Node::View(target, cast) => {
                 let size = self.view(st, target, cast).map_or(0, |v| v.len());
-                let c = target.unwrap_or(0);
-                of_source(c, Kind::File, size, st.views_changed(target), true).read_only()
+                let mtime = st.views_changed(target);
+                match target {
+                    Some(c) => of_source(c, Kind::File, size, mtime, true),
+                    None => of_stat(st.all_owners(), Kind::File, size, mtime, true),
+                }
+                .read_only()
             }
             Node::File(c, file, TensorFile::Meta) => {
                 let live = st.live(c);
@@ -2091,7 +2132,7 @@ impl Fs {
     /// Returns a line per file, as `commit` does.
     pub fn discard(&self, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "discard")?;
-        Ok(self.transactions.discard(&self.state))
+        Ok(self.transactions.discard(&self.state)?)
     }
 
     /// `stfs status`: staged changes and problems, one line each; true when a

@@ -525,18 +525,22 @@ impl SourceFile {
         file: File,
         writable: bool,
         header: Header,
+        stat: FileStat,
     ) -> std::io::Result<SourceFile> {
-        let stat = FileStat::of(&file)?;
         // SAFETY: as in `open`.
         let map = unsafe { Mmap::map(&file) }?;
         let version = Version::new(map, &stat);
-        previous.remade(Arc::new(file), (writable, version, 0), header)
+        previous.remade(Arc::new(file), (writable, version, 0), header, stat)
     }
 
     /// This file after an in-place commit wrote `header` (validated) and its
     /// data: the same open file, mapped again at its new length. Reads of this
     /// `SourceFile` go on for the ranges the commit left alone.
-    pub fn rewritten_in_place(&self, header: Header) -> std::io::Result<SourceFile> {
+    pub fn rewritten_in_place(
+        &self,
+        header: Header,
+        stat: FileStat,
+    ) -> std::io::Result<SourceFile> {
         let Origin::Local {
             file,
             writable,
@@ -553,7 +557,12 @@ impl SourceFile {
             view.map = unsafe { Mmap::map(&**file) }?;
             view.shift
         };
-        self.remade(file.clone(), (*writable, version.clone(), shift), header)
+        self.remade(
+            file.clone(),
+            (*writable, version.clone(), shift),
+            header,
+            stat,
+        )
     }
 
     /// An in-place commit is about to overwrite or cut `ranges` (the file's
@@ -595,11 +604,32 @@ impl SourceFile {
         Ok(())
     }
 
+    /// Takes back `insert_at_start(len)` (the blocks for the grown header
+    /// could not be had): the bytes move back and are mapped again.
+    pub fn collapse_at_start(&self, len: u64) -> std::io::Result<()> {
+        let Origin::Local { file, version, .. } = &self.origin else {
+            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
+        };
+        let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
+        collapse_range(file, len)?;
+        view.shift -= len;
+        // SAFETY: as in `open`.
+        match unsafe { Mmap::map(&**file) } {
+            Ok(map) => view.map = map,
+            Err(e) => {
+                version.broken.store(true, Ordering::SeqCst);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     fn remade(
         &self,
         file: Arc<File>,
         access: (bool, Arc<Version>, u64),
         header: Header,
+        stat: FileStat,
     ) -> std::io::Result<SourceFile> {
         let Origin::Local {
             folder,
@@ -609,7 +639,6 @@ impl SourceFile {
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
-        let stat = FileStat::of(&file)?;
         let fresh = SourceFile::assemble(
             self.path.clone(),
             folder.clone(),
@@ -762,6 +791,16 @@ impl SourceFile {
     /// The file as validated and mapped.
     pub fn stat(&self) -> &FileStat {
         &self.stat
+    }
+
+    /// The file as mapped, with its owner, group and mode as they are now
+    /// (narrowed by an ACL, `access::owner_now`): what the mount shows and
+    /// the kernel enforces, so that a chmod behind the mount applies at once.
+    pub fn owner_now(&self) -> FileStat {
+        match &self.origin {
+            Origin::Local { file, .. } => super::access::owner_now(file, &self.stat),
+            Origin::Remote(_) => self.stat,
+        }
     }
 
     pub fn modified(&self) -> SystemTime {
@@ -1022,6 +1061,36 @@ impl SourceFile {
         Ok(result)
     }
 
+    /// Fills `out` with the bytes of tensor `index` from `offset` on, read
+    /// from the file (pread) rather than copied out of the mapping, so that
+    /// a file cut short behind the mount is EIO, never SIGBUS.
+    pub fn read_tensor_exact(
+        &self,
+        index: usize,
+        offset: u64,
+        out: &mut [u8],
+    ) -> std::io::Result<()> {
+        let range = self.tensor_range(index);
+        let short = || std::io::Error::from_raw_os_error(libc::EIO);
+        if offset
+            .checked_add(out.len() as u64)
+            .is_none_or(|end| end > range.end - range.start)
+        {
+            return Err(short());
+        }
+        self.check_unchanged()?;
+        let mut done = 0;
+        while done < out.len() {
+            let n = self.read_at(&mut out[done..], range.start + offset + done as u64)?;
+            if n == 0 {
+                warn!(file = %self.path.display(), "the source is shorter than its header says: cut behind the mount?");
+                return Err(short());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Reads bytes of the file at `pos` (absolute) into `buf`; fewer at its end.
     pub fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
         self.read_shifted(buf, pos, 0)
@@ -1059,15 +1128,18 @@ impl SourceFile {
 
 /// FALLOC_FL_INSERT_RANGE of `len` bytes at offset 0 (ext4 and XFS, whole blocks).
 pub fn insert_range(file: &File, len: u64) -> std::io::Result<()> {
+    shift_range(file, libc::FALLOC_FL_INSERT_RANGE, len)
+}
+
+/// Takes `len` bytes (whole blocks) off the start of `file`, moving the
+/// rest down: the undoing of `insert_range`.
+pub fn collapse_range(file: &File, len: u64) -> std::io::Result<()> {
+    shift_range(file, libc::FALLOC_FL_COLLAPSE_RANGE, len)
+}
+
+fn shift_range(file: &File, mode: libc::c_int, len: u64) -> std::io::Result<()> {
     // SAFETY: fallocate on a valid descriptor.
-    let r = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_INSERT_RANGE,
-            0,
-            len as libc::off_t,
-        )
-    };
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, 0, len as libc::off_t) };
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }

@@ -4,6 +4,7 @@
 //! local disk cache, `remote`), a private staging file (`staged`), or nothing
 //! yet.
 
+pub mod access;
 mod aws_profile;
 pub mod local;
 pub mod remote;

@@ -1132,6 +1132,62 @@ fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String> {
     Err(format!("{}: the cache's key keeps changing", dir.display()))
 }
 
+/// Something in a cache folder that is not this user's regular file or
+/// cache folder (the `key` a regular file): said in words, or None.
+fn foreign_entry(folder: &Folder, euid: u32) -> Option<String> {
+    for name in folder.entries() {
+        let Ok(st) = folder.stat_at(&name) else {
+            continue;
+        };
+        let kind = st.st_mode & libc::S_IFMT;
+        let shown = name.to_string_lossy();
+        let fresh_folder = shown.starts_with(FRESH_PREFIX) && kind == libc::S_IFDIR;
+        if st.st_uid != euid {
+            return Some(format!("{shown:?} of uid {}", st.st_uid));
+        }
+        if (kind != libc::S_IFREG && !fresh_folder) || (shown == KEY_FILE && kind != libc::S_IFREG)
+        {
+            return Some(format!("{shown:?}, not a regular file"));
+        }
+    }
+    None
+}
+
+/// The private folders a cache moves to inside its folder.
+const FRESH_PREFIX: &str = "private.";
+
+/// The first `<dir>/private.N` that is (or is made) a folder of this user's
+/// closed to others.
+fn fresh_private(dir: &Path, euid: u32) -> Result<(Folder, PathBuf), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    for n in 0..64 {
+        let path = dir.join(format!("{FRESH_PREFIX}{n}"));
+        match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        }
+        let Ok(folder) = Folder::open_private(&path) else {
+            continue;
+        };
+        match folder.stat() {
+            Ok(st)
+                if st.uid == euid
+                    && st.mode & 0o077 == 0
+                    && foreign_entry(&folder, euid).is_none() =>
+            {
+                return Ok((folder, path))
+            }
+            _ => continue,
+        }
+    }
+    Err(format!(
+        "{}: refused as a cache folder: it holds things of other users that cannot be removed \
+         (choose another with --cache-dir)",
+        dir.display()
+    ))
+}
+
 /// The local disk cache of chunks, shared by the mounts of a user.
 pub struct DiskCache {
     folder: Folder,
@@ -1192,6 +1248,22 @@ impl DiskCache {
             }
             info!(dir = %dir.display(), "cache folder made private (0700), and emptied");
         }
+        // What another user left that cannot be removed (a folder planted
+        // while this one was open to others): the cache moves to a fresh
+        // private folder inside it, and says so.
+        let (folder, dir) = match foreign_entry(&folder, euid) {
+            None => (folder, dir.to_path_buf()),
+            Some(what) => {
+                let (fresh, path) = fresh_private(dir, euid)?;
+                warn!(
+                    dir = %dir.display(),
+                    "the cache folder holds {what}, which stfs did not make: the cache is in {} from now on",
+                    path.display()
+                );
+                (fresh, path)
+            }
+        };
+        let dir = dir.as_path();
         let key = cache_key(&folder, dir)?;
         // What earlier mounts left, oldest first.
         let mut found: Vec<((i64, i64), String, u64)> = folder

@@ -1,0 +1,112 @@
+//! Named points in the commit and recovery code where a test takes control
+//! of the daemon, so that crashes, faults and races are chosen, not timed:
+//!
+//! - `STFS_CRASH_AT=STEP`: the daemon kills itself (SIGKILL) there, as a
+//!   `kill -9` at that moment would;
+//! - `STFS_PAUSE_AT=STEP[,STEP...]` with `STFS_PAUSE_DIR=DIR`: the first time
+//!   it gets there, the daemon creates `DIR/STEP` and waits until the test
+//!   removes it (at most 120 s, then it goes on and says so);
+//! - `STFS_FAULT_AT=STEP:ERRNO[:always]`: the step fails with that error
+//!   (`ENOSPC`, `EIO`, `EAGAIN`, `ENOENT`, `EDQUOT` or a number), the first
+//!   time it is reached, or every time.
+//!
+//! The steps are listed in docs/SEMANTICS.md ("Testing the commit"). The
+//! variables are read once per process; without them a point costs a load.
+
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+
+use tracing::warn;
+
+struct Plan {
+    crash: Option<String>,
+    pause: Vec<String>,
+    pause_dir: Option<std::path::PathBuf>,
+    fault: Option<(String, i32, bool)>,
+    /// Pauses and one-time faults already taken.
+    spent: Mutex<HashSet<String>>,
+}
+
+fn errno_of(name: &str) -> Option<i32> {
+    Some(match name {
+        "ENOSPC" => libc::ENOSPC,
+        "EIO" => libc::EIO,
+        "EAGAIN" => libc::EAGAIN,
+        "ENOENT" => libc::ENOENT,
+        "EDQUOT" => libc::EDQUOT,
+        "EROFS" => libc::EROFS,
+        other => other.parse().ok()?,
+    })
+}
+
+fn plan() -> &'static Plan {
+    static PLAN: OnceLock<Plan> = OnceLock::new();
+    PLAN.get_or_init(|| {
+        let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let fault = var("STFS_FAULT_AT").and_then(|v| {
+            let mut parts = v.split(':');
+            let step = parts.next()?.to_string();
+            let errno = errno_of(parts.next()?)?;
+            Some((step, errno, parts.next() == Some("always")))
+        });
+        Plan {
+            crash: var("STFS_CRASH_AT"),
+            pause: var("STFS_PAUSE_AT")
+                .map(|v| v.split(',').map(str::to_string).collect())
+                .unwrap_or_default(),
+            pause_dir: var("STFS_PAUSE_DIR").map(Into::into),
+            fault,
+            spent: Mutex::new(HashSet::new()),
+        }
+    })
+}
+
+/// Marks step `step`: crashes, pauses or fails there if a test asked to.
+pub fn point(step: &str) -> std::io::Result<()> {
+    let plan = plan();
+    if plan.crash.as_deref() == Some(step) {
+        warn!("STFS_CRASH_AT={step}: killing the daemon here");
+        // SAFETY: kill of our own process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let first = |key: String| {
+        plan.spent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key)
+    };
+    if let (true, Some(dir)) = (plan.pause.iter().any(|p| p == step), &plan.pause_dir) {
+        if first(format!("pause {step}")) {
+            pause(&dir.join(step), step);
+        }
+    }
+    if let Some((at, errno, always)) = &plan.fault {
+        if at == step && (*always || first(format!("fault {step}"))) {
+            warn!("STFS_FAULT_AT={step}: failing this step with errno {errno}");
+            return Err(std::io::Error::from_raw_os_error(*errno));
+        }
+    }
+    Ok(())
+}
+
+fn pause(flag: &std::path::Path, step: &str) {
+    if let Err(e) = std::fs::write(flag, b"") {
+        warn!("STFS_PAUSE_AT={step}: cannot make {}: {e}", flag.display());
+        return;
+    }
+    warn!(
+        "STFS_PAUSE_AT={step}: waiting until {} is removed",
+        flag.display()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while flag.exists() {
+        if std::time::Instant::now() > deadline {
+            warn!(
+                "STFS_PAUSE_AT={step}: nobody removed {}; going on",
+                flag.display()
+            );
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
