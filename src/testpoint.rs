@@ -5,7 +5,8 @@
 //!   `kill -9` at that moment would;
 //! - `STFS_PAUSE_AT=STEP[,STEP...]` with `STFS_PAUSE_DIR=DIR`: the first time
 //!   it gets there, the daemon creates `DIR/STEP` and waits until the test
-//!   removes it (at most 120 s, then it goes on and says so);
+//!   removes it (at most 120 s, then it goes on and says so; no pause at all
+//!   once `DIR/go-all` exists);
 //! - `STFS_FAULT_AT=STEP:ERRNO[:always]`: the step fails with that error
 //!   (`ENOSPC`, `EIO`, `EAGAIN`, `ENOENT`, `EDQUOT` or a number), the first
 //!   time it is reached, or every time.
@@ -43,11 +44,14 @@ fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
+        // (Step names have colons: the errno and `always` are read from the end.)
         let fault = var("STFS_FAULT_AT").and_then(|v| {
-            let mut parts = v.split(':');
-            let step = parts.next()?.to_string();
-            let errno = errno_of(parts.next()?)?;
-            Some((step, errno, parts.next() == Some("always")))
+            let (v, always) = match v.strip_suffix(":always") {
+                Some(rest) => (rest.to_string(), true),
+                None => (v, false),
+            };
+            let (step, errno) = v.rsplit_once(':')?;
+            Some((step.to_string(), errno_of(errno)?, always))
         });
         Plan {
             crash: var("STFS_CRASH_AT"),
@@ -90,6 +94,10 @@ pub fn point(step: &str) -> std::io::Result<()> {
 }
 
 fn pause(flag: &std::path::Path, step: &str) {
+    // A test that ends lets every pause go at once (`DIR/go-all`).
+    if flag.with_file_name("go-all").exists() {
+        return;
+    }
     if let Err(e) = std::fs::write(flag, b"") {
         warn!("STFS_PAUSE_AT={step}: cannot make {}: {e}", flag.display());
         return;

@@ -9,7 +9,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::journal;
 use super::staging::{kept, Renames, Staging};
@@ -35,7 +35,18 @@ pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
     let mut notes = Vec::new();
     let (dirs, _) = kept(base, stem);
     for dir in dirs {
-        if let Some(r) = Renames::read(&dir) {
+        let record = Renames::read(&dir).unwrap_or_else(|why| {
+            // Left as it is: the files it names stay as they are, refused
+            // by readers if a commit of them in place was interrupted.
+            let note = format!(
+                "the record of an interrupted commit cannot be used, {why}: nothing was completed \
+                 from it and it is kept; a file it names that readers refuse stays so"
+            );
+            warn!("{note}");
+            notes.push(note);
+            None
+        });
+        if let Some(r) = record {
             let (completed, keep) = r.complete_in_place(&dir);
             notes.extend(completed);
             if keep {

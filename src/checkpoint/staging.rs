@@ -121,12 +121,21 @@ impl Renames {
         )
     }
 
-    pub fn read(dir: &StagingDir) -> Option<Renames> {
-        let folder = dir.folder().ok()?;
-        let f = folder
-            .open_file(OsStr::new(RENAMES), libc::O_RDONLY, 0)
-            .ok()?;
-        serde_json::from_reader(f).ok()
+    /// The record in `dir`: None if there is none, an error saying why if
+    /// it cannot be read (cut short, not JSON, not this record).
+    pub fn read(dir: &StagingDir) -> Result<Option<Renames>, String> {
+        let path = dir.path().join(RENAMES);
+        let folder = dir
+            .folder()
+            .map_err(|e| format!("{}: {e}", dir.path().display()))?;
+        let f = match folder.open_file(OsStr::new(RENAMES), libc::O_RDONLY | libc::O_NOFOLLOW, 0) {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        serde_json::from_reader(std::io::BufReader::new(f))
+            .map(Some)
+            .map_err(|e| format!("{}: not a record stfs wrote ({e})", path.display()))
     }
 
     /// Forgets the record (and the headers of its in-place files).

@@ -363,7 +363,7 @@ impl Transactions {
                     written.len()
                 );
                 self.taint(format!(
-                    "a commit failed after {done} of its {} files landed ({error})",
+                    "a commit did not land ({done} of its {} files landed: {error})",
                     written.len()
                 ));
                 failed = Some(CommitError::NotLanded {

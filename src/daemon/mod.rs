@@ -400,7 +400,18 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
             ));
         }
     }
-    let (source, warnings) = open_source(&req.source, !options.read_only)?;
+    // (A source still refused after recovery: the notes say why it was not completed.)
+    let (source, warnings) = open_source(&req.source, !options.read_only).map_err(|e| {
+        if notes.is_empty() || !e.contains("was interrupted") {
+            return e;
+        }
+        format!(
+            "{}\n{}: every reader refuses it until that commit is completed, which stfs did not \
+             do, for the reason above",
+            notes.join("\n"),
+            req.source.display()
+        )
+    })?;
     // Each shard's temp files are beside its own file (a link's target).
     let files: Vec<&SourceFile> = match &source {
         Source::File(s) => vec![s],

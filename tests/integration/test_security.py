@@ -19,41 +19,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ckpt import assert_checkpoint, base
-from conftest import wait_for_exit
+from conftest import as_user, wait_for_exit
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates a user and mounts as root")
-
-
-@pytest.fixture
-def user():
-    """An unprivileged user made for this test: (name, uid, gid); removed after."""
-    name = "stfst" + uuid.uuid4().hex[:8]
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True)
-    pw = pwd.getpwnam(name)
-    try:
-        yield name, pw.pw_uid, pw.pw_gid
-    finally:
-        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-        subprocess.run(["userdel", name], check=False)
-
-
-def as_user(user, *cmd, **kw):
-    """Runs a command as the test's user."""
-    _, uid, gid = user
-    return subprocess.run(list(map(str, cmd)), user=uid, group=gid, extra_groups=[],
-                          capture_output=True, text=True, errors="replace", timeout=60, **kw)
-
-
-@pytest.fixture
-def shared():
-    """A folder like /tmp: world-writable and sticky; removed after."""
-    d = f"/tmp/stfs-shared-{uuid.uuid4().hex[:8]}"
-    os.mkdir(d)
-    os.chmod(d, 0o1777)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_allow_other_shows_and_enforces_the_sources_permissions(shared, user, mount, run, stfs):

@@ -1,0 +1,540 @@
+"""Integrity and security, third round (issue 25): each row of the probe that
+failed is a test here, driven deterministically. Races are made with the
+daemon's pause points (STFS_PAUSE_AT: the daemon waits at a named step until
+the test lets it go), faults with STFS_FAULT_AT, and the co-user is a real
+second user made by the test. See "Threat model" in docs/SEMANTICS.md."""
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from ckpt import assert_checkpoint, base, header_of
+from conftest import as_user, wait_for_exit
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user, or a loop filesystem")
+
+# STFS_IOC_COMMIT (include/stfs.h): _IOWR('s', 2, struct stfs_commit), 4096 bytes.
+IOC_COMMIT = (3 << 30) | (4096 << 16) | (ord("s") << 8) | 2
+COMMIT_DISCARD = 2
+
+
+class Pauses:
+    """Pause points of the daemons mounted while it is active: `wait(step)`
+    returns once a daemon stands at `step`, `go(step)` lets it on."""
+
+    def __init__(self, folder, monkeypatch, steps):
+        self.dir = folder
+        self.dir.mkdir()
+        monkeypatch.setenv("STFS_PAUSE_AT", ",".join(steps))
+        monkeypatch.setenv("STFS_PAUSE_DIR", str(self.dir))
+
+    def release_all(self):
+        (self.dir / "go-all").touch()
+        for f in self.dir.iterdir():
+            if f.name != "go-all":
+                f.unlink()
+
+    def wait(self, step, proc=None):
+        deadline = time.monotonic() + 60
+        while not (self.dir / step).exists():
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"ended before pausing at {step}: {proc.communicate()}")
+            assert time.monotonic() < deadline, f"the daemon never reached {step}"
+            time.sleep(0.01)
+
+    def go(self, step):
+        os.unlink(self.dir / step)
+
+
+@pytest.fixture
+def pauses(mount, tmp_path, monkeypatch):
+    """pauses(*steps) -> Pauses for the daemons mounted after it. At the end
+    every pause is let go before the mounts are unmounted (a failed test
+    leaves no daemon waiting)."""
+    made = []
+
+    def make(*steps):
+        made.append(Pauses(tmp_path / f"pauses{len(made)}", monkeypatch, steps))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.release_all()
+
+
+def background(stfs, *args):
+    return subprocess.Popen([stfs, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc):
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def set_metadata(m, **kv):
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(kv, f)
+
+
+def metadata_of(path):
+    with safe_open(str(path), framework="np") as f:
+        return f.metadata() or {}
+
+
+def refused_by_readers(path):
+    try:
+        load_file(str(path))
+    except Exception:
+        return True
+    return False
+
+
+# Row 1 -------------------------------------------------------------------
+
+def test_a_write_just_after_an_in_place_commit_is_not_taken_for_the_commits(tmp_path, mount, pauses, run, stfs, monkeypatch):
+    """A program whose open waited on the commit's lease writes as soon as it
+    returns: the commit lands, and the next commit is refused (ESTALE), never
+    written over that program's change."""
+    src = tmp_path / "m.safetensors"
+    t = base(src, metadata={"k": "v0"})
+    pause = pauses("in-place:unleased")
+    m = mount(src)
+    set_metadata(m, k="v1")
+    commit = background(stfs, "commit", m.path)
+    pause.wait("in-place:unleased", commit)
+    # The commit wrote in place and let its lease go; another program writes now.
+    data = src.read_bytes()
+    assert b'"k":"v1"' in data
+    with open(src, "r+b") as f:
+        f.seek(data.index(b'"k":"v1"'))
+        f.write(b'"k":"WW"')
+    pause.go("in-place:unleased")
+    rc, out, err = finished(commit)
+    assert rc == 0 and "committed in place" in out, out + err
+    assert metadata_of(src) == {"k": "WW"}
+    set_metadata(m, k="v2")
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "changed since it was mounted" in p.stderr, p.stdout + p.stderr
+    assert metadata_of(src) == {"k": "WW"}, "the other program's change was overwritten"
+    assert run("umount", "--discard", m.path).returncode == 0
+
+
+# Row 2 -------------------------------------------------------------------
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A 32 MiB ext4 on a loop image (no blocks reserved for root), unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make and mount a loop image")
+    img, d = tmp_path / "ext4.img", tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["truncate", "-s", "32M", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def fill(folder):
+    """Fills the filesystem of `folder` to the last byte it gives."""
+    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        size = 1 << 20
+        while size >= 512:
+            try:
+                os.write(fd, b"\xff" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                size //= 2
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@ROOT_ONLY
+def test_a_commit_on_a_full_filesystem_says_so_and_loses_nothing(small_ext4, tmp_path, mount, run):
+    src = small_ext4 / "m.safetensors"
+    rng = np.random.default_rng(1)
+    t = {f"w{i}": rng.standard_normal(4096).astype(np.float32) for i in range(64)}
+    save_file(t, str(src))
+    before = src.read_bytes()
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    fill(small_ext4)
+    m = mount(src, "--staging-dir", staging)
+    # A header that outgrows its space: blocks must be inserted at the start.
+    set_metadata(m, note="x" * 20000)
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "No space left" in p.stderr, p.stdout + p.stderr
+    assert src.read_bytes() == before, "a failed commit changed the file"
+    st = run("status", m.path)
+    assert "metadata" in st.stdout, st.stdout
+    # With room made, the same mount commits the kept edits.
+    os.unlink(small_ext4 / "filler")
+    p = run("commit", m.path)
+    assert p.returncode == 0 and "committed in place" in p.stdout, p.stdout + p.stderr
+    assert_checkpoint(src, t, {"note": "x" * 20000})
+
+
+@pytest.mark.parametrize("step", ["in-place:reserve-header", "in-place:insert", "in-place:reserve", "in-place:mark"])
+def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_path, mount, run, monkeypatch, step):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    before = src.read_bytes()
+    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:ENOSPC")
+    m = mount(src)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    set_metadata(m, note="y" * 9000)  # grows the header: blocks inserted
+    with open(os.path.join(m.path, "c"), "ab") as f:  # and an append
+        f.write(b"\x01" * 3)
+    with open(os.path.join(m.path, "c.meta.json"), "w") as f:
+        json.dump({"dtype": "U8", "shape": [8]}, f)
+    p = run("commit", m.path)
+    if p.returncode == 0:
+        # (A filesystem that cannot insert blocks rewrites: that step never came.)
+        assert step in ("in-place:reserve-header", "in-place:insert") and "rewrite" in p.stdout, p.stdout
+        return
+    assert "No space left" in p.stderr and "did not land" not in p.stderr, p.stderr
+    assert src.read_bytes() == before
+    # The fault was for once: the edits are there, and the next commit lands.
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    t["c"] = np.concatenate([t["c"], np.ones(3, np.uint8)])
+    assert_checkpoint(src, t, {"note": "y" * 9000})
+
+
+def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(tmp_path, mount, run, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    monkeypatch.setenv("STFS_FAULT_AT", "in-place:write:EIO")
+    m = mount(src)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    new_a = np.full(8, 7, np.float32)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "did not land" in p.stderr and "Input/output error" in p.stderr, p.stdout + p.stderr
+    assert refused_by_readers(src)
+    st = run("status", m.path)
+    assert st.returncode == 1 and "did not land" in st.stdout, st.stdout
+    # Nothing may drop the record that completes the file.
+    p = run("umount", "--discard", m.path)
+    assert p.returncode != 0 and m.is_mounted()
+    subprocess.run(["umount", m.path], check=True)
+    wait_for_exit(m.pid, 20)
+    m2 = mount(src)
+    assert "completed a commit that was interrupted" in m2.result.stdout + m2.result.stderr
+    t["a"] = new_a
+    assert_checkpoint(src, t)
+
+
+# Row 3 -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tamper", ["offset past the end", "record cut short", "a path for a name"])
+def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch, tamper):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
+    m = mount(src)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(np.full(8, 3, np.float32).tobytes())
+    assert run("commit", m.path).returncode != 0  # the daemon died mid-commit
+    m.close()
+    assert refused_by_readers(src)
+    [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
+    record = staging / "commit.json"
+    r = json.loads(record.read_text())
+    if tamper == "offset past the end":
+        r["in_place"][0]["writes"][0]["at"] = 1 << 40
+        record.write_text(json.dumps(r))
+    elif tamper == "a path for a name":
+        r["in_place"][0]["writes"][0]["from"] = {"Staged": {"file": "../../etc/passwd"}}
+        record.write_text(json.dumps(r))
+    else:
+        record.write_bytes(record.read_bytes()[:40])
+    damaged = src.read_bytes()
+    m2 = mount(src, expect_ok=False)
+    assert not m2.ok
+    err = m2.result.stderr
+    assert ("does not hold" in err or "cannot be used" in err), err
+    assert "completes it from the record" not in err.split("\n")[0], err
+    assert src.read_bytes() == damaged, "recovery changed the file"
+    assert refused_by_readers(src)
+    assert record.exists(), "the record was dropped"
+
+
+# Row 4 -------------------------------------------------------------------
+
+DISCARD_BY_IOCTL = f"""
+import fcntl, json, os, struct, sys
+buf = bytearray(4096)
+struct.pack_into("<IIiI", buf, 0, 4096, {COMMIT_DISCARD}, 0, 0)
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.ioctl(fd, {IOC_COMMIT}, buf)
+print(json.dumps([struct.unpack_from("<i", buf, 8)[0], bytes(buf[16:]).split(b"\\0")[0].decode()]))
+"""
+
+
+def discard_in_background(path):
+    """STFS_IOC_COMMIT with STFS_COMMIT_DISCARD, as `stfs umount --discard`
+    sends it but without the unmount, in a process of its own (the ioctl
+    holds Python's lock while it waits)."""
+    return subprocess.Popen(["python3", "-c", DISCARD_BY_IOCTL, path], stdout=subprocess.PIPE, text=True)
+
+
+def discard_result(proc):
+    out, _ = proc.communicate(timeout=60)
+    return json.loads(out)
+
+
+def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path, mount, pauses, run, stfs, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses("discard:locked", "commit:waiting")
+    m = mount(src)
+    set_metadata(m, k="v")
+    discard = discard_in_background(m.path)
+    pause.wait("discard:locked", discard)
+    commit = background(stfs, "commit", m.path)
+    pause.wait("commit:waiting", commit)
+    pause.go("commit:waiting")  # the commit now waits for the discard
+    pause.go("discard:locked")
+    got = discard_result(discard)
+    rc, out, err = finished(commit)
+    assert got[0] == 0 and "discarded" in got[1], got
+    assert rc != 0 and "discarded" in err, out + err
+    assert_checkpoint(src, t)
+
+
+def test_a_discard_that_waited_for_a_commit_says_the_edits_were_committed(tmp_path, mount, pauses, run, stfs, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses("commit:locked", "discard:waiting")
+    m = mount(src)
+    set_metadata(m, k="v")
+    commit = background(stfs, "commit", m.path)
+    pause.wait("commit:locked", commit)
+    discard = discard_in_background(m.path)
+    pause.wait("discard:waiting", discard)
+    pause.go("discard:waiting")
+    pause.go("commit:locked")
+    rc, out, err = finished(commit)
+    got = discard_result(discard)
+    assert rc == 0 and "committed" in out, out + err
+    assert got[0] == errno.ECANCELED and "a commit" in got[1], got
+    assert_checkpoint(src, t, {"k": "v"})
+
+
+# Row 5 -------------------------------------------------------------------
+
+def test_two_shard_names_of_one_file_are_refused_before_anything_is_written(tmp_path, mount, run):
+    hub = tmp_path / "hub"
+    (hub / "blobs").mkdir(parents=True)
+    snap = hub / "snap"
+    snap.mkdir()
+    blob = hub / "blobs" / "0123"
+    base(blob)
+    for name in ("a", "b"):
+        os.symlink("../blobs/0123", snap / f"{name}.safetensors")
+    index = {"metadata": {"total_size": 0}, "weight_map": {"a": "a.safetensors", "b": "a.safetensors", "c": "a.safetensors"}}
+    (snap / "m.safetensors.index.json").write_text(json.dumps(index))
+    before = blob.read_bytes()
+    m = mount(snap)
+    for shard in ("a", "b"):
+        with open(os.path.join(m.path, shard, "c"), "r+b") as f:
+            f.write(b"\x09")
+    st = run("status", m.path)
+    assert st.returncode == 1 and "are one file" in st.stdout, st.stdout
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "are one file" in p.stderr, p.stdout + p.stderr
+    assert blob.read_bytes() == before
+    assert not [n for n in os.listdir(hub / "blobs") if n != "0123"], "a temp file was left"
+    assert run("umount", "--discard", m.path).returncode == 0
+
+
+# Row 6 -------------------------------------------------------------------
+
+def test_a_cast_view_read_as_the_source_is_cut_short_is_eio_and_the_daemon_lives(tmp_path, mount, pauses):
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(1 << 16, dtype=np.float32)}, str(src))
+    pause = pauses("view:read-source")
+    m = mount(src)
+    view = os.path.join(m.path, "__views__", "bf16", "model.safetensors")
+    size = os.stat(view).st_size
+    import threading
+    got = {}
+
+    def read():
+        try:
+            with open(view, "rb") as f:
+                f.seek(size - 4096)
+                got["data"] = f.read(4096)
+        except OSError as e:
+            got["error"] = e.errno
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    pause.wait("view:read-source")  # checked the source, about to read it
+    os.truncate(src, 4096)
+    pause.go("view:read-source")
+    reader.join(60)
+    assert got.get("error") == errno.EIO, got
+    assert os.path.exists(f"/proc/{m.pid}"), "the daemon died"
+    assert "w" in os.listdir(m.path)
+
+
+# Rows 7, 8 ---------------------------------------------------------------
+
+@ROOT_ONLY
+def test_views_of_a_folder_need_every_shard_they_draw_on(shared, user, mount):
+    folder = os.path.join(shared, "f")
+    os.mkdir(folder)
+    os.chmod(folder, 0o755)
+    save_file({"pub": np.ones(4, np.float32)}, os.path.join(folder, "a.safetensors"))
+    save_file({"secret": np.ones(4, np.float32)}, os.path.join(folder, "b.safetensors"))
+    os.chmod(os.path.join(folder, "a.safetensors"), 0o644)
+    os.chmod(os.path.join(folder, "b.safetensors"), 0o600)
+    m = mount(folder, "-o", "allow_other", at=shared)
+    views = os.path.join(m.path, "__views__")
+    assert as_user(user, "cat", os.path.join(m.path, "a", "pub")).returncode == 0
+    assert as_user(user, "cat", os.path.join(views, "a.safetensors")).returncode == 0
+    for path in ("merged.safetensors", "bf16/merged.safetensors", "b.safetensors"):
+        p = as_user(user, "cat", os.path.join(views, path))
+        assert p.returncode != 0 and "Permission denied" in p.stderr, (path, p.stdout[:100], p.stderr)
+    p = as_user(user, "ls", os.path.join(views, "npy", "b"))
+    assert p.returncode != 0 and "secret" not in p.stdout, p.stdout
+    assert as_user(user, "ls", os.path.join(views, "npy", "a")).stdout.split() == ["pub.npy"]
+
+
+@ROOT_ONLY
+def test_permissions_follow_the_source_now_and_a_rewrite_keeps_them(shared, user, mount, run):
+    src = os.path.join(shared, "s.safetensors")
+    t = base(src)
+    os.chmod(src, 0o644)
+    m = mount(src, "-o", "allow_other", at=shared)
+    a = os.path.join(m.path, "a")
+    assert as_user(user, "cat", a).returncode == 0
+    os.chmod(src, 0o600)
+    time.sleep(1.2)  # past the kernel's attribute timeout (1 s)
+    p = as_user(user, "cat", a)
+    assert p.returncode != 0 and "Permission denied" in p.stderr, p.stderr
+    assert os.stat(a).st_mode & 0o777 == 0o600
+    # A rewrite (--compact) gives the new file the mode the source has now.
+    set_metadata(m, k="v")
+    p = run("commit", "--compact", m.path)
+    assert p.returncode == 0 and "rewrite" in p.stdout, p.stdout + p.stderr
+    assert os.stat(src).st_mode & 0o7777 == 0o600
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+
+
+def have_acl():
+    return shutil.which("setfacl") is not None
+
+
+@ROOT_ONLY
+@pytest.mark.skipif(not have_acl(), reason="setfacl is missing (scripts/setup installs acl)")
+def test_an_acl_that_denies_a_user_is_enforced_through_the_mount_and_kept_by_a_rewrite(shared, user, mount, run):
+    name, uid, gid = user
+    src = os.path.join(shared, "s.safetensors")
+    t = base(src)
+    os.chown(src, 0, gid)  # the user is in the file's group...
+    # ...which the ACL denies, while a named user may read: the mode shows the mask, g=r.
+    subprocess.run(["setfacl", "-m", "g::---,u:nobody:r--,o::---", src], check=True)
+    os.setxattr(src, "user.origin", b"hub")
+    assert os.stat(src).st_mode & 0o070 == 0o040
+    assert as_user(user, "cat", src).returncode != 0  # the ACL, on the source itself
+    m = mount(src, "-o", "allow_other", at=shared)
+    p = as_user(user, "cat", os.path.join(m.path, "a"))
+    assert p.returncode != 0 and "Permission denied" in p.stderr, p.stderr
+    acl_before = subprocess.run(["getfacl", "-cp", src], capture_output=True, text=True).stdout
+    set_metadata(m, k="v")
+    p = run("commit", "--compact", m.path)
+    assert p.returncode == 0 and "rewrite" in p.stdout, p.stdout + p.stderr
+    assert subprocess.run(["getfacl", "-cp", src], capture_output=True, text=True).stdout == acl_before
+    assert os.getxattr(src, "user.origin") == b"hub"
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+
+
+def test_a_rewrite_keeps_user_xattrs(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    try:
+        os.setxattr(src, "user.origin", b"hub")
+    except OSError:
+        pytest.skip("this filesystem has no user xattrs")
+    m = mount(src)
+    set_metadata(m, k="v")
+    p = run("commit", "--compact", m.path)
+    assert p.returncode == 0 and "rewrite" in p.stdout, p.stdout
+    assert os.getxattr(src, "user.origin") == b"hub"
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+
+
+# Row 10 ------------------------------------------------------------------
+
+@ROOT_ONLY
+def test_a_co_users_lock_on_the_source_does_not_hold_commits_up(shared, user, mount, run):
+    src = os.path.join(shared, "s.safetensors")
+    t = base(src)
+    os.chmod(src, 0o644)
+    _, uid, gid = user
+    holder = subprocess.Popen(
+        ["python3", "-c", "import fcntl,sys,time; f=open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_SH); print('locked', flush=True); time.sleep(120)", src],
+        user=uid, group=gid, extra_groups=[], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        m = mount(src, at=shared)
+        set_metadata(m, k="v")
+        p = run("commit", m.path, timeout=30)
+        assert p.returncode == 0 and "committed" in p.stdout, p.stdout + p.stderr
+        assert_checkpoint(src, t, {"k": "v"})
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@ROOT_ONLY
+def test_temp_names_made_in_advance_by_a_co_user_do_not_stop_a_rewrite(shared, user, mount, run):
+    src = os.path.join(shared, "s.safetensors")
+    t = base(src)
+    m = mount(src, at=shared)
+    # Every name the old scheme (pid, then a counter) would have tried.
+    names = [f".s.safetensors.stfs-tmp-{m.pid}-{n:x}" for n in range(2048)]
+    script = "import sys,os\nfor n in sys.argv[1:]: open(os.path.join(%r, n), 'w').close()" % shared
+    p = as_user(user, "python3", "-c", script, *names)
+    assert p.returncode == 0, p.stderr
+    set_metadata(m, k="v")
+    p = run("commit", "--compact", m.path)
+    assert p.returncode == 0 and "rewrite" in p.stdout, p.stdout + p.stderr
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+    assert all(os.path.exists(os.path.join(shared, n)) for n in names[:5]), "a co-user's files were removed"
+
+
+# Row 11 ------------------------------------------------------------------
+
+def test_set_id_bits_are_kept_by_an_in_place_commit(tmp_path, mount, run):
+    """Meaningful as an unprivileged owner (scripts/test_as_user): the kernel
+    clears set-id bits when anyone but root writes the file."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    os.chmod(src, 0o6754)
+    m = mount(src)
+    set_metadata(m, k="v")
+    p = run("commit", m.path)
+    assert p.returncode == 0 and "in place" in p.stdout, p.stdout
+    assert os.stat(src).st_mode & 0o7777 == 0o6754
+    assert_checkpoint(src, t, {"k": "v"})
