@@ -351,8 +351,8 @@ fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
     let b = to.bits() as usize / 8;
     for (s, d) in src.chunks_exact(a).zip(dst.chunks_exact_mut(b)) {
         // Through f64 where that is exact (from F32, F16, BF16). F64 to F16
-        // rounds once, as numpy does; F64 to BF16 goes through F32, as
-        // ml_dtypes does.
+        // rounds once, as numpy does, and so does F64 to BF16, as ml_dtypes
+        // (0.7 and later) does.
         let wide = match from {
             Dtype::F64 => f64::from_le_bytes(s.try_into().expect("8 bytes")),
             Dtype::F32 => f32::from_le_bytes(s.try_into().expect("4 bytes")) as f64,
@@ -365,10 +365,31 @@ fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
             Dtype::F32 => d.copy_from_slice(&(wide as f32).to_le_bytes()),
             Dtype::F16 if from == Dtype::F64 => d.copy_from_slice(&f64_to_f16(wide).to_le_bytes()),
             Dtype::F16 => d.copy_from_slice(&half::f16::from_f32(wide as f32).to_le_bytes()),
-            Dtype::BF16 => d.copy_from_slice(&f32_to_bf16(wide as f32).to_le_bytes()),
+            Dtype::BF16 => d.copy_from_slice(&f64_to_bf16(wide).to_le_bytes()),
             _ => unreachable!("casts are to floating-point dtypes"),
         }
     }
+}
+
+/// F64 to BF16 bits, rounded once to nearest, ties to even, as ml_dtypes
+/// 0.7 and later do. The F64 is first narrowed to F32 rounding to odd (cut
+/// toward zero, the last bit set if anything was cut), which keeps enough
+/// of it (16 more bits than BF16) for the one rounding to BF16 to be exact;
+/// rounding to nearest twice would not be (`1 + 2^-8 + 2^-30` gives 1.0).
+pub fn f64_to_bf16(x: f64) -> u16 {
+    let f = x as f32;
+    if x.is_nan() || f as f64 == x {
+        return f32_to_bf16(f); // exact (infinities too)
+    }
+    let bits = if f.is_infinite() {
+        // Past F32's range, cut toward zero: its largest finite value (odd).
+        f32::MAX.copysign(f).to_bits()
+    } else if (f as f64).abs() > x.abs() {
+        f.to_bits() - 1 // rounded away from zero: one step back (the same sign)
+    } else {
+        f.to_bits()
+    };
+    f32_to_bf16(f32::from_bits(bits | 1))
 }
 
 /// F64 to F16 bits, rounded once to nearest, ties to even, as numpy does
@@ -452,6 +473,30 @@ mod tests {
         assert_eq!(f32_to_bf16(-f32::NAN), 0xFFC0);
         // The largest finite f32 rounds to infinity, as in ml_dtypes.
         assert_eq!(f32_to_bf16(f32::MAX), 0x7F80);
+    }
+
+    #[test]
+    fn f64_to_bf16_rounds_once() {
+        let bits = |x: f64| f64_to_bf16(x);
+        // Just past halfway between 1 and the next BF16: up, where through F32 it ties to 1.
+        assert_eq!(bits(1.0 + 2f64.powi(-8) + 2f64.powi(-30)), 0x3F81);
+        assert_eq!(bits(-(1.0 + 2f64.powi(-8) + 2f64.powi(-30))), 0xBF81);
+        assert_eq!(bits(1.0 + 2f64.powi(-8)), 0x3F80); // a tie: to even
+        assert_eq!(bits(1.0 + 3.0 * 2f64.powi(-8)), 0x3F82); // a tie: to even, up
+                                                             // A subnormal past halfway of the smallest one (2^-133): up, not to zero.
+        assert_eq!(bits(2f64.powi(-134) + 2f64.powi(-170)), 0x0001);
+        assert_eq!(bits(2f64.powi(-134)), 0x0000);
+        // Past F32's range: to infinity, as past BF16's; specials kept.
+        assert_eq!(bits(1e300), 0x7F80);
+        assert_eq!(bits(-1e300), 0xFF80);
+        assert_eq!(bits(f64::INFINITY), 0x7F80);
+        assert_eq!(bits(-0.0), 0x8000);
+        assert_eq!(bits(1e-300), 0x0000);
+        assert!(bits(f64::NAN) & 0x7F80 == 0x7F80 && bits(f64::NAN) & 0x7F != 0);
+        // Wherever F32 is exact, the same as from F32.
+        for x in [1.5f32, -3.25, 65504.0, 1e-40, 3.4e38] {
+            assert_eq!(bits(x as f64), f32_to_bf16(x), "{x}");
+        }
     }
 
     #[test]

@@ -1702,16 +1702,21 @@ mod tests {
         std::fs::write(c.join(KEY_FILE).join("x"), b"planted").unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&c, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let cache = DiskCache::open(&c, 1000).unwrap();
+        let cache = Arc::new(DiskCache::open(&c, 1000).unwrap());
         cache.put("a.0.chunk", &[1u8; 40]).unwrap();
         assert!(c.join("private.0").join("a.0.chunk").exists());
-        assert!(c.join(KEY_FILE).join("x").exists(), "what it did not make is left alone");
+        assert!(
+            c.join(KEY_FILE).join("x").exists(),
+            "what it did not make is left alone"
+        );
         // The next mount finds the same private folder and what is cached there.
         let again = DiskCache::open(&c, 1000).unwrap();
         assert!(again.get("a.0.chunk", 0..40).is_some());
         // A clean folder stays where it is.
         let clean = dir.path().join("d");
-        DiskCache::open(&clean, 1000).unwrap().put("b.0.chunk", &[2u8; 8]).unwrap();
+        Arc::new(DiskCache::open(&clean, 1000).unwrap())
+            .put("b.0.chunk", &[2u8; 8])
+            .unwrap();
         assert!(clean.join("b.0.chunk").exists());
     }
 

@@ -2,7 +2,7 @@
 failed is a test here, driven deterministically. Races are made with the
 daemon's pause points (STFS_PAUSE_AT: the daemon waits at a named step until
 the test lets it go), faults with STFS_FAULT_AT, and the co-user is a real
-second user made by the test. See "Threat model" in docs/SEMANTICS.md."""
+second user made by the test. See "Who may do what" in docs/SEMANTICS.md."""
 
 import errno
 import fcntl
@@ -538,3 +538,34 @@ def test_set_id_bits_are_kept_by_an_in_place_commit(tmp_path, mount, run):
     assert p.returncode == 0 and "in place" in p.stdout, p.stdout
     assert os.stat(src).st_mode & 0o7777 == 0o6754
     assert_checkpoint(src, t, {"k": "v"})
+
+
+# Faults in recovery (issue 26) -------------------------------------------
+
+@pytest.mark.parametrize("step", ["in-place:write", "in-place:header", "in-place:sync", "in-place:mark"])
+def test_a_recovery_that_fails_keeps_its_record_and_the_next_mount_completes_it(tmp_path, mount, run, monkeypatch, step):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
+    m = mount(src)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    new_a = np.full(8, 5, np.float32)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    assert run("commit", m.path).returncode != 0  # the daemon died mid-commit
+    m.close()
+    assert refused_by_readers(src)
+    # The next mount's completion fails at `step`: it says why, keeps the record, and
+    # the file stays refused.
+    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
+    m2 = mount(src, expect_ok=False)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    assert not m2.ok and "Input/output error" in m2.result.stderr, m2.result.stderr
+    assert refused_by_readers(src)
+    [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
+    assert (staging / "commit.json").exists()
+    # The one after completes it, with the edit.
+    m3 = mount(src)
+    assert "completed a commit that was interrupted" in m3.result.stdout + m3.result.stderr
+    t["a"] = new_a
+    assert_checkpoint(src, t)
