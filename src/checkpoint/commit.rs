@@ -1217,7 +1217,7 @@ impl Live {
 /// source written in place.
 pub enum Landing {
     Renamed(Written),
-    InPlace(InPlaceJob),
+    InPlace(Box<InPlaceJob>),
 }
 
 impl Landing {
@@ -1399,7 +1399,7 @@ impl CommitPlan {
                 sum: String::new(),
             };
             record.seal(&self.layout.header);
-            return Ok(Landing::InPlace(InPlaceJob {
+            return Ok(Landing::InPlace(Box::new(InPlaceJob {
                 source: self.source.clone(),
                 landed: std::sync::Mutex::new(None),
                 file,
@@ -1407,7 +1407,7 @@ impl CommitPlan {
                 header: self.layout.header.clone(),
                 record,
                 staged,
-            }));
+            })));
         }
         let mut written = Written::create(
             folder,

@@ -978,10 +978,11 @@ mod tests {
         let staging = Folder::open(&dir.path().join("staging")).unwrap();
         std::fs::write(dir.path().join("staging").join("short"), b"xy").unwrap();
         let data_at = header.len() as u64;
-        let tampered: Vec<(&str, Box<dyn Fn(&mut InPlaceRecord)>)> = vec![
+        type Tamper = Box<dyn Fn(&mut InPlaceRecord)>;
+        let tampered: Vec<(&str, Tamper)> = vec![
             (
                 "a write far past the end",
-                Box::new(|r| {
+                Box::new(move |r| {
                     r.writes = vec![RangeWrite {
                         at: 1 << 40,
                         len: 4,
@@ -991,7 +992,7 @@ mod tests {
             ),
             (
                 "a copy from past the old data",
-                Box::new(|r| {
+                Box::new(move |r| {
                     r.writes = vec![RangeWrite {
                         at: data_at,
                         len: 4,
@@ -1001,11 +1002,11 @@ mod tests {
             ),
             (
                 "a new length the header does not describe",
-                Box::new(|r| r.after_len += 4096),
+                Box::new(move |r| r.after_len += 4096),
             ),
             (
                 "a staging file shorter than its write",
-                Box::new(|r| {
+                Box::new(move |r| {
                     r.writes = vec![RangeWrite {
                         at: data_at,
                         len: 4,
@@ -1017,7 +1018,7 @@ mod tests {
             ),
             (
                 "a staging file by a path",
-                Box::new(|r| {
+                Box::new(move |r| {
                     r.writes = vec![RangeWrite {
                         at: data_at,
                         len: 4,

@@ -1145,8 +1145,7 @@ fn foreign_entry(folder: &Folder, euid: u32) -> Option<String> {
         if st.st_uid != euid {
             return Some(format!("{shown:?} of uid {}", st.st_uid));
         }
-        if (kind != libc::S_IFREG && !fresh_folder) || (shown == KEY_FILE && kind != libc::S_IFREG)
-        {
+        if kind != libc::S_IFREG && (!fresh_folder || shown == KEY_FILE) {
             return Some(format!("{shown:?}, not a regular file"));
         }
     }
