@@ -1291,7 +1291,7 @@ impl InPlaceJob {
             retire: &retire,
             fresh: true,
         };
-        let result = self.record.apply(&self.file, &self.header, &steps);
+        let result = self.record.apply(&*self.file, &self.header, &steps);
         let now = result
             .as_ref()
             .ok()

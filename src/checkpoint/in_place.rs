@@ -410,6 +410,66 @@ pub struct InPlaceRecord {
     pub sum: String,
 }
 
+/// The operations an in-place commit makes on its file: the file itself, or
+/// in tests a recorder from which the crash explorer (`explore.rs`) builds
+/// every state a crash may leave.
+pub trait FileOps {
+    fn len(&self) -> std::io::Result<u64>;
+    fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()>;
+    /// Copies `len` bytes of `from` at `from_off` to `at` (a staging file's).
+    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()>;
+    /// Copies `len` bytes of this file from `from` to `at`.
+    fn copy_within(&self, from: u64, at: u64, len: u64) -> std::io::Result<()>;
+    fn set_len(&self, len: u64) -> std::io::Result<()>;
+    /// Allocates blocks for `len` bytes at `at`, the size unchanged.
+    fn reserve(&self, at: u64, len: u64) -> std::io::Result<()>;
+    fn sync_data(&self) -> std::io::Result<()>;
+    fn sync_all(&self) -> std::io::Result<()>;
+    fn mode(&self) -> std::io::Result<u32>;
+    fn set_mode(&self, mode: u32) -> std::io::Result<()>;
+    fn set_mtime(&self, mtime: (i64, i64)) -> std::io::Result<()>;
+    /// The insertion was recorded durably in the staging folder.
+    fn inserted_recorded(&self) {}
+}
+
+impl FileOps for File {
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+    fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()> {
+        self.write_all_at(buf, at)
+    }
+    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()> {
+        copy_range(from, from_off, self, at, len)
+    }
+    fn copy_within(&self, from: u64, at: u64, len: u64) -> std::io::Result<()> {
+        copy_range(self, from, self, at, len)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        File::set_len(self, len)
+    }
+    fn reserve(&self, at: u64, len: u64) -> std::io::Result<()> {
+        reserve(self, at, len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        File::sync_data(self)
+    }
+    fn sync_all(&self) -> std::io::Result<()> {
+        File::sync_all(self)
+    }
+    fn mode(&self) -> std::io::Result<u32> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(self.metadata()?.mode())
+    }
+    fn set_mode(&self, mode: u32) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        self.set_permissions(std::fs::Permissions::from_mode(mode))
+    }
+    fn set_mtime(&self, mtime: (i64, i64)) -> std::io::Result<()> {
+        set_mtime(self, mtime)
+    }
+}
+
 /// What an in-place commit does besides writing its file, done one way by
 /// the mount and another by the recovery of a later one.
 pub struct Steps<'a> {
@@ -536,27 +596,32 @@ impl InPlaceRecord {
     /// Whether the bytes were inserted at the start already: recorded so
     /// once the insertion was durable, or (a crash between the two) the
     /// file is longer by them, which nothing before the insertion makes it.
-    fn inserted_already(&self, file: &File, dir: &Folder) -> std::io::Result<bool> {
+    fn inserted_already(&self, file: &dyn FileOps, dir: &Folder) -> std::io::Result<bool> {
         if dir.stat_at(OsStr::new(&self.inserted_flag())).is_ok() {
             return Ok(true);
         }
-        Ok(file.metadata()?.len() == self.before.len + self.inserted)
+        Ok(file.len()? == self.before.len + self.inserted)
     }
 
     /// A step before the marker failed, or the insertion did: the file is
     /// put back as it was (its prefix, its modification time).
-    fn put_back(&self, file: &File, marked: bool) -> std::io::Result<()> {
+    fn put_back(&self, file: &dyn FileOps, marked: bool) -> std::io::Result<()> {
         if marked {
-            file.write_all_at(&self.old_prefix.to_le_bytes(), 0)?;
+            file.write_at(&self.old_prefix.to_le_bytes(), 0)?;
             file.sync_data()?;
         }
-        set_mtime(file, self.before.mtime)?;
+        file.set_mtime(self.before.mtime)?;
         file.sync_all()
     }
 
     /// Does the whole commit to `file` (again, after a crash: every step may
     /// be repeated; the insertion is done once).
-    pub fn apply(&self, file: &File, header: &[u8], steps: &Steps) -> Result<(), ApplyError> {
+    pub fn apply(
+        &self,
+        file: &dyn FileOps,
+        header: &[u8],
+        steps: &Steps,
+    ) -> Result<(), ApplyError> {
         let before = |error| ApplyError {
             marked: false,
             error,
@@ -570,7 +635,7 @@ impl InPlaceRecord {
         // The marker first: nothing changes the file before it (its
         // modification time included), so a file without it is old or new.
         let marked = point("in-place:mark")
-            .and_then(|()| file.write_all_at(&IN_PLACE_MARKER, 0))
+            .and_then(|()| file.write_at(&IN_PLACE_MARKER, 0))
             .and_then(|()| file.sync_data());
         if let Err(e) = marked {
             if !steps.fresh {
@@ -579,14 +644,14 @@ impl InPlaceRecord {
             let _ = self.put_back(file, true);
             return Err(before(e));
         }
-        let now = file.metadata().map_err(after)?.len();
+        let now = file.len().map_err(after)?;
         // What the file grows by besides the insertion: appended tensors.
         let to_insert = if inserted { 0 } else { self.inserted };
         let grows = self.after_len.saturating_sub(now + to_insert);
         if grows > 0 {
             // Blocks for what is appended, before any byte is written: no
             // ENOSPC half-way; if there is no room, the file is put back.
-            if let Err(e) = point("in-place:reserve").and_then(|()| reserve(file, now, grows)) {
+            if let Err(e) = point("in-place:reserve").and_then(|()| file.reserve(now, grows)) {
                 if steps.fresh {
                     let _ = self.put_back(file, true);
                     return Err(before(e));
@@ -603,7 +668,7 @@ impl InPlaceRecord {
                 .and_then(|()| file.sync_all());
             if let Err(e) = done {
                 // Not inserted (an unsupported file, ENOSPC): as it was.
-                if steps.fresh && file.metadata().map(|m| m.len()).ok() == Some(self.before.len) {
+                if steps.fresh && file.len().ok() == Some(self.before.len) {
                     let _ = self.put_back(file, true);
                     return Err(before(e));
                 }
@@ -612,7 +677,7 @@ impl InPlaceRecord {
             // The inserted range is a hole: its blocks are had now, or the
             // insertion is taken back (the header's write cannot meet ENOSPC).
             let header_blocks =
-                point("in-place:reserve-header").and_then(|()| reserve(file, 0, self.inserted));
+                point("in-place:reserve-header").and_then(|()| file.reserve(0, self.inserted));
             if let Err(e) = header_blocks {
                 let undone = steps.fresh
                     && (steps.collapse)(self.inserted)
@@ -632,10 +697,11 @@ impl InPlaceRecord {
                 .and_then(|f| f.sync_all())
                 .and_then(|()| steps.dir.sync())
                 .map_err(after)?;
-            file.write_all_at(&IN_PLACE_MARKER, 0).map_err(after)?;
+            file.inserted_recorded();
+            file.write_at(&IN_PLACE_MARKER, 0).map_err(after)?;
             file.sync_data().map_err(after)?;
         }
-        let len = file.metadata().map_err(after)?.len();
+        let len = file.len().map_err(after)?;
         let mut retired: Vec<_> = self.writes.iter().map(|w| w.at..w.at + w.len).collect();
         if len > self.after_len {
             retired.push(self.after_len..len);
@@ -646,10 +712,10 @@ impl InPlaceRecord {
             match &w.from {
                 WriteFrom::Staged { file: name } => {
                     let staged = (steps.open_staged)(name).map_err(after)?;
-                    copy_range(&staged, 0, file, w.at, w.len).map_err(after)?;
+                    file.copy_in(&staged, 0, w.at, w.len).map_err(after)?;
                 }
                 WriteFrom::Here { offset } => {
-                    copy_range(file, *offset, file, w.at, w.len).map_err(after)?
+                    file.copy_within(*offset, w.at, w.len).map_err(after)?
                 }
             }
             if n == 0 {
@@ -662,13 +728,13 @@ impl InPlaceRecord {
             n => (n as usize).clamp(PREFIX_LEN as usize, header.len()),
         };
         point("in-place:header").map_err(after)?;
-        file.write_all_at(&header[PREFIX_LEN as usize..end], PREFIX_LEN)
+        file.write_at(&header[PREFIX_LEN as usize..end], PREFIX_LEN)
             .map_err(after)?;
         // The data and header are durable before the prefix makes them the file.
         point("in-place:sync").map_err(after)?;
         file.sync_data().map_err(after)?;
         point("in-place:written").map_err(after)?;
-        file.write_all_at(&header[..PREFIX_LEN as usize], 0)
+        file.write_at(&header[..PREFIX_LEN as usize], 0)
             .map_err(after)?;
         file.sync_data().map_err(after)?;
         point("in-place:prefix").map_err(after)?;
@@ -678,14 +744,12 @@ impl InPlaceRecord {
     /// The modification time the journal expects, made durable.
     /// Set-user-ID and set-group-ID bits that the kernel cleared when a
     /// writer other than root wrote the file are put back too.
-    fn finish_time(&self, file: &File) -> std::io::Result<()> {
+    fn finish_time(&self, file: &dyn FileOps) -> std::io::Result<()> {
         let set_id = self.before.mode & (libc::S_ISUID | libc::S_ISGID);
         if set_id != 0 {
-            use std::os::unix::fs::{MetadataExt, PermissionsExt};
-            let now = file.metadata()?.mode();
+            let now = file.mode()?;
             if now & set_id != set_id {
-                let mode = std::fs::Permissions::from_mode(self.before.mode & 0o7777);
-                if let Err(e) = file.set_permissions(mode) {
+                if let Err(e) = file.set_mode(self.before.mode & 0o7777) {
                     warn!(
                         file = self.name,
                         "putting back its set-id bits after an in-place commit: {e}"
@@ -693,7 +757,7 @@ impl InPlaceRecord {
                 }
             }
         }
-        if let Err(e) = set_mtime(file, self.after_mtime) {
+        if let Err(e) = file.set_mtime(self.after_mtime) {
             // Not the owner (a file the daemon may only write): the journal
             // then does not know this version, nothing else changes.
             warn!(

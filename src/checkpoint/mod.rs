@@ -15,6 +15,8 @@
 //! tensors is not copied.
 
 pub mod commit;
+#[cfg(test)]
+mod explore;
 pub mod in_place;
 pub mod journal;
 pub mod meta;
