@@ -218,6 +218,23 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
             gone(&mut lines)?;
             return Ok(lines);
         }
+        // Lost a race with another commit or discard, which did what it did:
+        // say so, and unmount as asked.
+        Err(ClientError::Refused {
+            errno: libc::ECANCELED,
+            message,
+        }) => {
+            unmount(&abs, lazy)?;
+            return Err(format!("{message}\nstfs: {} unmounted", abs.display()));
+        }
+        Err(e) if e.to_string().contains("commits no more") => {
+            return Err(format!(
+                "{e}\nstfs: {} is still mounted: unmount it with `umount {}` (its staged edits \
+                 stay on disk) and mount the source again with stfs",
+                abs.display(),
+                abs.display()
+            ))
+        }
         Err(e) => {
             return Err(format!(
                 "{e}\nstfs: {} is still mounted with its edits staged: fix them (stfs status lists \

@@ -98,7 +98,14 @@ fn pause(flag: &std::path::Path, step: &str) {
     if flag.with_file_name("go-all").exists() {
         return;
     }
-    if let Err(e) = std::fs::write(flag, b"") {
+    use std::os::unix::fs::OpenOptionsExt;
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(flag);
+    if let Err(e) = made {
         warn!("STFS_PAUSE_AT={step}: cannot make {}: {e}", flag.display());
         return;
     }

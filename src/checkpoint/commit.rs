@@ -89,8 +89,14 @@ pub enum CommitError {
         file: PathBuf,
         landed: usize,
         total: usize,
+        /// Whether `file` is left refused by every reader (an in-place
+        /// commit that had begun); else it is unchanged.
+        refused: bool,
         source: Box<CommitError>,
     },
+    /// A discard on a mount whose commit did not land: its staging folder
+    /// holds the record the next mount completes (EIO).
+    DiscardRefused { why: String },
     /// A discard ran while this commit waited for it: nothing was committed
     /// (ECANCELED).
     Discarded,
@@ -140,9 +146,15 @@ impl fmt::Display for CommitError {
             ),
             CommitError::Tainted { why } => write!(
                 f,
-                "{why}: commit refused. The staged edits are kept on disk: unmount, mount again (the \
-                 edits are taken back from the journal, an interrupted commit is finished) and review \
-                 them with stfs status"
+                "{why}: commit refused, this mount commits no more. The staged edits are kept on \
+                 disk: unmount, mount again (the edits are taken back from the journal, an \
+                 interrupted commit is finished) and review them with stfs status"
+            ),
+            CommitError::DiscardRefused { why } => write!(
+                f,
+                "{why}: discard refused, this mount commits no more, and its staging folder holds \
+                 the record that completes that commit: unmount it with a plain `umount` and mount \
+                 the source again with stfs"
             ),
             CommitError::Io { what, source } => write!(f, "{what}: {source}"),
             CommitError::Staging(e) => write!(f, "{e}"),
@@ -155,17 +167,24 @@ impl fmt::Display for CommitError {
                 file,
                 landed,
                 total,
+                refused,
                 source,
-            } => write!(
-                f,
-                "{}: the commit did not land ({landed} of its {total} file{} landed): {source}. \
-                 Every reader refuses this file until the commit is completed; the record and the \
-                 staged edits are kept on disk, and this mount commits no more: unmount it with \
-                 a plain `umount` and mount the source again with stfs (after making room, if the \
-                 disk was full), which completes the commit",
-                file.display(),
-                if *total == 1 { "" } else { "s" },
-            ),
+            } => {
+                write!(
+                    f,
+                    "{}: the commit did not land ({landed} of its {total} files landed): {source}. ",
+                    file.display()
+                )?;
+                f.write_str(match refused {
+                    true => "Every reader refuses this file until the commit is completed",
+                    false => "This file is unchanged, the files that landed before it are written",
+                })?;
+                f.write_str(
+                    "; the record and the staged edits are kept on disk, and this mount commits \
+                     no more: unmount it with a plain `umount` and mount the source again with \
+                     stfs (after making room, if the disk was full), which completes the commit",
+                )
+            }
             CommitError::Discarded => f.write_str(
                 "nothing committed: the staged edits were discarded (stfs umount --discard) while \
                  this commit waited for that discard to end",
@@ -584,19 +603,40 @@ impl Drop for CommitLock {
     }
 }
 
+/// The home folder of user `uid` in the password database.
+fn home_of(uid: u32) -> Option<PathBuf> {
+    let mut buf = vec![0 as libc::c_char; 16384];
+    // SAFETY: zeroed passwd is a valid out-parameter.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: getpwuid_r with an out-parameter, a buffer of its length, and
+    // a result pointer; the strings it sets point into `buf`.
+    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+    if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+        return None;
+    }
+    // SAFETY: pw_dir is a NUL-terminated string in `buf`, alive here.
+    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+    use std::os::unix::ffi::OsStrExt;
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())))
+}
+
 /// The private folder of commit locks, made 0700 if missing; refused if it
-/// is a link, another user's or open to others.
+/// is a link, another user's or open to others. Chosen by the user, not the
+/// environment, so that every session of a user (a shell, cron, `sudo -u`)
+/// finds the same: `/run/user/UID/stfs/locks` where that folder exists,
+/// else `~/.local/state/stfs/locks` of the user's home in the password database.
 fn lock_folder() -> Result<Folder, String> {
-    use std::os::unix::fs::DirBuilderExt;
-    let var = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let run = PathBuf::from(format!("/run/user/{euid}"));
+    let base = match std::fs::symlink_metadata(&run) {
+        Ok(m) if m.is_dir() && m.uid() == euid && m.mode() & 0o077 == 0 => run,
+        _ => home_of(euid)
+            .ok_or(format!("no home folder for uid {euid}"))?
+            .join(".local/state"),
     };
-    let base = var("XDG_RUNTIME_DIR")
-        .or_else(|| var("XDG_STATE_HOME"))
-        .or_else(|| var("HOME").map(|h| h.join(".local/state")))
-        .ok_or("no XDG_RUNTIME_DIR, XDG_STATE_HOME or HOME")?;
     let dir = base.join("stfs").join("locks");
     let what = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
     std::fs::DirBuilder::new()
@@ -606,8 +646,7 @@ fn lock_folder() -> Result<Folder, String> {
         .map_err(|e| what(&e))?;
     let folder = Folder::open_private(&dir).map_err(|e| what(&e))?;
     let st = folder.stat().map_err(|e| what(&e))?;
-    // SAFETY: geteuid cannot fail.
-    if st.uid != unsafe { libc::geteuid() } || st.mode & 0o077 != 0 {
+    if st.uid != euid || st.mode & 0o077 != 0 {
         return Err(what(&"not a private folder of this user's"));
     }
     Ok(folder)
@@ -760,7 +799,7 @@ impl Written {
             fill(&file)?;
             use std::os::unix::fs::PermissionsExt;
             let mode = std::fs::Permissions::from_mode(like.mode & 0o7777);
-            file.set_permissions(mode.clone()).map_err(what)?;
+            file.set_permissions(mode).map_err(what)?;
             // SAFETY: geteuid cannot fail.
             if unsafe { libc::geteuid() } == 0 {
                 std::os::unix::fs::fchown(&file, Some(like.uid), Some(like.gid)).map_err(what)?;
@@ -775,8 +814,27 @@ impl Written {
                     );
                 }
             }
-            // chown clears set-id bits, and an ACL set the group bits: the mode last.
-            file.set_permissions(mode).map_err(what)?;
+            // chown clears set-id bits, and an ACL set the group bits: the mode
+            // last. A set-id bit only for the source's own owner and group: a
+            // rewrite by another user makes a file of that user's, which must
+            // not become set-uid to them.
+            let made = FileStat::of(&file).map_err(what)?;
+            let mut bits = like.mode & 0o7777;
+            if made.uid != like.uid {
+                bits &= !libc::S_ISUID;
+            }
+            if made.gid != like.gid {
+                bits &= !libc::S_ISGID;
+            }
+            if bits != like.mode & 0o7777 {
+                warn!(
+                    file = %folder.path.join(target).display(),
+                    "the new file belongs to uid {} gid {}, not to the source's {} {}: its set-id bits are dropped",
+                    made.uid, made.gid, like.uid, like.gid
+                );
+            }
+            file.set_permissions(std::fs::Permissions::from_mode(bits))
+                .map_err(what)?;
             file.sync_all().map_err(what)?;
             FileStat::of(&file).map_err(what)
         };
@@ -1479,6 +1537,8 @@ impl CommitPlan {
 pub struct LandError {
     pub done: usize,
     pub changed: bool,
+    /// The file that failed is left refused by every reader.
+    pub refused: bool,
     pub error: CommitError,
 }
 
@@ -1491,6 +1551,7 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
     let before = |error| LandError {
         done: 0,
         changed: false,
+        refused: false,
         error,
     };
     let dir = staging.dir().map_err(|e| before(CommitError::Staging(e)))?;
@@ -1507,6 +1568,7 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                 tmp: w.tmp.to_string_lossy().into_owned(),
                 target: w.target.to_string_lossy().into_owned(),
                 stat: w.stat,
+                replaces: w.replaces,
             }),
             Landing::InPlace(j) => {
                 dir.write_atomic(&j.record.header_file, &j.header)
@@ -1531,10 +1593,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
         landings.iter().for_each(Landing::remove);
     };
     for (k, l) in landings.iter().enumerate() {
-        let (changed, error) = match l {
+        let (changed, refused, error) = match l {
             Landing::Renamed(w) => match w.land() {
                 Ok(()) => continue,
-                Err(e) => (k > 0, e),
+                Err(e) => (k > 0, false, e),
             },
             Landing::InPlace(j) => match dir
                 .folder()
@@ -1548,7 +1610,7 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                     info!(file = %j.source.path().display(), "committed in place");
                     continue;
                 }
-                Err(e) => (k > 0 || e.marked, j.error(e)),
+                Err(e) => (k > 0 || e.marked, e.marked, j.error(e)),
             },
         };
         if !changed {
@@ -1557,6 +1619,7 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
         return Err(LandError {
             done: k,
             changed,
+            refused,
             error,
         });
     }

@@ -109,7 +109,7 @@ impl Recorder {
 }
 
 impl FileOps for Recorder {
-    fn len(&self) -> std::io::Result<u64> {
+    fn size(&self) -> std::io::Result<u64> {
         Ok(self.model.borrow().bytes.len() as u64)
     }
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()> {

@@ -414,7 +414,7 @@ pub struct InPlaceRecord {
 /// in tests a recorder from which the crash explorer (`explore.rs`) builds
 /// every state a crash may leave.
 pub trait FileOps {
-    fn len(&self) -> std::io::Result<u64>;
+    fn size(&self) -> std::io::Result<u64>;
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()>;
     /// Copies `len` bytes of `from` at `from_off` to `at` (a staging file's).
     fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()>;
@@ -433,7 +433,7 @@ pub trait FileOps {
 }
 
 impl FileOps for File {
-    fn len(&self) -> std::io::Result<u64> {
+    fn size(&self) -> std::io::Result<u64> {
         Ok(self.metadata()?.len())
     }
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()> {
@@ -505,7 +505,7 @@ impl InPlaceRecord {
             ..self.clone()
         };
         let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-        ctx.update(&serde_json::to_vec(&unsealed).expect("serializes"));
+        ctx.update(&serde_json::to_vec(&unsealed).unwrap_or_default());
         ctx.update(header);
         ctx.finish()
             .as_ref()
@@ -529,7 +529,8 @@ impl InPlaceRecord {
         len: u64,
         staged_len: &dyn Fn(&str) -> std::io::Result<u64>,
     ) -> Result<(), String> {
-        if self.sum.is_empty() || self.sum != self.digest(header) {
+        // (A record of a version before the seal has none: its structure is checked.)
+        if !self.sum.is_empty() && self.sum != self.digest(header) {
             return Err(
                 "its checksum does not match: changed or cut short since it was made".into(),
             );
@@ -553,6 +554,14 @@ impl InPlaceRecord {
                 self.before.len, self.after_len
             ));
         }
+        // Copies within the file read old data that no write of the commit
+        // changes and no cut removes, so that doing them again reads the same.
+        let old_data = self.inserted + PREFIX_LEN + self.old_prefix;
+        let written: Vec<(u64, u64)> = self
+            .writes
+            .iter()
+            .map(|w| (w.at, w.at.saturating_add(w.len)))
+            .collect();
         for w in &self.writes {
             let end = w.at.checked_add(w.len).ok_or("a range past any file")?;
             if w.at < header_end || end > self.after_len {
@@ -564,9 +573,11 @@ impl InPlaceRecord {
             match &w.from {
                 WriteFrom::Here { offset } => {
                     let from_end = offset.checked_add(w.len).ok_or("a range past any file")?;
-                    if *offset < self.inserted + PREFIX_LEN || from_end > old_end {
+                    let outside = *offset < old_data.max(header_end)
+                        || from_end > old_end.min(self.after_len);
+                    if outside || written.iter().any(|&(a, b)| *offset < b && a < from_end) {
                         return Err(format!(
-                            "a copy of {} bytes from {offset} falls outside the old data",
+                            "a copy of {} bytes from {offset} reads outside the old data the commit keeps",
                             w.len
                         ));
                     }
@@ -600,7 +611,7 @@ impl InPlaceRecord {
         if dir.stat_at(OsStr::new(&self.inserted_flag())).is_ok() {
             return Ok(true);
         }
-        Ok(file.len()? == self.before.len + self.inserted)
+        Ok(file.size()? == self.before.len + self.inserted)
     }
 
     /// A step before the marker failed, or the insertion did: the file is
@@ -641,10 +652,12 @@ impl InPlaceRecord {
             if !steps.fresh {
                 return Err(after(e));
             }
-            let _ = self.put_back(file, true);
-            return Err(before(e));
+            return Err(match self.put_back(file, true) {
+                Ok(()) => before(e),
+                Err(_) => after(e),
+            });
         }
-        let now = file.len().map_err(after)?;
+        let now = file.size().map_err(after)?;
         // What the file grows by besides the insertion: appended tensors.
         let to_insert = if inserted { 0 } else { self.inserted };
         let grows = self.after_len.saturating_sub(now + to_insert);
@@ -652,8 +665,7 @@ impl InPlaceRecord {
             // Blocks for what is appended, before any byte is written: no
             // ENOSPC half-way; if there is no room, the file is put back.
             if let Err(e) = point("in-place:reserve").and_then(|()| file.reserve(now, grows)) {
-                if steps.fresh {
-                    let _ = self.put_back(file, true);
+                if steps.fresh && self.put_back(file, true).is_ok() {
                     return Err(before(e));
                 }
                 return Err(after(e));
@@ -668,8 +680,10 @@ impl InPlaceRecord {
                 .and_then(|()| file.sync_all());
             if let Err(e) = done {
                 // Not inserted (an unsupported file, ENOSPC): as it was.
-                if steps.fresh && file.len().ok() == Some(self.before.len) {
-                    let _ = self.put_back(file, true);
+                if steps.fresh
+                    && file.size().ok() == Some(self.before.len)
+                    && self.put_back(file, true).is_ok()
+                {
                     return Err(before(e));
                 }
                 return Err(after(e));
@@ -683,8 +697,7 @@ impl InPlaceRecord {
                     && (steps.collapse)(self.inserted)
                         .and_then(|()| file.sync_all())
                         .is_ok();
-                if undone {
-                    let _ = self.put_back(file, true);
+                if undone && self.put_back(file, true).is_ok() {
                     return Err(before(e));
                 }
                 return Err(after(e));
@@ -701,7 +714,7 @@ impl InPlaceRecord {
             file.write_at(&IN_PLACE_MARKER, 0).map_err(after)?;
             file.sync_data().map_err(after)?;
         }
-        let len = file.len().map_err(after)?;
+        let len = file.size().map_err(after)?;
         let mut retired: Vec<_> = self.writes.iter().map(|w| w.at..w.at + w.len).collect();
         if len > self.after_len {
             retired.push(self.after_len..len);
@@ -749,11 +762,22 @@ impl InPlaceRecord {
         if set_id != 0 {
             let now = file.mode()?;
             if now & set_id != set_id {
-                if let Err(e) = file.set_mode(self.before.mode & 0o7777) {
-                    warn!(
+                let back = file
+                    .set_mode((now | set_id) & 0o7777)
+                    .and_then(|()| file.mode());
+                // (A set-gid bit the owner may not set, not being in the
+                // file's group, is dropped by the kernel without an error.)
+                match back {
+                    Ok(m) if m & set_id == set_id => {}
+                    Ok(_) => warn!(
+                        file = self.name,
+                        "its set-id bits could not be put back after an in-place commit \
+                         (the owner is not in the file's group?)"
+                    ),
+                    Err(e) => warn!(
                         file = self.name,
                         "putting back its set-id bits after an in-place commit: {e}"
-                    );
+                    ),
                 }
             }
         }
@@ -828,6 +852,33 @@ impl InPlaceRecord {
                 path.display()
             ));
         }
+        // The whole record is checked before any of it is used.
+        let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
+            if name.contains('/') {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            Ok(Arc::new(dir.open_file(
+                OsStr::new(name),
+                libc::O_RDONLY,
+                0,
+            )?))
+        };
+        let staged_len =
+            |name: &str| -> std::io::Result<u64> { Ok(open_staged(name)?.metadata()?.len()) };
+        self.check(&header, st.len, &staged_len).map_err(|why| {
+            let state = match marked {
+                true => {
+                    "the file is left as it is (every reader refuses it) and the record is kept"
+                }
+                false => "the file is left as it is (no step of the commit had begun on it)",
+            };
+            format!(
+                "{}: the record of an interrupted in-place commit does not hold ({why}): not \
+                 applied; {state} (the record: {})",
+                path.display(),
+                dir.path.display()
+            )
+        })?;
         let mut on_disk = vec![0u8; header.len()];
         let got = file.read_at(&mut on_disk, 0).map_err(io)?;
         let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
@@ -854,27 +905,6 @@ impl InPlaceRecord {
                 path.display()
             ));
         }
-        let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
-            if name.contains('/') {
-                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
-            }
-            Ok(Arc::new(dir.open_file(
-                OsStr::new(name),
-                libc::O_RDONLY,
-                0,
-            )?))
-        };
-        let staged_len =
-            |name: &str| -> std::io::Result<u64> { Ok(open_staged(name)?.metadata()?.len()) };
-        self.check(&header, st.len, &staged_len).map_err(|why| {
-            format!(
-                "{}: the record of an interrupted in-place commit does not hold ({why}): not \
-                 applied; the file is left as it is (every reader refuses it) and the record is \
-                 kept in {}",
-                path.display(),
-                dir.path.display()
-            )
-        })?;
         let insert = |len| crate::source::local::insert_range(&file, len);
         let collapse = |len| crate::source::local::collapse_range(&file, len);
         let steps = Steps {

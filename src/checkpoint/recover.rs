@@ -285,12 +285,14 @@ mod tests {
                         tmp: ".a.safetensors.stfs-tmp-1-1".into(),
                         target: "a.safetensors".into(),
                         stat,
+                        replaces: None,
                     },
                     PendingRename {
                         folder: dir_path.clone(),
                         tmp: ".b.safetensors.stfs-tmp-1-2".into(),
                         target: "b.safetensors".into(),
                         stat,
+                        replaces: None,
                     },
                 ],
             }
@@ -310,6 +312,44 @@ mod tests {
         assert_eq!(notes.len(), 1, "{notes:?}");
         // Done once: the record is gone.
         assert!(finish_renames(&folder, "f").is_empty());
+    }
+
+    #[test]
+    fn an_interrupted_rename_over_a_file_replaced_since_is_not_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = Arc::new(Folder::open(dir.path()).unwrap());
+        let target = dir.path().join("a.safetensors");
+        std::fs::write(&target, b"mapped a").unwrap();
+        let mapped = file_stat(&target);
+        // Another program replaced the source after the commit swapped back.
+        std::fs::remove_file(&target).unwrap();
+        std::fs::write(dir.path().join("other"), b"theirs").unwrap();
+        std::fs::rename(dir.path().join("other"), &target).unwrap();
+        let tmp = dir.path().join(".a.safetensors.stfs-tmp-1-1");
+        std::fs::write(&tmp, b"new a").unwrap();
+        {
+            let staging = StagingDir::create(folder.clone(), "f").unwrap();
+            Renames {
+                commit: 7,
+                in_place: Vec::new(),
+                files: vec![PendingRename {
+                    folder: std::fs::canonicalize(dir.path()).unwrap(),
+                    tmp: ".a.safetensors.stfs-tmp-1-1".into(),
+                    target: "a.safetensors".into(),
+                    stat: file_stat(&tmp),
+                    replaces: Some(mapped),
+                }],
+            }
+            .write(&staging)
+            .unwrap();
+        }
+        finish_renames(&folder, "f");
+        assert_eq!(
+            std::fs::read(&target).unwrap(),
+            b"theirs",
+            "their file was replaced"
+        );
+        assert!(tmp.exists(), "the commit's file is left beside it");
     }
 
     fn file_stat(path: &std::path::Path) -> crate::source::FileStat {

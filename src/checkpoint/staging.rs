@@ -109,6 +109,11 @@ pub struct PendingRename {
     pub target: String,
     /// The temp file as written.
     pub stat: FileStat,
+    /// The file the target must still be to be replaced (the source as
+    /// mapped; None: an index, or `--force`): a program that replaced it
+    /// since keeps its file.
+    #[serde(default)]
+    pub replaces: Option<FileStat>,
 }
 
 pub const RENAMES: &str = "commit.json";
@@ -204,6 +209,23 @@ impl Renames {
                     "not the file the interrupted commit wrote: left alone"
                 );
                 continue;
+            }
+            if let Some(expected) = r.replaces {
+                // (Length and time too: an inode number is given again once freed.)
+                let same = folder.stat_at(OsStr::new(&r.target)).is_ok_and(|t| {
+                    (t.st_dev, t.st_ino, t.st_size as u64)
+                        == (expected.dev, expected.ino, expected.len)
+                        && (t.st_mtime, t.st_mtime_nsec) == expected.mtime
+                });
+                if !same {
+                    warn!(
+                        file = r.target,
+                        "changed by another program since the interrupted commit: left as it is \
+                         (the commit's new file stays beside it, as {})",
+                        r.tmp
+                    );
+                    continue;
+                }
             }
             match folder.rename(OsStr::new(&r.tmp), OsStr::new(&r.target)) {
                 Ok(()) => {

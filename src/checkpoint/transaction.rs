@@ -52,6 +52,8 @@ pub struct Transactions {
     /// nothing left to do says why instead of reporting success.
     discards: AtomicU64,
     landings: AtomicU64,
+    /// A commit did not land: the staging folder holds its record.
+    unlanded: std::sync::atomic::AtomicBool,
     /// Why this mount does not commit any more (a request handler panicked,
     /// a commit failed half-way), if it does not.
     tainted: Mutex<Option<String>>,
@@ -91,6 +93,7 @@ impl Transactions {
             next_commit: AtomicU64::new(1),
             discards: AtomicU64::new(0),
             landings: AtomicU64::new(0),
+            unlanded: std::sync::atomic::AtomicBool::new(false),
             tainted: Mutex::new(None),
         }
     }
@@ -109,22 +112,21 @@ impl Transactions {
     }
 
     /// Drops every staged edit. Returns a line per file, as `commit` does.
-    /// Refused on a mount that no longer commits: its staging folder holds
-    /// what the next mount needs (the record of a commit that did not land).
+    /// Refused on a mount whose commit did not land: its staging folder
+    /// holds the record that the next mount completes.
     pub fn discard<S: Shards>(&self, state: &RwLock<S>) -> Result<Vec<String>, CommitError> {
         let landings = self.landings.load(Ordering::SeqCst);
         let _ = crate::testpoint::point("discard:waiting");
         let _one = lock(&self.one_at_a_time);
         let _ = crate::testpoint::point("discard:locked");
-        if let Some(why) = self.tainted() {
-            return Err(CommitError::Tainted { why });
+        if self.unlanded.load(Ordering::SeqCst) {
+            let why = self.tainted().unwrap_or_default();
+            return Err(CommitError::DiscardRefused { why });
         }
         let mut st = write(state);
-        if self.landings.load(Ordering::SeqCst) != landings && !st.lives().any(Live::is_dirty) {
+        let dirty = st.lives().any(Live::is_dirty);
+        if self.landings.load(Ordering::SeqCst) != landings && !dirty {
             return Err(CommitError::CommittedFirst);
-        }
-        if st.lives().any(Live::is_dirty) {
-            self.discards.fetch_add(1, Ordering::SeqCst);
         }
         let mut lines = Vec::new();
         for c in 0..st.count() {
@@ -137,6 +139,10 @@ impl Transactions {
             live.discard();
         }
         info!("staged edits discarded");
+        // Counted once done (a commit that waited for this one finds it so).
+        if dirty {
+            self.discards.fetch_add(1, Ordering::SeqCst);
+        }
         Ok(lines)
     }
 
@@ -318,7 +324,15 @@ impl Transactions {
                     source,
                 })
             };
-            match Written::create(folder, std::ffi::OsStr::new(name), stat, None, fill) {
+            // The index as it is now: its mode, ACLs and attributes are carried over.
+            let now = folder
+                .open_file(
+                    std::ffi::OsStr::new(name),
+                    libc::O_RDONLY | libc::O_NONBLOCK,
+                    0,
+                )
+                .ok();
+            match Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill) {
                 Ok(w) => written.push(Landing::Renamed(w)),
                 Err(e) => {
                     warn!("commit failed: {e}");
@@ -355,7 +369,12 @@ impl Transactions {
                 plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
                 return Err(error);
             }
-            Err(LandError { done, error, .. }) => {
+            Err(LandError {
+                done,
+                refused,
+                error,
+                ..
+            }) => {
                 // Some files changed and others not: the record stays, and
                 // the next mount finishes the commit.
                 error!(
@@ -366,18 +385,17 @@ impl Transactions {
                     "a commit did not land ({done} of its {} files landed: {error})",
                     written.len()
                 ));
+                self.unlanded.store(true, Ordering::SeqCst);
                 failed = Some(CommitError::NotLanded {
                     file: written[done].target(),
                     landed: done,
                     total: written.len(),
+                    refused,
                     source: Box::new(error),
                 });
                 done
             }
         };
-        if landed > 0 {
-            self.landings.fetch_add(1, Ordering::SeqCst);
-        }
         let n_plans = plans.len();
         let mut st = write(state);
         let mut lines = Vec::new();
@@ -431,6 +449,10 @@ impl Transactions {
         }
         drop(st);
         super::trim_memory();
+        // Counted once done (a discard that waited for this commit finds it so).
+        if landed > 0 {
+            self.landings.fetch_add(1, Ordering::SeqCst);
+        }
         match failed {
             Some(e) => {
                 lines.iter().for_each(|l| info!("{l}"));

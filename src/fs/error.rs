@@ -127,7 +127,7 @@ fn commit_errno(e: &CommitError) -> i32 {
         CommitError::Conflict { .. } => libc::ESTALE,
         CommitError::Busy { .. } => libc::EBUSY,
         CommitError::Opened { .. } => libc::EAGAIN,
-        CommitError::Tainted { .. } => libc::EIO,
+        CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,
         CommitError::Io { source, .. } => io_errno(source),
         CommitError::Staging(s) => staging_errno(s),
         CommitError::ReadOnly { .. } => libc::EROFS,

@@ -487,6 +487,21 @@ impl State {
         crate::source::access::narrowest(&owners).expect("a mount has a checkpoint")
     }
 
+    /// Owner and mode of index file `i` as they are now (narrowed by an ACL).
+    fn index_owner(&self, i: usize) -> FileStat {
+        let ix = &self.indexes[i].0;
+        let now = self.folder.as_ref().and_then(|(folder, _)| {
+            let flags = libc::O_RDONLY | libc::O_NONBLOCK;
+            folder
+                .open_file(std::ffi::OsStr::new(&ix.name), flags, 0)
+                .ok()
+        });
+        match now {
+            Some(file) => crate::source::access::owner_now(&file, &ix.stat),
+            None => ix.stat,
+        }
+    }
+
     /// Owner and mode of the mount's top folder as they are now.
     fn root_owner(&self) -> FileStat {
         match &self.folder {
@@ -1125,7 +1140,18 @@ impl Fs {
             Node::CheckpointDir(c) => {
                 of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false)
             }
-            Node::Index(i) => index_attr(ino, &st.indexes[i].0, st.indexes[i].0.bytes.len() as u64),
+            Node::Index(i) => {
+                let ix = &st.indexes[i].0;
+                let size = ix.bytes.len() as u64;
+                of_stat(
+                    st.index_owner(i),
+                    Kind::File,
+                    size,
+                    ix.stat.modified(),
+                    true,
+                )
+                .read_only()
+            }
             Node::Metadata(c) => {
                 let size = st.live(c).metadata_text().map_or(0, |t| t.len() as u64);
                 of_source(c, Kind::File, size, st.live(c).source().modified(), true)
@@ -1155,8 +1181,8 @@ impl Fs {
                 let ix = &st.indexes[i].0;
                 let size = st.index_view(i).map_or(0, |b| b.len() as u64);
                 // Its weight map names the tensors of every shard.
-                let owner =
-                    crate::source::access::narrowest(&[ix.stat, st.all_owners()]).expect("two");
+                let owner = crate::source::access::narrowest(&[st.index_owner(i), st.all_owners()])
+                    .expect("two");
                 let mtime = ix.stat.modified().max(st.views_changed(None));
                 of_stat(owner, Kind::File, size, mtime, true).read_only()
             }
@@ -2028,7 +2054,7 @@ impl Fs {
                         if bytes.len() > limit as u64 {
                             return Err(EditError::TooLarge(limit).into());
                         }
-                        bytes.read(0, bytes.len() as u32, |b| b.to_vec())?
+                        bytes.to_vec()?
                     }
                     _ => self.json_text(st, from_node)?,
                 };
@@ -2398,20 +2424,6 @@ impl Shards for State {
 }
 
 /// An index file's attributes (read-only, its own owner and mode), with `size`.
-fn index_attr(ino: Ino, ix: &IndexFile, size: u64) -> Attr {
-    Attr {
-        ino,
-        kind: Kind::File,
-        size,
-        mtime: ix.stat.modified(),
-        perm: file_mode(&ix.stat, true),
-        nlink: 1,
-        uid: ix.stat.uid,
-        gid: ix.stat.gid,
-        volatile: true,
-    }
-}
-
 /// Serves `size` bytes of a view at `offset` (computed now).
 fn read_view<R>(
     file: &GeneratedFile,

@@ -45,7 +45,7 @@ pub fn narrow_by_acl(mode: u32, acl: &[u8]) -> u32 {
     if acl.len() < 4 || (acl.len() - 4) % 8 != 0 {
         return mode & !0o077; // not understood: the owner only
     }
-    let (mut group_obj, mut mask, mut other) = (7u32, 7u32, 7u32);
+    let (mut group_obj, mut mask, mut other) = (7u32, None, 7u32);
     let mut named = Vec::new();
     for e in acl[4..].chunks_exact(8) {
         let tag = u16::from_le_bytes([e[0], e[1]]);
@@ -53,16 +53,18 @@ pub fn narrow_by_acl(mode: u32, acl: &[u8]) -> u32 {
         match tag {
             ACL_USER_OBJ => {}
             ACL_GROUP_OBJ => group_obj = perm,
-            ACL_MASK => mask = perm,
+            ACL_MASK => mask = Some(perm),
             ACL_OTHER => other = perm,
             ACL_USER => named.push((true, perm)),
             ACL_GROUP => named.push((false, perm)),
             _ => return mode & !0o077,
         }
     }
-    if named.is_empty() {
+    let Some(mask) = mask else {
         return mode; // a minimal ACL is the mode itself
-    }
+    };
+    // With a mask, the mode's group bits are the mask: the owning group gets
+    // group_obj & mask, which may be less (`g::---,m::rw`).
     // A member of the owning group may be a named user instead.
     let users = named
         .iter()
@@ -159,6 +161,11 @@ pub fn copy_xattrs(from: &File, to: &File) -> Vec<String> {
     let mut missed = Vec::new();
     for name in list_xattrs(from) {
         let shown = name.to_string_lossy().into_owned();
+        // File capabilities are not carried to new content (the kernel drops
+        // them on any write too).
+        if shown == "security.capability" {
+            continue;
+        }
         let Some(value) = get_xattr(from, &shown) else {
             continue;
         };
@@ -221,6 +228,15 @@ mod tests {
             (ACL_OTHER, 4, 0),
         ]);
         assert_eq!(narrow_by_acl(0o100644, &a) & 0o7777, 0o644);
+        // A mask and no named entry: the mode shows the mask (g=rw), the
+        // owning group gets group_obj & mask (nothing).
+        let a = acl(&[
+            (ACL_USER_OBJ, 6, 0),
+            (ACL_GROUP_OBJ, 0, 0),
+            (ACL_MASK, 6, 0),
+            (ACL_OTHER, 0, 0),
+        ]);
+        assert_eq!(narrow_by_acl(0o100660, &a) & 0o7777, 0o600);
         // Not understood: the owner only.
         assert_eq!(narrow_by_acl(0o100644, b"xx") & 0o7777, 0o600);
     }

@@ -84,6 +84,20 @@ impl Bytes {
         self.len() == 0
     }
 
+    /// All the bytes, copied (small files: a data file renamed onto a meta).
+    /// A local source's are read with pread, never copied out of the mapping
+    /// in the daemon (a file cut short behind the mount: EIO, not SIGBUS).
+    pub fn to_vec(&self) -> std::io::Result<Vec<u8>> {
+        match self {
+            Bytes::Source(s, i) if s.file().is_some() => {
+                let mut out = vec![0u8; self.len() as usize];
+                s.read_tensor_exact(*i as usize, 0, &mut out)?;
+                Ok(out)
+            }
+            _ => self.read(0, self.len() as u32, |b| b.to_vec()),
+        }
+    }
+
     /// Serves up to `size` bytes at `offset` (fewer at the end) to `reply`.
     /// Source bytes go out straight from the mapping; staged bytes through a buffer.
     pub fn read<R>(

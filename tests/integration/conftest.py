@@ -85,12 +85,13 @@ def mount(stfs, tmp_path):
     whether the test passed or not."""
     made = []
 
-    def _mount(source, *options, expect_ok=True, at=None):
-        """at: the folder to make the mount point in (default: the test's tmp_path)."""
+    def _mount(source, *options, expect_ok=True, at=None, binary=None):
+        """at: the folder to make the mount point in (default: the test's tmp_path);
+        binary: what to run as `stfs mount` (a wrapper), if not stfs itself."""
         mnt = pathlib.Path(at or tmp_path) / f"mnt{len(made)}"
         mnt.mkdir()
         os.chmod(mnt, 0o755)
-        m = Mount(stfs, source, mnt, options, tmp_path / f"stfs{len(made)}.log")
+        m = Mount(str(binary or stfs), source, mnt, options, tmp_path / f"stfs{len(made)}.log")
         made.append(m)
         if expect_ok:
             assert m.ok, f"mount failed: {m.result.stderr}"

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ckpt import assert_checkpoint, base
-from test_security import as_user, shared, user  # noqa: F401 (fixtures)
+from conftest import as_user
 
 # Tests that create a second user, or chown, run as root only.
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates a user")
