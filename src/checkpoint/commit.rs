@@ -836,6 +836,7 @@ impl Written {
             file.set_permissions(std::fs::Permissions::from_mode(bits))
                 .map_err(what)?;
             file.sync_all().map_err(what)?;
+            crate::testpoint::point("rewrite:written").map_err(what)?;
             FileStat::of(&file).map_err(what)
         };
         match finish() {
@@ -1519,6 +1520,11 @@ impl CommitPlan {
             out += len;
             done += len;
             progress(done, total);
+            // (A test kills or pauses the daemon here, the new file half written.)
+            crate::testpoint::point("rewrite:copying").map_err(io_err(format!(
+                "{}: writing the new file",
+                self.source.path().display()
+            )))?;
         }
         if share.is_some() {
             info!(
@@ -1582,6 +1588,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
         .write(&dir)
         .map_err(record_err(super::staging::RENAMES))
         .map_err(before)?;
+    if let Err(e) = crate::testpoint::point("land:recorded") {
+        Renames::clear(&dir);
+        return Err(before(io_err("recording the commit")(e)));
+    }
     if !renames.in_place.is_empty() {
         if let Err(e) = crate::testpoint::point("in-place:recorded") {
             Renames::clear(&dir);
@@ -1595,7 +1605,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
     for (k, l) in landings.iter().enumerate() {
         let (changed, refused, error) = match l {
             Landing::Renamed(w) => match w.land() {
-                Ok(()) => continue,
+                Ok(()) => {
+                    let _ = crate::testpoint::point("land:renamed");
+                    continue;
+                }
                 Err(e) => (k > 0, false, e),
             },
             Landing::InPlace(j) => match dir

@@ -4,12 +4,9 @@ never a mix; readers during a commit see old or new bytes."""
 
 import hashlib
 import os
-import random
 import shutil
-import signal
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -92,14 +89,27 @@ def test_enospc_keeps_source_and_edits_then_retry_succeeds(tmp_path, small_fs, m
     assert got["c"].tobytes() == b"\3" * 6 * MIB and got["a"].tobytes() == new_a.tobytes()
 
 
+# Each step of each way, with what a kill -9 there leaves before the next mount:
+# the old file, the new one, or (in place) one every reader refuses.
+KILL_STEPS = {
+    "in place": [("land:recorded", "old"), ("in-place:recorded", "old"), ("in-place:marked", "refused"),
+                 ("in-place:data", "refused"), ("in-place:written", "refused"), ("in-place:prefix", "new"),
+                 ("in-place:landed", "new")],
+    "by a rewrite": [("rewrite:copying", "old"), ("rewrite:written", "old"), ("land:recorded", "old"),
+                     ("land:renamed", "new"), ("in-place:landed", "new")],
+}
+
+
 @pytest.mark.parametrize("way", ["in place", "by a rewrite"])
-def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, way):
-    """Old, new, or (in place) a file every reader refuses that the next mount completes."""
+def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, monkeypatch, way):
+    """A kill -9 at every step of the commit (STFS_CRASH_AT, not a timed kill): old,
+    new, or (in place) a file every reader refuses; the next mount completes a
+    commit whose record was made, and leaves nothing behind."""
     args = ["--compact"] if way == "by a rewrite" else []
     pristine = tmp_path / "pristine.safetensors"
     rng = np.random.default_rng(1)
-    save_file({"big": rng.integers(0, 255, 240 * MIB, dtype=np.uint8),
-               "small": rng.integers(0, 255, 16 * MIB, dtype=np.uint8)}, str(pristine))
+    save_file({"big": rng.integers(0, 255, 24 * MIB, dtype=np.uint8),
+               "small": rng.integers(0, 255, 4 * MIB, dtype=np.uint8)}, str(pristine))
     src = tmp_path / "m.safetensors"
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -109,23 +119,22 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, way):
         with open("/proc/self/mountinfo") as f:
             return any(line.split()[4] == str(mnt) for line in f)
 
-    def trial(kill_after):
+    def trial(step):
         shutil.copyfile(pristine, src)
         pid_file = tmp_path / "pid"
+        if step:
+            monkeypatch.setenv("STFS_CRASH_AT", step)
         subprocess.run([stfs, "mount", "--pid-file", str(pid_file), "--log-file", str(tmp_path / "log"), str(src), str(mnt)], check=True)
+        monkeypatch.delenv("STFS_CRASH_AT", raising=False)
         pid = int(pid_file.read_text())
         try:
             with open(mnt / "small", "r+b") as f:
                 f.write(b"new!" * 1024)
-            started = time.monotonic()
-            client = subprocess.Popen([stfs, "commit", *args, str(mnt)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            if kill_after is None:
-                out = client.communicate(timeout=120)[0]
-                assert client.returncode == 0 and f"committed {way}" in out, out
-                return time.monotonic() - started
-            time.sleep(kill_after)
-            os.kill(pid, signal.SIGKILL)
-            client.wait(timeout=60)
+            p = subprocess.run([stfs, "commit", *args, str(mnt)], capture_output=True, text=True, timeout=120)
+            if step is None:
+                assert p.returncode == 0 and f"committed {way}" in p.stdout, p.stdout + p.stderr
+            else:
+                assert p.returncode != 0, f"the daemon did not stop at {step}: {p.stdout}"
         finally:
             if mounted():
                 subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -133,39 +142,31 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, way):
                 wait_for_exit(pid, 20)
             except ProcessLookupError:
                 pass
-        return None
 
-    duration = trial(None)
+    trial(None)
     new = sha(src)
     assert new != old
-    outcomes = {"old": 0, "new": 0, "refused": 0}
-    random.seed(7)
-    for _ in range(20):
-        trial(random.uniform(0, duration * 1.2))
+    for step, expected in KILL_STEPS[way]:
+        trial(step)
         h = sha(src)
-        if h not in (old, new):
-            assert way == "in place", "source is neither the old nor the new file"
+        outcome = "old" if h == old else "new" if h == new else "refused"
+        assert outcome == expected, (step, outcome)
+        if outcome == "refused":
             with pytest.raises(Exception, match="too large|TooLarge"):
                 load_file(str(src))  # the official reader refuses it
-            outcomes["refused"] += 1
-        else:
-            outcomes["old" if h == old else "new"] += 1
         # A later mount is not confused by what the killed daemon left, and
-        # completes an interrupted in-place commit.
+        # completes a commit whose landing was recorded.
         subprocess.run([stfs, "mount", str(src), str(mnt)], check=True)
         try:
             assert sorted(os.listdir(mnt)) == ["__metadata__.json", "big", "big.meta.json", "small", "small.meta.json"]
         finally:
             subprocess.run([stfs, "umount", str(mnt)], check=True)
-        if h not in (old, new):
-            assert sha(src) == new, "the next mount did not complete the interrupted commit"
-    print(f"kill -9 outcomes ({way}):", outcomes)
-    # The kills landed inside the commit: a rewrite's window is its copy, an in-place one's its writes.
-    assert outcomes["old" if way == "by a rewrite" else "refused"] > 0
+        # (The mount took the edit back from the journal, or found it landed; the unmount committed it.)
+        assert sha(src) == new, (step, "the edit did not end in the file")
     # The later mounts removed what the killed daemons left: temp files and staging folders.
     leftovers = [p.name for p in tmp_path.iterdir() if ".stfs-tmp-" in p.name]
     assert leftovers == [], leftovers
-    assert not (tmp_path / ".m.safetensors.stfs-staging").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
 
 
 def test_readers_during_a_commit_see_old_or_new(tmp_path, mount, run):
