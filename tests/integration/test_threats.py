@@ -598,3 +598,93 @@ def test_a_recovery_that_fails_keeps_its_record_and_the_next_mount_completes_it(
     assert "completed a commit that was interrupted" in m3.result.stdout + m3.result.stderr
     t["a"] = new_a
     assert_checkpoint(src, t)
+
+
+# Deterministic races (issue 26) -------------------------------------------
+
+def test_a_write_into_a_staged_tensor_while_a_commit_copies_it_stays_for_the_next(tmp_path, mount, pauses, run, stfs):
+    src = tmp_path / "m.safetensors"
+    save_file({"big": np.zeros(1 << 20, np.uint8), "small": np.zeros(4096, np.uint8)}, str(src))
+    pause = pauses("rewrite:copying")
+    m = mount(src)
+    small = os.path.join(m.path, "small")
+    with open(small, "r+b") as f:
+        f.write(b"\x01" * 4096)
+    commit = background(stfs, "commit", "--compact", m.path)
+    pause.wait("rewrite:copying", commit)  # "big" copied, "small" next
+    with open(small, "r+b") as f:
+        f.write(b"\x02" * 4096)
+    pause.go("rewrite:copying")
+    rc, out, err = finished(commit)
+    assert rc == 0 and "rewrite" in out, out + err
+    assert load_file(str(src))["small"].tobytes() == b"\x01" * 4096, "the commit took bytes written after its plan"
+    st = run("status", m.path)
+    assert "small" in st.stdout, st.stdout
+    assert run("commit", m.path).returncode == 0
+    assert load_file(str(src))["small"].tobytes() == b"\x02" * 4096
+
+
+def test_a_reader_that_opens_the_source_mid_commit_waits_and_reads_the_new_file(tmp_path, mount, pauses, run, stfs):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses("in-place:data")
+    m = mount(src)
+    new_a = np.full(8, 9, np.float32)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    commit = background(stfs, "commit", m.path)
+    pause.wait("in-place:data", commit)  # marked, half written, under the lease
+    reader = subprocess.Popen(
+        ["python3", "-c", "import mmap,sys; f=open(sys.argv[1],'rb'); m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ); "
+                          "sys.stdout.buffer.write(m[:])", str(src)], stdout=subprocess.PIPE)
+    # Its open waits: the kernel shows the commit's lease being broken.
+    deadline = time.monotonic() + 60
+    while "BREAKING" not in open("/proc/locks").read():
+        assert reader.poll() is None, "the reader's open did not wait for the commit's lease"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pause.go("in-place:data")
+    rc, out, err = finished(commit)
+    seen = reader.communicate(timeout=60)[0]
+    assert rc == 0 and "in place" in out, out + err
+    assert seen == src.read_bytes(), "the reader saw another file than the one the commit left"
+    t["a"] = new_a
+    assert_checkpoint(src, t)
+
+
+def test_a_second_mounts_cleanup_leaves_a_live_commits_temp_file(tmp_path, mount, pauses, run, stfs):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses("rewrite:written")
+    m = mount(src)
+    set_metadata(m, k="v")
+    commit = background(stfs, "commit", "--compact", m.path)
+    pause.wait("rewrite:written", commit)  # its temp file is beside the source
+    temps = [p for p in tmp_path.iterdir() if ".stfs-tmp-" in p.name]
+    assert len(temps) == 1
+    m2 = mount(src)  # removes the temp files of dead daemons, not of live ones
+    assert temps[0].exists(), "a second mount removed a live commit's temp file"
+    pause.go("rewrite:written")
+    rc, out, err = finished(commit)
+    assert rc == 0 and "rewrite" in out, out + err
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+    m2.close()
+
+
+def test_a_lazy_unmount_during_a_commit_lets_it_finish(tmp_path, mount, pauses, run, stfs):
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses("rewrite:copying")
+    m = mount(src)
+    set_metadata(m, k="v")
+    commit = background(stfs, "commit", "--compact", m.path)
+    pause.wait("rewrite:copying", commit)
+    p = subprocess.run(["umount", m.path], capture_output=True, text=True)
+    assert p.returncode != 0 and m.is_mounted(), "a plain umount went through a running commit"
+    subprocess.run(["umount", "-l", m.path], check=True)
+    pause.go("rewrite:copying")
+    rc, out, err = finished(commit)
+    assert rc == 0 and "rewrite" in out, out + err
+    wait_for_exit(m.pid, 20)
+    assert_checkpoint(src, t, {"k": "v"}, compact=True)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")], "staging left"
