@@ -163,7 +163,11 @@ impl FileOps for Recorder {
 
 /// A checkpoint file: (header with its prefix, whole file) of U8 tensors
 /// in this order, with `room` bytes of header (JSON padded with spaces).
-fn checkpoint(tensors: &[(&str, &[u8])], metadata: &str, room: u64) -> (Vec<u8>, Vec<u8>) {
+pub(super) fn checkpoint(
+    tensors: &[(&str, &[u8])],
+    metadata: &str,
+    room: u64,
+) -> (Vec<u8>, Vec<u8>) {
     let mut json = format!(r#"{{"__metadata__":{{"k":"{metadata}"}}"#);
     let mut at = 0;
     for (name, data) in tensors {

@@ -1153,4 +1153,269 @@ mod tests {
         );
         assert_eq!(std::fs::read(&path).unwrap(), old);
     }
+
+    /// The planner, case by case: which edits it writes in place, where, and
+    /// why it refuses the others (a planner that falls back to a rewrite, or
+    /// places bytes elsewhere, fails here).
+    mod planner {
+        use super::*;
+        use crate::source::StagingDir;
+
+        struct Case {
+            _dir: tempfile::TempDir,
+            source: Arc<SourceFile>,
+            staging: Arc<StagingDir>,
+            data_start: u64,
+            len: u64,
+        }
+
+        /// a 16, b 32, c 16, d 8 bytes (U8), a header with 400 bytes of room.
+        fn case() -> Case {
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b, c, d) = ([1u8; 16], [2u8; 32], [3u8; 16], [4u8; 8]);
+            let tensors: [(&str, &[u8]); 4] = [("a", &a), ("b", &b), ("c", &c), ("d", &d)];
+            let (_, file) = crate::checkpoint::explore::checkpoint(&tensors, "v0", 400);
+            let path = dir.path().join("m.safetensors");
+            std::fs::write(&path, &file).unwrap();
+            let source = Arc::new(SourceFile::open(&path).unwrap());
+            let parent = Arc::new(Folder::open(dir.path()).unwrap());
+            let staging = Arc::new(StagingDir::create(parent, "m.safetensors").unwrap());
+            Case {
+                _dir: dir,
+                source,
+                staging,
+                data_start: PREFIX_LEN + 400,
+                len: file.len() as u64,
+            }
+        }
+
+        enum In {
+            Old(u32),
+            New(usize),
+        }
+
+        fn plan(
+            c: &Case,
+            new: &[(&str, In)],
+            metadata: Option<&str>,
+            held: &[bool],
+            block: Option<u64>,
+        ) -> Result<InPlaceLayout, String> {
+            let old = c.source.header();
+            let mut shapes = Vec::new();
+            let mut inputs = Vec::new();
+            for (_, input) in new {
+                match input {
+                    In::Old(i) => {
+                        shapes.push(vec![old.tensors.nbytes(*i as usize)]);
+                        inputs.push(Bytes::Source(c.source.clone(), *i));
+                    }
+                    In::New(n) => {
+                        shapes.push(vec![*n as u64]);
+                        let staged = c.staging.file_with(&vec![9u8; *n]).unwrap();
+                        inputs.push(Bytes::Staged(staged));
+                    }
+                }
+            }
+            let names: Vec<&str> = new.iter().map(|(n, _)| *n).collect();
+            let meta: Option<Metadata> =
+                metadata.map(|v| [("k".to_string(), v.to_string())].into());
+            let spec = |k: usize| (names[k], Dtype::U8, shapes[k].as_slice());
+            layout(
+                &c.source,
+                new.len(),
+                spec,
+                &inputs,
+                meta.as_ref(),
+                held,
+                block,
+            )
+        }
+
+        const NONE_HELD: [bool; 4] = [false; 4];
+        use In::{New, Old};
+
+        #[test]
+        fn header_edits_and_renames_write_the_header_alone() {
+            let c = case();
+            let l = plan(
+                &c,
+                &[("a", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+                Some("v1"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert!(l.writes.is_empty() && l.inserted == 0 && l.file_len == c.len);
+            assert_eq!(l.summary, "header");
+            let l = plan(
+                &c,
+                &[("z", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert!(l.writes.is_empty() && l.file_len == c.len);
+            assert_eq!(
+                l.layout.tensors.get(0).name,
+                "z",
+                "the renamed tensor keeps its place"
+            );
+        }
+
+        #[test]
+        fn new_bytes_of_a_tensors_size_overwrite_it_where_it_is() {
+            let c = case();
+            let l = plan(
+                &c,
+                &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert_eq!(l.writes.len(), 1);
+            assert_eq!(
+                (l.writes[0].0.at, l.writes[0].0.len),
+                (c.data_start + 16, 32)
+            );
+            assert_eq!(l.summary, "header, 1 tensor overwritten");
+            assert_eq!(l.file_len, c.len);
+            // A new tensor takes the place of a removed one of its size.
+            let l = plan(
+                &c,
+                &[("e", New(16)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.data_start, 16));
+            assert_eq!(l.file_len, c.len);
+        }
+
+        #[test]
+        fn appends_and_tail_drops_change_only_the_end() {
+            let c = case();
+            let l = plan(
+                &c,
+                &[
+                    ("a", Old(0)),
+                    ("b", Old(1)),
+                    ("c", Old(2)),
+                    ("d", Old(3)),
+                    ("e", New(40)),
+                ],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.len, 40));
+            assert_eq!(l.file_len, c.len + 40);
+            assert_eq!(l.summary, "header, 1 tensor appended");
+            let l = plan(
+                &c,
+                &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert!(l.writes.is_empty());
+            assert_eq!(l.file_len, c.len - 8);
+            assert_eq!(l.summary, "header, 1 tensor dropped at the end");
+            // A copy of a tensor goes at the end, copied from where it is.
+            let l = plan(
+                &c,
+                &[
+                    ("a", Old(0)),
+                    ("a2", Old(0)),
+                    ("b", Old(1)),
+                    ("c", Old(2)),
+                    ("d", Old(3)),
+                ],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .unwrap();
+            assert_eq!(l.writes.len(), 1);
+            assert_eq!(
+                l.writes[0].0.from,
+                WriteFrom::Here {
+                    offset: c.data_start
+                }
+            );
+            assert_eq!((l.writes[0].0.at, l.file_len), (c.len, c.len + 16));
+        }
+
+        #[test]
+        fn holes_held_bytes_and_foreign_bytes_are_refused_with_the_reason() {
+            let c = case();
+            let e = plan(
+                &c,
+                &[("a", Old(0)), ("b", Old(1)), ("d", Old(3))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .err()
+            .unwrap();
+            assert!(e.contains("\"c\" leaves a hole"), "{e}");
+            let e = plan(
+                &c,
+                &[("a", Old(0)), ("b", New(8)), ("c", Old(2)), ("d", Old(3))],
+                Some("v0"),
+                &NONE_HELD,
+                None,
+            )
+            .err()
+            .unwrap();
+            assert!(e.contains("\"b\" leaves a hole"), "{e}");
+            let held = [false, true, false, false];
+            let e = plan(
+                &c,
+                &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
+                Some("v0"),
+                &held,
+                None,
+            )
+            .err()
+            .unwrap();
+            assert!(e.contains("still read"), "{e}");
+            // Held bytes at the end are not cut either.
+            let held = [false, false, false, true];
+            let e = plan(
+                &c,
+                &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
+                Some("v0"),
+                &held,
+                None,
+            )
+            .err()
+            .unwrap();
+            assert!(e.contains("still read"), "{e}");
+        }
+
+        #[test]
+        fn a_header_past_its_room_grows_by_whole_blocks_or_is_refused() {
+            let c = case();
+            let big = "x".repeat(600);
+            let all = [("a", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))];
+            let e = plan(&c, &all, Some(&big), &NONE_HELD, None).err().unwrap();
+            assert!(e.contains("cannot insert blocks"), "{e}");
+            let l = plan(&c, &all, Some(&big), &NONE_HELD, Some(4096)).unwrap();
+            // The JSON (about 900 bytes) and room to spare (a quarter of it, at
+            // least 4 KiB), past the 400 there: two blocks.
+            assert_eq!(l.inserted, 8192);
+            assert_eq!(l.file_len, c.len + 8192);
+            assert_eq!(l.summary, "header grown by 8 KiB at the start");
+            assert_eq!(l.layout.header.len() as u64 - PREFIX_LEN, 400 + 8192);
+            // Written: up to the end of the old JSON (moved by the insertion), not
+            // the spaces after it.
+            assert_eq!(l.header_write, 8192 + c.source.header_json_end());
+        }
+    }
 }
