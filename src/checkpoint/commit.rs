@@ -1356,7 +1356,25 @@ impl InPlaceJob {
             .ok()
             .and_then(|_| FileStat::of(&self.file).ok());
         self.source.end_in_place(now.as_ref());
-        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = now;
+        // A commit longer than the lease-break time let a waiting open in
+        // before it ended: that program may have written, so the version
+        // later commits check against is one no file has (they refuse, ESTALE,
+        // unless forced).
+        let landed = match now {
+            Some(st) if !lease.as_ref().is_some_and(Lease::holds) => {
+                warn!(
+                    file = %self.source.path().display(),
+                    "another program's open got past the commit's lease before it ended: the next \
+                     commit is refused unless forced"
+                );
+                Some(FileStat {
+                    mtime: (-1, -1),
+                    ..st
+                })
+            }
+            other => other,
+        };
+        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = landed;
         drop(lease); // opens that waited go on, and see the new file
                      // (A test pauses here to write as another program would.)
         let _ = crate::testpoint::point("in-place:unleased");

@@ -688,3 +688,35 @@ def test_a_lazy_unmount_during_a_commit_lets_it_finish(tmp_path, mount, pauses, 
     wait_for_exit(m.pid, 20)
     assert_checkpoint(src, t, {"k": "v"}, compact=True)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")], "staging left"
+
+
+@ROOT_ONLY
+def test_a_commit_that_outlives_its_lease_makes_the_next_commit_refuse(tmp_path, mount, pauses, run, stfs):
+    """An open that waited past /proc/sys/fs/lease-break-time gets in while the
+    commit still writes: that program may write, so the next commit is refused."""
+    src = tmp_path / "m.safetensors"
+    base(src)
+    knob = "/proc/sys/fs/lease-break-time"
+    saved = open(knob).read().strip()
+    pause = pauses("in-place:data")
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(np.full(8, 4, np.float32).tobytes())
+    try:
+        with open(knob, "w") as f:
+            f.write("1")
+        commit = background(stfs, "commit", m.path)
+        pause.wait("in-place:data", commit)
+        # This open waits a second for the lease, then gets in mid-commit.
+        opened = subprocess.run(["python3", "-c", "import sys; open(sys.argv[1], 'rb').close()", str(src)], timeout=60)
+        assert opened.returncode == 0
+        pause.go("in-place:data")
+        rc, out, err = finished(commit)
+    finally:
+        with open(knob, "w") as f:
+            f.write(saved)
+    assert rc == 0, out + err
+    set_metadata(m, k="v")
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "changed since it was mounted" in p.stderr, p.stdout + p.stderr
+    assert run("commit", "--force", m.path).returncode == 0
