@@ -266,7 +266,6 @@ pub fn layout<'a>(
             (Some(WriteFrom::Here { offset }), _) => WriteFrom::Here {
                 offset: data_start + offset,
             },
-            (Some(f), _) => f.clone(),
             (None, Bytes::Staged(s)) if s.len() == stop - start => {
                 WriteFrom::Staged { file: s.name() }
             }
@@ -1097,6 +1096,10 @@ mod tests {
             (
                 "a new length the header does not describe",
                 Box::new(move |r| r.after_len += 4096),
+            ),
+            (
+                "a file of a length no step of the commit leaves",
+                Box::new(move |r| r.before.len += 1 << 20),
             ),
             (
                 "a staging file shorter than its write",

@@ -237,8 +237,42 @@ mod tests {
             (ACL_OTHER, 0, 0),
         ]);
         assert_eq!(narrow_by_acl(0o100660, &a) & 0o7777, 0o600);
+        // An entry of a kind not known: the owner only.
+        let a = acl(&[(ACL_USER_OBJ, 6, 0), (0x40, 4, 0), (ACL_OTHER, 4, 0)]);
+        assert_eq!(narrow_by_acl(0o100644, &a) & 0o7777, 0o600);
         // Not understood: the owner only.
         assert_eq!(narrow_by_acl(0o100644, b"xx") & 0o7777, 0o600);
+    }
+
+    #[test]
+    fn extended_attributes_are_copied_whatever_their_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, b"x").unwrap();
+        std::fs::write(&b, b"y").unwrap();
+        let from = File::open(&a).unwrap();
+        let big = vec![7u8; 3000];
+        let set = |name: &str, value: &[u8]| {
+            let name = CString::new(name).unwrap();
+            // SAFETY: fsetxattr with a NUL-terminated name and a value buffer.
+            unsafe {
+                libc::fsetxattr(
+                    from.as_raw_fd(),
+                    name.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    0,
+                )
+            }
+        };
+        if set("user.big", &big) != 0 {
+            return; // a filesystem without user xattrs
+        }
+        assert_eq!(set("user.small", b"s"), 0);
+        let to = std::fs::OpenOptions::new().write(true).open(&b).unwrap();
+        assert!(copy_xattrs(&from, &to).is_empty());
+        assert_eq!(get_xattr(&to, "user.big").unwrap(), big);
+        assert_eq!(get_xattr(&to, "user.small").unwrap(), b"s");
     }
 
     #[test]
