@@ -606,19 +606,26 @@ impl Drop for CommitLock {
 /// The home folder of user `uid` in the password database.
 fn home_of(uid: u32) -> Option<PathBuf> {
     let mut buf = vec![0 as libc::c_char; 16384];
-    // SAFETY: zeroed passwd is a valid out-parameter.
-    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: getpwuid_r with an out-parameter, a buffer of its length, and
-    // a result pointer; the strings it sets point into `buf`.
-    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
-    if r != 0 || found.is_null() || pw.pw_dir.is_null() {
-        return None;
+    loop {
+        // SAFETY: zeroed passwd is a valid out-parameter.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: getpwuid_r with an out-parameter, a buffer of its length,
+        // and a result pointer; the strings it sets point into `buf`.
+        let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if r == libc::ERANGE && buf.len() < 1 << 20 {
+            buf.resize(buf.len() * 4, 0);
+            continue;
+        }
+        if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+            return None;
+        }
+        // SAFETY: pw_dir is a NUL-terminated string in `buf`, alive here.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        use std::os::unix::ffi::OsStrExt;
+        let dir = PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes()));
+        return dir.is_absolute().then_some(dir);
     }
-    // SAFETY: pw_dir is a NUL-terminated string in `buf`, alive here.
-    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
-    use std::os::unix::ffi::OsStrExt;
-    Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())))
 }
 
 /// The private folder of commit locks, made 0700 if missing; refused if it
@@ -798,7 +805,8 @@ impl Written {
         let finish = || -> Result<FileStat, CommitError> {
             fill(&file)?;
             use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::Permissions::from_mode(like.mode & 0o7777);
+            // (No set-id bit yet: the file is the daemon user's until chown.)
+            let mode = std::fs::Permissions::from_mode(like.mode & 0o777);
             file.set_permissions(mode).map_err(what)?;
             // SAFETY: geteuid cannot fail.
             if unsafe { libc::geteuid() } == 0 {

@@ -566,14 +566,20 @@ fn recover(s: &Scenario, state: &Model, at: &std::path::Path) -> Result<(), Stri
 #[test]
 fn every_crash_state_of_every_in_place_commit_ends_old_or_new() {
     let dir = tempfile::tempdir().expect("temp");
-    if crate::source::local::inserts_blocks(&File::open(dir.path()).expect("open")) != Some(BLOCK) {
-        eprintln!("skipped: this filesystem cannot insert blocks (the grown-header scenario needs ext4 or XFS)");
-        return;
-    }
+    let inserts =
+        crate::source::local::inserts_blocks(&File::open(dir.path()).expect("open")) == Some(BLOCK);
     let long = std::env::var_os("STFS_EXPLORE_LONG").is_some();
     let mut report = Vec::new();
     let mut problems = Vec::new();
     for s in scenarios() {
+        if s.record.inserted > 0 && !inserts {
+            // (tmpfs, btrfs: the grown-header scenario needs ext4 or XFS.)
+            report.push(format!(
+                "{}: skipped, the temp folder cannot insert blocks",
+                s.name
+            ));
+            continue;
+        }
         let (tried, found) = explore(&s, long);
         report.push(format!("{}: {tried} crash states", s.name));
         problems.extend(found);

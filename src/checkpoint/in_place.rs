@@ -862,14 +862,32 @@ impl InPlaceRecord {
                 0,
             )?))
         };
-        let staged_len =
-            |name: &str| -> std::io::Result<u64> { Ok(open_staged(name)?.metadata()?.len()) };
+        let mut on_disk = vec![0u8; header.len()];
+        let got = file.read_at(&mut on_disk, 0).map_err(io)?;
+        let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
+        // All written, the prefix too: only the time is missing (its
+        // staging files are not needed any more).
+        let only_time = !marked
+            && started
+            && got == header.len()
+            && on_disk == header
+            && st.len == self.after_len;
+        // Nothing changes the file before its marker: without it and as it
+        // was, the commit had not started.
+        let unchanged = !marked && st.len == self.before.len && st.mtime == self.before.mtime;
+        let staged_len = |name: &str| -> std::io::Result<u64> {
+            match only_time {
+                true => Ok(u64::MAX),
+                false => Ok(open_staged(name)?.metadata()?.len()),
+            }
+        };
         self.check(&header, st.len, &staged_len).map_err(|why| {
-            let state = match marked {
-                true => {
-                    "the file is left as it is (every reader refuses it) and the record is kept"
-                }
-                false => "the file is left as it is (no step of the commit had begun on it)",
+            let state = if marked {
+                "the file is left as it is (every reader refuses it) and the record is kept"
+            } else if unchanged {
+                "the file is left as it is (no step of the commit had begun on it)"
+            } else {
+                "the file is left as it is"
             };
             format!(
                 "{}: the record of an interrupted in-place commit does not hold ({why}): not \
@@ -878,25 +896,13 @@ impl InPlaceRecord {
                 dir.path.display()
             )
         })?;
-        let mut on_disk = vec![0u8; header.len()];
-        let got = file.read_at(&mut on_disk, 0).map_err(io)?;
-        let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
-        if !marked
-            && started
-            && got == header.len()
-            && on_disk == header
-            && st.len == self.after_len
-        {
-            // All written, the prefix too: only the time is missing.
+        if only_time {
             self.finish_time(&file).map_err(io)?;
             return Ok(Some(format!(
                 "{}: completed a commit that was interrupted (written in place)",
                 path.display()
             )));
         }
-        // Nothing changes the file before its marker: without it and as it
-        // was, the commit had not started.
-        let unchanged = !marked && st.len == self.before.len && st.mtime == self.before.mtime;
         if !(marked || unchanged) {
             return Err(format!(
                 "{}: changed by another program since an in-place commit of it was interrupted: \
@@ -912,7 +918,8 @@ impl InPlaceRecord {
             collapse: &collapse,
             dir,
             retire: &|_| {},
-            fresh: unchanged,
+            // (A record of a version that did not keep the old prefix cannot put it back.)
+            fresh: unchanged && self.old_prefix != 0,
         };
         self.apply(&file, &header, &steps)
             .map_err(|e| io(e.error))?;

@@ -349,7 +349,64 @@ mod tests {
             b"theirs",
             "their file was replaced"
         );
-        assert!(tmp.exists(), "the commit's file is left beside it");
+        let kept = dir.path().join(".a.safetensors.stfs-kept-0");
+        assert_eq!(
+            std::fs::read(&kept).unwrap(),
+            b"new a",
+            "the commit's file is kept aside"
+        );
+        // Kept from the cleanup of dead daemons' temp files too.
+        remove_dead_temps(&folder, &[OsStr::new("a.safetensors")]);
+        assert!(kept.exists() && !tmp.exists());
+    }
+
+    #[test]
+    fn a_swap_interrupted_before_its_check_gives_another_programs_file_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = Arc::new(Folder::open(dir.path()).unwrap());
+        let target = dir.path().join("a.safetensors");
+        std::fs::write(&target, b"mapped a").unwrap();
+        let mapped = file_stat(&target);
+        let keep_mapped = dir.path().join("mapped-elsewhere"); // (its inode stays taken)
+        std::fs::hard_link(&target, &keep_mapped).unwrap();
+        std::fs::remove_file(&target).unwrap();
+        std::fs::write(&target, b"theirs").unwrap();
+        let tmp = dir.path().join(".a.safetensors.stfs-tmp-1-1");
+        std::fs::write(&tmp, b"new a").unwrap();
+        let new = file_stat(&tmp);
+        // Crashed just after the swap: theirs under the temp name, ours at the target.
+        folder
+            .exchange(
+                OsStr::new(".a.safetensors.stfs-tmp-1-1"),
+                OsStr::new("a.safetensors"),
+            )
+            .unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"new a");
+        {
+            let staging = StagingDir::create(folder.clone(), "f").unwrap();
+            Renames {
+                commit: 7,
+                in_place: Vec::new(),
+                files: vec![PendingRename {
+                    folder: std::fs::canonicalize(dir.path()).unwrap(),
+                    tmp: ".a.safetensors.stfs-tmp-1-1".into(),
+                    target: "a.safetensors".into(),
+                    stat: new,
+                    replaces: Some(mapped),
+                }],
+            }
+            .write(&staging)
+            .unwrap();
+        }
+        finish_renames(&folder, "f");
+        remove_dead_temps(&folder, &[OsStr::new("a.safetensors")]);
+        assert_eq!(
+            std::fs::read(&target).unwrap(),
+            b"theirs",
+            "their file was not given back"
+        );
+        let kept = dir.path().join(".a.safetensors.stfs-kept-0");
+        assert_eq!(std::fs::read(kept).unwrap(), b"new a");
     }
 
     fn file_stat(path: &std::path::Path) -> crate::source::FileStat {

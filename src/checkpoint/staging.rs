@@ -202,30 +202,46 @@ impl Renames {
             let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
                 continue; // renamed already
             };
-            if st.st_ino != r.stat.ino || st.st_dev != r.stat.dev || st.st_size as u64 != r.stat.len
-            {
-                warn!(
-                    file = r.tmp,
-                    "not the file the interrupted commit wrote: left alone"
-                );
+            let is = |t: &libc::stat, f: &FileStat, mtime: bool| {
+                (t.st_dev, t.st_ino, t.st_size as u64) == (f.dev, f.ino, f.len)
+                    && (!mtime || (t.st_mtime, t.st_mtime_nsec) == f.mtime)
+            };
+            // (Length and time too: an inode number is given again once freed.)
+            let target_is_mapped = |folder: &Folder| {
+                r.replaces.is_none_or(|expected| {
+                    folder
+                        .stat_at(OsStr::new(&r.target))
+                        .is_ok_and(|t| is(&t, &expected, true))
+                })
+            };
+            if !is(&st, &r.stat, false) {
+                // The swap was done: the target is the new file, and the temp
+                // name holds what the target was. If that is not the file the
+                // commit mapped (another program's, which the swap back would
+                // have given back), it is given back now.
+                let landed = folder
+                    .stat_at(OsStr::new(&r.target))
+                    .is_ok_and(|t| is(&t, &r.stat, false));
+                let theirs = r.replaces.is_some_and(|expected| !is(&st, &expected, true));
+                if landed
+                    && theirs
+                    && folder
+                        .exchange(OsStr::new(&r.tmp), OsStr::new(&r.target))
+                        .is_ok()
+                {
+                    let _ = folder.sync();
+                    keep_aside(&folder, r);
+                } else {
+                    warn!(
+                        file = r.tmp,
+                        "not the file the interrupted commit wrote: left alone"
+                    );
+                }
                 continue;
             }
-            if let Some(expected) = r.replaces {
-                // (Length and time too: an inode number is given again once freed.)
-                let same = folder.stat_at(OsStr::new(&r.target)).is_ok_and(|t| {
-                    (t.st_dev, t.st_ino, t.st_size as u64)
-                        == (expected.dev, expected.ino, expected.len)
-                        && (t.st_mtime, t.st_mtime_nsec) == expected.mtime
-                });
-                if !same {
-                    warn!(
-                        file = r.target,
-                        "changed by another program since the interrupted commit: left as it is \
-                         (the commit's new file stays beside it, as {})",
-                        r.tmp
-                    );
-                    continue;
-                }
+            if !target_is_mapped(&folder) {
+                keep_aside(&folder, r);
+                continue;
             }
             match folder.rename(OsStr::new(&r.tmp), OsStr::new(&r.target)) {
                 Ok(()) => {
@@ -236,6 +252,34 @@ impl Renames {
             }
         }
         done
+    }
+}
+
+/// The new file of an interrupted commit whose target another program
+/// replaced since: renamed `.<target>.stfs-kept-<commit>-<n>` (which the
+/// cleanup of temp files leaves alone), and said.
+fn keep_aside(folder: &Folder, r: &PendingRename) {
+    for n in 0..16 {
+        let kept = format!(".{}.stfs-kept-{}", r.target, n);
+        match folder.rename_noreplace(OsStr::new(&r.tmp), OsStr::new(&kept)) {
+            Ok(()) => {
+                let _ = folder.sync();
+                warn!(
+                    file = r.target,
+                    "changed by another program since the interrupted commit: left as it is; the \
+                     commit's new file is kept beside it, as {kept}"
+                );
+                return;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+            Err(e) => {
+                warn!(
+                    file = r.tmp,
+                    "keeping the new file of an interrupted commit aside: {e}"
+                );
+                return;
+            }
+        }
     }
 }
 

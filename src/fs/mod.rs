@@ -496,9 +496,15 @@ impl State {
                 .open_file(std::ffi::OsStr::new(&ix.name), flags, 0)
                 .ok()
         });
-        match now {
-            Some(file) => crate::source::access::owner_now(&file, &ix.stat),
-            None => ix.stat,
+        let Some(file) = now else {
+            return ix.stat;
+        };
+        let current = crate::source::access::owner_now(&file, &ix.stat);
+        match FileStat::of(&file) {
+            // Still the file whose bytes are shown.
+            Ok(st) if (st.dev, st.ino) == (ix.stat.dev, ix.stat.ino) => current,
+            // Replaced since: those bytes go to whoever may read both.
+            _ => crate::source::access::narrowest(&[ix.stat, current]).expect("two"),
         }
     }
 
@@ -2423,7 +2429,6 @@ impl Shards for State {
     }
 }
 
-/// An index file's attributes (read-only, its own owner and mode), with `size`.
 /// Serves `size` bytes of a view at `offset` (computed now).
 fn read_view<R>(
     file: &GeneratedFile,
