@@ -256,7 +256,8 @@ def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(
 
 # Row 3 -------------------------------------------------------------------
 
-@pytest.mark.parametrize("tamper", ["offset past the end", "record cut short", "a path for a name"])
+@pytest.mark.parametrize("tamper", ["offset past the end", "record cut short", "a path for a name",
+                                    "a staging file gone"])
 def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch, tamper):
     src = tmp_path / "m.safetensors"
     base(src)
@@ -277,6 +278,8 @@ def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch
     elif tamper == "a path for a name":
         r["in_place"][0]["writes"][0]["from"] = {"Staged": {"file": "../../etc/passwd"}}
         record.write_text(json.dumps(r))
+    elif tamper == "a staging file gone":
+        os.unlink(staging / r["in_place"][0]["writes"][0]["from"]["Staged"]["file"])
     else:
         record.write_bytes(record.read_bytes()[:40])
     damaged = src.read_bytes()
