@@ -230,25 +230,17 @@ impl Transactions {
             }
             let writes = options.compact || st.lives().any(Live::is_dirty);
             // Two shard names of one file: a commit of either writes the other.
+            // With an index, a tensor in two shards too (without one, the
+            // files of a folder are independent).
             if let Some(folder) = st.folder().filter(|_| writes) {
-                let shards = (0..st.count())
-                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
-                let problems = one_file_shards(shards);
-                if !problems.is_empty() {
-                    let e = CommitError::Refused {
-                        file: folder.path.clone(),
-                        problems,
-                    };
-                    warn!("commit refused: {e}");
-                    return Err(e);
+                let shards = || {
+                    (0..st.count())
+                        .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
+                };
+                let mut problems = one_file_shards(shards());
+                if st.indexes().next().is_some() {
+                    problems.extend(in_two_shards(shards()));
                 }
-            }
-            // (Without an index, the files of a folder are independent.)
-            let indexed = st.indexes().next().is_some();
-            if let Some(folder) = st.folder().filter(|_| writes && indexed) {
-                let shards = (0..st.count())
-                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
-                let problems = in_two_shards(shards);
                 if !problems.is_empty() {
                     let e = CommitError::Refused {
                         file: folder.path.clone(),

@@ -586,33 +586,29 @@ impl SourceFile {
     /// of this file is in flight; reads after it find their bytes `len`
     /// further on.
     pub fn insert_at_start(&self, len: u64) -> std::io::Result<()> {
-        let Origin::Local { file, version, .. } = &self.origin else {
-            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
-        };
-        let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
-        insert_range(file, len)?;
-        // The bytes moved: until they are mapped again, no read may go on.
-        view.shift += len;
-        // SAFETY: as in `open`.
-        match unsafe { Mmap::map(&**file) } {
-            Ok(map) => view.map = map,
-            Err(e) => {
-                version.broken.store(true, Ordering::SeqCst);
-                return Err(e);
-            }
-        }
-        Ok(())
+        self.shift_start(|file| insert_range(file, len), len as i64)
     }
 
     /// Takes back `insert_at_start(len)` (the blocks for the grown header
     /// could not be had): the bytes move back and are mapped again.
     pub fn collapse_at_start(&self, len: u64) -> std::io::Result<()> {
+        self.shift_start(|file| collapse_range(file, len), -(len as i64))
+    }
+
+    /// Moves the file's bytes by `by` with `shift` (no read in flight), and
+    /// maps it again.
+    fn shift_start(
+        &self,
+        shift: impl FnOnce(&File) -> std::io::Result<()>,
+        by: i64,
+    ) -> std::io::Result<()> {
         let Origin::Local { file, version, .. } = &self.origin else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
         let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
-        collapse_range(file, len)?;
-        view.shift -= len;
+        shift(file)?;
+        // The bytes moved: until they are mapped again, no read may go on.
+        view.shift = view.shift.wrapping_add_signed(by);
         // SAFETY: as in `open`.
         match unsafe { Mmap::map(&**file) } {
             Ok(map) => view.map = map,

@@ -256,19 +256,27 @@ def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(
 
 # Row 3 -------------------------------------------------------------------
 
-@pytest.mark.parametrize("tamper", ["offset past the end", "record cut short", "a path for a name",
-                                    "a staging file gone"])
-def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch, tamper):
+def killed_mid_commit(tmp_path, mount, run, monkeypatch):
+    """A checkpoint whose in-place commit (tensor "a" overwritten) was killed
+    halfway (STFS_CRASH_AT=in-place:data): (source, its tensors, a's new value)."""
     src = tmp_path / "m.safetensors"
-    base(src)
+    t = base(src)
     monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
     m = mount(src)
     monkeypatch.delenv("STFS_CRASH_AT")
+    new_a = np.full(8, 5, np.float32)
     with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(np.full(8, 3, np.float32).tobytes())
+        f.write(new_a.tobytes())
     assert run("commit", m.path).returncode != 0  # the daemon died mid-commit
     m.close()
     assert refused_by_readers(src)
+    return src, t, new_a
+
+
+@pytest.mark.parametrize("tamper", ["offset past the end", "record cut short", "a path for a name",
+                                    "a staging file gone"])
+def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch, tamper):
+    src, _, _ = killed_mid_commit(tmp_path, mount, run, monkeypatch)
     [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
     record = staging / "commit.json"
     r = json.loads(record.read_text())
@@ -576,17 +584,7 @@ def test_set_id_bits_are_kept_by_an_in_place_commit(tmp_path, mount, run, stfs):
 
 @pytest.mark.parametrize("step", ["in-place:write", "in-place:header", "in-place:sync", "in-place:mark"])
 def test_a_recovery_that_fails_keeps_its_record_and_the_next_mount_completes_it(tmp_path, mount, run, monkeypatch, step):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
-    m = mount(src)
-    monkeypatch.delenv("STFS_CRASH_AT")
-    new_a = np.full(8, 5, np.float32)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(new_a.tobytes())
-    assert run("commit", m.path).returncode != 0  # the daemon died mid-commit
-    m.close()
-    assert refused_by_readers(src)
+    src, t, new_a = killed_mid_commit(tmp_path, mount, run, monkeypatch)
     # The next mount's completion fails at `step`: it says why, keeps the record, and
     # the file stays refused.
     monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
