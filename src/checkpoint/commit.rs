@@ -1470,6 +1470,9 @@ impl CommitPlan {
                 gid: now.gid,
                 ..*self.source.stat()
             };
+            let mut old_header = vec![0u8; (crate::format::PREFIX_LEN + old_prefix) as usize];
+            file.read_exact_at(&mut old_header, 0)
+                .map_err(io_err(self.source.path().display().to_string()))?;
             let mut record = InPlaceRecord {
                 folder: folder.path.clone(),
                 name: self.source.file_name().to_string_lossy().into_owned(),
@@ -1481,6 +1484,7 @@ impl CommitPlan {
                 inserted: layout.inserted,
                 header_write: layout.header_write,
                 writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
+                old_header_sum: in_place::sha256_hex(&[&old_header]),
                 sum: String::new(),
             };
             record.seal(&self.layout.header);

@@ -46,15 +46,17 @@ enum Op {
     Insert(u64),
     Collapse(u64),
     Mtime((i64, i64)),
-    /// fsync, fdatasync: what was issued before is on disk.
+    /// fdatasync: the bytes issued before are on disk (the time need not be).
     Sync,
+    /// fsync: the bytes and the time.
+    SyncAll,
     /// The insertion's record made durable in the staging folder.
     Flag,
 }
 
 impl Op {
     fn is_barrier(&self) -> bool {
-        matches!(self, Op::Sync | Op::Flag)
+        matches!(self, Op::Sync | Op::SyncAll | Op::Flag)
     }
 }
 
@@ -88,7 +90,7 @@ impl Model {
                 self.bytes.drain(..*n as usize);
             }
             Op::Mtime(t) => self.mtime = *t,
-            Op::Sync => {}
+            Op::Sync | Op::SyncAll => {}
             Op::Flag => self.flag = true,
         }
     }
@@ -142,7 +144,7 @@ impl FileOps for Recorder {
         Ok(())
     }
     fn sync_all(&self) -> std::io::Result<()> {
-        self.push(Op::Sync);
+        self.push(Op::SyncAll);
         Ok(())
     }
     fn mode(&self) -> std::io::Result<u32> {
@@ -226,6 +228,7 @@ fn record(old: &[u8], new: &[u8], inserted: u64, writes: Vec<RangeWrite>) -> InP
         inserted,
         header_write: 0,
         writes,
+        old_header_sum: super::in_place::sha256_hex(&[&old[..(PREFIX_LEN + old_prefix) as usize]]),
         sum: String::new(),
     }
 }
@@ -345,6 +348,15 @@ fn crash_states(old: &Model, ops: &[Op], long: bool) -> Vec<(String, Model)> {
         );
         let mut base = old.clone();
         ops[..durable].iter().for_each(|op| base.apply(op));
+        // The time on disk for sure: as of the last fsync (fdatasync may
+        // leave a write's new time behind, and a later one may be there).
+        let mut timed = old.clone();
+        let synced = ops[..k].iter().rposition(|op| matches!(op, Op::SyncAll));
+        ops[..synced.map_or(0, |s| s + 1)]
+            .iter()
+            .for_each(|op| timed.apply(op));
+        let mut latest = old.clone();
+        ops[..k].iter().for_each(|op| latest.apply(op));
         for mask in 0u32..(1 << window.len()) {
             let chosen: Vec<usize> = (0..window.len())
                 .filter(|j| mask & (1 << j) != 0)
@@ -379,11 +391,21 @@ fn crash_states(old: &Model, ops: &[Op], long: bool) -> Vec<(String, Model)> {
             for (what, v) in variants {
                 let mut state = base.clone();
                 v.iter().for_each(|op| state.apply(op));
-                if seen.insert(state.clone()) {
-                    let desc = format!(
-                        "crash after op {k} ({durable} durable, then ops {chosen:?}{what})"
-                    );
-                    states.push((desc, state));
+                let mut untimed = state.clone();
+                untimed.mtime = timed.mtime;
+                let mut ahead = state.clone();
+                ahead.mtime = latest.mtime;
+                for (state, when) in [
+                    (state, ""),
+                    (untimed, ", the time of the last fsync"),
+                    (ahead, ", the time of the last write"),
+                ] {
+                    if seen.insert(state.clone()) {
+                        let desc = format!(
+                            "crash after op {k} ({durable} durable, then ops {chosen:?}{what}{when})"
+                        );
+                        states.push((desc, state));
+                    }
                 }
             }
         }

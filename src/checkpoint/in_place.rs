@@ -403,6 +403,12 @@ pub struct InPlaceRecord {
     #[serde(default)]
     pub header_write: u64,
     pub writes: Vec<RangeWrite>,
+    /// SHA-256 (hex) of the file's first `8 + old_prefix` bytes before the
+    /// commit (its old header): a file whose time changed but whose old
+    /// header is intact and unmarked is one the commit had not yet changed
+    /// (its first write's new time reached the disk, its bytes did not).
+    #[serde(default)]
+    pub old_header_sum: String,
     /// SHA-256 (hex) of the record (with this field empty) and of its header
     /// file: a record changed or cut short since it was made is not applied.
     #[serde(default)]
@@ -503,14 +509,16 @@ impl InPlaceRecord {
             sum: String::new(),
             ..self.clone()
         };
-        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-        ctx.update(&serde_json::to_vec(&unsealed).unwrap_or_default());
-        ctx.update(header);
-        ctx.finish()
-            .as_ref()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        sha256_hex(&[&serde_json::to_vec(&unsealed).unwrap_or_default(), header])
+    }
+
+    /// Whether `file` still begins with the old header the record names.
+    fn old_header_intact(&self, file: &File) -> bool {
+        if self.old_header_sum.is_empty() {
+            return false;
+        }
+        let mut old = vec![0u8; (PREFIX_LEN + self.old_prefix) as usize];
+        file.read_exact_at(&mut old, 0).is_ok() && sha256_hex(&[&old]) == self.old_header_sum
     }
 
     /// Seals the record with its header (`sum`).
@@ -865,16 +873,23 @@ impl InPlaceRecord {
         let mut on_disk = vec![0u8; header.len()];
         let got = file.read_at(&mut on_disk, 0).map_err(io)?;
         let started = marked || (st.len, st.mtime) != (self.before.len, self.before.mtime);
+        // The old header, intact and unmarked: the marker's write may have
+        // reached the disk as a new time without its bytes.
+        let old_header = !marked && self.old_header_intact(&file);
         // All written, the prefix too: only the time is missing (its
-        // staging files are not needed any more).
+        // staging files are not needed any more). Not when the new header is
+        // the old one (a same-size overwrite): then the data may not be
+        // written, and the commit is done again.
         let only_time = !marked
             && started
             && got == header.len()
             && on_disk == header
-            && st.len == self.after_len;
+            && st.len == self.after_len
+            && !old_header;
         // Nothing changes the file before its marker: without it and as it
         // was, the commit had not started.
-        let unchanged = !marked && st.len == self.before.len && st.mtime == self.before.mtime;
+        let unchanged =
+            !marked && st.len == self.before.len && (st.mtime == self.before.mtime || old_header);
         let staged_len = |name: &str| -> std::io::Result<u64> {
             match only_time {
                 true => Ok(u64::MAX),
@@ -929,6 +944,17 @@ impl InPlaceRecord {
             path.display()
         )))
     }
+}
+
+/// SHA-256 of the parts, in hex.
+pub fn sha256_hex(parts: &[&[u8]]) -> String {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    parts.iter().for_each(|p| ctx.update(p));
+    ctx.finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Allocates the blocks of `len` bytes at `at` without changing the size
@@ -1003,6 +1029,7 @@ mod tests {
             inserted: 4096,
             header_write: 0,
             writes: Vec::new(),
+            old_header_sum: sha256_hex(&[&old]),
             sum: String::new(),
         };
         record.seal(&header);
