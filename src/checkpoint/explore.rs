@@ -503,7 +503,30 @@ fn explore(s: &Scenario, long: bool) -> (usize, Vec<String>) {
         mtime: BEFORE,
         flag: false,
     };
-    let states = crash_states(&old, &ops, long);
+    let mut states = crash_states(&old, &ops, long);
+    // Crashes during recovery: from each state whose recovery redoes the
+    // commit (the marker on disk), recovery's own operations are recorded
+    // and every state a crash in them may leave is checked the same way.
+    let mut nested = Vec::new();
+    for (desc, state) in &states {
+        if !crate::format::interrupted_in_place(state.bytes.len() as u64, |b, p| {
+            let p = p as usize;
+            let n = b.len().min(state.bytes.len().saturating_sub(p));
+            b[..n].copy_from_slice(&state.bytes[p..p + n]);
+            Ok(n)
+        }) {
+            continue;
+        }
+        match recovery_ops(s, state, &staging) {
+            Ok(ops) => {
+                for (d, st) in crash_states(state, &ops, long) {
+                    nested.push((format!("{desc}, then in recovery: {d}"), st));
+                }
+            }
+            Err(why) => problems.push(format!("{}: {desc}: recording recovery: {why}", s.name)),
+        }
+    }
+    states.extend(nested);
     for (n, (desc, state)) in states.iter().enumerate() {
         let what = |why: String| format!("{}: {desc}: {why}", s.name);
         // What a reader sees before any recovery.
@@ -519,6 +542,52 @@ fn explore(s: &Scenario, long: bool) -> (usize, Vec<String>) {
         }
     }
     (states.len(), problems)
+}
+
+/// The operations recovery does from a marked `state` (it redoes the
+/// commit, `fresh` false), recorded. `staging` holds the record's files; the
+/// insertion's note is there if the state has it.
+fn recovery_ops(s: &Scenario, state: &Model, staging: &std::path::Path) -> Result<Vec<Op>, String> {
+    let flag = staging.join(format!("{}.inserted", s.record.header_file));
+    match state.flag {
+        true => std::fs::write(&flag, b"").map_err(|e| e.to_string())?,
+        false => {
+            let _ = std::fs::remove_file(&flag);
+        }
+    }
+    let rec = Recorder {
+        model: RefCell::new(state.clone()),
+        mode: RefCell::new(0o100644),
+        log: RefCell::new(Vec::new()),
+    };
+    let folder = Folder::open(staging).map_err(|e| e.to_string())?;
+    let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
+        Ok(Arc::new(File::open(staging.join(name))?))
+    };
+    let insert = |n| {
+        rec.push(Op::Insert(n));
+        Ok(())
+    };
+    let collapse = |n| {
+        rec.push(Op::Collapse(n));
+        Ok(())
+    };
+    let steps = Steps {
+        open_staged: &open_staged,
+        insert: &insert,
+        collapse: &collapse,
+        dir: &folder,
+        retire: &|_| {},
+        fresh: false,
+    };
+    let result = s.record.apply(&rec, &s.header, &steps);
+    let _ = std::fs::remove_file(&flag);
+    result.map_err(|e| e.error.to_string())?;
+    if rec.model.borrow().bytes != s.new {
+        return Err("recovery does not end with the new file".into());
+    }
+    let ops = rec.log.borrow().clone();
+    Ok(ops)
 }
 
 /// Lays `state` out on disk with the record, runs recovery twice, and checks the outcome.

@@ -611,6 +611,19 @@ impl InPlaceRecord {
         format!("{}.inserted", self.header_file)
     }
 
+    /// Notes durably in the staging folder that the insertion is done.
+    fn record_inserted(&self, file: &dyn FileOps, dir: &Folder) -> std::io::Result<()> {
+        dir.open_file(
+            OsStr::new(&self.inserted_flag()),
+            libc::O_WRONLY | libc::O_CREAT,
+            0o600,
+        )
+        .and_then(|f| f.sync_all())
+        .and_then(|()| dir.sync())?;
+        file.inserted_recorded();
+        Ok(())
+    }
+
     /// Whether the bytes were inserted at the start already: recorded so
     /// once the insertion was durable, or (a crash between the two) the
     /// file is longer by them, which nothing before the insertion makes it.
@@ -650,6 +663,21 @@ impl InPlaceRecord {
         };
         let inserted =
             self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
+        // Inserted, as the file's length says, but not yet noted (a crash in
+        // between): noted now, before anything changes the length again (an
+        // append), which would hide it and have the next recovery insert twice.
+        if inserted
+            && steps
+                .dir
+                .stat_at(OsStr::new(&self.inserted_flag()))
+                .is_err()
+        {
+            self.record_inserted(file, steps.dir)
+                .map_err(|e| ApplyError {
+                    marked: !steps.fresh,
+                    error: e,
+                })?;
+        }
         // The marker first: nothing changes the file before it (its
         // modification time included), so a file without it is old or new.
         let marked = point("in-place:mark")
@@ -710,14 +738,7 @@ impl InPlaceRecord {
                 return Err(after(e));
             }
             point("in-place:inserted").map_err(after)?;
-            let flag = self.inserted_flag();
-            steps
-                .dir
-                .open_file(OsStr::new(&flag), libc::O_WRONLY | libc::O_CREAT, 0o600)
-                .and_then(|f| f.sync_all())
-                .and_then(|()| steps.dir.sync())
-                .map_err(after)?;
-            file.inserted_recorded();
+            self.record_inserted(file, steps.dir).map_err(after)?;
             file.write_at(&IN_PLACE_MARKER, 0).map_err(after)?;
             file.sync_data().map_err(after)?;
         }
