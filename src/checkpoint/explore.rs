@@ -456,40 +456,15 @@ fn explore(s: &Scenario, long: bool) -> (usize, Vec<String>) {
         std::fs::write(staging.join(name), data).expect("staged");
     }
     // The commit as the mount runs it, recorded.
-    let rec = Recorder {
-        model: RefCell::new(Model {
-            bytes: s.old.clone(),
-            mtime: BEFORE,
-            flag: false,
-        }),
-        mode: RefCell::new(0o100644),
-        log: RefCell::new(Vec::new()),
+    let start = Model {
+        bytes: s.old.clone(),
+        mtime: BEFORE,
+        flag: false,
     };
-    let folder = Folder::open(&staging).expect("staging folder");
-    let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
-        Ok(Arc::new(File::open(staging.join(name))?))
-    };
-    let insert = |n| {
-        rec.push(Op::Insert(n));
-        Ok(())
-    };
-    let collapse = |n| {
-        rec.push(Op::Collapse(n));
-        Ok(())
-    };
-    let steps = Steps {
-        open_staged: &open_staged,
-        insert: &insert,
-        collapse: &collapse,
-        dir: &folder,
-        retire: &|_| {},
-        fresh: true,
-    };
-    if s.record.apply(&rec, &s.header, &steps).is_err() {
+    let Ok((done, ops)) = record_apply(s, &start, &staging, true) else {
         return (0, vec![format!("{}: the recorded commit failed", s.name)]);
-    }
-    let _ = std::fs::remove_file(staging.join(format!("{}.inserted", s.record.header_file)));
-    let done = rec.model.borrow().clone();
+    };
+
     let mut problems = Vec::new();
     if done.bytes != s.new || done.mtime != AFTER {
         problems.push(format!(
@@ -497,7 +472,6 @@ fn explore(s: &Scenario, long: bool) -> (usize, Vec<String>) {
             s.name
         ));
     }
-    let ops = rec.log.borrow().clone();
     let old = Model {
         bytes: s.old.clone(),
         mtime: BEFORE,
@@ -544,19 +518,25 @@ fn explore(s: &Scenario, long: bool) -> (usize, Vec<String>) {
     (states.len(), problems)
 }
 
-/// The operations recovery does from a marked `state` (it redoes the
-/// commit, `fresh` false), recorded. `staging` holds the record's files; the
-/// insertion's note is there if the state has it.
-fn recovery_ops(s: &Scenario, state: &Model, staging: &std::path::Path) -> Result<Vec<Op>, String> {
+/// Runs the commit from `start` against a recorder (`fresh`: as the mount
+/// does; else as recovery redoes it): the model it ends with, and its
+/// operations. `staging` holds the record's files; the insertion's note is
+/// there if `start` has it, and is taken away after.
+fn record_apply(
+    s: &Scenario,
+    start: &Model,
+    staging: &std::path::Path,
+    fresh: bool,
+) -> Result<(Model, Vec<Op>), String> {
     let flag = staging.join(format!("{}.inserted", s.record.header_file));
-    match state.flag {
+    match start.flag {
         true => std::fs::write(&flag, b"").map_err(|e| e.to_string())?,
         false => {
             let _ = std::fs::remove_file(&flag);
         }
     }
     let rec = Recorder {
-        model: RefCell::new(state.clone()),
+        model: RefCell::new(start.clone()),
         mode: RefCell::new(0o100644),
         log: RefCell::new(Vec::new()),
     };
@@ -578,18 +558,25 @@ fn recovery_ops(s: &Scenario, state: &Model, staging: &std::path::Path) -> Resul
         collapse: &collapse,
         dir: &folder,
         retire: &|_| {},
-        fresh: false,
+        fresh,
     };
     let result = s.record.apply(&rec, &s.header, &steps);
     let _ = std::fs::remove_file(&flag);
     result.map_err(|e| e.error.to_string())?;
-    if rec.model.borrow().bytes != s.new {
-        return Err("recovery does not end with the new file".into());
-    }
+    let done = rec.model.borrow().clone();
     let ops = rec.log.borrow().clone();
-    Ok(ops)
+    Ok((done, ops))
 }
 
+/// The operations recovery does from a marked `state` (it redoes the
+/// commit), recorded; it must end with the new file.
+fn recovery_ops(s: &Scenario, state: &Model, staging: &std::path::Path) -> Result<Vec<Op>, String> {
+    let (done, ops) = record_apply(s, state, staging, false)?;
+    if done.bytes != s.new {
+        return Err("recovery does not end with the new file".into());
+    }
+    Ok(ops)
+}
 /// Lays `state` out on disk with the record, runs recovery twice, and checks the outcome.
 fn recover(s: &Scenario, state: &Model, at: &std::path::Path) -> Result<(), String> {
     std::fs::create_dir(at).map_err(|e| e.to_string())?;

@@ -274,7 +274,7 @@ fn read_cast(
     out: &mut [u8],
 ) -> std::io::Result<()> {
     if from == to {
-        return read_exact(bytes, offset, out);
+        return bytes.read_exact_at(offset, out);
     }
     let (a, b) = (from.bits() / 8, to.bits() / 8);
     // The elements that hold the bytes asked for, in chunks.
@@ -308,7 +308,7 @@ fn cast_chunks(
     while e < last {
         let n = (last - e).min(chunk);
         let src = &mut src[..(n * a) as usize];
-        read_exact(bytes, e * a, src)?;
+        bytes.read_exact_at(e * a, src)?;
         let dst = &mut dst[..(n * b) as usize];
         convert(from, to, src, dst);
         // The part of these elements' bytes that was asked for.
@@ -317,30 +317,6 @@ fn cast_chunks(
         out[(lo - offset) as usize..(hi - offset) as usize]
             .copy_from_slice(&dst[(lo - e * b) as usize..(hi - e * b) as usize]);
         e += n;
-    }
-    Ok(())
-}
-
-fn read_exact(bytes: &Bytes, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-    if let Bytes::Source(s, i) = bytes {
-        if s.file().is_some() {
-            // Read from the file, not copied out of its mapping: a source cut
-            // short behind the mount gives EIO here, where a copy from the
-            // mapping would kill the daemon (SIGBUS).
-            return s.read_tensor_exact(*i as usize, offset, out);
-        }
-    }
-    let mut done = 0;
-    while done < out.len() {
-        let want = (out.len() - done).min(u32::MAX as usize) as u32;
-        let got = bytes.read(offset + done as u64, want, |b| {
-            out[done..done + b.len()].copy_from_slice(b);
-            b.len()
-        })?;
-        if got == 0 {
-            return Err(std::io::Error::from_raw_os_error(libc::EIO));
-        }
-        done += got;
     }
     Ok(())
 }

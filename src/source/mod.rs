@@ -85,17 +85,35 @@ impl Bytes {
     }
 
     /// All the bytes, copied (small files: a data file renamed onto a meta).
-    /// A local source's are read with pread, never copied out of the mapping
-    /// in the daemon (a file cut short behind the mount: EIO, not SIGBUS).
     pub fn to_vec(&self) -> std::io::Result<Vec<u8>> {
-        match self {
-            Bytes::Source(s, i) if s.file().is_some() => {
-                let mut out = vec![0u8; self.len() as usize];
-                s.read_tensor_exact(*i as usize, 0, &mut out)?;
-                Ok(out)
+        let mut out = vec![0u8; self.len() as usize];
+        self.read_exact_at(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Fills `out` with the bytes at `offset` (EIO past the end). A local
+    /// source's are read from the file (pread), not copied out of its
+    /// mapping in the daemon: a file cut short behind the mount gives EIO
+    /// here, where a copy from the mapping would kill the daemon (SIGBUS).
+    pub fn read_exact_at(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        if let Bytes::Source(s, i) = self {
+            if s.file().is_some() {
+                return s.read_tensor_exact(*i as usize, offset, out);
             }
-            _ => self.read(0, self.len() as u32, |b| b.to_vec()),
         }
+        let mut done = 0;
+        while done < out.len() {
+            let want = (out.len() - done).min(u32::MAX as usize) as u32;
+            let got = self.read(offset + done as u64, want, |b| {
+                out[done..done + b.len()].copy_from_slice(b);
+                b.len()
+            })?;
+            if got == 0 {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            done += got;
+        }
+        Ok(())
     }
 
     /// Serves up to `size` bytes at `offset` (fewer at the end) to `reply`.
