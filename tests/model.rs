@@ -930,6 +930,32 @@ impl Model {
         safetensors::serialize(views, meta).unwrap()
     }
 
+    /// Whether the edits of `dir` since its last commit change its header
+    /// alone: its tensors hold exactly the unedited bytes of the committed
+    /// ones, each once, and the source was not replaced.
+    fn header_only(&self, dir: usize) -> bool {
+        let d = &self.dirs[dir];
+        if d.replaced {
+            return false;
+        }
+        let mut now: Vec<ObjId> = d
+            .entries
+            .values()
+            .filter_map(|e| match (&e.meta, e.data, e.hidden) {
+                (MMeta::Valid(..), Some(o), false) => Some(o),
+                _ => None,
+            })
+            .collect();
+        let mut then: Vec<ObjId> = d.committed.tensors.values().map(|t| t.2).collect();
+        now.sort_unstable();
+        then.sort_unstable();
+        now == then
+            && now.iter().all(|o| {
+                let obj = &self.objects[o];
+                !obj.edited && !obj.moved_away && obj.source.as_ref().is_some_and(|s| s.0 == dir)
+            })
+    }
+
     /// After a commit: what was written is what the directory now is.
     fn committed(&mut self, dir: usize) {
         let d = &mut self.dirs[dir];
@@ -1977,6 +2003,16 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
         .iter()
         .map(|d| std::fs::metadata(&d.path).unwrap().ino())
         .collect();
+    // The way the planner must take: an edit of the header alone (names,
+    // dtypes, shapes, metadata: every tensor's bytes the unedited ones of
+    // this file) commits in place where the filesystem can grow the header
+    // by inserting blocks (so whatever the header's new length).
+    let inserts = model.dirs.first().is_some_and(|d| {
+        stfs::source::local::inserts_blocks(&std::fs::File::open(&d.path).unwrap()).is_some()
+    });
+    let must_be_in_place: Vec<bool> = (0..model.dirs.len())
+        .map(|dir| inserts && !compact && !m.read_only && model.header_only(dir))
+        .collect();
     let caller = if other_user { OTHER_USER } else { 0 };
     let options = stfs::checkpoint::commit::CommitOptions { force, compact };
     let got = m.fs().commit(options, caller);
@@ -2039,6 +2075,10 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
                 "{line}"
             );
             assert_eq!(ino == inos[dir], in_place, "{line}");
+            assert!(
+                in_place || !must_be_in_place[dir],
+                "an edit of the header alone, on a filesystem that inserts blocks, must commit in place: {line}"
+            );
             WAYS.with(|w| {
                 let mut w = w.borrow_mut();
                 if in_place {
@@ -2048,6 +2088,9 @@ fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bool, compact
                 }
                 if line.contains("header grown by") {
                     w.2 += 1
+                }
+                if must_be_in_place[dir] {
+                    w.3 += 1
                 }
             });
             let expected = model.serialized(dir);
@@ -2486,8 +2529,9 @@ fn run(folder: bool, ops: &[Op]) {
 }
 
 thread_local! {
-    /// Commits of this thread's runs: (in place, rewrites, in place with blocks inserted at the start).
-    static WAYS: std::cell::RefCell<(usize, usize, usize)> = const { std::cell::RefCell::new((0, 0, 0)) };
+    /// Commits of this thread's runs: (in place, rewrites, in place with
+    /// blocks inserted at the start, in place as the model predicted).
+    static WAYS: std::cell::RefCell<(usize, usize, usize, usize)> = const { std::cell::RefCell::new((0, 0, 0, 0)) };
 }
 
 /// The model's random runs take both ways of committing, many times each,
@@ -2503,12 +2547,18 @@ fn random_runs_commit_both_in_place_and_by_rewrite() {
             run(folder, &ops);
         }
     }
-    let (in_place, rewrites, grown) = WAYS.with(|w| *w.borrow());
-    println!("{in_place} commits in place ({grown} growing the header), {rewrites} rewrites");
+    let (in_place, rewrites, grown, predicted) = WAYS.with(|w| *w.borrow());
+    println!(
+        "{in_place} commits in place ({grown} growing the header, {predicted} predicted by the model), {rewrites} rewrites"
+    );
     assert!(
         in_place >= 10 && rewrites >= 10 && grown >= 3,
         "{in_place} in place ({grown} grown), {rewrites} rewrites"
     );
+    let here = tempfile::tempfile().unwrap();
+    if stfs::source::local::inserts_blocks(&here).is_some() {
+        assert!(predicted >= 3, "{predicted} commits predicted in place");
+    }
 }
 
 proptest! {
