@@ -15,7 +15,10 @@
 //! variables are read once per process; without them a point costs a load.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::ffi::OsStr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock, RwLock};
 
 use tracing::warn;
 
@@ -124,4 +127,68 @@ fn pause(flag: &std::path::Path, step: &str) {
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+/// What the crash explorer of commits (`tests/crash_explorer.rs`) sees of
+/// the file system: every change to a folder's names, and every sync, in
+/// the order the code does them. A change is told before it is done (the
+/// explorer may stop the process there, or keep what it removes so as to
+/// build the states a crash may leave); a creation and a sync after.
+pub enum FsEvent<'a> {
+    Created {
+        folder: &'a Path,
+        name: &'a OsStr,
+    },
+    Renaming {
+        folder: &'a Path,
+        from: &'a OsStr,
+        to: &'a OsStr,
+    },
+    Exchanging {
+        folder: &'a Path,
+        a: &'a OsStr,
+        b: &'a OsStr,
+    },
+    Unlinking {
+        folder: &'a Path,
+        name: &'a OsStr,
+    },
+    SyncedFolder {
+        folder: &'a Path,
+    },
+    SyncedFile {
+        file: &'a std::fs::File,
+    },
+}
+
+type FsHook = Box<dyn Fn(&FsEvent) + Send + Sync>;
+
+static FS_HOOKED: AtomicBool = AtomicBool::new(false);
+static FS_HOOK: RwLock<Option<FsHook>> = RwLock::new(None);
+
+/// Sets (or takes away) the function told of every `FsEvent`.
+pub fn set_fs_hook(hook: Option<FsHook>) {
+    FS_HOOKED.store(hook.is_some(), Ordering::SeqCst);
+    *FS_HOOK.write().unwrap_or_else(|p| p.into_inner()) = hook;
+}
+
+/// Whether a hook listens (the callers skip the work of telling it).
+pub fn fs_hooked() -> bool {
+    FS_HOOKED.load(Ordering::Relaxed)
+}
+
+pub fn fs_event(event: FsEvent) {
+    if fs_hooked() {
+        if let Some(hook) = &*FS_HOOK.read().unwrap_or_else(|p| p.into_inner()) {
+            hook(&event);
+        }
+    }
+}
+
+/// A sync of `file` done (`result`), told to the hook.
+pub fn synced(file: &std::fs::File, result: std::io::Result<()>) -> std::io::Result<()> {
+    if result.is_ok() {
+        fs_event(FsEvent::SyncedFile { file });
+    }
+    result
 }

@@ -843,7 +843,7 @@ impl Written {
             }
             file.set_permissions(std::fs::Permissions::from_mode(bits))
                 .map_err(what)?;
-            file.sync_all().map_err(what)?;
+            crate::testpoint::synced(&file, file.sync_all()).map_err(what)?;
             crate::testpoint::point("rewrite:written").map_err(what)?;
             FileStat::of(&file).map_err(what)
         };
@@ -1611,6 +1611,21 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                     .map_err(record_err(&j.record.header_file))
                     .map_err(before)?;
                 renames.in_place.push(j.record.clone());
+            }
+        }
+    }
+    // The new files' names must be on disk before the record that names
+    // them: a record whose temp file is missing reads as renamed already
+    // (the crash explorer found an index update lost so).
+    let mut synced: Vec<&std::path::Path> = Vec::new();
+    for l in landings {
+        if let Landing::Renamed(w) = l {
+            if !synced.contains(&w.folder.path.as_path()) {
+                w.folder
+                    .sync()
+                    .map_err(io_err(w.folder.path.display().to_string()))
+                    .map_err(before)?;
+                synced.push(&w.folder.path);
             }
         }
     }

@@ -457,10 +457,10 @@ impl FileOps for File {
         reserve(self, at, len)
     }
     fn sync_data(&self) -> std::io::Result<()> {
-        File::sync_data(self)
+        crate::testpoint::synced(self, File::sync_data(self))
     }
     fn sync_all(&self) -> std::io::Result<()> {
-        File::sync_all(self)
+        crate::testpoint::synced(self, File::sync_all(self))
     }
     fn mode(&self) -> std::io::Result<u32> {
         use std::os::unix::fs::MetadataExt;
@@ -618,7 +618,7 @@ impl InPlaceRecord {
             libc::O_WRONLY | libc::O_CREAT,
             0o600,
         )
-        .and_then(|f| f.sync_all())
+        .and_then(|f| crate::testpoint::synced(&f, f.sync_all()))
         .and_then(|()| dir.sync())?;
         file.inserted_recorded();
         Ok(())

@@ -155,7 +155,7 @@ impl Journal {
 
     pub fn sync(&self) -> std::io::Result<()> {
         match &self.file {
-            Some(f) => f.sync_data(),
+            Some(f) => crate::testpoint::synced(f, f.sync_data()),
             None => Ok(()),
         }
     }

@@ -80,7 +80,7 @@ pub fn sync_journal<S: Shards>(state: &RwLock<S>, c: usize) -> Result<(), EditEr
     if broken {
         write(state).live_mut(c).sync_journal()?;
     } else if let Some(f) = handle {
-        f.sync_data()?;
+        crate::testpoint::synced(&f, f.sync_data())?;
     }
     Ok(())
 }

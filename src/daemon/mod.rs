@@ -384,24 +384,44 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     }
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
+    let (fs, report) = open_local(
+        &req.source,
+        req.staging_dir.as_deref(),
+        settings(&options),
+        &req.resume,
+    )?;
+    launch(&req, options, move || Ok((fs, report)))
+}
+
+/// Opens a local source as a mount does, after what earlier mounts left:
+/// the commits a crash interrupted are finished, the temp files of dead
+/// daemons removed, the kept edits taken back (`resume`). Returns the
+/// filesystem and the notes for the user.
+pub fn open_local(
+    source: &Path,
+    staging_dir: Option<&Path>,
+    settings: Settings,
+    resume: &Resume,
+) -> Result<(Fs, Vec<String>), String> {
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
-    let (base, stem) = staging_for(&req.source, req.staging_dir.as_deref())?;
+    let (base, stem) = staging_for(source, staging_dir)?;
     let mut notes = recover::finish_renames(&base, &stem);
     // Two mounts of one source are allowed; their commits are taken one at
     // a time, and the second is refused if the first changed the file.
     for m in crate::mountinfo::mounts() {
-        if m.fstype == "fuse.stfs" && Path::new(&m.source) == req.source {
+        if m.fstype == "fuse.stfs" && Path::new(&m.source) == source {
             notes.push(format!(
                 "{} is also mounted at {}: commits of both are taken one at a time, and the \
                  later one is refused (ESTALE) if the other changed the file meanwhile",
-                req.source.display(),
+                source.display(),
                 m.point.display()
             ));
         }
     }
     // (A source still refused after recovery: the notes say why it was not completed.)
-    let (source, warnings) = open_source(&req.source, !options.read_only).map_err(|e| {
+    let path = source;
+    let (source, warnings) = open_source(path, !settings.read_only).map_err(|e| {
         if notes.is_empty() || !e.contains("was interrupted") {
             return e;
         }
@@ -409,7 +429,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
             "{}\n{}: every reader refuses it until that commit is completed, which stfs did not \
              do, for the reason above",
             notes.join("\n"),
-            req.source.display()
+            path.display()
         )
     })?;
     // Each shard's temp files are beside its own file (a link's target).
@@ -422,11 +442,18 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
             notes.extend(recover::remove_dead_temps(folder, &[s.file_name()]));
         }
     }
+    // And the index files' (the crash explorer found them left behind).
+    if let Source::Folder {
+        folder, indexes, ..
+    } = &source
+    {
+        let names: Vec<&std::ffi::OsStr> = indexes.iter().map(|i| i.name.as_ref()).collect();
+        notes.extend(recover::remove_dead_temps(folder, &names));
+    }
     let staging = Arc::new(Staging::new(base, stem));
-    let fs = Fs::new(source, settings(&options), staging.clone());
-    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, &req.resume))?);
-    let report: Vec<String> = warnings.into_iter().chain(notes).collect();
-    launch(&req, options, move || Ok((fs, report)))
+    let fs = Fs::new(source, settings, staging.clone());
+    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, resume))?);
+    Ok((fs, warnings.into_iter().chain(notes).collect()))
 }
 
 fn settings(options: &MountOptions) -> Settings {

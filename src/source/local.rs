@@ -20,6 +20,7 @@ use tracing::warn;
 
 use super::remote::RemoteObject;
 use crate::format::{FormatError, Header};
+use crate::testpoint::FsEvent;
 
 /// Why a source could not be opened.
 #[derive(Debug)]
@@ -238,6 +239,9 @@ impl Folder {
     /// Opens `name` in this folder without following a symbolic link there.
     pub fn open_file(&self, name: &OsStr, flags: i32, mode: u32) -> std::io::Result<File> {
         let c = cstr(name)?;
+        let creates = flags & libc::O_CREAT != 0
+            && crate::testpoint::fs_hooked()
+            && self.stat_at(name).is_err();
         // SAFETY: valid directory fd and NUL-terminated name.
         let fd = unsafe {
             libc::openat(
@@ -250,12 +254,23 @@ impl Folder {
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
+        if creates {
+            crate::testpoint::fs_event(FsEvent::Created {
+                folder: &self.path,
+                name,
+            });
+        }
         // SAFETY: openat returned a fresh descriptor we now own.
         Ok(unsafe { File::from_raw_fd(fd) })
     }
 
     pub fn rename(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
         let (a, b) = (cstr(from)?, cstr(to)?);
+        crate::testpoint::fs_event(FsEvent::Renaming {
+            folder: &self.path,
+            from,
+            to,
+        });
         let dir = self.fd.as_raw_fd();
         // SAFETY: valid directory fd and NUL-terminated names.
         if unsafe { libc::renameat(dir, a.as_ptr(), dir, b.as_ptr()) } != 0 {
@@ -267,6 +282,13 @@ impl Folder {
     /// Renames, failing with EEXIST if `to` exists (renameat2 RENAME_NOREPLACE).
     pub fn rename_noreplace(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
         let (a, b) = (cstr(from)?, cstr(to)?);
+        if crate::testpoint::fs_hooked() && self.stat_at(to).is_err() {
+            crate::testpoint::fs_event(FsEvent::Renaming {
+                folder: &self.path,
+                from,
+                to,
+            });
+        }
         let dir = self.fd.as_raw_fd();
         // SAFETY: valid directory fd and NUL-terminated names.
         let r =
@@ -279,6 +301,11 @@ impl Folder {
 
     /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
     pub fn exchange(&self, a: &OsStr, b: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::fs_event(FsEvent::Exchanging {
+            folder: &self.path,
+            a,
+            b,
+        });
         let (a, b) = (cstr(a)?, cstr(b)?);
         let dir = self.fd.as_raw_fd();
         // SAFETY: valid directory fd and NUL-terminated names.
@@ -292,6 +319,10 @@ impl Folder {
     /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
     pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
         let c = cstr(name)?;
+        crate::testpoint::fs_event(FsEvent::Unlinking {
+            folder: &self.path,
+            name,
+        });
         // SAFETY: valid directory fd and NUL-terminated name.
         if unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) } != 0 {
             return Err(std::io::Error::last_os_error());
@@ -324,6 +355,7 @@ impl Folder {
         if unsafe { libc::fsync(self.fd.as_raw_fd()) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
+        crate::testpoint::fs_event(FsEvent::SyncedFolder { folder: &self.path });
         Ok(())
     }
 }

@@ -327,7 +327,7 @@ impl StagingDir {
             0o600,
         )?;
         f.write_all_at(data, 0)?;
-        f.sync_all()?;
+        crate::testpoint::synced(&f, f.sync_all())?;
         folder.rename(OsStr::new(&tmp), OsStr::new(name))?;
         folder.sync()
     }
@@ -463,7 +463,8 @@ impl StagedFile {
     }
 
     pub fn sync(&self) -> std::io::Result<()> {
-        self.file()?.sync_data()
+        let file = self.file()?;
+        crate::testpoint::synced(&file, file.sync_data())
     }
 
     pub fn pin(&self) {
