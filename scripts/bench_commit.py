@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Commit benchmark (DESIGN §3.4: a commit costs what the edit costs).
+"""Commit benchmark (a commit costs what the edit costs: docs/SEMANTICS.md, "The ways").
 
 One checkpoint (default 8 GiB: 64 tensors of 128 MiB, random bytes, laid out
 as the official save_file lays it out), and one row per kind of edit made

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Views benchmark (DESIGN §9), in one run on one F32 checkpoint (default 2 GiB):
+"""Views benchmark (docs/SEMANTICS.md, "Views"), in one run on one F32 checkpoint (default 2 GiB):
 
 - `cp` of __views__/model.safetensors against `cp` of the source file (goal <= 1.2x);
 - `cp` of __views__/bf16/model.safetensors against the Python way (load_file, cast with

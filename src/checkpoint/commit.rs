@@ -248,7 +248,7 @@ pub struct CommitOptions {
     pub compact: bool,
 }
 
-/// How a plan writes its file: one of the ways of DESIGN §3.4.
+/// How a plan writes its file: one of the ways (docs/SEMANTICS.md, "The ways").
 // One per plan: the size of a variant does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum Way {
@@ -359,7 +359,7 @@ pub struct NewState<'a> {
     pub reference: Layout,
 }
 
-/// A way of committing a checkpoint (DESIGN §3.4): its plan for a new state
+/// A way of committing a checkpoint (docs/ARCHITECTURE.md, "The seams"): its plan for a new state
 /// (the new file's layout, and what landing it takes), or why it cannot.
 pub trait CommitWay: Sync {
     fn plan(&self, new: &NewState) -> Result<(Layout, Way), String>;

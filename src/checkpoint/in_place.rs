@@ -1,4 +1,4 @@
-//! In-place commits (DESIGN §3.4, docs/SEMANTICS.md "Commits"): when the
+//! In-place commits (docs/SEMANTICS.md, "Commit"; docs/ARCHITECTURE.md): when the
 //! edits keep the data section as it is except at its end, the file is
 //! changed where it is instead of rewritten. The header is rewritten in its
 //! own space (padded with spaces), new tensors are appended, dropped tail

@@ -1,4 +1,4 @@
-//! Views (DESIGN §9): read-only files computed from a checkpoint's staged
+//! Views (docs/SEMANTICS.md, "Views"): read-only files computed from a checkpoint's staged
 //! state on every read, never stored. A view is a whole safetensors file,
 //! laid out as `stfs commit --compact` would write it (the reference
 //! serializer's layout), optionally with every floating-point tensor cast to

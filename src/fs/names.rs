@@ -12,7 +12,7 @@
 pub const META_SUFFIX: &str = ".meta.json";
 /// The file holding a checkpoint's `__metadata__`.
 pub const METADATA_FILE: &str = "__metadata__.json";
-/// The folder of views at the top of a mount (DESIGN §9).
+/// The folder of views at the top of a mount (docs/SEMANTICS.md, "Views").
 pub const VIEWS_DIR: &str = "__views__";
 /// The kernel's limit for one path component.
 pub const NAME_MAX: usize = 255;

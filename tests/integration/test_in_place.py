@@ -1,4 +1,4 @@
-"""Commits that cost what the edit costs (DESIGN §3.4): each edit kind is
+"""Commits that cost what the edit costs (docs/SEMANTICS.md, "The ways"): each edit kind is
 committed in place (same inode, a few bytes written by the daemon), the
 official package reads the result, and every reason to rewrite instead is
 said. Crash trials kill the daemon at every step of the in-place protocol

@@ -1,4 +1,4 @@
-"""Views (DESIGN §9): `MNT/__views__/` holds read-only safetensors files computed from the
+"""Views (docs/SEMANTICS.md, "Views"): `MNT/__views__/` holds read-only safetensors files computed from the
 staged state on every read: the checkpoint as `stfs commit --compact` would write it now,
 and the same cast to BF16, F16 or F32. Judged with the official package, numpy and
 ml_dtypes."""

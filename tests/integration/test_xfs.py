@@ -1,7 +1,7 @@
 """Commits on a real XFS filesystem with reflink (a loop image made by the test, as
 root): a header that outgrows its space grows in place (blocks inserted at the start),
 and a tensor dropped from the middle is a rewrite that shares the old file's blocks
-instead of copying them (DESIGN §3.4, docs/SEMANTICS.md "The ways")."""
+instead of copying them (docs/SEMANTICS.md, "The ways")."""
 
 import json
 import os
