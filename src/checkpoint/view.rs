@@ -128,6 +128,16 @@ impl GeneratedFile {
         }
     }
 
+    /// A generated text file (an index) as one: its bytes, no tensors.
+    pub fn text(bytes: Vec<u8>) -> GeneratedFile {
+        GeneratedFile {
+            len: bytes.len() as u64,
+            header: bytes,
+            parts: Vec::new(),
+            same_as: Default::default(),
+        }
+    }
+
     pub fn len(&self) -> u64 {
         self.len
     }

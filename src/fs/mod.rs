@@ -186,16 +186,9 @@ enum Node {
     Metadata(usize),
     Index(usize),
     File(usize, Id, TensorFile),
-    /// `__views__` (None), or its folder of views cast to a dtype.
-    ViewsDir(Option<Dtype>),
-    /// A view: of checkpoint `c`, or (None) of every shard merged; cast.
-    View(Option<usize>, Option<Dtype>),
-    /// Index file `i` of a folder mount as a commit would write it now.
-    IndexView(usize),
-    /// `__views__/npy` (None), or its folder of shard `c`'s tensors (folder mounts).
-    NpyDir(Option<usize>),
-    /// Entry `id` of checkpoint `c` as a `.npy` file.
-    Npy(usize, Id),
+    /// `__views__` or anything below it (`views`): the inode, which names
+    /// its path in the table of view inodes.
+    Views(Ino),
     /// A view that is checkpoint `c`'s source file byte for byte, served
     /// by kernel passthrough: an inode of its own for each source file
     /// (`WHOLE_BIT` and the file's inode number), as the kernel wants one
@@ -205,27 +198,17 @@ enum Node {
 
 const WHOLE_BIT: Ino = 1 << 62;
 
-/// Inodes per tensor id and checkpoint: its files' kinds, then its `.npy` view.
-const SLOTS: u64 = TensorFile::STRIDE + 1;
-const NPY_SLOT: u64 = TensorFile::STRIDE;
-/// The folder of `.npy` views, and the suffix of their names.
-const NPY_DIR: &str = "npy";
-const NPY_SUFFIX: &str = ".npy";
-
-/// The folders of cast views in `__views__`.
-const CASTS: [(Dtype, &str); 3] = [
-    (Dtype::BF16, "bf16"),
-    (Dtype::F16, "f16"),
-    (Dtype::F32, "f32"),
-];
+/// Inodes per tensor id and checkpoint: one per kind of its files.
+const SLOTS: u64 = TensorFile::STRIDE;
 
 /// A view as made for one state of its checkpoints (their versions summed),
 /// or why it cannot be made (what a commit would refuse).
 type CachedView = (u64, Result<Arc<GeneratedFile>, String>);
 
-/// Which view: of checkpoint `c` (None: merged), and its cast.
-type ViewKey = (Option<usize>, Option<Dtype>);
-use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use crate::checkpoint::view::GeneratedFile;
+use views::{Draws, Found, VIEW_BIT};
+
+mod views;
 
 /// Hashed file name stem -> tensor name.
 type HashedNames = HashMap<String, String>;
@@ -279,6 +262,8 @@ struct State {
     /// The inode of the passthrough views of each source file (device,
     /// inode number) seen: `WHOLE_BIT` and a count.
     whole_inos: Mutex<HashMap<(u64, u64), Ino>>,
+    /// The inodes of `__views__` and everything below it.
+    view_inos: Mutex<views::ViewInodes>,
 }
 
 /// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
@@ -442,7 +427,7 @@ pub struct Fs {
     handles: Mutex<Handles>,
     /// Views made, by (checkpoint or merged, cast): made again when a
     /// checkpoint's state moves (taken after `state`).
-    views: Mutex<HashMap<ViewKey, CachedView>>,
+    views: Mutex<HashMap<String, CachedView>>,
     json_budget: Arc<JsonBudget>,
     /// Views that are a source file are served by kernel passthrough.
     passthrough: std::sync::atomic::AtomicBool,
@@ -528,6 +513,15 @@ impl State {
         if ino < self.first_ino {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
+        if ino & VIEW_BIT != 0 {
+            let path = lock(&self.view_inos)
+                .path(ino)
+                .ok_or(FsError::NotFound)?;
+            return match views::find(self, &path) {
+                Some(_) => Ok(Node::Views(ino)),
+                None => Err(FsError::NotFound),
+            };
+        }
         if ino & WHOLE_BIT != 0 {
             // (A source file replaced since: the kernel looks the name up again.)
             return self
@@ -542,12 +536,6 @@ impl State {
         let count = self.checkpoints.len().max(1) as u64;
         let (c, id) = ((k % count) as usize, k / count);
         let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
-        if rel % SLOTS == NPY_SLOT {
-            return match self.npy_tensor(c, id) {
-                Some(_) => Ok(Node::Npy(c, id)),
-                None => Err(FsError::NotFound),
-            };
-        }
         let kind = TensorFile::from_slot(rel % SLOTS).ok_or(FsError::NotFound)?;
         let exists = match kind {
             TensorFile::Data => live.object_len(id).is_some(),
@@ -570,25 +558,6 @@ impl State {
         self.first_ino + SLOTS * (id * count + c as u64) + kind.slot()
     }
 
-    fn npy_ino(&self, c: usize, entry: Id) -> Ino {
-        let count = self.checkpoints.len().max(1) as u64;
-        self.first_ino + SLOTS * (entry * count + c as u64) + NPY_SLOT
-    }
-
-    /// Entry `id` of checkpoint `c` as a `.npy` view's tensor: if it has
-    /// bytes, a valid meta, and as many bytes as its meta says.
-    fn npy_tensor(&self, c: usize, id: Id) -> Option<ViewTensor> {
-        let t = self.live(c).view_tensor(id)?;
-        let want = t.dtype.bits() * t.shape.iter().product::<u64>() / 8;
-        (t.bytes.len() == want).then_some(t)
-    }
-
-    /// The checkpoint whose tensors a `.npy` folder holds (None: the folder
-    /// of shard folders, at the top of a folder mount's).
-    fn npy_target(&self, dir: Option<usize>) -> Option<usize> {
-        dir.or(if self.folder.is_none() { Some(0) } else { None })
-    }
-
     fn ino_of(&self, node: Node) -> Ino {
         match node {
             Node::FolderRoot => ROOT_INO,
@@ -596,25 +565,27 @@ impl State {
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
-            Node::Npy(c, id) => self.npy_ino(c, id),
+            Node::Views(ino) => ino,
             Node::WholeView(c) => self
                 .whole_ino(self.live(c).source())
                 .expect("a local source"),
-            Node::ViewsDir(_) | Node::View(..) | Node::IndexView(_) | Node::NpyDir(_) => {
-                let i = self.fixed.iter().position(|n| *n == node);
-                i.expect("views have fixed inodes") as Ino + 1
-            }
         }
     }
 
-    /// A view's file name: `model.safetensors` of a file mount; of a folder
-    /// mount, each shard's own name, and `merged.safetensors`.
-    fn view_name(&self, target: Option<usize>) -> String {
-        match (target, &self.folder) {
-            (Some(_), None) => "model.safetensors".into(),
-            (Some(c), Some(_)) => format!("{}.safetensors", self.checkpoints[c].dir_name),
-            (None, _) => self.merged_name(),
-        }
+    /// Whether view inode `ino` is a folder now.
+    fn is_view_folder(&self, ino: Ino) -> bool {
+        self.view_path(ino)
+            .is_ok_and(|p| matches!(views::find(self, &p), Some(Found::Folder(_))))
+    }
+
+    /// The path below `__views__` of view inode `ino`.
+    fn view_path(&self, ino: Ino) -> Result<Arc<str>, FsError> {
+        lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)
+    }
+
+    /// The inode of `path` below `__views__`.
+    fn view_ino(&self, path: &str) -> Ino {
+        lock(&self.view_inos).ino(path)
     }
 
     /// The modification time of the views of checkpoint `target` (None: of
@@ -633,88 +604,6 @@ impl State {
                 .map(of)
                 .max()
                 .unwrap_or(SystemTime::UNIX_EPOCH),
-        }
-    }
-
-    /// `merged.safetensors`, with `_` before it as long as a shard has that name.
-    fn merged_name(&self) -> String {
-        let mut stem = "merged".to_string();
-        while self.checkpoints.iter().any(|m| m.dir_name == stem) {
-            stem.insert(0, '_');
-        }
-        stem + ".safetensors"
-    }
-
-    /// The views of one cast, in listing order.
-    fn views(&self, cast: Option<Dtype>) -> impl Iterator<Item = Node> + '_ {
-        self.fixed
-            .iter()
-            .filter(move |n| matches!(n, Node::View(_, c) if *c == cast))
-            .copied()
-    }
-
-    /// The node of `name` in the views folder of `cast`.
-    fn view_entry(&self, cast: Option<Dtype>, name: &str) -> Option<Node> {
-        if cast.is_none() {
-            if let Some((d, _)) = CASTS.iter().find(|(_, n)| *n == name) {
-                return Some(Node::ViewsDir(Some(*d)));
-            }
-        }
-        if cast.is_none() {
-            if let Some(i) = self.indexes.iter().position(|(ix, _)| ix.name == name) {
-                return Some(Node::IndexView(i));
-            }
-            if name == NPY_DIR {
-                return Some(Node::NpyDir(None));
-            }
-        }
-        self.views(cast)
-            .find(|n| matches!(n, Node::View(t, _) if self.view_name(*t) == name))
-    }
-
-    /// Entry `id` of checkpoint `c` as a `.npy` file now.
-    fn npy_view(&self, c: usize, id: Id) -> Result<GeneratedFile, FsError> {
-        let tensor = self.npy_tensor(c, id).ok_or(FsError::NotFound)?;
-        Ok(GeneratedFile::npy(tensor))
-    }
-
-    /// The node of `name` in a folder of `.npy` views.
-    fn npy_entry(&self, dir: Option<usize>, name: &str) -> Option<Node> {
-        let Some(c) = self.npy_target(dir) else {
-            let c = self
-                .checkpoints
-                .iter()
-                .position(|m| m.shown_name() == name)?;
-            return Some(Node::NpyDir(Some(c)));
-        };
-        let stem = name.strip_suffix(NPY_SUFFIX)?;
-        let Ok(Name::Tensor(TensorFile::Data, tensor)) = self.decode(c, stem) else {
-            return None;
-        };
-        let id = self.live(c).find(&tensor)?;
-        self.npy_tensor(c, id).map(|_| Node::Npy(c, id))
-    }
-
-    /// Index file `i` as a commit would rewrite it now: every shard's
-    /// tensors in `weight_map`, their bytes in `metadata.total_size`.
-    fn index_view(&self, i: usize) -> Result<Vec<u8>, FsError> {
-        let mut weight_map = serde_json::Map::new();
-        let mut total = 0;
-        for m in &self.checkpoints {
-            let (tensors, _) = m.live.view_tensors().map_err(FsError::Invalid)?;
-            for t in tensors {
-                total += t.bytes.len();
-                weight_map.insert(t.name, format!("{}.safetensors", m.dir_name).into());
-            }
-        }
-        if let Some(p) = self.in_two_shards().first() {
-            return Err(FsError::Invalid(p.to_string()));
-        }
-        let ix = &self.indexes[i].0;
-        match crate::checkpoint::transaction::rewrite_index(&ix.bytes, &weight_map, total) {
-            Ok(Some(bytes)) => Ok(bytes),
-            Ok(None) => Ok(ix.bytes.clone()), // (a commit leaves it as it is)
-            Err(why) => Err(FsError::Invalid(format!("{}: {why}", ix.name))),
         }
     }
 
@@ -772,7 +661,7 @@ impl State {
             Node::FolderRoot => Err(FsError::NotPermitted(
                 "the root of a folder mount holds one directory per shard: edit inside them",
             )),
-            Node::ViewsDir(_) | Node::NpyDir(_) => Err(FsError::ReadOnly),
+            Node::Views(_) => Err(FsError::ReadOnly),
             _ => Err(FsError::NotADirectory),
         }
     }
@@ -872,27 +761,6 @@ impl Fs {
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
-        alloc(&mut fixed, Node::ViewsDir(None));
-        for (d, _) in CASTS {
-            alloc(&mut fixed, Node::ViewsDir(Some(d)));
-        }
-        for cast in [None].into_iter().chain(CASTS.map(|(d, _)| Some(d))) {
-            for c in 0..checkpoints.len() {
-                alloc(&mut fixed, Node::View(Some(c), cast));
-            }
-            if folder.is_some() {
-                alloc(&mut fixed, Node::View(None, cast));
-            }
-        }
-        for i in 0..indexes.len() {
-            alloc(&mut fixed, Node::IndexView(i));
-        }
-        alloc(&mut fixed, Node::NpyDir(None));
-        if folder.is_some() {
-            for c in 0..checkpoints.len() {
-                alloc(&mut fixed, Node::NpyDir(Some(c)));
-            }
-        }
         Fs {
             settings,
             transactions: Transactions::new(staging.clone()),
@@ -905,6 +773,7 @@ impl Fs {
                 folder,
                 hashed: Mutex::new(HashMap::new()),
                 whole_inos: Mutex::new(HashMap::new()),
+                view_inos: Mutex::new(views::ViewInodes::new()),
             }),
             handles: Mutex::new(Handles::default()),
             views: Mutex::new(HashMap::new()),
@@ -968,7 +837,7 @@ impl Fs {
         let node = match st.node(parent)? {
             Node::FolderRoot => {
                 if name == VIEWS_DIR {
-                    Node::ViewsDir(None)
+                    Node::Views(VIEW_BIT)
                 } else if let Some(c) = st.checkpoints.iter().position(|m| m.shown_name() == name) {
                     Node::CheckpointDir(c)
                 } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
@@ -978,13 +847,18 @@ impl Fs {
                 }
             }
             Node::CheckpointDir(_) if name == VIEWS_DIR && st.folder.is_none() => {
-                Node::ViewsDir(None)
+                Node::Views(VIEW_BIT)
             }
-            Node::ViewsDir(_) | Node::NpyDir(_) if name.len() > NAME_MAX => {
-                return Err(FsError::NameTooLong)
+            Node::Views(_) if name.len() > NAME_MAX => return Err(FsError::NameTooLong),
+            Node::Views(dir) => {
+                let parent = st.view_path(dir)?;
+                if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
+                    return Err(FsError::NotADirectory);
+                }
+                let path = views::join(&parent, name);
+                views::find(&st, &path).ok_or(FsError::NotFound)?;
+                Node::Views(st.view_ino(&path))
             }
-            Node::ViewsDir(cast) => st.view_entry(cast, name).ok_or(FsError::NotFound)?,
-            Node::NpyDir(dir) => st.npy_entry(dir, name).ok_or(FsError::NotFound)?,
             Node::CheckpointDir(c) => match st.decode(c, name) {
                 Ok(decoded) => st.find(c, &decoded).ok_or(FsError::NotFound)?,
                 Err(FsError::NameTooLong) => return Err(FsError::NameTooLong),
@@ -993,7 +867,7 @@ impl Fs {
             _ => return Err(FsError::NotADirectory),
         };
         let node = match node {
-            Node::View(target, cast) => self.whole_view(&st, target, cast).unwrap_or(node),
+            Node::Views(ino) => self.whole_view(&st, ino).unwrap_or(node),
             node => node,
         };
         self.attr_of(&st, node)
@@ -1007,11 +881,15 @@ impl Fs {
 
     /// The node that serves a view which is a source file byte for byte, by
     /// passthrough (None: the view is generated, or passthrough is off).
-    fn whole_view(&self, st: &State, target: Option<usize>, cast: Option<Dtype>) -> Option<Node> {
+    fn whole_view(&self, st: &State, ino: Ino) -> Option<Node> {
         if !self.passthrough.load(Ordering::Relaxed) {
             return None;
         }
-        let file = self.view(st, target, cast).ok()?;
+        let path = st.view_path(ino).ok()?;
+        if !matches!(views::find(st, &path), Some(Found::File(_))) {
+            return None;
+        }
+        let file = self.view(st, &path).ok()?;
         let source = file.whole_source()?;
         let c = st
             .checkpoints
@@ -1166,38 +1044,52 @@ impl Fs {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
                 self.object_attr(st, c, o, ino)
             }
-            // Each shard's `.npy` folder lists its tensor names: its own mode.
-            Node::NpyDir(Some(c)) => {
-                of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false).read_only()
-            }
-            Node::ViewsDir(_) | Node::NpyDir(None) => {
-                let mtime = st.live(0).source().modified();
-                of_stat(st.root_owner(), Kind::Directory, 0, mtime, false).read_only()
-            }
             // (The source file itself, whatever the views show now.)
             Node::WholeView(c) => {
                 let src = st.live(c).source();
                 of_source(c, Kind::File, src.stat().len, src.modified(), true).read_only()
             }
-            Node::Npy(c, id) => {
-                let size = st.npy_view(c, id)?.len();
-                of_source(c, Kind::File, size, st.views_changed(Some(c)), true).read_only()
-            }
-            Node::IndexView(i) => {
-                let ix = &st.indexes[i].0;
-                let size = st.index_view(i).map_or(0, |b| b.len() as u64);
-                // Its weight map names the tensors of every shard.
-                let owner = crate::source::access::narrowest(&[st.index_owner(i), st.all_owners()])
-                    .expect("two");
-                let mtime = ix.stat.modified().max(st.views_changed(None));
-                of_stat(owner, Kind::File, size, mtime, true).read_only()
-            }
-            Node::View(target, cast) => {
-                let size = self.view(st, target, cast).map_or(0, |v| v.len());
-                let mtime = st.views_changed(target);
-                match target {
-                    Some(c) => of_source(c, Kind::File, size, mtime, true),
-                    None => of_stat(st.all_owners(), Kind::File, size, mtime, true),
+            Node::Views(ino) => {
+                let path = st.view_path(ino)?;
+                match views::find(st, &path).ok_or(FsError::NotFound)? {
+                    // A shard's own folder (`npy/SHARD`) has its file's mode.
+                    Found::Folder(Draws::Checkpoint(c)) => of_source(
+                        c,
+                        Kind::Directory,
+                        0,
+                        st.live(c).source().modified(),
+                        false,
+                    ),
+                    Found::Folder(_) => {
+                        let mtime = st.live(0).source().modified();
+                        of_stat(st.root_owner(), Kind::Directory, 0, mtime, false)
+                    }
+                    Found::File(draws) => {
+                        let size = self.view(st, &path).map_or(0, |v| v.len());
+                        match draws {
+                            Draws::Checkpoint(c) => {
+                                of_source(c, Kind::File, size, st.views_changed(Some(c)), true)
+                            }
+                            Draws::All => of_stat(
+                                st.all_owners(),
+                                Kind::File,
+                                size,
+                                st.views_changed(None),
+                                true,
+                            ),
+                            // Its weight map names the tensors of every shard.
+                            Draws::Index(i) => {
+                                let owner = crate::source::access::narrowest(&[
+                                    st.index_owner(i),
+                                    st.all_owners(),
+                                ])
+                                .expect("two");
+                                let mtime =
+                                    st.indexes[i].0.stat.modified().max(st.views_changed(None));
+                                of_stat(owner, Kind::File, size, mtime, true)
+                            }
+                        }
+                    }
                 }
                 .read_only()
             }
@@ -1303,110 +1195,45 @@ impl Fs {
                 }
                 Ok(())
             }
-            Node::ViewsDir(cast) => {
-                let dirs = match cast {
-                    None => CASTS
-                        .iter()
-                        .map(|(d, n)| {
-                            (
-                                st.ino_of(Node::ViewsDir(Some(*d))),
-                                Kind::Directory,
-                                n.to_string(),
-                            )
-                        })
-                        .chain([(
-                            st.ino_of(Node::NpyDir(None)),
-                            Kind::Directory,
-                            NPY_DIR.to_string(),
-                        )])
-                        .collect(),
-                    Some(_) => Vec::new(),
-                };
-                let indexes = st
-                    .indexes
-                    .iter()
-                    .enumerate()
-                    .filter(|_| cast.is_none())
-                    .map(|(i, (ix, _))| {
-                        (st.ino_of(Node::IndexView(i)), Kind::File, ix.name.clone())
-                    });
-                let files = st
-                    .views(cast)
-                    .map(|n| match n {
-                        Node::View(t, _) => (st.ino_of(n), Kind::File, st.view_name(t)),
-                        _ => unreachable!("views"),
-                    })
-                    .chain(indexes);
-                for (k, (ino, kind, name)) in dirs.into_iter().chain(files).enumerate() {
-                    let next = 3 + k as u64;
-                    if next > offset && emit(ino, kind, name, next) {
+            Node::Views(dir) => {
+                let parent = st.view_path(dir)?;
+                if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
+                    return Err(FsError::NotADirectory);
+                }
+                for e in views::list(&st, &parent, offset) {
+                    let kind = if e.folder { Kind::Directory } else { Kind::File };
+                    let ino = st.view_ino(&views::join(&parent, &e.name));
+                    if e.offset > offset && emit(ino, kind, e.name, e.offset) {
                         break;
                     }
                 }
                 Ok(())
             }
-            Node::NpyDir(dir) => match st.npy_target(dir) {
-                // The folder of each shard's `.npy` folder.
-                None => {
-                    for (c, m) in st.checkpoints.iter().enumerate() {
-                        let next = 3 + c as u64;
-                        let ino = st.ino_of(Node::NpyDir(Some(c)));
-                        if next > offset && emit(ino, Kind::Directory, m.shown_name(), next) {
-                            break;
-                        }
-                    }
-                    Ok(())
-                }
-                // Tensor `id` lists at offset 3 + id, in id order like its data file.
-                Some(c) => {
-                    let live = st.live(c);
-                    for (id, e) in live.entries_from(offset.saturating_sub(3)) {
-                        let next = 3 + id + 1;
-                        if next > offset
-                            && st.npy_tensor(c, id).is_some()
-                            && emit(
-                                st.npy_ino(c, id),
-                                Kind::File,
-                                TensorFile::Data.file_name(e.name) + NPY_SUFFIX,
-                                next,
-                            )
-                        {
-                            return Ok(());
-                        }
-                    }
-                    Ok(())
-                }
-            },
             _ => Err(FsError::NotADirectory),
         }
     }
 
-    /// The view of checkpoint `target` (None: every shard merged), cast:
-    /// made once per state of its checkpoints; EINVAL (with what a commit
-    /// would refuse) when that state is not a valid checkpoint.
-    fn view(
-        &self,
-        st: &State,
-        target: Option<usize>,
-        cast: Option<Dtype>,
-    ) -> Result<Arc<GeneratedFile>, FsError> {
-        let version: u64 = match target {
-            Some(c) => st.live(c).version(),
-            None => st.checkpoints.iter().map(|m| m.live.version()).sum(),
+    /// View file `path`, made once per state of the checkpoints it draws
+    /// on; EINVAL (with what a commit would refuse) when that state is not
+    /// a valid checkpoint.
+    fn view(&self, st: &State, path: &str) -> Result<Arc<GeneratedFile>, FsError> {
+        let Some(Found::File(draws)) = views::find(st, path) else {
+            return Err(FsError::NotFound);
         };
-        if let Some((v, made)) = lock(&self.views).get(&(target, cast)) {
+        let version = views::version(st, draws);
+        if let Some((v, made)) = lock(&self.views).get(path) {
             if *v == version {
                 return made.clone().map_err(FsError::Invalid);
             }
         }
-        let made = make_view(st, target, cast).map(Arc::new);
+        let (made, keep) = views::make(st, path).ok_or(FsError::NotFound)?;
+        let made = made.map(Arc::new);
         if let Err(why) = &made {
-            warn!(
-                view = st.view_name(target),
-                "not a valid checkpoint now: {why}"
-            );
+            warn!(view = path, "not a valid checkpoint now: {why}");
         }
-        lock(&self.views).insert((target, cast), (version, made.clone()));
+        if keep {
+            lock(&self.views).insert(path.to_string(), (version, made.clone()));
+        }
         made.map_err(FsError::Invalid)
     }
 
@@ -1455,18 +1282,11 @@ impl Fs {
         }
         let node = self.read_state().node(ino)?;
         match node {
-            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
+            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
+            Node::Views(ino) if self.read_state().is_view_folder(ino) => {
                 Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) | Node::Npy(..) | Node::WholeView(_)
-                if write || truncate =>
-            {
-                Err(FsError::ReadOnly)
-            }
-            Node::IndexView(i) => {
-                self.read_state().index_view(i)?; // (EINVAL now, not at the first read)
-                Ok(self.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), true))
-            }
+            Node::Views(_) | Node::WholeView(_) if write || truncate => Err(FsError::ReadOnly),
             Node::WholeView(c) => {
                 // The daemon's own read-only open of the file comes first:
                 // from then on no in-place commit can start (its write lease
@@ -1478,7 +1298,7 @@ impl Fs {
                 let source = st.live(c).source();
                 let is_source =
                     |f: &GeneratedFile| f.whole_source().is_some_and(|s| Arc::ptr_eq(s, source));
-                let file = match self.view(&st, Some(c), None) {
+                let file = match self.view(&st, &views::export_path(&st, c)) {
                     Ok(now) if is_source(&now) => now,
                     // An edit came between the lookup and this open: it gets
                     // the file the lookup saw, if the file is still exactly
@@ -1492,12 +1312,10 @@ impl Fs {
                 drop(st);
                 Ok(self.open_view(ino, file, Some(reader)))
             }
-            Node::Npy(c, id) => {
-                let file = Arc::new(self.read_state().npy_view(c, id)?);
-                Ok(self.open_view(ino, file, None))
-            }
-            Node::View(target, cast) => {
-                let file = self.view(&self.read_state(), target, cast)?;
+            Node::Views(_) => {
+                let st = self.read_state();
+                let file = self.view(&st, &st.view_path(ino)?)?;
+                drop(st);
                 Ok(self.open_view(ino, file, None))
             }
             Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
@@ -1806,26 +1624,18 @@ impl Fs {
             None => {
                 let st = self.read_state();
                 let text = match st.node(ino)? {
-                    Node::FolderRoot
-                    | Node::CheckpointDir(_)
-                    | Node::ViewsDir(_)
-                    | Node::NpyDir(_) => return Err(FsError::IsADirectory),
-                    Node::View(target, cast) => {
-                        let file = self.view(&st, target, cast)?;
+                    Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+                    Node::Views(v) if st.is_view_folder(v) => return Err(FsError::IsADirectory),
+                    Node::Views(v) => {
+                        let file = self.view(&st, &st.view_path(v)?)?;
                         drop(st);
                         return read_view(&file, offset, size, reply);
                     }
                     Node::Index(i) => {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
                     }
-                    Node::IndexView(i) => Some(st.index_view(i)?),
-                    Node::Npy(c, id) => {
-                        let file = st.npy_view(c, id)?;
-                        drop(st);
-                        return read_view(&file, offset, size, reply);
-                    }
                     Node::WholeView(c) => {
-                        let file = self.view(&st, Some(c), None)?;
+                        let file = self.view(&st, &views::export_path(&st, c))?;
                         drop(st);
                         return read_view(&file, offset, size, reply);
                     }
@@ -1917,12 +1727,11 @@ impl Fs {
                 let object = self.object(c, id)?;
                 self.truncate_object(&object, size)?;
             }
-            Node::FolderRoot | Node::CheckpointDir(_) | Node::ViewsDir(_) | Node::NpyDir(_) => {
+            Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+            Node::Views(v) if self.read_state().is_view_folder(v) => {
                 return Err(FsError::IsADirectory)
             }
-            Node::View(..) | Node::IndexView(_) | Node::Npy(..) | Node::WholeView(_) => {
-                return Err(FsError::ReadOnly)
-            }
+            Node::Views(_) | Node::WholeView(_) => return Err(FsError::ReadOnly),
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",
@@ -1948,7 +1757,7 @@ impl Fs {
                 Node::FolderRoot => return Err(FsError::NotPermitted(
                     "the root of a folder mount holds one directory per shard: edit inside them",
                 )),
-                Node::ViewsDir(_) | Node::NpyDir(_) => return Err(FsError::ReadOnly),
+                Node::Views(_) => return Err(FsError::ReadOnly),
                 _ => return Err(FsError::NotADirectory),
             };
         let decoded = match st.decode(c, name) {
@@ -2437,37 +2246,6 @@ fn read_view<R>(
     reply: impl FnOnce(&[&[u8]]) -> R,
 ) -> Result<R, FsError> {
     Ok(file.read(offset, size, reply)?)
-}
-
-/// A view of checkpoint `target` (None: every shard's tensors in one file,
-/// metadata keys of the first shard that has them), cast.
-fn make_view(
-    st: &State,
-    target: Option<usize>,
-    cast: Option<Dtype>,
-) -> Result<GeneratedFile, String> {
-    let (tensors, metadata) = match target {
-        Some(c) => st.live(c).view_tensors()?,
-        None => {
-            let mut all = Vec::new();
-            let mut metadata: Option<crate::format::Metadata> = None;
-            for m in &st.checkpoints {
-                let (tensors, meta) = m
-                    .live
-                    .view_tensors()
-                    .map_err(|e| format!("{}: {e}", m.live.source().path().display()))?;
-                all.extend(tensors);
-                for (k, v) in meta.into_iter().flatten() {
-                    metadata
-                        .get_or_insert_with(Default::default)
-                        .entry(k)
-                        .or_insert(v);
-                }
-            }
-            (all, metadata)
-        }
-    };
-    GeneratedFile::safetensors(tensors, metadata.as_ref(), cast).map_err(|e| e.to_string())
 }
 
 /// The text of a JSON file as the state has it.

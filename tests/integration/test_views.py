@@ -54,7 +54,7 @@ def mounted_sample(tmp_path, mount):
 
 def test_the_export_view_is_the_compact_commit_and_follows_edits(tmp_path, mount, run):
     src, t, before, m, view = mounted_sample(tmp_path, mount)
-    assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors", "npy"]
+    assert sorted(os.listdir(os.path.join(m.path, "__views__"))) == ["bf16", "f16", "f32", "model.safetensors", "npy", "reshard"]
     # Reached by name, not listed: cp -r, rsync and find of the mount see the checkpoint only.
     assert "__views__" not in os.listdir(m.path)
     assert open(view, "rb").read() == before
@@ -191,7 +191,7 @@ def test_read_only_and_folder_mounts_have_views(tmp_path, mount):
     f = mount(folder)
     views = os.path.join(f.path, "__views__")
     assert sorted(os.listdir(views)) == ["a.safetensors", "b.safetensors", "bf16", "f16", "f32", "m.safetensors.index.json",
-                                         "merged.safetensors", "npy"]
+                                         "merged.safetensors", "npy", "reshard"]
     for name in parts:
         assert open(os.path.join(views, f"{name}.safetensors"), "rb").read() == (folder / f"{name}.safetensors").read_bytes()
     # One file with every tensor of every shard; the first shard's metadata keys win.
@@ -401,7 +401,7 @@ def test_shards_named_like_views_do_not_hide_them(tmp_path, mount):
     views = os.path.join(f.path, "__views__")
     # The merged view steps aside for the shard named merged.
     assert sorted(os.listdir(views)) == ["%5F_views__.safetensors", "__views__.safetensors", "_merged.safetensors",
-                                         "bf16", "f16", "f32", "merged.safetensors", "npy", "npy.safetensors"]
+                                         "bf16", "f16", "f32", "merged.safetensors", "npy", "npy.safetensors", "reshard"]
     assert sorted(load_file(os.path.join(views, "_merged.safetensors"))) == ["a", "b", "c", "d"]
     assert sorted(load_file(os.path.join(views, "merged.safetensors"))) == ["b"]
     assert sorted(os.listdir(os.path.join(views, "npy"))) == ["%25%5F_views__", "%5F_views__", "merged", "npy"]

@@ -1,0 +1,185 @@
+//! `__views__/`: read-only files computed from the checkpoints' staged state
+//! (docs/SEMANTICS.md, "Views"). Every view folder is one module that
+//! implements `ViewFolder`: the names it shows in `__views__`, what a path
+//! below them is now, a folder's entries, and a file made for the state now.
+//! The filesystem knows them through `FOLDERS` alone; every entry's inode
+//! comes from one table (`ViewInodes`), filled as names are looked up.
+
+mod casts;
+mod export;
+mod npy;
+mod reshard;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{Ino, State};
+use crate::checkpoint::view::GeneratedFile;
+
+/// The view folders, in listing order. A new view is one module and one line here.
+const FOLDERS: [&dyn ViewFolder; 4] = [&casts::Casts, &npy::Npy, &reshard::Reshard, &export::Export];
+
+/// What a view entry draws on, which gives its owner, mode and time: those
+/// who may read those sources may read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Draws {
+    /// One checkpoint's staged state.
+    Checkpoint(usize),
+    /// Every checkpoint of the mount.
+    All,
+    /// Every checkpoint and index file `i` of a folder mount.
+    Index(usize),
+}
+
+/// A path below `__views__`, as it is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    Folder(Draws),
+    File(Draws),
+}
+
+/// An entry of a view folder's listing, at listing offset `offset` (the
+/// offset to pass back to continue after it).
+pub struct Entry {
+    pub name: String,
+    pub folder: bool,
+    pub offset: u64,
+}
+
+/// One folder of `__views__` (or, for `export`, the files at its top).
+pub trait ViewFolder: Sync {
+    /// The names it shows in `__views__`.
+    fn top(&self, st: &State) -> Vec<String>;
+    /// What `path` (whose first part is one of `top`) is now, if anything.
+    fn find(&self, st: &State, path: &[&str]) -> Option<Found>;
+    /// The entries of folder `path`, in a stable order (those past listing
+    /// offset `from` at least: a long folder may start there).
+    fn list(&self, st: &State, path: &[&str], from: u64) -> Vec<Entry>;
+    /// File `path`, made for the state now; why not (what a commit would
+    /// refuse) if the state is not a valid checkpoint.
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String>;
+    /// Whether a made file is kept until the state changes (small files
+    /// that many names show, as `.npy` files, are made on each use).
+    fn cached(&self) -> bool {
+        true
+    }
+}
+
+fn split(path: &str) -> Vec<&str> {
+    path.split('/').filter(|p| !p.is_empty()).collect()
+}
+
+fn folder_of(st: &State, first: &str) -> Option<&'static dyn ViewFolder> {
+    FOLDERS
+        .into_iter()
+        .find(|f| f.top(st).iter().any(|n| n == first))
+}
+
+/// What `path` ("" for `__views__` itself) is now.
+pub fn find(st: &State, path: &str) -> Option<Found> {
+    let parts = split(path);
+    let Some(first) = parts.first() else {
+        return Some(Found::Folder(Draws::All));
+    };
+    folder_of(st, first)?.find(st, &parts)
+}
+
+/// The entries of folder `path` (those past listing offset `from` at least).
+pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
+    let parts = split(path);
+    if parts.is_empty() {
+        let mut out = Vec::new();
+        for f in FOLDERS {
+            for name in f.top(st) {
+                let folder = matches!(f.find(st, &[&name]), Some(Found::Folder(_)));
+                let offset = 3 + out.len() as u64;
+                out.push(Entry {
+                    name,
+                    folder,
+                    offset,
+                });
+            }
+        }
+        return out;
+    }
+    folder_of(st, parts[0]).map_or_else(Vec::new, |f| f.list(st, &parts, from))
+}
+
+/// File `path`, made now, and whether it may be kept until the state changes.
+pub fn make(st: &State, path: &str) -> Option<(Result<GeneratedFile, String>, bool)> {
+    let parts = split(path);
+    let f = folder_of(st, parts.first()?)?;
+    Some((f.make(st, &parts), f.cached()))
+}
+
+/// The version of the state an entry drawing on `draws` was made from.
+pub fn version(st: &State, draws: Draws) -> u64 {
+    match draws {
+        Draws::Checkpoint(c) => st.live(c).version(),
+        Draws::All | Draws::Index(_) => st.checkpoints.iter().map(|m| m.live.version()).sum(),
+    }
+}
+
+/// Listing offsets for entries in order: 3, 4, ...
+fn numbered(entries: impl IntoIterator<Item = (String, bool)>) -> Vec<Entry> {
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(k, (name, folder))| Entry {
+            name,
+            folder,
+            offset: 3 + k as u64,
+        })
+        .collect()
+}
+
+/// The inode of every view path looked up: `VIEW_BIT` and its place in the
+/// table ("" , `__views__` itself, is the first). Paths are never dropped
+/// (a mount's views are a bounded set of names per tensor).
+pub struct ViewInodes {
+    paths: Vec<Arc<str>>,
+    inos: HashMap<Arc<str>, Ino>,
+}
+
+pub const VIEW_BIT: Ino = 1 << 61;
+
+impl ViewInodes {
+    pub fn new() -> ViewInodes {
+        let mut t = ViewInodes {
+            paths: Vec::new(),
+            inos: HashMap::new(),
+        };
+        t.ino("");
+        t
+    }
+
+    /// The inode of `path`, given now if it had none.
+    pub fn ino(&mut self, path: &str) -> Ino {
+        if let Some(&ino) = self.inos.get(path) {
+            return ino;
+        }
+        let ino = VIEW_BIT | self.paths.len() as Ino;
+        let path: Arc<str> = path.into();
+        self.paths.push(path.clone());
+        self.inos.insert(path, ino);
+        ino
+    }
+
+    pub fn path(&self, ino: Ino) -> Option<Arc<str>> {
+        self.paths.get((ino & !VIEW_BIT) as usize).cloned()
+    }
+}
+
+/// `parent/name`.
+pub fn join(parent: &str, name: &str) -> String {
+    match parent {
+        "" => name.to_string(),
+        _ => format!("{parent}/{name}"),
+    }
+}
+
+/// The path of checkpoint `c`'s export view (its source file byte for byte
+/// when unedited, which passthrough may serve).
+pub fn export_path(st: &State, c: usize) -> String {
+    export::name_of(st, Some(c))
+}

@@ -1,0 +1,100 @@
+//! `__views__/npy/`: each tensor as a `.npy` file, so `np.load` works (one
+//! folder per shard on a folder mount). A tensor is listed while it has
+//! bytes and a valid meta that agree.
+
+use super::{numbered, Draws, Entry, Found, ViewFolder};
+use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use crate::checkpoint::Id;
+use crate::fs::files::TensorFile;
+use crate::fs::{Name, State};
+
+pub struct Npy;
+
+const NPY_DIR: &str = "npy";
+const SUFFIX: &str = ".npy";
+
+/// Entry `id` of checkpoint `c` as a `.npy` view's tensor: if it has
+/// bytes, a valid meta, and as many bytes as its meta says.
+fn tensor(st: &State, c: usize, id: Id) -> Option<ViewTensor> {
+    let t = st.live(c).view_tensor(id)?;
+    let want = t.dtype.bits() * t.shape.iter().product::<u64>() / 8;
+    (t.bytes.len() == want).then_some(t)
+}
+
+/// The checkpoint whose tensors `path` (`npy`, or `npy/SHARD`) lists;
+/// None for the folder of shard folders (a folder mount's `npy`).
+fn checkpoint_of(st: &State, path: &[&str]) -> Option<Option<usize>> {
+    match (path, &st.folder) {
+        ([_], None) => Some(Some(0)),
+        ([_], Some(_)) => Some(None),
+        ([_, shard], Some(_)) => st
+            .checkpoints
+            .iter()
+            .position(|m| m.shown_name() == *shard)
+            .map(Some),
+        _ => None,
+    }
+}
+
+/// The tensor of file `name` in checkpoint `c`'s folder.
+fn file_named(st: &State, c: usize, name: &str) -> Option<(Id, ViewTensor)> {
+    let stem = name.strip_suffix(SUFFIX)?;
+    let Ok(Name::Tensor(TensorFile::Data, tensor_name)) = st.decode(c, stem) else {
+        return None;
+    };
+    let id = st.live(c).find(&tensor_name)?;
+    tensor(st, c, id).map(|t| (id, t))
+}
+
+impl ViewFolder for Npy {
+    fn top(&self, _: &State) -> Vec<String> {
+        vec![NPY_DIR.to_string()]
+    }
+
+    fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
+        let (folder, file) = match path.split_last()? {
+            (last, rest) if last.ends_with(SUFFIX) && !rest.is_empty() => (rest, Some(*last)),
+            _ => (path, None),
+        };
+        let c = checkpoint_of(st, folder)?;
+        match (c, file) {
+            (None, None) => Some(Found::Folder(Draws::All)),
+            (Some(c), None) if folder.len() == 2 => Some(Found::Folder(Draws::Checkpoint(c))),
+            (Some(_), None) => Some(Found::Folder(Draws::All)),
+            (Some(c), Some(name)) => {
+                file_named(st, c, name).map(|_| Found::File(Draws::Checkpoint(c)))
+            }
+            (None, Some(_)) => None,
+        }
+    }
+
+    fn list(&self, st: &State, path: &[&str], from: u64) -> Vec<Entry> {
+        match checkpoint_of(st, path) {
+            Some(None) => numbered(st.checkpoints.iter().map(|m| (m.shown_name(), true))),
+            // Tensor `id` lists at offset 3 + id, in id order like its data
+            // file, so that a listing resumes correctly across edits.
+            Some(Some(c)) => st
+                .live(c)
+                .entries_from(from.saturating_sub(3))
+                .filter(|(id, _)| tensor(st, c, *id).is_some())
+                .map(|(id, e)| Entry {
+                    name: TensorFile::Data.file_name(e.name) + SUFFIX,
+                    folder: false,
+                    offset: 3 + id + 1,
+                })
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
+        let (name, folder) = path.split_last().ok_or("not a view")?;
+        let c = checkpoint_of(st, folder).flatten().ok_or("not a view")?;
+        let (_, t) = file_named(st, c, name).ok_or("not a view")?;
+        Ok(GeneratedFile::npy(t))
+    }
+
+    fn cached(&self) -> bool {
+        false
+    }
+}

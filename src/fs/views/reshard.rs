@@ -1,0 +1,202 @@
+//! `__views__/reshard/SIZE/`: the checkpoint split as
+//! `save_pretrained(max_shard_size=SIZE)` splits it (huggingface_hub's
+//! `split_state_dict_into_shards_factory`): the tensors in name order (the
+//! order `safetensors.torch.load_file` gives them), each added to the
+//! current shard unless that would pass SIZE (then a new shard begins); a
+//! tensor larger than SIZE alone in a shard of its own, placed when it is
+//! met. The shards are `model-0000k-of-0000n.safetensors` with
+//! `model.safetensors.index.json` (one shard: `model.safetensors`, no
+//! index). Each shard carries the checkpoint's metadata. A folder mount's
+//! shards are merged first, then split again.
+//!
+//! SIZE is written as Hugging Face writes it: a number and a unit, `KB`,
+//! `MB`, `GB`, `TB` (powers of 1000: `5GB` is 5·10⁹ bytes; `0.5GB` too), or
+//! `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024: `2GiB` is 2·2³⁰), or bytes
+//! alone. Any such name works; the listing shows `5GB`, the default of
+//! `save_pretrained`.
+
+use super::export::tensors_of;
+use super::{numbered, Draws, Entry, Found, ViewFolder};
+use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use crate::fs::State;
+
+pub struct Reshard;
+
+const DIR: &str = "reshard";
+const LISTED: &str = "5GB";
+const INDEX: &str = "model.safetensors.index.json";
+
+/// Bytes of a SIZE folder name; None if it is not one.
+pub fn parse_size(name: &str) -> Option<u64> {
+    let upper = name.trim().to_ascii_uppercase();
+    let units: [(&str, f64); 8] = [
+        ("KIB", 1024.0),
+        ("MIB", 1024f64.powi(2)),
+        ("GIB", 1024f64.powi(3)),
+        ("TIB", 1024f64.powi(4)),
+        ("KB", 1e3),
+        ("MB", 1e6),
+        ("GB", 1e9),
+        ("TB", 1e12),
+    ];
+    let (number, multiplier) = units
+        .iter()
+        .find_map(|(u, m)| upper.strip_suffix(u).map(|n| (n.trim(), *m)))
+        .unwrap_or((upper.as_str(), 1.0));
+    // (As Python's float(): digits, a point, an exponent; no sign, no inf.)
+    if number.is_empty() || !number.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | 'E')) {
+        return None;
+    }
+    let value: f64 = number.parse().ok()?;
+    let bytes = value * multiplier;
+    (bytes.is_finite() && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+/// The split: (file name, its tensors) in order, and the index's text
+/// (None for a single shard).
+type Split = (Vec<(String, Vec<ViewTensor>)>, Option<Vec<u8>>);
+
+fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>), String> {
+    let (mut tensors, metadata) = tensors_of(st, if st.folder.is_some() { None } else { Some(0) })?;
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut shards: Vec<Vec<ViewTensor>> = Vec::new();
+    let mut current: Vec<ViewTensor> = Vec::new();
+    let (mut current_size, mut total) = (0u64, 0u64);
+    for t in tensors {
+        let size = t.bytes.len();
+        total += size;
+        if size > max {
+            shards.push(vec![t]);
+            continue;
+        }
+        if current_size + size > max {
+            shards.push(std::mem::take(&mut current));
+            current_size = 0;
+        }
+        current_size += size;
+        current.push(t);
+    }
+    if !current.is_empty() {
+        shards.push(current);
+    }
+    if shards.len() == 1 {
+        let only = shards.pop().expect("one");
+        return Ok(((vec![("model.safetensors".to_string(), only)], None), metadata));
+    }
+    let n = shards.len();
+    let named: Vec<(String, Vec<ViewTensor>)> = shards
+        .into_iter()
+        .enumerate()
+        .map(|(k, s)| (format!("model-{:05}-of-{n:05}.safetensors", k + 1), s))
+        .collect();
+    let mut weight_map = serde_json::Map::new();
+    for (file, tensors) in &named {
+        for t in tensors {
+            weight_map.insert(t.name.clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({
+        "metadata": {"total_size": total},
+        "weight_map": weight_map,
+    });
+    // As transformers writes it: json.dumps(index, indent=2, sort_keys=True) + "\n".
+    let mut text = ascii_json(&serde_json::to_string_pretty(&index).expect("serializes"));
+    text.push('\n');
+    Ok(((named, Some(text.into_bytes())), metadata))
+}
+
+/// Python's `ensure_ascii`: every character past ASCII as `\uXXXX` (a
+/// surrogate pair past the first plane).
+fn ascii_json(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    out
+}
+
+/// The file names of split `max` now, in listing order.
+fn files(st: &State, max: u64) -> Vec<String> {
+    let Ok(((shards, index), _)) = split(st, max) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = shards.into_iter().map(|(n, _)| n).collect();
+    if index.is_some() {
+        names.push(INDEX.to_string());
+    }
+    names
+}
+
+impl ViewFolder for Reshard {
+    fn top(&self, _: &State) -> Vec<String> {
+        vec![DIR.to_string()]
+    }
+
+    fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
+        match path {
+            [_] => Some(Found::Folder(Draws::All)),
+            [_, size] => parse_size(size).map(|_| Found::Folder(Draws::All)),
+            [_, size, name] => {
+                let max = parse_size(size)?;
+                files(st, max)
+                    .iter()
+                    .any(|n| n == name)
+                    .then_some(Found::File(Draws::All))
+            }
+            _ => None,
+        }
+    }
+
+    fn list(&self, st: &State, path: &[&str], _: u64) -> Vec<Entry> {
+        match path {
+            [_] => numbered([(LISTED.to_string(), true)]),
+            [_, size] => match parse_size(size) {
+                Some(max) => numbered(files(st, max).into_iter().map(|n| (n, false))),
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
+        let [_, size, name] = path else {
+            return Err("not a view".into());
+        };
+        let max = parse_size(size).ok_or("not a size")?;
+        let ((shards, index), metadata) = split(st, max)?;
+        if *name == INDEX {
+            return index.map(GeneratedFile::text).ok_or_else(|| "no index".into());
+        }
+        let (_, tensors) = shards
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .ok_or("not a shard")?;
+        GeneratedFile::safetensors(tensors, metadata.as_ref(), None).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_as_hugging_face_writes_them() {
+        assert_eq!(parse_size("5GB"), Some(5_000_000_000));
+        assert_eq!(parse_size("5gb"), Some(5_000_000_000));
+        assert_eq!(parse_size("0.5GB"), Some(500_000_000));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("100KB"), Some(100_000));
+        assert_eq!(parse_size("3MiB"), Some(3 << 20));
+        assert_eq!(parse_size("1000"), Some(1000));
+        for bad in ["", "GB", "-1GB", "inf", "nanGB", "5 G B", "5XB", "1e400GB"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+}
