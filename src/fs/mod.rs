@@ -514,9 +514,7 @@ impl State {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
         if ino & VIEW_BIT != 0 {
-            let path = lock(&self.view_inos)
-                .path(ino)
-                .ok_or(FsError::NotFound)?;
+            let path = lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)?;
             return match views::find(self, &path) {
                 Some(_) => Ok(Node::Views(ino)),
                 None => Err(FsError::NotFound),
@@ -1053,13 +1051,9 @@ impl Fs {
                 let path = st.view_path(ino)?;
                 match views::find(st, &path).ok_or(FsError::NotFound)? {
                     // A shard's own folder (`npy/SHARD`) has its file's mode.
-                    Found::Folder(Draws::Checkpoint(c)) => of_source(
-                        c,
-                        Kind::Directory,
-                        0,
-                        st.live(c).source().modified(),
-                        false,
-                    ),
+                    Found::Folder(Draws::Checkpoint(c)) => {
+                        of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false)
+                    }
                     Found::Folder(_) => {
                         let mtime = st.live(0).source().modified();
                         of_stat(st.root_owner(), Kind::Directory, 0, mtime, false)
@@ -1201,7 +1195,11 @@ impl Fs {
                     return Err(FsError::NotADirectory);
                 }
                 for e in views::list(&st, &parent, offset) {
-                    let kind = if e.folder { Kind::Directory } else { Kind::File };
+                    let kind = if e.folder {
+                        Kind::Directory
+                    } else {
+                        Kind::File
+                    };
                     let ino = st.view_ino(&views::join(&parent, &e.name));
                     if e.offset > offset && emit(ino, kind, e.name, e.offset) {
                         break;
@@ -1283,9 +1281,7 @@ impl Fs {
         let node = self.read_state().node(ino)?;
         match node {
             Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
-            Node::Views(ino) if self.read_state().is_view_folder(ino) => {
-                Err(FsError::IsADirectory)
-            }
+            Node::Views(ino) if self.read_state().is_view_folder(ino) => Err(FsError::IsADirectory),
             Node::Views(_) | Node::WholeView(_) if write || truncate => Err(FsError::ReadOnly),
             Node::WholeView(c) => {
                 // The daemon's own read-only open of the file comes first:

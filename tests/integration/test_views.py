@@ -535,7 +535,7 @@ def test_a_tensor_copied_into_a_second_shard_is_a_problem_not_a_silent_index(tmp
 
 
 def test_every_view_reads_the_same_at_any_offset_and_size(tmp_path, mount):
-    """Reads of every generated view (export, casts, npy, shards, merged, index) at
+    """Reads of every generated view (export, casts, npy, reshard, shards, merged, index) at
     random offsets with odd sizes (1-7 bytes, across element and tensor boundaries,
     and larger) give the same bytes as a whole read; views have no write bits."""
     folder = tmp_path / "f"
@@ -554,7 +554,7 @@ def test_every_view_reads_the_same_at_any_offset_and_size(tmp_path, mount):
     views = os.path.join(m.path, "__views__")
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(views) for f in files)
     kinds = {os.path.relpath(p, views).split(os.sep)[0] for p in paths}
-    assert {"bf16", "f16", "f32", "npy", "merged.safetensors", "a.safetensors", "m.safetensors.index.json"} <= kinds, kinds
+    assert {"bf16", "f16", "f32", "npy", "reshard", "merged.safetensors", "a.safetensors", "m.safetensors.index.json"} <= kinds, kinds
     rng = random.Random(7)
     for p in paths:
         whole = open(p, "rb").read()

@@ -17,7 +17,8 @@ use super::{Ino, State};
 use crate::checkpoint::view::GeneratedFile;
 
 /// The view folders, in listing order. A new view is one module and one line here.
-const FOLDERS: [&dyn ViewFolder; 4] = [&casts::Casts, &npy::Npy, &reshard::Reshard, &export::Export];
+const FOLDERS: [&dyn ViewFolder; 4] =
+    [&casts::Casts, &npy::Npy, &reshard::Reshard, &export::Export];
 
 /// What a view entry draws on, which gives its owner, mode and time: those
 /// who may read those sources may read it.

@@ -1,7 +1,9 @@
 //! `__views__/reshard/SIZE/`: the checkpoint split as
 //! `save_pretrained(max_shard_size=SIZE)` splits it (huggingface_hub's
-//! `split_state_dict_into_shards_factory`): the tensors in name order (the
-//! order `safetensors.torch.load_file` gives them), each added to the
+//! `split_state_dict_into_shards_factory`): the tensors in the order
+//! `load_file` gives them from the export view (`model.safetensors`, or
+//! `merged.safetensors` of a folder mount: largest dtype first, then by
+//! name, as `save_file` lays a file out), each added to the
 //! current shard unless that would pass SIZE (then a new shard begins); a
 //! tensor larger than SIZE alone in a shard of its own, placed when it is
 //! met. The shards are `model-0000k-of-0000n.safetensors` with
@@ -44,7 +46,11 @@ pub fn parse_size(name: &str) -> Option<u64> {
         .find_map(|(u, m)| upper.strip_suffix(u).map(|n| (n.trim(), *m)))
         .unwrap_or((upper.as_str(), 1.0));
     // (As Python's float(): digits, a point, an exponent; no sign, no inf.)
-    if number.is_empty() || !number.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | 'E')) {
+    if number.is_empty()
+        || !number
+            .chars()
+            .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'E'))
+    {
         return None;
     }
     let value: f64 = number.parse().ok()?;
@@ -57,8 +63,24 @@ pub fn parse_size(name: &str) -> Option<u64> {
 type Split = (Vec<(String, Vec<ViewTensor>)>, Option<Vec<u8>>);
 
 fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>), String> {
-    let (mut tensors, metadata) = tensors_of(st, if st.folder.is_some() { None } else { Some(0) })?;
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    let (tensors, metadata) = tensors_of(st, if st.folder.is_some() { None } else { Some(0) })?;
+    // In file order of the export view (`model.safetensors`, or
+    // `merged.safetensors`): the order `load_file` gives of it.
+    let order = crate::format::layout_of(
+        tensors.len(),
+        |i| {
+            (
+                tensors[i].name.as_str(),
+                tensors[i].dtype,
+                tensors[i].shape.as_slice(),
+            )
+        },
+        metadata.as_ref(),
+    )
+    .map_err(|e| e.to_string())?
+    .source_index;
+    let mut slots: Vec<Option<ViewTensor>> = tensors.into_iter().map(Some).collect();
+    let tensors = order.iter().map(|&k| slots[k].take().expect("each once"));
     let mut shards: Vec<Vec<ViewTensor>> = Vec::new();
     let mut current: Vec<ViewTensor> = Vec::new();
     let (mut current_size, mut total) = (0u64, 0u64);
@@ -81,7 +103,10 @@ fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>
     }
     if shards.len() == 1 {
         let only = shards.pop().expect("one");
-        return Ok(((vec![("model.safetensors".to_string(), only)], None), metadata));
+        return Ok((
+            (vec![("model.safetensors".to_string(), only)], None),
+            metadata,
+        ));
     }
     let n = shards.len();
     let named: Vec<(String, Vec<ViewTensor>)> = shards
@@ -172,7 +197,9 @@ impl ViewFolder for Reshard {
         let max = parse_size(size).ok_or("not a size")?;
         let ((shards, index), metadata) = split(st, max)?;
         if *name == INDEX {
-            return index.map(GeneratedFile::text).ok_or_else(|| "no index".into());
+            return index
+                .map(GeneratedFile::text)
+                .ok_or_else(|| "no index".into());
         }
         let (_, tensors) = shards
             .into_iter()
