@@ -1,0 +1,294 @@
+//! Changing the namespace and the bytes: create, truncate, unlink, rename
+//! (the edits a commit writes later).
+
+use super::*;
+
+impl Fs {
+    /// Creates (or opens, unless `exclusive`) a file in a checkpoint directory.
+    pub fn create(
+        &self,
+        parent: Ino,
+        name: &str,
+        truncate: bool,
+        exclusive: bool,
+    ) -> Result<(Attr, Opened), FsError> {
+        self.writable()?;
+        let ino = {
+            let mut st = self.write_state();
+            let c = st.checkpoint_dir(parent)?;
+            let decoded = st.decode(c, name)?;
+            let existing = st.find(c, &decoded);
+            if existing.is_some() && exclusive {
+                return Err(FsError::Exists);
+            }
+            let node = match (existing, &decoded) {
+                (Some(node), _) => node,
+                (None, Name::Metadata) => {
+                    st.live_mut(c).create_metadata();
+                    Node::Metadata(c)
+                }
+                (None, Name::Tensor(TensorFile::Data, tensor)) => {
+                    if tensor == crate::checkpoint::RESERVED {
+                        return Err(FsError::Invalid(format!(
+                            "{name:?}: a tensor cannot be named __metadata__"
+                        )));
+                    }
+                    if names::is_hashed(tensor) {
+                        return Err(FsError::Invalid(format!(
+                            "{name:?}: a tensor name this long cannot be created through the mount"
+                        )));
+                    }
+                    let (id, _) = st.live_mut(c).create_data(tensor)?;
+                    info!(tensor = %tensor, "created");
+                    Node::File(c, id, TensorFile::Data)
+                }
+                (None, Name::Tensor(TensorFile::Meta, tensor)) => {
+                    let live = st.live_mut(c);
+                    let id = live.create_meta(tensor);
+                    let file = live.meta_file(id).ok_or(FsError::NotFound)?;
+                    Node::File(c, file.id, TensorFile::Meta)
+                }
+            };
+            st.ino_of(node)
+        };
+        let opened = self.open(ino, true, truncate)?;
+        Ok((self.getattr(ino, Some(opened.fh))?, opened))
+    }
+
+    pub(super) fn truncate_object(
+        &self,
+        object: &Arc<DataObject>,
+        len: u64,
+    ) -> Result<(), FsError> {
+        let moved = object.truncate(&self.staging, len)?;
+        self.note_write(object, moved);
+        Ok(())
+    }
+
+    /// After a data write: the checkpoint listing the object learns it has
+    /// edits, and its journal where the bytes are if they moved.
+    pub(super) fn note_write(&self, object: &Arc<DataObject>, moved: bool) {
+        if !moved {
+            let st = self.read_state();
+            let home = st.home(object);
+            if let Some(c) = home {
+                st.live(c).touch();
+            }
+            if home.is_none_or(|c| st.live(c).is_dirty()) {
+                return;
+            }
+        }
+        let mut st = self.write_state();
+        if let Some(c) = st.home(object) {
+            st.live_mut(c).object_written(object, moved);
+        }
+    }
+
+    /// `truncate` / `ftruncate`.
+    pub fn set_size(&self, ino: Ino, fh: Option<u64>, size: u64) -> Result<Attr, FsError> {
+        self.writable()?;
+        if let Some(fh) = fh {
+            let mut handles = lock(&self.handles);
+            match handles.open.get_mut(&fh) {
+                Some(Handle::Json { file, .. }) => {
+                    let len = usize::try_from(size).unwrap_or(usize::MAX);
+                    file.resize(&mut lock(&file.content), len)?;
+                    drop(handles);
+                    return self.getattr(ino, Some(fh));
+                }
+                Some(Handle::Data { object, .. }) => {
+                    let object = object.clone();
+                    drop(handles);
+                    self.truncate_object(&object, size)?;
+                    return self.getattr(ino, Some(fh));
+                }
+                Some(Handle::View { .. }) => return Err(FsError::ReadOnly),
+                None => {}
+            }
+        }
+        let node = self.read_state().node(ino)?;
+        match node {
+            Node::File(c, id, TensorFile::Data) => {
+                let object = self.object(c, id)?;
+                self.truncate_object(&object, size)?;
+            }
+            Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+            Node::Views(v) if self.read_state().is_view_folder(v) => {
+                return Err(FsError::IsADirectory)
+            }
+            Node::Views(_) | Node::WholeView(_) => return Err(FsError::ReadOnly),
+            Node::Index(_) => {
+                return Err(FsError::NotPermitted(
+                    "index files are rewritten by commits, not edited",
+                ))
+            }
+            // A JSON file cut by path: as if opened, cut and closed.
+            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => {
+                let opened = self.open(ino, true, false)?;
+                let cut = self.set_size(ino, Some(opened.fh), size);
+                self.release(opened.fh)?;
+                return cut;
+            }
+        }
+        self.getattr(ino, fh)
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &str) -> Result<(), FsError> {
+        self.writable()?;
+        let mut st = self.write_state();
+        let c =
+            match st.node(parent)? {
+                Node::CheckpointDir(c) => c,
+                Node::FolderRoot => return Err(FsError::NotPermitted(
+                    "the root of a folder mount holds one directory per shard: edit inside them",
+                )),
+                Node::Views(_) => return Err(FsError::ReadOnly),
+                _ => return Err(FsError::NotADirectory),
+            };
+        let decoded = match st.decode(c, name) {
+            Err(FsError::ReadOnly) => return Err(FsError::ReadOnly),
+            d => d.map_err(|_| FsError::NotFound)?,
+        };
+        if st.find(c, &decoded).is_none() {
+            return Err(FsError::NotFound);
+        }
+        let live = st.live_mut(c);
+        match &decoded {
+            Name::Metadata => live.remove_metadata(),
+            Name::Tensor(TensorFile::Data, tensor) => live.unlink_data(tensor)?,
+            Name::Tensor(TensorFile::Meta, tensor) => live.unlink_meta(tensor)?,
+        }
+        info!(file = name, "removed");
+        Ok(())
+    }
+
+    /// `rename`: the file model of docs/SEMANTICS.md. A data file moved onto a
+    /// data name brings its name's meta if it has one (else the target keeps
+    /// its own); any file moved onto a `.meta.json` or `__metadata__.json`
+    /// gives it its content as JSON (EINVAL, and nothing changes, if it does
+    /// not parse); a JSON file moved onto a data name becomes a plain file.
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &str,
+        new_parent: Ino,
+        new_name: &str,
+        no_replace: bool,
+    ) -> Result<(), FsError> {
+        self.writable()?;
+        let mut st = self.write_state();
+        let c = st.checkpoint_dir(parent)?;
+        let nc = st.checkpoint_dir(new_parent)?;
+        let from = st.decode(c, name)?;
+        let to = st.decode(nc, new_name)?;
+        let from_node = st.find(c, &from).ok_or(FsError::NotFound)?;
+        let to_node = st.find(nc, &to);
+        if to_node == Some(from_node) && c == nc {
+            return Ok(());
+        }
+        if no_replace && to_node.is_some() {
+            return Err(FsError::Exists);
+        }
+        // Journaled whole: one line per checkpoint, the target's first (a
+        // crash between two checkpoints' lines leaves a copy, never a loss).
+        st.live_mut(c).begin_batch();
+        let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
+        st.live_mut(c).end_batch();
+        result?;
+        info!(from = name, to = new_name, "renamed");
+        Ok(())
+    }
+
+    /// The parts of `rename` that change the state (see `rename`).
+    pub(super) fn rename_parts(
+        &self,
+        st: &mut State,
+        (c, name, from, from_node): (usize, &str, &Name, Node),
+        (nc, new_name, to): (usize, &str, &Name),
+    ) -> Result<(), FsError> {
+        let to_node = st.find(nc, to);
+        match to {
+            Name::Tensor(TensorFile::Data, target) => {
+                if target == crate::checkpoint::RESERVED {
+                    return Err(FsError::Invalid(format!(
+                        "{new_name:?}: a tensor cannot be named __metadata__"
+                    )));
+                }
+                if names::is_hashed(target) && to_node.is_none() {
+                    return Err(FsError::Invalid(format!(
+                        "{new_name:?}: a tensor name this long cannot be created through the mount"
+                    )));
+                }
+                let taken = match from {
+                    Name::Tensor(TensorFile::Data, source) => {
+                        st.live_mut(c).take_data(source, true)?
+                    }
+                    Name::Tensor(TensorFile::Meta, source) => {
+                        let text = self.json_text(st, from_node)?;
+                        let live = st.live_mut(c);
+                        let object = live.staged_object(&text)?;
+                        live.unlink_meta(source)?;
+                        object
+                    }
+                    Name::Metadata => {
+                        let text = self.json_text(st, from_node)?;
+                        let live = st.live_mut(c);
+                        let object = live.staged_object(&text)?;
+                        live.remove_metadata();
+                        object
+                    }
+                };
+                st.live_mut(nc).put_data(target, taken, c == nc);
+            }
+            Name::Tensor(TensorFile::Meta, _) | Name::Metadata => {
+                let text = match from {
+                    Name::Tensor(TensorFile::Data, _) => {
+                        let Node::File(_, id, _) = from_node else {
+                            unreachable!()
+                        };
+                        let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
+                        let limit = match to {
+                            Name::Metadata => MAX_JSON,
+                            _ => MAX_META,
+                        };
+                        if bytes.len() > limit as u64 {
+                            return Err(EditError::TooLarge(limit).into());
+                        }
+                        bytes.to_vec()?
+                    }
+                    _ => self.json_text(st, from_node)?,
+                };
+                let bad = match to {
+                    Name::Metadata => crate::checkpoint::meta::parse_metadata(&text).err(),
+                    _ => match crate::checkpoint::Meta::parse(&text) {
+                        crate::checkpoint::Meta::Invalid { error, .. } => Some(error),
+                        _ => None,
+                    },
+                };
+                if let Some(why) = bad {
+                    return Err(FsError::Invalid(format!(
+                        "{name:?} cannot become {new_name:?}: {why}"
+                    )));
+                }
+                {
+                    let live = st.live_mut(c);
+                    match from {
+                        Name::Tensor(TensorFile::Data, source) => live.unlink_data(source)?,
+                        Name::Tensor(TensorFile::Meta, source) => live.unlink_meta(source)?,
+                        Name::Metadata => live.remove_metadata(),
+                    }
+                }
+                let live = st.live_mut(nc);
+                match to {
+                    Name::Tensor(_, target) => {
+                        live.set_meta(target, &text, true)?;
+                    }
+                    Name::Metadata => {
+                        live.set_metadata(&text, true)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

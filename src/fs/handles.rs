@@ -1,0 +1,595 @@
+//! Open files: the handle of each descriptor (a data file's object, a JSON
+//! file's shared text, a view as it was made), and the requests on them:
+//! open, read, write, flush, fsync, release.
+
+use super::*;
+
+/// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
+/// by every descriptor open on the same inode, and theirs alone once the name
+/// is removed or replaced (as an unlinked file is on any filesystem).
+/// Generated text is taken when the first descriptor opens it; what is
+/// written is applied to the checkpoint when a descriptor open for writing
+/// is flushed (an empty text only at its release), if this is still the file
+/// at its name; text that does not parse is reported to the closer unless
+/// another writer still has the file open (it may be half-written).
+pub(super) struct JsonFile {
+    pub(super) ino: Ino,
+    /// Owner, mode and time, as `stat` showed them at open.
+    pub(super) attr: Attr,
+    /// Its largest size: `MAX_META` for a meta, `MAX_JSON` otherwise.
+    pub(super) limit: usize,
+    pub(super) budget: Arc<JsonBudget>,
+    pub(super) content: Mutex<JsonContent>,
+}
+
+/// What all open JSON files may hold together: each may be 16 MiB, and a
+/// caller with many descriptors must not grow the daemon without bound.
+pub(super) const JSON_BUDGET: usize = 64 << 20;
+
+/// The bytes held by open JSON files.
+#[derive(Default)]
+pub(super) struct JsonBudget(AtomicU64);
+
+impl JsonBudget {
+    pub(super) fn take(&self, n: usize) -> Result<(), FsError> {
+        let n = n as u64;
+        self.0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                (held + n <= JSON_BUDGET as u64).then_some(held + n)
+            })
+            .map(drop)
+            .map_err(|_| {
+                FsError::NoSpace("open .meta.json and __metadata__.json files hold 64 MiB already")
+            })
+    }
+
+    pub(super) fn give(&self, n: usize) {
+        self.0.fetch_sub(n as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for JsonFile {
+    fn drop(&mut self) {
+        let len = lock(&self.content).text.len();
+        self.budget.give(len);
+    }
+}
+
+pub(super) struct JsonContent {
+    pub(super) text: Vec<u8>,
+    /// Written or cut since last applied.
+    pub(super) dirty: bool,
+    /// Ever written or cut through a descriptor: the text is the writers'.
+    pub(super) written: bool,
+}
+
+impl JsonFile {
+    /// Sets the text's length (zeros past the end), within the file's limit
+    /// (EFBIG) and what all open JSON files may hold (ENOSPC).
+    pub(super) fn resize(&self, content: &mut JsonContent, len: usize) -> Result<(), FsError> {
+        if len > self.limit {
+            return Err(EditError::TooLarge(self.limit).into());
+        }
+        let old = content.text.len();
+        if len > old {
+            self.budget.take(len - old)?;
+        } else {
+            self.budget.give(old - len);
+        }
+        content.text.resize(len, 0);
+        content.dirty = true;
+        content.written = true;
+        Ok(())
+    }
+
+    pub(super) fn attr(&self, nlink: u32) -> Attr {
+        Attr {
+            size: lock(&self.content).text.len() as u64,
+            nlink,
+            ..self.attr.clone()
+        }
+    }
+}
+
+/// What an open file handle refers to.
+pub(super) enum Handle {
+    /// A data file: the object itself, so that the handle keeps reading it
+    /// after an unlink or a rename, and sees every write.
+    Data {
+        ino: Ino,
+        object: Arc<DataObject>,
+        wrote: bool,
+        /// CUDA buffers prefetched through this handle: freed when it closes.
+        device: Vec<crate::prefetch::cuda::DeviceBuffer>,
+    },
+    /// A JSON file; `write`: opened for writing.
+    Json { file: Arc<JsonFile>, write: bool },
+    /// A view, as it was made when opened.
+    View {
+        ino: Ino,
+        file: Arc<GeneratedFile>,
+        _pins: Pins,
+        /// A view served by passthrough: the daemon's read-only open of
+        /// the source file (no in-place commit while it is open).
+        _reader: Option<Arc<std::fs::File>>,
+    },
+}
+
+/// The staging files a view's descriptor reads, pinned while it is open: a
+/// later write into one of those tensors copies it to a new staging file
+/// instead of changing the bytes under the descriptor.
+pub(super) struct Pins(Vec<Arc<crate::source::StagedFile>>);
+
+impl Pins {
+    pub(super) fn of(file: &GeneratedFile) -> Pins {
+        let staged = file.bytes().filter_map(|b| match b {
+            crate::source::Bytes::Staged(s) => {
+                s.pin();
+                Some(s.clone())
+            }
+            _ => None,
+        });
+        Pins(staged.collect())
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|s| s.unpin());
+    }
+}
+
+impl Handle {
+    pub(super) fn ino(&self) -> Ino {
+        match self {
+            Handle::Data { ino, .. } | Handle::View { ino, .. } => *ino,
+            Handle::Json { file, .. } => file.ino,
+        }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Handles {
+    pub(super) open: HashMap<u64, Handle>,
+    /// The JSON files open now, by inode: a second open of the same file
+    /// shares the first one's.
+    pub(super) json: HashMap<Ino, std::sync::Weak<JsonFile>>,
+}
+
+/// Serves `size` bytes of a view at `offset` (computed now).
+pub(super) fn read_view<R>(
+    file: &GeneratedFile,
+    offset: u64,
+    size: u32,
+    reply: impl FnOnce(&[&[u8]]) -> R,
+) -> Result<R, FsError> {
+    Ok(file.read(offset, size, reply)?)
+}
+
+/// The text of a JSON file as the state has it.
+pub(super) fn state_text(st: &State, node: Node) -> Result<Vec<u8>, FsError> {
+    Ok(match node {
+        Node::Index(i) => st.indexes[i].0.bytes.clone(),
+        Node::Metadata(c) => st.live(c).metadata_text().unwrap_or_default(),
+        Node::File(c, file, TensorFile::Meta) => {
+            let id = st.meta_entry(c, file)?;
+            st.live(c).meta_text(id).unwrap_or_default()
+        }
+        _ => return Err(FsError::IsADirectory),
+    })
+}
+
+pub(super) fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
+    let start = offset.min(data.len() as u64) as usize;
+    let end = (start as u64 + size as u64).min(data.len() as u64) as usize;
+    &data[start..end]
+}
+
+impl Fs {
+    pub(super) fn new_handle(&self, h: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        lock(&self.handles).open.insert(fh, h);
+        fh
+    }
+
+    pub(super) fn opened(&self, fh: u64, generated: bool) -> Opened {
+        let direct = generated || self.settings.cache == CacheMode::Direct;
+        Opened {
+            fh,
+            keep_cache: !direct,
+            direct_io: direct,
+            passthrough: None,
+        }
+    }
+
+    /// A descriptor of a view, which reads it as it was when it opened; by
+    /// passthrough to `reader` (the source file) if given.
+    pub(super) fn open_view(
+        &self,
+        ino: Ino,
+        file: Arc<GeneratedFile>,
+        reader: Option<Arc<std::fs::File>>,
+    ) -> Opened {
+        let fh = self.new_handle(Handle::View {
+            ino,
+            _pins: Pins::of(&file),
+            file,
+            _reader: reader.clone(),
+        });
+        Opened {
+            passthrough: reader,
+            ..self.opened(fh, true)
+        }
+    }
+
+    /// The object of a data file, made shareable for a handle.
+    pub(super) fn object(&self, c: usize, id: Id) -> Result<Arc<DataObject>, FsError> {
+        self.write_state()
+            .live_mut(c)
+            .object_arc(id)
+            .ok_or(FsError::NotFound)
+    }
+
+    /// Opens a file. `write` is any write access; `truncate` is O_TRUNC.
+    pub fn open(&self, ino: Ino, write: bool, truncate: bool) -> Result<Opened, FsError> {
+        if write || truncate {
+            self.writable()?;
+        }
+        let node = self.read_state().node(ino)?;
+        match node {
+            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
+            Node::Views(ino) if self.read_state().is_view_folder(ino) => Err(FsError::IsADirectory),
+            Node::Views(_) | Node::WholeView(_) if write || truncate => Err(FsError::ReadOnly),
+            Node::WholeView(c) => {
+                // The daemon's own read-only open of the file comes first:
+                // from then on no in-place commit can start (its write lease
+                // wants no other reader), and one under way is waited for.
+                // (No lock is held while it may wait.)
+                let source = self.read_state().live(c).source().clone();
+                let reader = Arc::new(source.reopen_read_only()?);
+                let st = self.read_state();
+                let source = st.live(c).source();
+                let is_source =
+                    |f: &GeneratedFile| f.whole_source().is_some_and(|s| Arc::ptr_eq(s, source));
+                let file = match self.view(&st, &views::export_path(&st, c)) {
+                    Ok(now) if is_source(&now) => now,
+                    // An edit came between the lookup and this open: it gets
+                    // the file the lookup saw, if the file is still exactly
+                    // that; else the kernel looks the name up again (ESTALE).
+                    _ => lock(&self.looked_up)
+                        .get(&ino)
+                        .filter(|f| is_source(f))
+                        .cloned()
+                        .ok_or(FsError::Stale)?,
+                };
+                drop(st);
+                Ok(self.open_view(ino, file, Some(reader)))
+            }
+            Node::Views(_) => {
+                let st = self.read_state();
+                let file = self.view(&st, &st.view_path(ino)?)?;
+                drop(st);
+                Ok(self.open_view(ino, file, None))
+            }
+            Node::Index(_) if write || truncate => Err(FsError::NotPermitted(
+                "index files are rewritten by commits, not edited",
+            )),
+            Node::File(c, id, TensorFile::Data) => {
+                let object = self.object(c, id)?;
+                if truncate {
+                    self.truncate_object(&object, 0)?;
+                }
+                let fh = self.new_handle(Handle::Data {
+                    ino,
+                    object,
+                    wrote: truncate,
+                    device: Vec::new(),
+                });
+                Ok(self.opened(fh, false))
+            }
+            Node::Index(_) | Node::Metadata(_) | Node::File(_, _, TensorFile::Meta) => {
+                self.open_json(ino, node, write || truncate, truncate)
+            }
+        }
+    }
+
+    /// Opens a JSON file: the one open already on this inode, unless its
+    /// generated text is out of date, else a new one with the text now.
+    pub(super) fn open_json(
+        &self,
+        ino: Ino,
+        node: Node,
+        write: bool,
+        truncate: bool,
+    ) -> Result<Opened, FsError> {
+        let (attr, text) = {
+            let st = self.read_state();
+            (self.attr_of(&st, node)?, state_text(&st, node)?)
+        };
+        let limit = match node {
+            Node::File(..) => MAX_META,
+            _ => MAX_JSON,
+        };
+        let mut handles = lock(&self.handles);
+        let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
+        let file = match open.filter(|f| {
+            let content = lock(&f.content);
+            content.written || content.text == text
+        }) {
+            Some(file) => file,
+            None => {
+                self.json_budget.take(text.len())?;
+                let file = Arc::new(JsonFile {
+                    ino,
+                    attr,
+                    limit,
+                    budget: self.json_budget.clone(),
+                    content: Mutex::new(JsonContent {
+                        text,
+                        dirty: false,
+                        written: false,
+                    }),
+                });
+                handles.json.insert(ino, Arc::downgrade(&file));
+                file
+            }
+        };
+        if truncate {
+            file.resize(&mut lock(&file.content), 0)?;
+        }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        handles.open.insert(fh, Handle::Json { file, write });
+        Ok(self.opened(fh, true))
+    }
+
+    /// Applies JSON written through a handle: on flush (if anything was
+    /// written: a shell's `>` closes a duplicate descriptor first) and on the
+    /// last close. What does not parse is kept as written, and reported.
+    pub(super) fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
+        let (ino, text, others) = {
+            let handles = lock(&self.handles);
+            let Some(Handle::Json { file, write: true }) = handles.open.get(&fh) else {
+                return Ok(());
+            };
+            // Another writer has it open: its text may not be final yet.
+            let others = handles.open.iter().any(|(other, h)| {
+                *other != fh
+                    && matches!(h, Handle::Json { file: f, write: true } if Arc::ptr_eq(f, file))
+            });
+            let mut content = lock(&file.content);
+            if !content.dirty || (!last_close && content.text.is_empty()) {
+                return Ok(());
+            }
+            content.dirty = false;
+            (file.ino, content.text.clone(), others)
+        };
+        let (c, file_name, kept_invalid) = {
+            let mut st = self.write_state();
+            match st.node(ino) {
+                Ok(Node::File(c, file, TensorFile::Meta)) => {
+                    let id = st.meta_entry(c, file)?;
+                    let live = st.live_mut(c);
+                    let name = live.entry_name(id).ok_or(FsError::NotFound)?;
+                    let kept_invalid = live.set_meta(&name, &text, false)?;
+                    (c, TensorFile::Meta.file_name(&name), kept_invalid)
+                }
+                Ok(Node::Metadata(c)) => {
+                    let kept_invalid = st.live_mut(c).set_metadata(&text, false)?;
+                    (c, METADATA_FILE.to_string(), kept_invalid)
+                }
+                _ => {
+                    // Removed or replaced since it was opened: what was
+                    // written stays with the descriptors, as on any filesystem.
+                    info!(
+                        ino,
+                        "a JSON file written after its name was removed or replaced: not applied"
+                    );
+                    return Ok(());
+                }
+            }
+        };
+        self.sync_journal(c)?;
+        match kept_invalid {
+            None => Ok(()),
+            // Not this closer's to report: the other writer's close says.
+            Some(_) if others => Ok(()),
+            Some(why) => {
+                warn!(
+                    file = file_name,
+                    "kept as written, but a commit will refuse it: {why}"
+                );
+                Err(FsError::Invalid(format!("{file_name}: {why}")))
+            }
+        }
+    }
+
+    /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
+    pub(super) fn sync_journal(&self, c: usize) -> Result<(), FsError> {
+        Ok(crate::checkpoint::transaction::sync_journal(
+            &self.state,
+            c,
+        )?)
+    }
+
+    /// Makes what went through a handle durable: its staging file and the journal.
+    pub(super) fn make_durable(&self, fh: u64) -> Result<(), FsError> {
+        let object = match lock(&self.handles).open.get(&fh) {
+            Some(Handle::Data {
+                object,
+                wrote: true,
+                ..
+            }) => object.clone(),
+            _ => return Ok(()),
+        };
+        object.sync()?;
+        let home = self.read_state().home(&object);
+        match home {
+            Some(c) => self.sync_journal(c),
+            None => Ok(()), // removed meanwhile: nothing to journal
+        }
+    }
+
+    /// `close` (every close of a descriptor): applies JSON, makes edits durable.
+    pub fn flush(&self, fh: u64) -> Result<(), FsError> {
+        self.apply_json(fh, false)?;
+        self.make_durable(fh)
+    }
+
+    pub fn release(&self, fh: u64) -> Result<(), FsError> {
+        let result = self
+            .apply_json(fh, true)
+            .and_then(|()| self.make_durable(fh));
+        let mut handles = lock(&self.handles);
+        if let Some(Handle::Json { file, .. }) = handles.open.remove(&fh) {
+            let ino = file.ino;
+            drop(file);
+            if handles
+                .json
+                .get(&ino)
+                .is_some_and(|w| w.strong_count() == 0)
+            {
+                handles.json.remove(&ino);
+            }
+        }
+        drop(handles);
+        if let Err(e) = &result {
+            warn!("closing a file: {e}");
+        }
+        result
+    }
+
+    /// fsync makes the edits durable (staging file and journal). It does not
+    /// commit: `stfs commit`, `stfs umount` and unmounting do.
+    pub fn fsync(&self, fh: Option<u64>) -> Result<(), FsError> {
+        match fh {
+            Some(fh) => {
+                self.apply_json(fh, false)?;
+                self.make_durable(fh)
+            }
+            None => {
+                let count = self.read_state().checkpoints.len();
+                (0..count).try_for_each(|c| self.sync_journal(c))
+            }
+        }
+    }
+
+    /// Serves `size` bytes at `offset`: tensor bytes through the open
+    /// handle's object (no lock held while reading), generated files from the
+    /// state. `reply` gets the bytes as one or more slices.
+    pub fn read<R>(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, FsError> {
+        let object = match lock(&self.handles).open.get(&fh) {
+            Some(Handle::Data { object, .. }) => Some(object.bytes()),
+            Some(Handle::Json { file, .. }) => {
+                let content = lock(&file.content);
+                return Ok(reply(&[slice_at(&content.text, offset, size)]));
+            }
+            Some(Handle::View { file, .. }) => {
+                let file = file.clone();
+                return read_view(&file, offset, size, reply);
+            }
+            None => None,
+        };
+        let bytes = match object {
+            Some(b) => b,
+            None => {
+                let st = self.read_state();
+                let text = match st.node(ino)? {
+                    Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+                    Node::Views(v) if st.is_view_folder(v) => return Err(FsError::IsADirectory),
+                    Node::Views(v) => {
+                        let file = self.view(&st, &st.view_path(v)?)?;
+                        drop(st);
+                        return read_view(&file, offset, size, reply);
+                    }
+                    Node::Index(i) => {
+                        return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
+                    }
+                    Node::WholeView(c) => {
+                        let file = self.view(&st, &views::export_path(&st, c))?;
+                        drop(st);
+                        return read_view(&file, offset, size, reply);
+                    }
+                    Node::Metadata(c) => st.live(c).metadata_text(),
+                    Node::File(c, file, TensorFile::Meta) => {
+                        st.live(c).meta_text(st.meta_entry(c, file)?)
+                    }
+                    Node::File(c, id, TensorFile::Data) => {
+                        let bytes = st.live(c).object(id).ok_or(FsError::NotFound)?.bytes;
+                        drop(st);
+                        return Ok(bytes.read(offset, size, |b| reply(&[b]))?);
+                    }
+                };
+                let text = text.unwrap_or_default();
+                return Ok(reply(&[slice_at(&text, offset, size)]));
+            }
+        };
+        Ok(bytes.read(offset, size, |b| {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            self.read_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            reply(&[b])
+        })?)
+    }
+
+    pub fn write(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        self.writable()?;
+        let target = {
+            let mut handles = lock(&self.handles);
+            match handles.open.get_mut(&fh) {
+                Some(Handle::Json { file, .. }) => {
+                    let end = offset
+                        .checked_add(data.len() as u64)
+                        .filter(|&e| e <= file.limit as u64)
+                        .ok_or(EditError::TooLarge(file.limit))?
+                        as usize;
+                    let mut content = lock(&file.content);
+                    if content.text.len() < end {
+                        file.resize(&mut content, end)?;
+                    }
+                    content.text[offset as usize..end].copy_from_slice(data);
+                    content.dirty = true;
+                    content.written = true;
+                    return Ok(data.len() as u32);
+                }
+                Some(Handle::Data { object, wrote, .. }) => {
+                    *wrote = true;
+                    object.clone()
+                }
+                Some(Handle::View { .. }) => return Err(FsError::ReadOnly),
+                None => {
+                    let _ = ino;
+                    return Err(FsError::Invalid(
+                        "write without an open write handle".into(),
+                    ));
+                }
+            }
+        };
+        let object = target;
+        let moved = object.write(&self.staging, offset, data)?;
+        self.note_write(&object, moved);
+        Ok(data.len() as u32)
+    }
+
+    /// What a reader of JSON file `node` gets now: the text of the file open
+    /// on it if a descriptor wrote it, else the state's.
+    pub(super) fn json_text(&self, st: &State, node: Node) -> Result<Vec<u8>, FsError> {
+        let ino = st.ino_of(node);
+        let open = lock(&self.handles)
+            .json
+            .get(&ino)
+            .and_then(std::sync::Weak::upgrade);
+        if let Some(file) = open {
+            let content = lock(&file.content);
+            if content.written {
+                return Ok(content.text.clone());
+            }
+        }
+        state_text(st, node)
+    }
+}

@@ -1,0 +1,397 @@
+//! The inode table of a mount: what each inode number is (`Node`), the
+//! checkpoints and index files it shows (`State`), and the names of a
+//! checkpoint directory.
+
+use super::*;
+
+/// A file or directory, as an inode number decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Node {
+    FolderRoot,
+    CheckpointDir(usize),
+    Metadata(usize),
+    Index(usize),
+    File(usize, Id, TensorFile),
+    /// `__views__` or anything below it (`views`): the inode, which names
+    /// its path in the table of view inodes.
+    Views(Ino),
+    /// A view that is checkpoint `c`'s source file byte for byte, served
+    /// by kernel passthrough: an inode of its own for each source file
+    /// (`WHOLE_BIT` and the file's inode number), as the kernel wants one
+    /// backing file per inode while it is open.
+    WholeView(usize),
+}
+
+pub(super) const WHOLE_BIT: Ino = 1 << 62;
+
+/// Inodes per tensor id and checkpoint: one per kind of its files.
+pub(super) const SLOTS: u64 = TensorFile::STRIDE;
+
+/// Hashed file name stem -> tensor name.
+pub(super) type HashedNames = HashMap<String, String>;
+
+/// A name in a checkpoint directory, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Name {
+    Metadata,
+    Tensor(TensorFile, String),
+}
+
+pub(super) struct Mounted {
+    /// The shard's file name without `.safetensors`.
+    pub(super) dir_name: String,
+    pub(super) live: Live,
+    pub(super) dir_ino: Ino,
+}
+
+impl Mounted {
+    /// The name of the shard's directory in a folder mount: its file's, but
+    /// `__views__` is `%5F_views__` (as for a tensor) so that `__views__`
+    /// stays the views, and a shard already named `%5F_views__` (or that
+    /// with `%25`s before it) gets one `%25` more, so no two shards share one.
+    pub(super) fn shown_name(&self) -> String {
+        let name = self.dir_name.as_str();
+        if name == VIEWS_DIR {
+            return "%5F_views__".into();
+        }
+        let mut rest = name;
+        while let Some(r) = rest.strip_prefix("%25") {
+            rest = r;
+        }
+        match rest {
+            "%5F_views__" => format!("%25{name}"),
+            _ => name.into(),
+        }
+    }
+}
+
+pub(super) struct State {
+    pub(super) checkpoints: Vec<Mounted>,
+    pub(super) indexes: Vec<(IndexFile, Ino)>,
+    /// Node of each inode below `first_ino` (index = ino - 1).
+    pub(super) fixed: Vec<Node>,
+    pub(super) first_ino: Ino,
+    /// The folder of a folder mount.
+    pub(super) folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
+    /// Per checkpoint: its hashed file names, and the `Live::names_gen`
+    /// they were made at.
+    pub(super) hashed: Mutex<HashMap<usize, (u64, HashedNames)>>,
+    /// The inode of the passthrough views of each source file (device,
+    /// inode number) seen: `WHOLE_BIT` and a count.
+    pub(super) whole_inos: Mutex<HashMap<(u64, u64), Ino>>,
+    /// The inodes of `__views__` and everything below it.
+    pub(super) view_inos: Mutex<views::ViewInodes>,
+}
+
+pub(super) fn file_mode(stat: &FileStat, read_only: bool) -> u16 {
+    let mode = (stat.mode & 0o777) as u16;
+    if read_only {
+        mode & !0o222
+    } else {
+        mode
+    }
+}
+
+/// A directory gets x where its file has r.
+pub(super) fn dir_mode(stat: &FileStat, read_only: bool) -> u16 {
+    let mode = file_mode(stat, read_only);
+    mode | ((mode & 0o444) >> 2)
+}
+
+impl State {
+    /// Owner and mode for what draws on every checkpoint (a merged view, an
+    /// index): only those who may read every source may read it.
+    pub(super) fn all_owners(&self) -> FileStat {
+        let owners: Vec<FileStat> = self
+            .checkpoints
+            .iter()
+            .map(|m| m.live.source().owner_now())
+            .collect();
+        crate::source::access::narrowest(&owners).expect("a mount has a checkpoint")
+    }
+
+    /// Owner and mode of index file `i` as they are now (narrowed by an ACL).
+    pub(super) fn index_owner(&self, i: usize) -> FileStat {
+        let ix = &self.indexes[i].0;
+        let now = self.folder.as_ref().and_then(|(folder, _)| {
+            let flags = libc::O_RDONLY | libc::O_NONBLOCK;
+            folder
+                .open_file(std::ffi::OsStr::new(&ix.name), flags, 0)
+                .ok()
+        });
+        let Some(file) = now else {
+            return ix.stat;
+        };
+        let current = crate::source::access::owner_now(&file, &ix.stat);
+        match FileStat::of(&file) {
+            // Still the file whose bytes are shown.
+            Ok(st) if (st.dev, st.ino) == (ix.stat.dev, ix.stat.ino) => current,
+            // Replaced since: those bytes go to whoever may read both.
+            _ => crate::source::access::narrowest(&[ix.stat, current]).expect("two"),
+        }
+    }
+
+    /// Owner and mode of the mount's top folder as they are now.
+    pub(super) fn root_owner(&self) -> FileStat {
+        match &self.folder {
+            Some((folder, stat)) => folder.stat().map_or(*stat, |now| FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*stat
+            }),
+            None => self.live(0).source().owner_now(),
+        }
+    }
+
+    pub(super) fn node(&self, ino: Ino) -> Result<Node, FsError> {
+        if ino == 0 {
+            return Err(FsError::NotFound);
+        }
+        if ino < self.first_ino {
+            return Ok(self.fixed[(ino - 1) as usize]);
+        }
+        if ino & VIEW_BIT != 0 {
+            let path = lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)?;
+            return match views::find(self, &path) {
+                Some(_) => Ok(Node::Views(ino)),
+                None => Err(FsError::NotFound),
+            };
+        }
+        if ino & WHOLE_BIT != 0 {
+            // (A source file replaced since: the kernel looks the name up again.)
+            return self
+                .checkpoints
+                .iter()
+                .position(|m| Some(ino) == self.whole_ino(m.live.source()))
+                .map(Node::WholeView)
+                .ok_or(FsError::Stale);
+        }
+        let rel = ino - self.first_ino;
+        let k = rel / SLOTS;
+        let count = self.checkpoints.len().max(1) as u64;
+        let (c, id) = ((k % count) as usize, k / count);
+        let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
+        let kind = TensorFile::from_slot(rel % SLOTS).ok_or(FsError::NotFound)?;
+        let exists = match kind {
+            TensorFile::Data => live.object_len(id).is_some(),
+            TensorFile::Meta if id == live.metadata_file() => {
+                return match live.metadata_text() {
+                    Some(_) => Ok(Node::Metadata(c)),
+                    None => Err(FsError::NotFound),
+                };
+            }
+            TensorFile::Meta => live.meta_file_owner(id).is_some(),
+        };
+        if !exists {
+            return Err(FsError::NotFound);
+        }
+        Ok(Node::File(c, id, kind))
+    }
+
+    pub(super) fn ino(&self, c: usize, id: Id, kind: TensorFile) -> Ino {
+        let count = self.checkpoints.len().max(1) as u64;
+        self.first_ino + SLOTS * (id * count + c as u64) + kind.slot()
+    }
+
+    pub(super) fn ino_of(&self, node: Node) -> Ino {
+        match node {
+            Node::FolderRoot => ROOT_INO,
+            Node::CheckpointDir(c) => self.checkpoints[c].dir_ino,
+            Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
+            Node::Index(i) => self.indexes[i].1,
+            Node::File(c, id, kind) => self.ino(c, id, kind),
+            Node::Views(ino) => ino,
+            Node::WholeView(c) => self
+                .whole_ino(self.live(c).source())
+                .expect("a local source"),
+        }
+    }
+
+    /// Whether view inode `ino` is a folder now.
+    pub(super) fn is_view_folder(&self, ino: Ino) -> bool {
+        self.view_path(ino)
+            .is_ok_and(|p| matches!(views::find(self, &p), Some(Found::Folder(_))))
+    }
+
+    /// The path below `__views__` of view inode `ino`.
+    pub(super) fn view_path(&self, ino: Ino) -> Result<Arc<str>, FsError> {
+        lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)
+    }
+
+    /// The inode of `path` below `__views__`.
+    pub(super) fn view_ino(&self, path: &str) -> Ino {
+        lock(&self.view_inos).ino(path)
+    }
+
+    /// The modification time of the views of checkpoint `target` (None: of
+    /// all): the last change of their state or of their source files, so
+    /// that `rsync`, `make` and `cp -u` see every edit.
+    pub(super) fn views_changed(&self, target: Option<usize>) -> SystemTime {
+        let of = |m: &Mounted| {
+            let source = m.live.source().modified();
+            m.live.changed().map_or(source, |t| t.max(source))
+        };
+        match target {
+            Some(c) => of(&self.checkpoints[c]),
+            None => self
+                .checkpoints
+                .iter()
+                .map(of)
+                .max()
+                .unwrap_or(SystemTime::UNIX_EPOCH),
+        }
+    }
+
+    /// The inode of a view that is `source`'s file (None: a remote source).
+    pub(super) fn whole_ino(&self, source: &SourceFile) -> Option<Ino> {
+        source.file()?;
+        let key = (source.stat().dev, source.stat().ino);
+        let mut inos = lock(&self.whole_inos);
+        let next = WHOLE_BIT + inos.len() as Ino;
+        Some(*inos.entry(key).or_insert(next))
+    }
+
+    /// Problems across the shards of a folder mount: two shards that are one
+    /// file, and (with an index) tensors that are in two shards now.
+    pub(super) fn in_two_shards(&self) -> Vec<crate::checkpoint::Problem> {
+        use crate::checkpoint::transaction::{in_two_shards, one_file_shards};
+        let shards = || {
+            self.checkpoints
+                .iter()
+                .map(|m| (format!("{}.safetensors", m.dir_name), &m.live))
+        };
+        let mut found = one_file_shards(shards());
+        if !self.indexes.is_empty() {
+            found.extend(in_two_shards(shards()));
+        }
+        found
+    }
+
+    pub(super) fn live(&self, c: usize) -> &Live {
+        &self.checkpoints[c].live
+    }
+
+    /// The checkpoint that lists `object` now (objects move between the
+    /// checkpoints of a folder mount).
+    pub(super) fn home(&self, object: &DataObject) -> Option<usize> {
+        let (serial, _) = object.home();
+        self.checkpoints
+            .iter()
+            .position(|m| m.live.serial() == serial)
+    }
+
+    pub(super) fn live_mut(&mut self, c: usize) -> &mut Live {
+        &mut self.checkpoints[c].live
+    }
+
+    /// The entry whose `.meta.json` is file `id` (a `Node::File` of kind Meta).
+    pub(super) fn meta_entry(&self, c: usize, id: Id) -> Result<Id, FsError> {
+        self.live(c).meta_file_owner(id).ok_or(FsError::NotFound)
+    }
+
+    /// The checkpoint a directory inode stands for.
+    pub(super) fn checkpoint_dir(&self, ino: Ino) -> Result<usize, FsError> {
+        match self.node(ino)? {
+            Node::CheckpointDir(c) => Ok(c),
+            Node::FolderRoot => Err(FsError::NotPermitted(
+                "the root of a folder mount holds one directory per shard: edit inside them",
+            )),
+            Node::Views(_) => Err(FsError::ReadOnly),
+            _ => Err(FsError::NotADirectory),
+        }
+    }
+
+    /// Decodes a file name of a checkpoint directory.
+    pub(super) fn decode(&self, c: usize, file_name: &str) -> Result<Name, FsError> {
+        if file_name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        if file_name == METADATA_FILE {
+            return Ok(Name::Metadata);
+        }
+        if file_name == VIEWS_DIR {
+            // (At the top of a file mount, the read-only folder of views.)
+            return Err(FsError::ReadOnly);
+        }
+        let invalid = || {
+            FsError::Invalid(format!(
+                "{file_name:?} is not a valid tensor file name (see \"Names\" in docs/SEMANTICS.md)"
+            ))
+        };
+        let (kind, name) = TensorFile::parse(file_name).ok_or_else(invalid)?;
+        let stem = &file_name[..file_name.len() - kind.suffix().len()];
+        if names::maybe_hashed(stem) {
+            if let Some(long) = self.hashed_name(c, stem) {
+                return Ok(Name::Tensor(kind, long));
+            }
+        }
+        Ok(Name::Tensor(kind, name.map_err(|_| invalid())?))
+    }
+
+    /// Hashed long names cannot be decoded: find the tensor whose file name
+    /// it is, in a table of the hashed names made again when names change.
+    pub(super) fn hashed_name(&self, c: usize, stem: &str) -> Option<String> {
+        let live = self.live(c);
+        let mut tables = lock(&self.hashed);
+        let (gen, table) = tables.entry(c).or_insert((u64::MAX, HashMap::new()));
+        if *gen != live.names_gen() {
+            *table = live
+                .entries_from(0)
+                .filter(|(_, e)| names::is_hashed(e.name))
+                .map(|(_, e)| (names::tensor_file_name(e.name), e.name.to_string()))
+                .collect();
+            *gen = live.names_gen();
+        }
+        table.get(stem).cloned()
+    }
+
+    /// The node a decoded name stands for now, if it exists.
+    pub(super) fn find(&self, c: usize, name: &Name) -> Option<Node> {
+        let live = self.live(c);
+        match name {
+            Name::Metadata => live.metadata_text().map(|_| Node::Metadata(c)),
+            Name::Tensor(kind, tensor) => {
+                let id = live.find(tensor)?;
+                let e = live.entry(id)?;
+                match kind {
+                    TensorFile::Data => e.data.map(|d| Node::File(c, d, *kind)),
+                    TensorFile::Meta => live.meta_file(id).map(|f| Node::File(c, f.id, *kind)),
+                }
+            }
+        }
+    }
+}
+
+impl Shards for State {
+    fn count(&self) -> usize {
+        self.checkpoints.len()
+    }
+
+    fn live(&self, c: usize) -> &Live {
+        &self.checkpoints[c].live
+    }
+
+    fn live_mut(&mut self, c: usize) -> &mut Live {
+        &mut self.checkpoints[c].live
+    }
+
+    fn shard_name(&self, c: usize) -> &str {
+        &self.checkpoints[c].dir_name
+    }
+
+    fn folder(&self) -> Option<&Arc<crate::source::local::Folder>> {
+        self.folder.as_ref().map(|(f, _)| f)
+    }
+
+    fn indexes(&self) -> Box<dyn Iterator<Item = &IndexFile> + '_> {
+        Box::new(self.indexes.iter().map(|(ix, _)| ix))
+    }
+
+    fn index_mut(&mut self, name: &str) -> Option<&mut IndexFile> {
+        self.indexes
+            .iter_mut()
+            .map(|(ix, _)| ix)
+            .find(|ix| ix.name == name)
+    }
+}
