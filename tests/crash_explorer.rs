@@ -194,6 +194,11 @@ struct Recorder {
     crash_at: Option<usize>,
 }
 
+fn uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
 fn exists(p: &Path) -> bool {
     p.symlink_metadata().is_ok()
 }
@@ -368,7 +373,7 @@ fn run_child(root: &Path, sc: &Scenario, crash_at: Option<usize>) -> i32 {
                 crash_at,
             };
             set_fs_hook(Some(Box::new(move |ev| recorder.event(ev))));
-            let lines = fs.commit(CommitOptions::default(), unsafe { libc::getuid() });
+            let lines = fs.commit(CommitOptions::default(), uid());
             set_fs_hook(None);
             std::fs::write(log.join("lines"), lines.unwrap().join("\n")).unwrap();
         })) {
@@ -585,7 +590,7 @@ fn check_state(
         return Err(format!("left after recovery: {left:?}"));
     }
     if fs.is_dirty() {
-        fs.commit(CommitOptions::default(), unsafe { libc::getuid() })
+        fs.commit(CommitOptions::default(), uid())
             .map_err(|e| format!("the commit after recovery fails: {e:?}"))?;
     }
     for t in targets(sc.folder) {

@@ -90,6 +90,7 @@ pub struct DeviceBuffer {
 // SAFETY: the raw CUDA handles are plain identifiers, valid from any thread
 // once the context is made current there (Drop does so).
 unsafe impl Send for DeviceBuffer {}
+// SAFETY: as for Send: shared references only read the identifiers.
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {

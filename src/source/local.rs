@@ -125,8 +125,9 @@ impl FileStat {
             len: 0,
             mtime: (0, 0),
             mode,
-            // SAFETY: getuid/getgid cannot fail.
+            // SAFETY: getuid cannot fail.
             uid: unsafe { libc::getuid() },
+            // SAFETY: getgid cannot fail.
             gid: unsafe { libc::getgid() },
         }
     }
@@ -176,9 +177,9 @@ impl Folder {
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        // SAFETY: open returned a fresh descriptor we now own.
         Ok(Folder {
             path: path.to_path_buf(),
+            // SAFETY: open returned a fresh descriptor we now own.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
     }

@@ -1649,11 +1649,10 @@ pub fn default_cache_dir() -> PathBuf {
         None => std::env::var_os("HOME")
             .filter(|h| !h.is_empty())
             .map(|h| PathBuf::from(h).join(".cache/stfs"))
-            // SAFETY: geteuid cannot fail.
             .unwrap_or_else(|| {
-                PathBuf::from(format!("/var/tmp/stfs-cache-{}", unsafe {
-                    libc::geteuid()
-                }))
+                // SAFETY: geteuid cannot fail.
+                let euid = unsafe { libc::geteuid() };
+                PathBuf::from(format!("/var/tmp/stfs-cache-{euid}"))
             }),
     }
 }
