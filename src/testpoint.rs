@@ -7,9 +7,9 @@
 //!   it gets there, the daemon creates `DIR/STEP` and waits until the test
 //!   removes it (at most 120 s, then it goes on and says so; no pause at all
 //!   once `DIR/go-all` exists);
-//! - `STFS_FAULT_AT=STEP:ERRNO[:always]`: the step fails with that error
+//! - `STFS_FAULT_AT=STEP:ERRNO[:always|:N]`: the step fails with that error
 //!   (`ENOSPC`, `EIO`, `EAGAIN`, `ENOENT`, `EDQUOT` or a number), the first
-//!   time it is reached, or every time.
+//!   time it is reached, every time, or the N-th time.
 //!
 //! The steps are listed in docs/SEMANTICS.md ("Testing the commit"). The
 //! variables are read once per process; without them a point costs a load.
@@ -26,9 +26,18 @@ struct Plan {
     crash: Option<String>,
     pause: Vec<String>,
     pause_dir: Option<std::path::PathBuf>,
-    fault: Option<(String, i32, bool)>,
-    /// Pauses and one-time faults already taken.
+    fault: Option<(String, i32, Fault)>,
+    /// Times each faulted step was reached.
+    reached: Mutex<u64>,
+    /// Pauses already taken.
     spent: Mutex<HashSet<String>>,
+}
+
+/// When a faulted step fails.
+enum Fault {
+    Always,
+    /// The N-th time it is reached (from 1).
+    Nth(u64),
 }
 
 fn errno_of(name: &str) -> Option<i32> {
@@ -47,14 +56,18 @@ fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
-        // (Step names have colons: the errno and `always` are read from the end.)
+        // (Step names have colons: the errno and when are read from the end.)
         let fault = var("STFS_FAULT_AT").and_then(|v| {
-            let (v, always) = match v.strip_suffix(":always") {
-                Some(rest) => (rest.to_string(), true),
-                None => (v, false),
+            let (rest, last) = v.rsplit_once(':')?;
+            let (v, when) = match last {
+                "always" => (rest.to_string(), Fault::Always),
+                n if n.parse::<u64>().is_ok_and(|n| n > 0) => {
+                    (rest.to_string(), Fault::Nth(n.parse().expect("a number")))
+                }
+                _ => (v.clone(), Fault::Nth(1)),
             };
             let (step, errno) = v.rsplit_once(':')?;
-            Some((step.to_string(), errno_of(errno)?, always))
+            Some((step.to_string(), errno_of(errno)?, when))
         });
         Plan {
             crash: var("STFS_CRASH_AT"),
@@ -63,6 +76,7 @@ fn plan() -> &'static Plan {
                 .unwrap_or_default(),
             pause_dir: var("STFS_PAUSE_DIR").map(Into::into),
             fault,
+            reached: Mutex::new(0),
             spent: Mutex::new(HashSet::new()),
         }
     })
@@ -87,8 +101,16 @@ pub fn point(step: &str) -> std::io::Result<()> {
             pause(&dir.join(step), step);
         }
     }
-    if let Some((at, errno, always)) = &plan.fault {
-        if at == step && (*always || first(format!("fault {step}"))) {
+    if let Some((at, errno, when)) = &plan.fault {
+        let fails = at == step && {
+            let mut reached = plan.reached.lock().unwrap_or_else(|p| p.into_inner());
+            *reached += 1;
+            match when {
+                Fault::Always => true,
+                Fault::Nth(n) => *reached == *n,
+            }
+        };
+        if fails {
             warn!("STFS_FAULT_AT={step}: failing this step with errno {errno}");
             return Err(std::io::Error::from_raw_os_error(*errno));
         }

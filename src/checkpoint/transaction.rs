@@ -283,13 +283,14 @@ impl Transactions {
                 .map(|live| format!("{}: nothing to commit", live.source().path().display()))
                 .collect());
         }
-        let planned: Vec<usize> = plans.iter().map(|(c, _)| *c).collect();
-        let abandon = |written: &[Landing]| {
-            written.iter().for_each(Landing::remove);
-            let mut st = write(state);
-            planned.iter().for_each(|c| st.live_mut(*c).abandon());
+        // From here until a file lands, every way out (an error, a panic)
+        // removes what was written and abandons the plans.
+        let mut pending = Pending {
+            state,
+            planned: plans.iter().map(|(c, _)| *c).collect(),
+            written: Vec::new(),
+            armed: true,
         };
-        let mut written = Vec::new();
         for (_, plan) in &mut plans {
             let path = plan.source.path().display().to_string();
             let mut last_report = std::time::Instant::now();
@@ -300,10 +301,9 @@ impl Transactions {
                 }
             };
             match plan.write(&mut progress) {
-                Ok(w) => written.push(w),
+                Ok(w) => pending.written.push(w),
                 Err(e) => {
                     warn!("commit failed: {e}");
-                    abandon(&written);
                     return Err(e);
                 }
             }
@@ -325,10 +325,9 @@ impl Transactions {
                 )
                 .ok();
             match Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill) {
-                Ok(w) => written.push(Landing::Renamed(w)),
+                Ok(w) => pending.written.push(Landing::Renamed(w)),
                 Err(e) => {
                     warn!("commit failed: {e}");
-                    abandon(&written);
                     return Err(e);
                 }
             }
@@ -337,28 +336,28 @@ impl Transactions {
         // lock, fsynced outside it); then the renames, under no lock.
         {
             let mut st = write(state);
-            for ((c, _), w) in plans.iter().zip(&written) {
+            for ((c, _), w) in plans.iter().zip(&pending.written) {
                 st.live_mut(*c).landing(commit, w.stat());
             }
         }
         for (c, _) in &plans {
             if let Err(e) = sync_journal(state, *c) {
                 warn!("commit failed: {e}");
-                abandon(&written);
                 return Err(e.into());
             }
         }
         let mut failed = None;
-        let landed = match land(commit, &written, &self.staging) {
-            Ok(()) => written.len(),
+        let landed = match land(commit, &pending.written, &self.staging) {
+            Ok(()) => pending.written.len(),
             Err(LandError {
                 changed: false,
                 error,
                 ..
             }) => {
                 warn!("commit failed: {error}");
-                let mut st = write(state);
-                plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
+                // (`land` removed its files already: their names are not
+                // removed twice, another program may have taken one since.)
+                pending.written.clear();
                 return Err(error);
             }
             Err(LandError {
@@ -371,23 +370,26 @@ impl Transactions {
                 // the next mount finishes the commit.
                 error!(
                     "commit failed after {done} of its {} files landed: {error}",
-                    written.len()
+                    pending.written.len()
                 );
                 self.taint(format!(
                     "a commit did not land ({done} of its {} files landed: {error})",
-                    written.len()
+                    pending.written.len()
                 ));
                 self.unlanded.store(true, Ordering::SeqCst);
                 failed = Some(CommitError::NotLanded {
-                    file: written[done].target(),
+                    file: pending.written[done].target(),
                     landed: done,
-                    total: written.len(),
+                    total: pending.written.len(),
                     refused,
                     source: Box::new(error),
                 });
                 done
             }
         };
+        // Something landed: what follows finishes each file (or keeps its
+        // record for the next mount), whatever happens.
+        let written = pending.disarm();
         let n_plans = plans.len();
         let mut st = write(state);
         let mut lines = Vec::new();
@@ -456,6 +458,34 @@ impl Transactions {
 }
 
 type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
+
+/// A commit's files written but not landed: while armed, dropping it (an
+/// error, a panic) removes them and abandons the shards' plans (their
+/// staged files unpinned, their journals' landing notes void).
+struct Pending<'a, S: Shards> {
+    state: &'a RwLock<S>,
+    planned: Vec<usize>,
+    written: Vec<Landing>,
+    armed: bool,
+}
+
+impl<S: Shards> Pending<'_, S> {
+    /// Once a file has landed: nothing is undone any more.
+    fn disarm(mut self) -> Vec<Landing> {
+        self.armed = false;
+        std::mem::take(&mut self.written)
+    }
+}
+
+impl<S: Shards> Drop for Pending<'_, S> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.written.iter().for_each(Landing::remove);
+            let mut st = write(self.state);
+            self.planned.iter().for_each(|c| st.live_mut(*c).abandon());
+        }
+    }
+}
 
 /// Shards of a folder mount that are one file (two names linked to one
 /// blob, as a snapshot folder may have): a commit of one would change the

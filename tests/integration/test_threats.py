@@ -580,6 +580,63 @@ def test_set_id_bits_are_kept_by_an_in_place_commit(tmp_path, mount, run, stfs):
     assert_checkpoint(src, t, {"k": "v"})
 
 
+@pytest.mark.parametrize("step", ["rewrite:copying", "rewrite:written"])
+def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mount, run, monkeypatch, step):
+    """A commit failing while it writes its new file (an I/O error at `step`): the temp
+    file is removed, the source is unchanged, and the edits stay for the next commit."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    before = src.read_bytes()
+    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
+    m = mount(src)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    os.unlink(os.path.join(m.path, "b"))  # a hole in the middle: a rewrite
+    new_a = np.full(8, 3, np.float32)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
+    assert src.read_bytes() == before
+    assert not [n for n in os.listdir(tmp_path) if ".stfs-tmp-" in n], os.listdir(tmp_path)
+    # The edits stay, more follow, and the next commit lands them all.
+    with open(os.path.join(m.path, "c"), "r+b") as f:
+        f.write(b"\x09")
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    del t["b"]
+    t["a"] = new_a
+    t["c"] = np.concatenate([[9], np.ones(4, np.uint8)]).astype(np.uint8)
+    assert_checkpoint(src, t)
+    assert not [n for n in os.listdir(tmp_path) if ".stfs-tmp-" in n]
+
+
+def test_a_folder_commit_that_fails_after_a_file_was_written_removes_it(tmp_path, mount, run, monkeypatch):
+    """Two new files to write (a shard and the index): the second fails (the second time
+    `rewrite:written` is reached), so the first, written already, is removed too."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    t = base(folder / "s0.safetensors")
+    before = (folder / "s0.safetensors").read_bytes()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "s0.safetensors" for k in t}}))
+    index_before = (folder / "model.safetensors.index.json").read_bytes()
+    monkeypatch.setenv("STFS_FAULT_AT", "rewrite:written:EIO:2")
+    m = mount(folder)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    os.unlink(os.path.join(m.path, "s0", "b"))  # a rewrite of the shard, and of the index
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
+    assert (folder / "s0.safetensors").read_bytes() == before
+    assert (folder / "model.safetensors.index.json").read_bytes() == index_before
+    assert not [n for n in os.listdir(folder) if ".stfs-tmp-" in n], os.listdir(folder)
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    del t["b"]
+    assert_checkpoint(folder / "s0.safetensors", t)
+    assert json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] == {
+        "a": "s0.safetensors", "c": "s0.safetensors"}
+
+
 # Faults in recovery (issue 26) -------------------------------------------
 
 @pytest.mark.parametrize("step", ["in-place:write", "in-place:header", "in-place:sync", "in-place:mark"])
