@@ -1692,3 +1692,22 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
     Renames::clear(&dir);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::new_mtime;
+
+    #[test]
+    fn an_in_place_commit_gives_a_time_after_the_old_one() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        // An old time: now.
+        let t = new_mtime((1000, 5));
+        assert!(t.0 >= now && (0..1_000_000_000).contains(&t.1), "{t:?}");
+        // A time in the future (a clock set back): one nanosecond after it.
+        assert_eq!(new_mtime((now + 100, 7)), (now + 100, 8));
+        assert_eq!(new_mtime((now + 100, 999_999_999)), (now + 101, 0));
+    }
+}

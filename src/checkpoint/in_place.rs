@@ -1197,6 +1197,26 @@ mod tests {
                 );
             }
         }
+        // Names that are not plain (a path out of the folder, a relative
+        // folder, a header file elsewhere) are refused before anything is read.
+        type Rename = Box<dyn Fn(&mut InPlaceRecord)>;
+        let renamed: Vec<Rename> = vec![
+            Box::new(|r| r.name = "../m.safetensors".into()),
+            Box::new(|r| r.name = "x/m.safetensors".into()),
+            Box::new(|r| r.name = String::new()),
+            Box::new(|r| r.name = ".".into()),
+            Box::new(|r| r.name = "..".into()),
+            Box::new(|r| r.folder = "relative".into()),
+            Box::new(|r| r.header_file = "../in-place.header".into()),
+        ];
+        for change in &renamed {
+            let mut r = record.clone();
+            change(&mut r);
+            r.seal(header);
+            let e = r.complete(&staging).expect_err("not plain");
+            assert!(e.0.contains("not a plain name"), "{r:?}: {}", e.0);
+            assert_eq!(std::fs::read(&path).unwrap(), old);
+        }
         // A header file cut short: its checksum no longer matches.
         std::fs::write(
             dir.path().join("staging").join(&record.header_file),

@@ -508,6 +508,35 @@ mod tests {
     }
 
     #[test]
+    fn npy_headers_say_the_shape_as_numpy_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = crate::source::StagingDir::create(
+            Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+            "n",
+        )
+        .unwrap();
+        let staging = Arc::new(staging);
+        let header = |shape: Vec<u64>, n: usize| {
+            let bytes = Bytes::Staged(staging.file_with(&vec![0u8; n]).unwrap());
+            let t = ViewTensor {
+                name: "t".into(),
+                dtype: Dtype::U8,
+                shape,
+                bytes,
+            };
+            let f = GeneratedFile::npy(t);
+            let mut out = vec![0u8; f.len() as usize - n];
+            f.read_at(&mut out, 0).unwrap();
+            assert_eq!(out.len() % 64, 0, "the data starts on 64 bytes");
+            String::from_utf8(out[10..].to_vec()).unwrap()
+        };
+        // As np.save writes them: a one-element tuple has its comma.
+        assert!(header(vec![5], 5).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }"));
+        assert!(header(vec![2, 3], 6).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }"));
+        assert!(header(vec![], 1).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (), }"));
+    }
+
+    #[test]
     fn a_view_reads_the_same_at_any_offset() {
         let dir = tempfile::tempdir().unwrap();
         let staging = Arc::new(
@@ -535,6 +564,12 @@ mod tests {
                     shape: vec![3],
                     bytes: Bytes::Staged(b.clone()),
                 },
+                ViewTensor {
+                    name: "z".into(),
+                    dtype: Dtype::U8,
+                    shape: vec![3],
+                    bytes: Bytes::Staged(b.clone()),
+                },
             ]
         };
         for cast in [None, Some(Dtype::BF16), Some(Dtype::F16), Some(Dtype::F64)] {
@@ -556,6 +591,32 @@ mod tests {
                 let mut part = vec![0u8; len];
                 let n = view.read_at(&mut part, off).unwrap();
                 assert_eq!(&part[..n], &whole[off as usize..off as usize + n]);
+                // And `read`, which serves a range within one tensor shown
+                // as it is straight from its bytes.
+                let got = view.read(off, len as u32, |p| p.concat()).unwrap();
+                assert_eq!(got, &whole[off as usize..off as usize + n]);
+            }
+            // Across every tensor's start and end, 1 to 7 bytes.
+            let edges = parsed.tensors.iter().flat_map(|t| {
+                let d = parsed.data_start();
+                [d + t.data_offsets.0, d + t.data_offsets.1]
+            });
+            for edge in edges.collect::<Vec<_>>() {
+                for back in 0..4u64 {
+                    for len in 1..8u32 {
+                        let off = edge.saturating_sub(back);
+                        let got = view.read(off, len, |p| p.concat()).unwrap();
+                        let end = (off + len as u64).min(whole.len() as u64) as usize;
+                        assert_eq!(got, &whole[off as usize..end], "{cast:?} at {off}+{len}");
+                    }
+                }
+            }
+            for k in 0..200u64 {
+                let off = (k * 7919) % whole.len() as u64;
+                let len = 1 + (k % 7) as u32;
+                let got = view.read(off, len, |p| p.concat()).unwrap();
+                let end = (off + len as u64).min(whole.len() as u64) as usize;
+                assert_eq!(got, &whole[off as usize..end], "{cast:?} at {off}");
             }
             if cast == Some(Dtype::BF16) {
                 let start = parsed.data_start() + w.data_offsets.0;
