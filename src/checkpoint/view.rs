@@ -531,9 +531,12 @@ mod tests {
             String::from_utf8(out[10..].to_vec()).unwrap()
         };
         // As np.save writes them: a one-element tuple has its comma.
-        assert!(header(vec![5], 5).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }"));
-        assert!(header(vec![2, 3], 6).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }"));
-        assert!(header(vec![], 1).starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (), }"));
+        assert!(header(vec![5], 5)
+            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }"));
+        assert!(header(vec![2, 3], 6)
+            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }"));
+        assert!(header(vec![], 1)
+            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (), }"));
     }
 
     #[test]

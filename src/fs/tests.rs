@@ -548,3 +548,55 @@ fn a_view_that_is_the_source_file_has_an_inode_of_its_own_until_an_edit() {
     fs.commit(Default::default(), 0).unwrap();
     assert_eq!(errno(fs.open(whole.ino, false, false)), libc::ESTALE);
 }
+
+/// Two in-place commits in one mount, the first growing the header by
+/// blocks inserted at the file's start: the second finds the tensors where
+/// they are now (the mapping's shift), not where the mount first saw them.
+#[test]
+fn a_second_in_place_commit_after_an_insertion_writes_where_the_bytes_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let contents = write_checkpoint(
+        &path,
+        &[("a", Dtype::F32, &[2]), ("b", Dtype::U8, &[3])],
+        None,
+    );
+    let probe = std::fs::File::open(&path).unwrap();
+    if crate::source::local::inserts_blocks(&probe).is_none() {
+        eprintln!("skipped: this filesystem cannot insert blocks (ext4 and XFS can)");
+        return;
+    }
+    drop(probe);
+    let source = SourceFile::open_with(&path, true).unwrap();
+    let fs = Fs::new(Source::File(source), settings(), staging_beside(&path));
+    let put = |name: &str, data: &[u8], truncate: bool| {
+        let a = fs.lookup(ROOT_INO, name).unwrap();
+        let o = fs.open(a.ino, true, truncate).unwrap();
+        fs.write(a.ino, o.fh, 0, data).unwrap();
+        fs.flush(o.fh).unwrap();
+        fs.release(o.fh).unwrap();
+    };
+    let long = format!(r#"{{"note":"{}"}}"#, "x".repeat(9000));
+    put("__metadata__.json", long.as_bytes(), true);
+    let lines = fs.commit(Default::default(), 0).unwrap();
+    assert!(lines[0].contains("header grown by"), "{lines:?}");
+    put("a", &[9; 8], false);
+    let lines = fs.commit(Default::default(), 0).unwrap();
+    assert!(lines[0].contains("committed in place"), "{lines:?}");
+    let bytes = std::fs::read(&path).unwrap();
+    let h = crate::format::Header::parse(&bytes).unwrap();
+    let at = |name: &str| {
+        let t = h.get(name).unwrap();
+        let d = h.data_start() as usize;
+        bytes[d + t.data_offsets.0 as usize..d + t.data_offsets.1 as usize].to_vec()
+    };
+    assert_eq!(at("a"), [9; 8]);
+    assert_eq!(at("b"), contents[1]);
+    assert_eq!(
+        h.metadata
+            .as_ref()
+            .and_then(|m| m.get("note"))
+            .map(String::len),
+        Some(9000)
+    );
+}
