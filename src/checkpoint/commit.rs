@@ -635,8 +635,7 @@ fn home_of(uid: u32) -> Option<PathBuf> {
 /// else `~/.local/state/stfs/locks` of the user's home in the password database.
 fn lock_folder() -> Result<Folder, String> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    // SAFETY: geteuid cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = rustix::process::geteuid().as_raw();
     let run = PathBuf::from(format!("/run/user/{euid}"));
     let base = match std::fs::symlink_metadata(&run) {
         Ok(m) if m.is_dir() && m.uid() == euid && m.mode() & 0o077 == 0 => run,
@@ -808,8 +807,7 @@ impl Written {
             // (No set-id bit yet: the file is the daemon user's until chown.)
             let mode = std::fs::Permissions::from_mode(like.mode & 0o777);
             file.set_permissions(mode).map_err(what)?;
-            // SAFETY: geteuid cannot fail.
-            if unsafe { libc::geteuid() } == 0 {
+            if rustix::process::geteuid().as_raw() == 0 {
                 std::os::unix::fs::fchown(&file, Some(like.uid), Some(like.gid)).map_err(what)?;
             }
             if let Some(from) = like_file {

@@ -68,8 +68,7 @@ pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
 /// Removes the temp files that commits of dead daemons left beside `names`
 /// in `folder`: `.<name>.stfs-tmp-<pid>-*`, owned by this user.
 pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
-    // SAFETY: geteuid cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = rustix::process::geteuid().as_raw();
     let mut notes = Vec::new();
     let entries: Vec<OsString> = std::fs::read_dir(&folder.path)
         .into_iter()

@@ -13,8 +13,7 @@ use tracing::error;
 use crate::source::local::Folder;
 
 fn euid() -> u32 {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 /// Where the log goes without --log-file: `$XDG_STATE_HOME/stfs/stfs.log`,

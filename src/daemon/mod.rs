@@ -459,8 +459,7 @@ pub fn open_local(
 fn settings(options: &MountOptions) -> Settings {
     Settings {
         read_only: options.read_only,
-        // SAFETY: getuid cannot fail.
-        owner: unsafe { libc::getuid() },
+        owner: rustix::process::getuid().as_raw(),
         cache: options.cache,
         release_after_read: options.release_after_read,
     }
@@ -635,8 +634,7 @@ fn serve(
     let signals = blocked_signals();
     let fs = Arc::new(fs);
     let adapter = FuseAdapter::new(fs.clone());
-    // SAFETY: geteuid cannot fail.
-    let as_root = unsafe { libc::geteuid() } == 0;
+    let as_root = rustix::process::geteuid().as_raw() == 0;
     let fd = if as_root {
         mount_direct(&req.mountpoint, &req.source, &options)
     } else {
@@ -735,8 +733,10 @@ fn mount_direct(
         .read(true)
         .write(true)
         .open("/dev/fuse")?;
-    // SAFETY: getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+    );
     let mut data = format!(
         "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions",
         dev.as_raw_fd()

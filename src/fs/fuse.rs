@@ -337,8 +337,7 @@ impl Filesystem for FuseAdapter {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         // Views that are a source file, served by the kernel from that file
         // (backing files need CAP_SYS_ADMIN; sources may be on overlayfs).
-        // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } == 0
+        if rustix::process::geteuid().as_raw() == 0
             && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
             && config.set_max_stack_depth(2).is_ok()
         {

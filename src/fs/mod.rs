@@ -187,8 +187,7 @@ impl Default for Settings {
     fn default() -> Settings {
         Settings {
             read_only: false,
-            // SAFETY: getuid cannot fail.
-            owner: unsafe { libc::getuid() },
+            owner: rustix::process::getuid().as_raw(),
             cache: CacheMode::Direct,
             release_after_read: false,
         }

@@ -125,10 +125,8 @@ impl FileStat {
             len: 0,
             mtime: (0, 0),
             mode,
-            // SAFETY: getuid cannot fail.
-            uid: unsafe { libc::getuid() },
-            // SAFETY: getgid cannot fail.
-            gid: unsafe { libc::getgid() },
+            uid: rustix::process::getuid().as_raw(),
+            gid: rustix::process::getgid().as_raw(),
         }
     }
 

@@ -1074,8 +1074,7 @@ const KEY_FILE: &str = "key";
 /// made under another key or planted, removed).
 fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String> {
     let err = |e: std::io::Error| format!("{}/{KEY_FILE}: {e}", dir.display());
-    // SAFETY: geteuid cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = rustix::process::geteuid().as_raw();
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
     for _ in 0..3 {
         match folder.open_file(OsStr::new(KEY_FILE), flags, 0) {
@@ -1228,8 +1227,7 @@ impl DiskCache {
         let st = folder
             .stat()
             .map_err(|e| format!("{}: {e}", dir.display()))?;
-        // SAFETY: geteuid cannot fail.
-        let euid = unsafe { libc::geteuid() };
+        let euid = rustix::process::geteuid().as_raw();
         if st.uid != euid {
             return Err(format!(
                 "{}: refused as a cache folder: it belongs to uid {}, not to uid {euid} (choose another with --cache-dir)",
@@ -1346,8 +1344,7 @@ impl DiskCache {
             self.forget(name);
             return None;
         };
-        // SAFETY: geteuid cannot fail.
-        let euid = unsafe { libc::geteuid() };
+        let euid = rustix::process::geteuid().as_raw();
         let good = FileStat::of(&file).ok().is_some_and(|st| {
             st.mode & libc::S_IFMT == libc::S_IFREG && st.uid == euid && st.len == len + TRAILER
         }) && (self.lock().verified.contains(name)
@@ -1650,8 +1647,7 @@ pub fn default_cache_dir() -> PathBuf {
             .filter(|h| !h.is_empty())
             .map(|h| PathBuf::from(h).join(".cache/stfs"))
             .unwrap_or_else(|| {
-                // SAFETY: geteuid cannot fail.
-                let euid = unsafe { libc::geteuid() };
+                let euid = rustix::process::geteuid().as_raw();
                 PathBuf::from(format!("/var/tmp/stfs-cache-{euid}"))
             }),
     }

@@ -79,8 +79,7 @@ pub struct StagingDir {
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 impl StagingDir {
