@@ -8,7 +8,7 @@ use std::ffi::{CString, OsStr, OsString};
 use std::fmt;
 use std::fs::File;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -164,21 +164,11 @@ impl Folder {
     }
 
     fn open_with(path: &Path, flags: i32) -> std::io::Result<Folder> {
-        let c = cstr(path.as_os_str())?;
-        // SAFETY: c is a valid NUL-terminated path.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | flags,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let flags = oflags(libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | flags);
+        let fd = rustix::fs::open(path, flags, rustix::fs::Mode::empty())?;
         Ok(Folder {
             path: path.to_path_buf(),
-            // SAFETY: open returned a fresh descriptor we now own.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd,
         })
     }
 
@@ -237,50 +227,32 @@ impl Folder {
 
     /// Opens `name` in this folder without following a symbolic link there.
     pub fn open_file(&self, name: &OsStr, flags: i32, mode: u32) -> std::io::Result<File> {
-        let c = cstr(name)?;
         let creates = flags & libc::O_CREAT != 0
             && crate::testpoint::fs_hooked()
             && self.stat_at(name).is_err();
-        // SAFETY: valid directory fd and NUL-terminated name.
-        let fd = unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                mode as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let flags = oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        let mode = rustix::fs::Mode::from_raw_mode(mode);
+        let fd = rustix::fs::openat(&self.fd, name, flags, mode)?;
         if creates {
             crate::testpoint::fs_event(FsEvent::Created {
                 folder: &self.path,
                 name,
             });
         }
-        // SAFETY: openat returned a fresh descriptor we now own.
-        Ok(unsafe { File::from_raw_fd(fd) })
+        Ok(File::from(fd))
     }
 
     pub fn rename(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
-        let (a, b) = (cstr(from)?, cstr(to)?);
         crate::testpoint::fs_event(FsEvent::Renaming {
             folder: &self.path,
             from,
             to,
         });
-        let dir = self.fd.as_raw_fd();
-        // SAFETY: valid directory fd and NUL-terminated names.
-        if unsafe { libc::renameat(dir, a.as_ptr(), dir, b.as_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        Ok(rustix::fs::renameat(&self.fd, from, &self.fd, to)?)
     }
 
     /// Renames, failing with EEXIST if `to` exists (renameat2 RENAME_NOREPLACE).
     pub fn rename_noreplace(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
-        let (a, b) = (cstr(from)?, cstr(to)?);
         if crate::testpoint::fs_hooked() && self.stat_at(to).is_err() {
             crate::testpoint::fs_event(FsEvent::Renaming {
                 folder: &self.path,
@@ -288,14 +260,8 @@ impl Folder {
                 to,
             });
         }
-        let dir = self.fd.as_raw_fd();
-        // SAFETY: valid directory fd and NUL-terminated names.
-        let r =
-            unsafe { libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_NOREPLACE) };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        let flags = rustix::fs::RenameFlags::NOREPLACE;
+        Ok(rustix::fs::renameat_with(&self.fd, from, &self.fd, to, flags)?)
     }
 
     /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
@@ -305,28 +271,18 @@ impl Folder {
             a,
             b,
         });
-        let (a, b) = (cstr(a)?, cstr(b)?);
-        let dir = self.fd.as_raw_fd();
-        // SAFETY: valid directory fd and NUL-terminated names.
-        let r = unsafe { libc::renameat2(dir, a.as_ptr(), dir, b.as_ptr(), libc::RENAME_EXCHANGE) };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        let flags = rustix::fs::RenameFlags::EXCHANGE;
+        Ok(rustix::fs::renameat_with(&self.fd, a, &self.fd, b, flags)?)
     }
 
     /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
     pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
-        let c = cstr(name)?;
         crate::testpoint::fs_event(FsEvent::Unlinking {
             folder: &self.path,
             name,
         });
-        // SAFETY: valid directory fd and NUL-terminated name.
-        if unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        let flags = rustix::fs::AtFlags::empty();
+        Ok(rustix::fs::unlinkat(&self.fd, name, flags)?)
     }
 
     /// lstat of a name in this folder.
@@ -350,13 +306,15 @@ impl Folder {
     }
 
     pub fn sync(&self) -> std::io::Result<()> {
-        // SAFETY: fsync of a valid descriptor.
-        if unsafe { libc::fsync(self.fd.as_raw_fd()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        rustix::fs::fsync(&self.fd)?;
         crate::testpoint::fs_event(FsEvent::SyncedFolder { folder: &self.path });
         Ok(())
     }
+}
+
+/// open(2) flags as rustix takes them (the bits are the kernel's).
+fn oflags(flags: i32) -> rustix::fs::OFlags {
+    rustix::fs::OFlags::from_bits_retain(flags as u32)
 }
 
 pub fn cstr(s: &OsStr) -> std::io::Result<CString> {
