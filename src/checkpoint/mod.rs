@@ -307,6 +307,9 @@ pub struct Live {
     /// When the state last changed, bytes written included (nanoseconds
     /// since the epoch; 0: never): the views' modification time.
     changed: std::sync::atomic::AtomicU64,
+    /// Writes that changed a tensor's length in place (its staging file
+    /// grew or shrank): views lay the file out again (`views_version`).
+    resized: std::sync::atomic::AtomicU64,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {
@@ -338,6 +341,7 @@ impl Live {
             metadata_file: 0,
             version: 0,
             changed: Default::default(),
+            resized: Default::default(),
             source,
         };
         live.metadata_file = live.new_id();
@@ -538,6 +542,20 @@ impl Live {
             .map_or(0, |d| d.as_nanos() as u64);
         self.changed
             .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A write changed a tensor's length where its bytes are (no version
+    /// moves for it, but every view of the checkpoint is laid out anew).
+    pub fn resized(&self) {
+        self.resized
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Moves with every change of what a view of the checkpoint holds: the
+    /// state's version, and lengths changed by writes.
+    pub fn views_version(&self) -> u64 {
+        self.version + self.resized.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// When the state last changed (None: not since the mount).

@@ -60,19 +60,24 @@ impl Fs {
         object: &Arc<DataObject>,
         len: u64,
     ) -> Result<(), FsError> {
+        let before = object.bytes().len();
         let moved = object.truncate(&self.staging, len)?;
-        self.note_write(object, moved);
+        self.note_write(object, moved, before != len);
         Ok(())
     }
 
     /// After a data write: the checkpoint listing the object learns it has
-    /// edits, and its journal where the bytes are if they moved.
-    pub(super) fn note_write(&self, object: &Arc<DataObject>, moved: bool) {
+    /// edits, and its journal where the bytes are if they moved; with
+    /// `resized`, that its views are laid out anew.
+    pub(super) fn note_write(&self, object: &Arc<DataObject>, moved: bool, resized: bool) {
         if !moved {
             let st = self.read_state();
             let home = st.home(object);
             if let Some(c) = home {
-                st.live(c).touch();
+                match resized {
+                    true => st.live(c).resized(),
+                    false => st.live(c).touch(),
+                }
             }
             if home.is_none_or(|c| st.live(c).is_dirty()) {
                 return;

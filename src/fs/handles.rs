@@ -571,8 +571,10 @@ impl Fs {
             }
         };
         let object = target;
+        let before = object.bytes().len();
         let moved = object.write(&self.staging, offset, data)?;
-        self.note_write(&object, moved);
+        let resized = offset + data.len() as u64 > before;
+        self.note_write(&object, moved, resized);
         Ok(data.len() as u32)
     }
 

@@ -567,3 +567,28 @@ def test_every_view_reads_the_same_at_any_offset_and_size(tmp_path, mount):
                 assert os.pread(fd, size, off) == whole[off:off + size], (p, off, size)
         finally:
             os.close(fd)
+
+
+def test_a_write_that_changes_a_staged_tensors_length_changes_every_view(tmp_path, mount):
+    """Appends to and truncations of a tensor already staged move no state version (its
+    bytes stay where they are), yet every view must be laid out anew."""
+    src = tmp_path / "m.safetensors"
+    save_file({"big": np.arange(3000, dtype=np.float32), "x": np.ones(4, np.float32)}, str(src))
+    m = mount(src)
+    views = os.path.join(m.path, "__views__")
+    big = os.path.join(m.path, "big")
+    with open(big, "r+b") as f:
+        f.write(np.full(3000, 2, np.float32).tobytes())
+    assert load_file(os.path.join(views, "bf16", "model.safetensors"))["big"][0] == 2
+    with open(big, "ab") as f:  # 4 bytes more than its meta says: no valid view
+        f.write(b"ABCD")
+    for v in ("model.safetensors", "bf16/model.safetensors"):
+        with pytest.raises(OSError) as e:
+            with open(os.path.join(views, v), "rb") as f:
+                f.read()
+        assert e.value.errno == errno.EINVAL, v
+    os.truncate(big, 12000)  # valid again
+    for v in ("model.safetensors", "bf16/model.safetensors", "f32/model.safetensors"):
+        got = load_file(os.path.join(views, v))
+        assert got["big"].shape == (3000,) and float(got["big"][-1]) == 2.0, v
+    assert os.listdir(os.path.join(views, "reshard", "4KB")) != []

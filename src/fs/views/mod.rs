@@ -116,8 +116,12 @@ pub fn make(st: &State, path: &str) -> Option<(Result<GeneratedFile, String>, bo
 /// The version of the state an entry drawing on `draws` was made from.
 pub fn version(st: &State, draws: Draws) -> u64 {
     match draws {
-        Draws::Checkpoint(c) => st.live(c).version(),
-        Draws::All | Draws::Index(_) => st.checkpoints.iter().map(|m| m.live.version()).sum(),
+        Draws::Checkpoint(c) => st.live(c).views_version(),
+        Draws::All | Draws::Index(_) => st
+            .checkpoints
+            .iter()
+            .map(|m| m.live.views_version())
+            .sum(),
     }
 }
 
