@@ -12,6 +12,7 @@ use std::sync::Arc;
 use crate::source::{Bytes, SourceFile};
 
 /// One tensor of a view: its name, dtype and shape in the checkpoint, and its bytes.
+#[derive(Clone)]
 pub struct ViewTensor {
     pub name: String,
     pub dtype: Dtype,

@@ -404,7 +404,7 @@ impl Fs {
             warn!(view = path, "not a valid checkpoint now: {why}");
         }
         if keep {
-            lock(&self.views).insert(path.to_string(), (version, made.clone()));
+            lock(&self.views).put(path.to_string(), (version, made.clone()));
         }
         made.map_err(FsError::Invalid)
     }

@@ -208,9 +208,9 @@ pub struct Fs {
     transactions: Transactions,
     state: RwLock<State>,
     handles: Mutex<Handles>,
-    /// Views made, by (checkpoint or merged, cast): made again when a
-    /// checkpoint's state moves (taken after `state`).
-    views: Mutex<HashMap<String, CachedView>>,
+    /// View files made, by path: made again when the state they draw on
+    /// moves; the last `VIEWS_KEPT` used (taken after `state`).
+    views: Mutex<lru::LruCache<String, CachedView>>,
     json_budget: Arc<JsonBudget>,
     /// Views that are a source file are served by kernel passthrough.
     passthrough: std::sync::atomic::AtomicBool,
@@ -275,9 +275,12 @@ impl Fs {
                 hashed: Mutex::new(HashMap::new()),
                 whole_inos: Mutex::new(HashMap::new()),
                 view_inos: Mutex::new(views::ViewInodes::new()),
+                view_memo: views::Memo::new(),
             }),
             handles: Mutex::new(Handles::default()),
-            views: Mutex::new(HashMap::new()),
+            views: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(VIEWS_KEPT).expect("not zero"),
+            )),
             json_budget: Arc::default(),
             passthrough: Default::default(),
             looked_up: Default::default(),
@@ -443,6 +446,10 @@ impl Fs {
         }
     }
 }
+
+/// How many made view files are kept (each holds its header and a list of
+/// its tensors: a few MB for 50,000 tensors); others are made again.
+const VIEWS_KEPT: usize = 16;
 
 /// How long a prefetch request may run before it returns (the client asks
 /// again for the rest): a FUSE request cannot be interrupted once the daemon

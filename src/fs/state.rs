@@ -81,6 +81,8 @@ pub(super) struct State {
     pub(super) whole_inos: Mutex<HashMap<(u64, u64), Ino>>,
     /// The inodes of `__views__` and everything below it.
     pub(super) view_inos: Mutex<views::ViewInodes>,
+    /// What view folders keep between requests (`views::Memo`).
+    pub(super) view_memo: views::Memo,
 }
 
 pub(super) fn file_mode(stat: &FileStat, read_only: bool) -> u16 {

@@ -261,7 +261,9 @@ impl Folder {
             });
         }
         let flags = rustix::fs::RenameFlags::NOREPLACE;
-        Ok(rustix::fs::renameat_with(&self.fd, from, &self.fd, to, flags)?)
+        Ok(rustix::fs::renameat_with(
+            &self.fd, from, &self.fd, to, flags,
+        )?)
     }
 
     /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).

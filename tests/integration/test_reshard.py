@@ -76,7 +76,7 @@ def _saved(tensors, metadata):
             return g.read()
 
 
-SIZES = ["4KB", "3KiB", "0.0025MB", "2000", "11KB", "5GB", "0KB"]
+SIZES = ["4KB", "3KiB", "0.0025MB", "2000", "11KB", "5GB", "0KB", "1e+1KB"]
 
 
 def test_reshard_matches_hugging_face_and_follows_edits(tmp_path, mount):
@@ -133,3 +133,12 @@ def test_reshard_of_a_folder_mount_merges_then_splits(tmp_path, mount):
     merged = os.path.join(views, "merged.safetensors")
     for size in ["4KB", "5GB", "2KiB"]:
         check_split(os.path.join(views, "reshard", size), merged, size, {"format": "pt"})
+
+
+def test_reshard_of_a_checkpoint_without_tensors_is_empty(tmp_path, mount, run):
+    """No tensors: no shard and no index, as save_pretrained writes nothing for them."""
+    src = tmp_path / "m.safetensors"
+    save_file({}, str(src))
+    m = mount(src)
+    for size in ["5GB", "1KB"]:
+        assert os.listdir(os.path.join(m.path, "__views__", "reshard", size)) == []

@@ -10,8 +10,10 @@ mod export;
 mod npy;
 mod reshard;
 
+use std::any::Any;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
 
 use super::{Ino, State};
 use crate::checkpoint::view::GeneratedFile;
@@ -117,11 +119,7 @@ pub fn make(st: &State, path: &str) -> Option<(Result<GeneratedFile, String>, bo
 pub fn version(st: &State, draws: Draws) -> u64 {
     match draws {
         Draws::Checkpoint(c) => st.live(c).views_version(),
-        Draws::All | Draws::Index(_) => st
-            .checkpoints
-            .iter()
-            .map(|m| m.live.views_version())
-            .sum(),
+        Draws::All | Draws::Index(_) => st.checkpoints.iter().map(|m| m.live.views_version()).sum(),
     }
 }
 
@@ -139,8 +137,9 @@ fn numbered(entries: impl IntoIterator<Item = (String, bool)>) -> Vec<Entry> {
 }
 
 /// The inode of every view path looked up: `VIEW_BIT` and its place in the
-/// table ("" , `__views__` itself, is the first). Paths are never dropped
-/// (a mount's views are a bounded set of names per tensor).
+/// table ("", `__views__` itself, is the first). Paths are never dropped (the
+/// kernel may ask by inode at any time): each costs its name, about 100
+/// bytes, so a million lookups of new names cost about 100 MB.
 pub struct ViewInodes {
     paths: Vec<Arc<str>>,
     inos: HashMap<Arc<str>, Ino>,
@@ -172,6 +171,39 @@ impl ViewInodes {
 
     pub fn path(&self, ino: Ino) -> Option<Arc<str>> {
         self.paths.get((ino & !VIEW_BIT) as usize).cloned()
+    }
+}
+
+/// What view folders compute once per state and use for many requests (a
+/// split of 50,000 tensors is made once, not at every lookup): at most a
+/// few results, each with the version of the state it was made from.
+pub struct Memo(Mutex<lru::LruCache<String, (u64, Arc<dyn Any + Send + Sync>)>>);
+
+impl Memo {
+    pub fn new() -> Memo {
+        Memo(Mutex::new(lru::LruCache::new(
+            NonZeroUsize::new(8).expect("not zero"),
+        )))
+    }
+
+    /// The result kept for `key` if it was made at `version`, else `make`'s.
+    pub fn get<T: Any + Send + Sync>(
+        &self,
+        key: &str,
+        version: u64,
+        make: impl FnOnce() -> T,
+    ) -> Arc<T> {
+        let lock = || self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((v, kept)) = lock().get(key) {
+            if *v == version {
+                if let Ok(t) = kept.clone().downcast::<T>() {
+                    return t;
+                }
+            }
+        }
+        let made = Arc::new(make());
+        lock().put(key.to_string(), (version, made.clone()));
+        made
     }
 }
 

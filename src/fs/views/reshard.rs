@@ -21,6 +21,7 @@ use super::export::tensors_of;
 use super::{numbered, Draws, Entry, Found, ViewFolder};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::State;
+use std::sync::Arc;
 
 pub struct Reshard;
 
@@ -45,24 +46,49 @@ pub fn parse_size(name: &str) -> Option<u64> {
         .iter()
         .find_map(|(u, m)| upper.strip_suffix(u).map(|n| (n.trim(), *m)))
         .unwrap_or((upper.as_str(), 1.0));
-    // (As Python's float(): digits, a point, an exponent; no sign, no inf.)
-    if number.is_empty()
-        || !number
-            .chars()
-            .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'E'))
-    {
-        return None;
-    }
-    let value: f64 = number.parse().ok()?;
+    let value = python_float(number)?;
     let bytes = value * multiplier;
     (bytes.is_finite() && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
 
-/// The split: (file name, its tensors) in order, and the index's text
-/// (None for a single shard).
-type Split = (Vec<(String, Vec<ViewTensor>)>, Option<Vec<u8>>);
+/// A number as Python's `float()` reads one (what Hugging Face parses a
+/// size with): an optional `+`, digits with single `_` between them, a
+/// point, an exponent with its sign. No infinity, no NaN, and (a size) no
+/// minus sign.
+fn python_float(s: &str) -> Option<f64> {
+    let s = s.strip_prefix('+').unwrap_or(s);
+    let b = s.as_bytes();
+    for (i, &c) in b.iter().enumerate() {
+        let after_exponent = i > 0 && matches!(b[i - 1], b'E' | b'e');
+        let between_digits =
+            i > 0 && i + 1 < b.len() && b[i - 1].is_ascii_digit() && b[i + 1].is_ascii_digit();
+        match c {
+            b'0'..=b'9' | b'.' | b'E' | b'e' => {}
+            b'+' | b'-' if after_exponent => {}
+            b'_' if between_digits => {}
+            _ => return None,
+        }
+    }
+    s.replace('_', "").parse().ok()
+}
 
-fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>), String> {
+/// A split: each shard's file name and tensors, in order; the index's text
+/// (None without one); the metadata each shard carries.
+struct Split {
+    shards: Vec<(String, Vec<ViewTensor>)>,
+    index: Option<Vec<u8>>,
+    metadata: Option<crate::format::Metadata>,
+}
+
+/// The split at `max` of the state now, made once per state (every lookup,
+/// `stat` and read of the folder's files asks for it).
+fn split(st: &State, max: u64) -> Arc<Result<Split, String>> {
+    let version = super::version(st, Draws::All);
+    st.view_memo
+        .get(&format!("reshard/{max}"), version, || make_split(st, max))
+}
+
+fn make_split(st: &State, max: u64) -> Result<Split, String> {
     let (tensors, metadata) = tensors_of(st, if st.folder.is_some() { None } else { Some(0) })?;
     // In file order of the export view (`model.safetensors`, or
     // `merged.safetensors`): the order `load_file` gives of it.
@@ -101,12 +127,18 @@ fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>
     if !current.is_empty() {
         shards.push(current);
     }
-    if shards.len() == 1 {
-        let only = shards.pop().expect("one");
-        return Ok((
-            (vec![("model.safetensors".to_string(), only)], None),
+    // One shard: `model.safetensors`, no index; no tensors: nothing (as
+    // save_pretrained: a split of fewer than two files has no index).
+    if shards.len() <= 1 {
+        let shards = shards
+            .pop()
+            .map(|only| vec![("model.safetensors".to_string(), only)])
+            .unwrap_or_default();
+        return Ok(Split {
+            shards,
+            index: None,
             metadata,
-        ));
+        });
     }
     let n = shards.len();
     let named: Vec<(String, Vec<ViewTensor>)> = shards
@@ -127,7 +159,11 @@ fn split(st: &State, max: u64) -> Result<(Split, Option<crate::format::Metadata>
     // As transformers writes it: json.dumps(index, indent=2, sort_keys=True) + "\n".
     let mut text = ascii_json(&serde_json::to_string_pretty(&index).expect("serializes"));
     text.push('\n');
-    Ok(((named, Some(text.into_bytes())), metadata))
+    Ok(Split {
+        shards: named,
+        index: Some(text.into_bytes()),
+        metadata,
+    })
 }
 
 /// Python's `ensure_ascii`: every character past ASCII as `\uXXXX` (a
@@ -149,11 +185,12 @@ fn ascii_json(text: &str) -> String {
 
 /// The file names of split `max` now, in listing order.
 fn files(st: &State, max: u64) -> Vec<String> {
-    let Ok(((shards, index), _)) = split(st, max) else {
+    let split = split(st, max);
+    let Ok(split) = &*split else {
         return Vec::new();
     };
-    let mut names: Vec<String> = shards.into_iter().map(|(n, _)| n).collect();
-    if index.is_some() {
+    let mut names: Vec<String> = split.shards.iter().map(|(n, _)| n.clone()).collect();
+    if split.index.is_some() {
         names.push(INDEX.to_string());
     }
     names
@@ -169,10 +206,10 @@ impl ViewFolder for Reshard {
             [_] => Some(Found::Folder(Draws::All)),
             [_, size] => parse_size(size).map(|_| Found::Folder(Draws::All)),
             [_, size, name] => {
-                let max = parse_size(size)?;
-                files(st, max)
-                    .iter()
-                    .any(|n| n == name)
+                let split = split(st, parse_size(size)?);
+                let split = split.as_ref().as_ref().ok()?;
+                let is_index = *name == INDEX && split.index.is_some();
+                (is_index || split.shards.iter().any(|(n, _)| n == name))
                     .then_some(Found::File(Draws::All))
             }
             _ => None,
@@ -195,17 +232,19 @@ impl ViewFolder for Reshard {
             return Err("not a view".into());
         };
         let max = parse_size(size).ok_or("not a size")?;
-        let ((shards, index), metadata) = split(st, max)?;
+        let split = split(st, max);
+        let split = split.as_ref().as_ref().map_err(Clone::clone)?;
         if *name == INDEX {
-            return index
-                .map(GeneratedFile::text)
-                .ok_or_else(|| "no index".into());
+            let index = split.index.clone().ok_or("no index")?;
+            return Ok(GeneratedFile::text(index));
         }
-        let (_, tensors) = shards
-            .into_iter()
+        let (_, tensors) = split
+            .shards
+            .iter()
             .find(|(n, _)| n == name)
             .ok_or("not a shard")?;
-        GeneratedFile::safetensors(tensors, metadata.as_ref(), None).map_err(|e| e.to_string())
+        GeneratedFile::safetensors(tensors.clone(), split.metadata.as_ref(), None)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -222,7 +261,16 @@ mod tests {
         assert_eq!(parse_size("100KB"), Some(100_000));
         assert_eq!(parse_size("3MiB"), Some(3 << 20));
         assert_eq!(parse_size("1000"), Some(1000));
-        for bad in ["", "GB", "-1GB", "inf", "nanGB", "5 G B", "5XB", "1e400GB"] {
+        // As Python's float() reads the number.
+        assert_eq!(parse_size("1e+3KB"), Some(1_000_000));
+        assert_eq!(parse_size("1.2e-3KB"), Some(1));
+        assert_eq!(parse_size("+1KB"), Some(1000));
+        assert_eq!(parse_size("1_000KB"), Some(1_000_000));
+        assert_eq!(parse_size(" 5 GB"), Some(5_000_000_000));
+        for bad in [
+            "", "GB", "-1GB", "inf", "nanGB", "5 G B", "5XB", "1e400GB", "1__0KB", "_1KB",
+            "1e+-3KB",
+        ] {
             assert_eq!(parse_size(bad), None, "{bad}");
         }
     }
