@@ -177,7 +177,10 @@ impl ViewInodes {
 /// What view folders compute once per state and use for many requests (a
 /// split of 50,000 tensors is made once, not at every lookup): at most a
 /// few results, each with the version of the state it was made from.
-pub struct Memo(Mutex<lru::LruCache<String, (u64, Arc<dyn Any + Send + Sync>)>>);
+pub struct Memo(Mutex<lru::LruCache<String, Kept>>);
+
+/// A result and the version of the state it was made from.
+type Kept = (u64, Arc<dyn Any + Send + Sync>);
 
 impl Memo {
     pub fn new() -> Memo {
