@@ -1,0 +1,438 @@
+//! Putting a commit's files in place: the new files written beside their
+//! targets (`Written`), the in-place jobs, and `land`, which records them
+//! and lands them all.
+
+use super::*;
+
+/// A new file written beside its target, not yet renamed over it.
+pub struct Written {
+    pub(super) folder: Arc<Folder>,
+    pub(super) tmp: OsString,
+    pub(super) target: OsString,
+    pub(super) file: File,
+    pub(super) stat: FileStat,
+    /// The file the target must still be when it is replaced (the source
+    /// as mapped), unless the commit is forced or the target is an index.
+    pub(super) replaces: Option<FileStat>,
+}
+
+impl Written {
+    /// Removes the temp file (a commit that will not land).
+    pub fn remove(&self) {
+        let _ = self.folder.unlink(&self.tmp);
+    }
+
+    pub fn stat(&self) -> FileStat {
+        self.stat
+    }
+
+    pub fn target(&self) -> PathBuf {
+        self.folder.path.join(&self.target)
+    }
+
+    /// Puts the file in place. With `replaces`: only over that very file
+    /// (exchanged with it, the file taken out checked, exchanged back if it
+    /// is another: a program that replaced the source since the commit's
+    /// check loses nothing), else ESTALE.
+    pub(super) fn land(&self) -> Result<(), CommitError> {
+        let err = |e| CommitError::Io {
+            what: format!("renaming over {}", self.target().display()),
+            source: e,
+        };
+        let Some(expected) = self.replaces else {
+            return self.folder.rename(&self.tmp, &self.target).map_err(err);
+        };
+        match self.folder.exchange(&self.tmp, &self.target) {
+            Ok(()) => {}
+            // A filesystem without RENAME_EXCHANGE: the check under the lock was the last.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
+                return self.folder.rename(&self.tmp, &self.target).map_err(err);
+            }
+            Err(e) => return Err(err(e)),
+        }
+        let out = self.folder.stat_at(&self.tmp).map_err(err)?;
+        if out.st_dev == expected.dev && out.st_ino == expected.ino {
+            let _ = self.folder.unlink(&self.tmp);
+            return Ok(());
+        }
+        self.folder.exchange(&self.tmp, &self.target).map_err(err)?;
+        Err(CommitError::Conflict {
+            file: self.target(),
+        })
+    }
+
+    /// Creates the temp file beside `target`, fills it with `fill`, gives it
+    /// `like`'s mode (and owner, as root) and fsyncs it. With `like_file`
+    /// (the source), its owner and mode as they are now, and its extended
+    /// attributes (ACLs, user attributes, labels), are carried over. On
+    /// failure nothing is left.
+    pub fn create(
+        folder: &Arc<Folder>,
+        target: &std::ffi::OsStr,
+        like: &FileStat,
+        like_file: Option<&File>,
+        fill: impl FnOnce(&File) -> Result<(), CommitError>,
+    ) -> Result<Written, CommitError> {
+        let like = match like_file.map(FileStat::of) {
+            Some(Ok(now)) => FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*like
+            },
+            _ => *like,
+        };
+        let (tmp, file) = create_temp(folder, target)?;
+        let what = |e| CommitError::Io {
+            what: format!("writing {}", folder.path.join(&tmp).display()),
+            source: e,
+        };
+        let finish = || -> Result<FileStat, CommitError> {
+            fill(&file)?;
+            use std::os::unix::fs::PermissionsExt;
+            // (No set-id bit yet: the file is the daemon user's until chown.)
+            let mode = std::fs::Permissions::from_mode(like.mode & 0o777);
+            file.set_permissions(mode).map_err(what)?;
+            if rustix::process::geteuid().as_raw() == 0 {
+                std::os::unix::fs::fchown(&file, Some(like.uid), Some(like.gid)).map_err(what)?;
+            }
+            if let Some(from) = like_file {
+                let missed = crate::source::access::copy_xattrs(from, &file);
+                if !missed.is_empty() {
+                    warn!(
+                        file = %folder.path.join(target).display(),
+                        "extended attributes not carried over to the new file: {}",
+                        missed.join(", ")
+                    );
+                }
+            }
+            // chown clears set-id bits, and an ACL set the group bits: the mode
+            // last. A set-id bit only for the source's own owner and group: a
+            // rewrite by another user makes a file of that user's, which must
+            // not become set-uid to them.
+            let made = FileStat::of(&file).map_err(what)?;
+            let mut bits = like.mode & 0o7777;
+            if made.uid != like.uid {
+                bits &= !libc::S_ISUID;
+            }
+            if made.gid != like.gid {
+                bits &= !libc::S_ISGID;
+            }
+            if bits != like.mode & 0o7777 {
+                warn!(
+                    file = %folder.path.join(target).display(),
+                    "the new file belongs to uid {} gid {}, not to the source's {} {}: its set-id bits are dropped",
+                    made.uid, made.gid, like.uid, like.gid
+                );
+            }
+            file.set_permissions(std::fs::Permissions::from_mode(bits))
+                .map_err(what)?;
+            crate::testpoint::synced(&file, file.sync_all()).map_err(what)?;
+            crate::testpoint::point("rewrite:written").map_err(what)?;
+            FileStat::of(&file).map_err(what)
+        };
+        match finish() {
+            Ok(stat) => Ok(Written {
+                folder: folder.clone(),
+                tmp,
+                target: target.to_os_string(),
+                file,
+                stat,
+                replaces: None,
+            }),
+            Err(e) => {
+                let _ = folder.unlink(&tmp);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A new temp file beside `target`: `.<target>.stfs-tmp-<pid>-<random>`,
+/// made with O_EXCL. The random part keeps another user from making the name
+/// first (in a sticky folder such as /tmp, a file made there in advance
+/// could not be removed); a name taken anyway is tried again with another.
+pub(super) fn create_temp(
+    folder: &Folder,
+    target: &std::ffi::OsStr,
+) -> Result<(OsString, File), CommitError> {
+    let rng = ring::rand::SystemRandom::new();
+    let mut last = None;
+    for _ in 0..16 {
+        let mut r = [0u8; 8];
+        ring::rand::SecureRandom::fill(&rng, &mut r).map_err(|_| {
+            io_err("making a temp file's name")(std::io::Error::other("no random bytes"))
+        })?;
+        let tmp = OsString::from(format!(
+            ".{}.stfs-tmp-{}-{:016x}",
+            target.to_string_lossy(),
+            std::process::id(),
+            u64::from_le_bytes(r)
+        ));
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW;
+        match folder.open_file(&tmp, flags, 0o600) {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                warn!(folder = %folder.path.display(), "temp name {} taken by someone else: another", tmp.to_string_lossy());
+                last = Some((tmp, e));
+            }
+            Err(e) => {
+                return Err(io_err(format!(
+                    "writing {}",
+                    folder.path.join(&tmp).display()
+                ))(e))
+            }
+        }
+    }
+    let (tmp, e) = last.expect("tried");
+    Err(io_err(format!(
+        "writing {}",
+        folder.path.join(&tmp).display()
+    ))(e))
+}
+
+/// A file a commit changes: a new file renamed over its target, or a
+/// source written in place.
+pub enum Landing {
+    Renamed(Written),
+    InPlace(Box<InPlaceJob>),
+}
+
+impl Landing {
+    /// The file as it will be once landed.
+    pub fn stat(&self) -> FileStat {
+        match self {
+            Landing::Renamed(w) => w.stat,
+            Landing::InPlace(j) => FileStat {
+                len: j.record.after_len,
+                mtime: j.record.after_mtime,
+                ..j.record.before
+            },
+        }
+    }
+
+    pub fn target(&self) -> PathBuf {
+        match self {
+            Landing::Renamed(w) => w.target(),
+            Landing::InPlace(j) => j.source.path().to_path_buf(),
+        }
+    }
+
+    /// Forgets a landing that will not happen (its temp file, its lease).
+    pub fn remove(&self) {
+        if let Landing::Renamed(w) = self {
+            w.remove()
+        }
+    }
+}
+
+/// An in-place commit of one file, ready to run (its lease held).
+pub struct InPlaceJob {
+    pub(super) source: Arc<SourceFile>,
+    /// The file as the commit left it, taken while the lease still kept
+    /// every other writer out: the version later commits check the file
+    /// against (a program that writes as soon as its open returns has
+    /// changed it since, and the next commit is refused).
+    pub(super) landed: std::sync::Mutex<Option<FileStat>>,
+    pub(super) file: Arc<File>,
+    pub(super) lease: std::sync::Mutex<Option<Lease>>,
+    pub(super) record: InPlaceRecord,
+    pub(super) header: Vec<u8>,
+    /// The staging files the writes copy from, by name.
+    pub(super) staged: std::collections::HashMap<String, Arc<StagedFile>>,
+}
+
+impl InPlaceJob {
+    pub(super) fn run(&self, dir: &Folder) -> Result<(), in_place::ApplyError> {
+        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if !lease.as_ref().is_some_and(Lease::holds) {
+            return Err(in_place::ApplyError {
+                marked: false,
+                error: std::io::Error::from_raw_os_error(libc::EAGAIN),
+            });
+        }
+        let open_staged = |name: &str| {
+            self.staged
+                .get(name)
+                .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?
+                .file()
+        };
+        self.source.begin_in_place();
+        let insert = |len| self.source.insert_at_start(len);
+        let collapse = |len| self.source.collapse_at_start(len);
+        let retire = |ranges| self.source.retire(ranges);
+        let steps = in_place::Steps {
+            open_staged: &open_staged,
+            insert: &insert,
+            collapse: &collapse,
+            dir,
+            retire: &retire,
+            fresh: true,
+        };
+        let result = self.record.apply(&*self.file, &self.header, &steps);
+        let now = result
+            .as_ref()
+            .ok()
+            .and_then(|_| FileStat::of(&self.file).ok());
+        self.source.end_in_place(now.as_ref());
+        // A commit longer than the lease-break time let a waiting open in
+        // before it ended: that program may have written, so the version
+        // later commits check against is one no file has (they refuse, ESTALE,
+        // unless forced).
+        let landed = match now {
+            Some(st) if !lease.as_ref().is_some_and(Lease::holds) => {
+                warn!(
+                    file = %self.source.path().display(),
+                    "another program's open got past the commit's lease before it ended: the next \
+                     commit is refused unless forced"
+                );
+                Some(FileStat {
+                    mtime: (-1, -1),
+                    ..st
+                })
+            }
+            other => other,
+        };
+        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = landed;
+        drop(lease); // opens that waited go on, and see the new file
+                     // (A test pauses here to write as another program would.)
+        let _ = crate::testpoint::point("in-place:unleased");
+        result
+    }
+
+    pub(super) fn error(&self, e: in_place::ApplyError) -> CommitError {
+        let file = self.source.path().to_path_buf();
+        match e.error.raw_os_error() {
+            Some(libc::EAGAIN) if !e.marked => CommitError::Opened { file },
+            _ => CommitError::Io {
+                what: format!("{}: writing in place", file.display()),
+                source: e.error,
+            },
+        }
+    }
+}
+
+/// Why `land` stopped: after `done` files landed; `changed`: whether
+/// anything changed on disk (if not, the commit is simply abandoned).
+pub struct LandError {
+    pub done: usize,
+    pub changed: bool,
+    /// The file that failed is left refused by every reader.
+    pub refused: bool,
+    pub error: CommitError,
+}
+
+/// Puts the files in place (each journal already says which file is
+/// landing): the landings are recorded in the staging folder (the redo
+/// record of the in-place ones, the renames), done in order, then forgotten.
+/// Once a file changed there is no going back: a crash is finished by the
+/// next mount (`staging::Renames`).
+pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), LandError> {
+    let before = |error| LandError {
+        done: 0,
+        changed: false,
+        refused: false,
+        error,
+    };
+    let dir = staging.dir().map_err(|e| before(CommitError::Staging(e)))?;
+    let record_err = |name: &str| io_err(format!("{}/{name}", dir.path().display()));
+    let mut renames = Renames {
+        commit,
+        files: Vec::new(),
+        in_place: Vec::new(),
+    };
+    for l in landings {
+        match l {
+            Landing::Renamed(w) => renames.files.push(PendingRename {
+                folder: w.folder.path.clone(),
+                tmp: w.tmp.to_string_lossy().into_owned(),
+                target: w.target.to_string_lossy().into_owned(),
+                stat: w.stat,
+                replaces: w.replaces,
+            }),
+            Landing::InPlace(j) => {
+                dir.write_atomic(&j.record.header_file, &j.header)
+                    .map_err(record_err(&j.record.header_file))
+                    .map_err(before)?;
+                renames.in_place.push(j.record.clone());
+            }
+        }
+    }
+    // The new files' names must be on disk before the record that names
+    // them: a record whose temp file is missing reads as renamed already
+    // (the crash explorer found an index update lost so).
+    let mut synced: Vec<&std::path::Path> = Vec::new();
+    for l in landings {
+        if let Landing::Renamed(w) = l {
+            if !synced.contains(&w.folder.path.as_path()) {
+                w.folder
+                    .sync()
+                    .map_err(io_err(w.folder.path.display().to_string()))
+                    .map_err(before)?;
+                synced.push(&w.folder.path);
+            }
+        }
+    }
+    renames
+        .write(&dir)
+        .map_err(record_err(crate::checkpoint::staging::RENAMES))
+        .map_err(before)?;
+    if let Err(e) = crate::testpoint::point("land:recorded") {
+        Renames::clear(&dir);
+        return Err(before(io_err("recording the commit")(e)));
+    }
+    if !renames.in_place.is_empty() {
+        if let Err(e) = crate::testpoint::point("in-place:recorded") {
+            Renames::clear(&dir);
+            return Err(before(io_err("recording the commit")(e)));
+        }
+    }
+    let forget = || {
+        Renames::clear(&dir);
+        landings.iter().for_each(Landing::remove);
+    };
+    for (k, l) in landings.iter().enumerate() {
+        let (changed, refused, error) = match l {
+            Landing::Renamed(w) => match w.land() {
+                Ok(()) => {
+                    let _ = crate::testpoint::point("land:renamed");
+                    continue;
+                }
+                Err(e) => (k > 0, false, e),
+            },
+            Landing::InPlace(j) => match dir
+                .folder()
+                .map_err(|e| in_place::ApplyError {
+                    marked: false,
+                    error: e,
+                })
+                .and_then(|d| j.run(&d))
+            {
+                Ok(()) => {
+                    info!(file = %j.source.path().display(), "committed in place");
+                    continue;
+                }
+                Err(e) => (k > 0 || e.marked, e.marked, j.error(e)),
+            },
+        };
+        if !changed {
+            forget();
+        }
+        return Err(LandError {
+            done: k,
+            changed,
+            refused,
+            error,
+        });
+    }
+    for l in landings {
+        if let Landing::Renamed(w) = l {
+            if let Err(e) = w.folder.sync() {
+                warn!("fsync of {} after the commit: {e}", w.folder.path.display());
+            }
+        }
+    }
+    let _ = crate::testpoint::point("in-place:landed");
+    Renames::clear(&dir);
+    Ok(())
+}

@@ -1,0 +1,146 @@
+//! The lock a commit takes on each file it changes, so that two mounts of
+//! one source commit one at a time.
+
+use super::*;
+
+/// How long a commit waits for another commit of the same files.
+pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The files a commit will replace or rewrite, locked from before its plan
+/// until they landed: a second mount's commit of the same source waits, then
+/// finds the file changed and refuses (ESTALE) instead of writing over the
+/// first commit. The lock is not on the file itself, which any reader may
+/// lock to hold commits up, but on a file named for it (device and inode) in
+/// a private folder of the user's (`$XDG_RUNTIME_DIR/stfs/locks`, else
+/// `$XDG_STATE_HOME/stfs/locks`): mounts of one user take turns; mounts of
+/// different users are kept apart by the checks at landing (the swap only
+/// over the file that was mapped, the write lease of an in-place commit).
+pub struct CommitLock(Vec<File>);
+
+/// A file a commit locks: its folder, its name, and its open descriptor if
+/// the mount holds one.
+pub type LockTarget = (Arc<Folder>, OsString, Option<Arc<File>>);
+
+impl Drop for CommitLock {
+    fn drop(&mut self) {
+        for f in &self.0 {
+            // SAFETY: flock of a valid descriptor.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
+}
+
+/// The home folder of user `uid` in the password database.
+pub(super) fn home_of(uid: u32) -> Option<PathBuf> {
+    let mut buf = vec![0 as libc::c_char; 16384];
+    loop {
+        // SAFETY: zeroed passwd is a valid out-parameter.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: getpwuid_r with an out-parameter, a buffer of its length,
+        // and a result pointer; the strings it sets point into `buf`.
+        let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if r == libc::ERANGE && buf.len() < 1 << 20 {
+            buf.resize(buf.len() * 4, 0);
+            continue;
+        }
+        if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+            return None;
+        }
+        // SAFETY: pw_dir is a NUL-terminated string in `buf`, alive here.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        use std::os::unix::ffi::OsStrExt;
+        let dir = PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes()));
+        return dir.is_absolute().then_some(dir);
+    }
+}
+
+/// The private folder of commit locks, made 0700 if missing; refused if it
+/// is a link, another user's or open to others. Chosen by the user, not the
+/// environment, so that every session of a user (a shell, cron, `sudo -u`)
+/// finds the same: `/run/user/UID/stfs/locks` where that folder exists,
+/// else `~/.local/state/stfs/locks` of the user's home in the password database.
+pub(super) fn lock_folder() -> Result<Folder, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let euid = rustix::process::geteuid().as_raw();
+    let run = PathBuf::from(format!("/run/user/{euid}"));
+    let base = match std::fs::symlink_metadata(&run) {
+        Ok(m) if m.is_dir() && m.uid() == euid && m.mode() & 0o077 == 0 => run,
+        _ => home_of(euid)
+            .ok_or(format!("no home folder for uid {euid}"))?
+            .join(".local/state"),
+    };
+    let dir = base.join("stfs").join("locks");
+    let what = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| what(&e))?;
+    let folder = Folder::open_private(&dir).map_err(|e| what(&e))?;
+    let st = folder.stat().map_err(|e| what(&e))?;
+    if st.uid != euid || st.mode & 0o077 != 0 {
+        return Err(what(&"not a private folder of this user's"));
+    }
+    Ok(folder)
+}
+
+impl CommitLock {
+    /// `files`: folder, name and, for a source, its open file (whose identity
+    /// names the lock when the name is still that file).
+    pub fn take(files: &[LockTarget]) -> Result<CommitLock, CommitError> {
+        let mut keys = Vec::new();
+        for (folder, name, own) in files {
+            let path = folder.path.join(name);
+            let mine = own.as_ref().and_then(|f| FileStat::of(f).ok());
+            let key = match folder.stat_at(name) {
+                Ok(st) => (st.st_dev, st.st_ino),
+                // Gone (the plan says what that means): the file it was.
+                Err(_) => match mine {
+                    Some(m) => (m.dev, m.ino),
+                    None => continue,
+                },
+            };
+            keys.push((key, path));
+        }
+        keys.sort();
+        keys.dedup_by_key(|(key, _)| *key);
+        if keys.is_empty() {
+            return Ok(CommitLock(Vec::new()));
+        }
+        let dir = match lock_folder() {
+            Ok(dir) => dir,
+            Err(e) => {
+                warn!("commits are not locked against other mounts of this user's: {e}");
+                return Ok(CommitLock(Vec::new()));
+            }
+        };
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        let mut locked = Vec::new();
+        for ((dev, ino), path) in keys {
+            let name = OsString::from(format!("{dev}-{ino}.lock"));
+            let flags = libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+            let file = match dir.open_file(&name, flags, 0o600) {
+                Ok(f) => f,
+                Err(e) => {
+                    warn!(file = %path.display(), "no commit lock for it: {e}");
+                    continue;
+                }
+            };
+            // SAFETY: a valid descriptor.
+            while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    warn!(file = %path.display(), "cannot lock it for the commit: {e}");
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(CommitError::Busy { file: path });
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            locked.push(file);
+        }
+        Ok(CommitLock(locked))
+    }
+}

@@ -1,0 +1,663 @@
+//! A commit, in three steps so that reads and edits go on meanwhile:
+//!
+//! 1. `Live::plan` (state locked, briefly): validate every edit, check the
+//!    source is the file that was mapped, lay out the new file, pin the
+//!    staging files it reads, and mark the journal.
+//!    The plan picks the way: in place (`in_place`) when the edits keep the
+//!    data section's layout but at its end and nobody else has the file
+//!    open, else a rewrite.
+//! 2. `CommitPlan::write` (no lock): for a rewrite, a temp file beside the
+//!    source, the header as the reference writes it (with room to grow, unless
+//!    `--compact`), bytes copied with copy_file_range, the source's mode and
+//!    owner, fsync. `land` then records every file's landing in the staging
+//!    folder (so that the next mount finishes what a crash interrupted),
+//!    writes the in-place files and renames the temp files over their
+//!    sources, and fsyncs the folder.
+//! 3. `Live::finish` (state locked): map the new file; what the plan wrote and
+//!    nobody edited since reads from it now; later edits stay staged.
+//!
+//! Before `land` nothing of the source changed: a failure leaves it
+//! byte-identical and the edits staged.
+
+mod error;
+mod landing;
+mod lock;
+mod ways;
+
+pub use error::*;
+pub use landing::*;
+pub use lock::*;
+pub use ways::*;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::in_place::{self, InPlaceLayout, InPlaceRecord, Lease};
+use super::journal::Record;
+use super::staging::{PendingRename, Renames, Staging};
+use super::{next_gen, DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot};
+use crate::format::{layout_of, FormatError, Header, Layout};
+use crate::source::local::Folder;
+use crate::source::staged::StagingError;
+use crate::source::{Bytes, FileStat, SourceFile, StagedFile};
+
+/// What a plan wrote, for each tensor: the entry and object it took, and
+/// their generations then.
+struct Member {
+    entry: Id,
+    entry_gen: u64,
+    object: Id,
+    object_gen: u64,
+}
+
+/// What a commit may do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitOptions {
+    /// Replace the source even if it changed behind the mount.
+    pub force: bool,
+    /// Rewrite, exactly as the reference's `save_file` lays a file out (no
+    /// room left in the header, never in place).
+    pub compact: bool,
+}
+
+/// Everything step 2 needs, taken from the state: it holds the bytes by
+/// reference counts, so the state is free again.
+pub struct CommitPlan {
+    pub commit: u64,
+    pub source: Arc<SourceFile>,
+    /// The new file's layout (the in-place one for `Way::InPlace`).
+    pub layout: Layout,
+    /// Taken by `write`.
+    way: Way,
+    /// What the commit does, in words (`Way::describe`).
+    pub described: String,
+    metadata: Option<crate::format::Metadata>,
+    metadata_gen: u64,
+    inputs: Vec<Bytes>,
+    members: Vec<Member>,
+    /// Edits with a generation below this were made before the plan.
+    mark: u64,
+    /// Source tensor index -> its index in the new file (u32::MAX: not in it).
+    pub moved: Arc<Vec<u32>>,
+    /// Replace whatever file has the source's name (`--force`).
+    force: bool,
+    _pins: Pins,
+}
+
+/// Staging files a plan copies from, pinned (see `DataObject::take_for_commit`).
+struct Pins(Vec<Arc<StagedFile>>);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|s| s.unpin());
+    }
+}
+
+impl Live {
+    /// Step 1. None when there is nothing to commit. `held`: the bytes that
+    /// open descriptors and the other checkpoints of the mount read (an
+    /// in-place commit leaves their ranges alone).
+    pub fn plan(
+        &mut self,
+        commit: u64,
+        options: CommitOptions,
+        held: &[Bytes],
+    ) -> Result<Option<CommitPlan>, CommitError> {
+        // (`--compact` rewrites a file with nothing staged too: its layout is the edit.)
+        if !self.dirty && !options.compact {
+            return Ok(None);
+        }
+        let file = self.source.path().to_path_buf();
+        let refused = |problems| CommitError::Refused {
+            file: file.clone(),
+            problems,
+        };
+        let problems = self.problems();
+        if !problems.is_empty() {
+            return Err(refused(problems));
+        }
+        let (inputs, members) = self.commit_inputs(true);
+        // Staging files came back pinned: they are unpinned when the plan
+        // goes, or now if it is not made.
+        let pins = Pins(
+            inputs
+                .iter()
+                .filter_map(|b| match b {
+                    Bytes::Staged(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        );
+        let metadata = self
+            .metadata()
+            .expect("problems() refuses invalid metadata")
+            .cloned();
+        // The file now at the source's name (gone: changed too).
+        let mapped = self.source.stat();
+        let folder = self
+            .source
+            .folder()
+            .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
+        let same = match folder.stat_at(self.source.file_name()) {
+            Ok(now) => {
+                now.st_dev == mapped.dev
+                    && now.st_ino == mapped.ino
+                    && now.st_size as u64 == mapped.len
+                    && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
+            Err(e) => return Err(io_err(file.display().to_string())(e)),
+        };
+        if !same && !options.force {
+            return Err(CommitError::Conflict { file });
+        }
+        let (layout, way) = {
+            let specs = self.commit_specs(&members);
+            let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(
+                |e: FormatError| {
+                    refused(vec![Problem {
+                        tensor: e.tensor().map(str::to_string),
+                        rule: e.to_string(),
+                    }])
+                },
+            )?;
+            choose(&NewState {
+                source: &self.source,
+                specs: &specs,
+                inputs: &inputs,
+                metadata: metadata.as_ref(),
+                held,
+                unchanged: same,
+                options,
+                reference,
+            })
+        };
+        let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
+        for (j, &k) in layout.source_index.iter().enumerate() {
+            if let Bytes::Source(src, i) = &inputs[k] {
+                if Arc::ptr_eq(src, &self.source) && moved[*i as usize] == u32::MAX {
+                    moved[*i as usize] = j as u32
+                }
+            }
+        }
+        let moved = Arc::new(moved);
+        self.committing = Some((commit, moved.clone()));
+        self.log(vec![Record::Plan { commit }]);
+        let described = way.describe(layout.file_len());
+        Ok(Some(CommitPlan {
+            commit,
+            source: self.source.clone(),
+            layout,
+            way,
+            described,
+            metadata,
+            metadata_gen: self.metadata_gen,
+            inputs,
+            members,
+            mark: next_gen(),
+            moved,
+            force: options.force,
+            _pins: pins,
+        }))
+    }
+
+    /// The bytes of each tensor of the new state, and what the plan took them
+    /// from. `pin`: staging files come back pinned (for a commit).
+    fn commit_inputs(&self, pin: bool) -> (Vec<Bytes>, Vec<Member>) {
+        let mut inputs = Vec::new();
+        let mut members = Vec::new();
+        for (id, e) in self.entries_from(0) {
+            let (Some(object), super::MetaView::Valid(..)) = (e.data, e.meta) else {
+                continue; // a meta without data: not a tensor
+            };
+            let state = match pin {
+                true => self.object_for_commit(object),
+                false => self.object(object),
+            }
+            .expect("an entry's data exists");
+            inputs.push(state.bytes);
+            members.push(Member {
+                entry: id,
+                entry_gen: match &self.entries[id as usize] {
+                    EntrySlot::Live(l) => l.gen,
+                    _ => 0,
+                },
+                object,
+                object_gen: state.gen,
+            });
+        }
+        (inputs, members)
+    }
+
+    /// Name, dtype and shape of each member, borrowed from the state.
+    fn commit_specs(&self, members: &[Member]) -> Vec<(&str, crate::format::Dtype, &[u64])> {
+        members
+            .iter()
+            .map(|m| {
+                let e = self.entry(m.entry).expect("a member's entry exists");
+                match e.meta {
+                    super::MetaView::Valid(dtype, shape) => (e.name, dtype, shape),
+                    _ => unreachable!("members have valid metas"),
+                }
+            })
+            .collect()
+    }
+
+    /// What a commit would do now (for `stfs status`): its way, in words.
+    pub fn commit_preview(&self, held: &[Bytes]) -> Option<String> {
+        if !self.dirty || !self.problems().is_empty() {
+            return None;
+        }
+        if self.committing.is_some() {
+            // (Its lease is the commit's: taking and letting go of one here would end it.)
+            return Some("a commit of it is running".into());
+        }
+        let (inputs, members) = self.commit_inputs(false);
+        let metadata = self.metadata()?.cloned();
+        let specs = self.commit_specs(&members);
+        let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).ok()?;
+        let unchanged = self.source.folder().is_some_and(|f| {
+            f.stat_at(self.source.file_name()).is_ok_and(|now| {
+                let mapped = self.source.stat();
+                (now.st_dev, now.st_ino, now.st_size as u64) == (mapped.dev, mapped.ino, mapped.len)
+                    && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
+            })
+        });
+        // A lease is taken and let go at once: the answer is for now.
+        let (layout, way) = choose(&NewState {
+            source: &self.source,
+            specs: &specs,
+            inputs: &inputs,
+            metadata: metadata.as_ref(),
+            held,
+            unchanged,
+            options: CommitOptions::default(),
+            reference,
+        });
+        Some(way.describe(layout.file_len()))
+    }
+
+    /// The plan of this checkpoint did not go through.
+    pub fn abandon(&mut self) {
+        self.committing = None;
+    }
+
+    /// Step 3: the new file is in place; `landed` is it.
+    pub fn finish(&mut self, mut plan: CommitPlan, landed: &Landing) -> Result<(), CommitError> {
+        let what = || landed.target().display().to_string();
+        self.committing = None;
+        self.version += 1;
+        let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
+        plan.layout.header = Vec::new();
+        let tensors = std::mem::take(&mut plan.layout.tensors);
+        let header = Header::from_parts(header_len, tensors, plan.metadata.clone());
+        let fresh = match landed {
+            Landing::Renamed(written) => {
+                // The very file written (not whatever has the name now):
+                // open for writing too if the source was, read-only if not.
+                let file = match self.source.writable_file() {
+                    Some(_) => written.file.try_clone(),
+                    None => File::open(format!("/proc/self/fd/{}", written.file.as_raw_fd())),
+                }
+                .map_err(io_err(what()))?;
+                let writable = self.source.writable_file().is_some();
+                SourceFile::committed(&self.source, file, writable, header, written.stat)
+            }
+            Landing::InPlace(job) => {
+                let landed = job.landed.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let landed = landed.ok_or_else(|| CommitError::Io {
+                    what: what(),
+                    source: std::io::Error::other("the in-place commit left no version"),
+                })?;
+                self.source.rewritten_in_place(header, landed)
+            }
+        };
+        let fresh = Arc::new(fresh.map_err(io_err(what()))?);
+        let old = std::mem::replace(&mut self.source, fresh.clone());
+        // New index of each member: layout.source_index maps file order -> input order.
+        let mut new_index = vec![0u32; plan.members.len()];
+        for (j, &k) in plan.layout.source_index.iter().enumerate() {
+            new_index[k] = j as u32;
+        }
+        let len = self.entries.len();
+        let (mut entry_done, mut object_done) = (vec![false; len], vec![false; len]);
+        let mut source_ids = vec![0; plan.members.len()];
+        let mut source_objects = vec![0; plan.members.len()];
+        for (m, &j) in plan.members.iter().zip(&new_index) {
+            source_ids[j as usize] = m.entry;
+            source_objects[j as usize] = m.object;
+            let object_same = match &self.objects[m.object as usize] {
+                ObjectSlot::Source(_) => m.object_gen == 0,
+                ObjectSlot::Live(o) => o.gen() == m.object_gen,
+                ObjectSlot::Gone => false,
+            };
+            let entry_same = match &self.entries[m.entry as usize] {
+                EntrySlot::Source(_) => m.entry_gen == 0,
+                EntrySlot::Live(l) => l.gen == m.entry_gen,
+                EntrySlot::Gone => false,
+            };
+            if object_same {
+                object_done[m.object as usize] = true;
+                match &self.objects[m.object as usize] {
+                    ObjectSlot::Live(o) => o.rebase(Bytes::Source(fresh.clone(), j)),
+                    _ => self.objects[m.object as usize] = ObjectSlot::Source(j),
+                }
+            }
+            if entry_same && object_same {
+                entry_done[m.entry as usize] = true;
+                let meta_file = self.meta_file_id(m.entry);
+                self.settle(m.entry, m.object, j, meta_file);
+            }
+        }
+        // Everything else that named the old file by index now holds what it
+        // named itself: its name, its dtype and shape, its bytes.
+        let header = old.header();
+        for id in 0..len {
+            if !entry_done[id] {
+                let slot = std::mem::replace(&mut self.entries[id], EntrySlot::Gone);
+                self.entries[id] = match slot {
+                    EntrySlot::Source(i) => EntrySlot::Live(Box::new(super::Entry {
+                        gen: next_gen(),
+                        ..super::Entry::of_source(i, id as Id)
+                    })),
+                    other => other,
+                };
+                if let EntrySlot::Live(e) = &mut self.entries[id] {
+                    if let Some(i) = e.origin.take() {
+                        let t = header.tensors.get(i as usize);
+                        e.name.get_or_insert_with(|| t.name.into());
+                        if matches!(e.meta, EntryMeta::Source) {
+                            e.meta = EntryMeta::Own(super::Meta::Valid {
+                                dtype: t.dtype,
+                                shape: t.shape.to_vec(),
+                            });
+                        }
+                    }
+                }
+            }
+            if !object_done[id] {
+                if let ObjectSlot::Source(i) = self.objects[id] {
+                    let o = DataObject::new(Bytes::Source(old.clone(), i), None);
+                    o.set_home(self.serial, id as Id);
+                    self.objects[id] = ObjectSlot::Live(o);
+                }
+            }
+        }
+        self.source_ids = source_ids;
+        self.source_objects = source_objects;
+        // A meta without data that was there at the plan described nothing
+        // the commit wrote: it goes, and so does a hidden one.
+        for id in 0..len {
+            let orphan = match &self.entries[id] {
+                EntrySlot::Live(e) => {
+                    e.data.is_none()
+                        && e.gen < plan.mark
+                        && (e.meta_hidden
+                            || matches!(&e.meta, EntryMeta::Own(super::Meta::Valid { .. })))
+                }
+                _ => false,
+            };
+            if orphan {
+                let name = self
+                    .entry(id as Id)
+                    .map(|e| e.name.to_string())
+                    .unwrap_or_default();
+                self.index.remove(id as Id, &name);
+                self.entries[id] = EntrySlot::Gone;
+            }
+        }
+        if self.metadata_gen == plan.metadata_gen {
+            if self.metadata == MetadataDoc::Removed {
+                // Shown again (as the new file has it): a new file.
+                self.metadata_file = self.new_id();
+            }
+            self.metadata = MetadataDoc::Unchanged;
+        }
+        self.dirty = !self.overlay().is_empty();
+        if self.dirty {
+            if let Err(e) = self.snapshot() {
+                warn!("rewriting the journal after the commit: {e}");
+            }
+        } else if let Some(dir) = self.staging.current() {
+            self.journal.remove(&dir);
+        }
+        drop(plan);
+        // Unmapping the replaced file frees its blocks and page cache, which
+        // takes a while for a large file: let the commit return first.
+        let _ = std::thread::Builder::new()
+            .name("stfs-unmap".into())
+            .spawn(move || {
+                drop(old);
+                super::trim_memory();
+            });
+        Ok(())
+    }
+
+    /// Before the rename: the journal says which file is about to land (the
+    /// caller fsyncs it, outside the state's lock).
+    pub fn landing(&mut self, commit: u64, stat: FileStat) {
+        self.log(vec![Record::Landing { commit, stat }]);
+    }
+
+    /// After another checkpoint's commit (`old` became `fresh`; `moved` maps
+    /// its tensor indices): objects here that hold that checkpoint's tensors
+    /// (moved here between the shards of a folder mount) read them from the
+    /// new file, and the journal says so.
+    pub fn rebase_foreign(
+        &mut self,
+        old: &Arc<SourceFile>,
+        fresh: &Arc<SourceFile>,
+        moved: &[u32],
+    ) {
+        let mut rebased = false;
+        for slot in &self.objects {
+            let ObjectSlot::Live(o) = slot else { continue };
+            if let Bytes::Source(src, i) = o.bytes() {
+                let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
+                if Arc::ptr_eq(&src, old) && j != u32::MAX {
+                    o.rebase(Bytes::Source(fresh.clone(), j));
+                    rebased = true;
+                }
+            }
+        }
+        if rebased {
+            self.dirty = true;
+            if let Err(e) = self.snapshot() {
+                warn!("rewriting the journal: {e}");
+            }
+        }
+    }
+}
+
+impl CommitPlan {
+    /// A plan whose landing failed half-way: its staging files stay pinned
+    /// (writes copy them aside) and on disk, for the next mount.
+    pub fn keep_pinned(mut self) {
+        let pins = std::mem::replace(&mut self._pins, Pins(Vec::new()));
+        std::mem::forget(pins);
+    }
+
+    /// Step 2, touching no state: writes the new file beside the source, or
+    /// gets an in-place commit ready (its staging files durable).
+    pub fn write(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Landing, CommitError> {
+        let started = std::time::Instant::now();
+        let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
+            file: self.source.path().to_path_buf(),
+        })?;
+        let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
+        let share = match way {
+            Way::SharedExtents { block, .. } => Some(block),
+            _ => None,
+        };
+        if let Way::InPlace {
+            layout,
+            lease,
+            file,
+            mtime,
+        } = way
+        {
+            // The staging files the redo record names must be durable first:
+            // one by one, or (many small ones) the whole filesystem at once.
+            let mut staged = std::collections::HashMap::new();
+            for (_, k) in &layout.writes {
+                if let Bytes::Staged(s) = &self.inputs[*k] {
+                    staged.insert(s.name(), s.clone());
+                }
+            }
+            let what = |source| CommitError::Io {
+                what: format!(
+                    "{}: syncing the staging files",
+                    self.source.path().display()
+                ),
+                source,
+            };
+            if staged.len() > 64 {
+                let any = staged
+                    .values()
+                    .next()
+                    .expect("many")
+                    .file()
+                    .map_err(&what)?;
+                // SAFETY: syncfs of a valid descriptor.
+                if unsafe { libc::syncfs(any.as_raw_fd()) } != 0 {
+                    return Err(what(std::io::Error::last_os_error()));
+                }
+            } else {
+                for s in staged.values() {
+                    s.sync().map_err(&what)?;
+                }
+            }
+            let old_prefix = self.source.header().header_len;
+            // The file as mapped, with its owner and mode as they are now
+            // (set-id bits a write clears are put back from them).
+            let now =
+                FileStat::of(&file).map_err(io_err(self.source.path().display().to_string()))?;
+            let stat = FileStat {
+                mode: now.mode,
+                uid: now.uid,
+                gid: now.gid,
+                ..*self.source.stat()
+            };
+            let mut old_header = vec![0u8; (crate::format::PREFIX_LEN + old_prefix) as usize];
+            file.read_exact_at(&mut old_header, 0)
+                .map_err(io_err(self.source.path().display().to_string()))?;
+            let mut record = InPlaceRecord {
+                folder: folder.path.clone(),
+                name: self.source.file_name().to_string_lossy().into_owned(),
+                before: stat,
+                old_prefix,
+                after_len: layout.file_len,
+                after_mtime: mtime,
+                header_file: format!("in-place-{}-{}-{}.header", self.commit, stat.dev, stat.ino),
+                inserted: layout.inserted,
+                header_write: layout.header_write,
+                writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
+                old_header_sum: in_place::sha256_hex(&[&old_header]),
+                sum: String::new(),
+            };
+            record.seal(&self.layout.header);
+            return Ok(Landing::InPlace(Box::new(InPlaceJob {
+                source: self.source.clone(),
+                landed: std::sync::Mutex::new(None),
+                file,
+                lease: std::sync::Mutex::new(Some(lease)),
+                header: self.layout.header.clone(),
+                record,
+                staged,
+            })));
+        }
+        let mut written = Written::create(
+            folder,
+            self.source.file_name(),
+            self.source.stat(),
+            self.source.file().map(|f| &**f),
+            |file| self.fill(file, share, progress),
+        )?;
+        written.replaces = (!self.force).then(|| *self.source.stat());
+        info!(
+            file = %self.source.path().display(),
+            tensors = self.layout.tensors.len(),
+            bytes = self.layout.file_len(),
+            elapsed = ?started.elapsed(),
+            "commit written"
+        );
+        Ok(Landing::Renamed(written))
+    }
+
+    /// The new file: header, then every tensor's bytes (with `share`, the
+    /// blocks of the source's tensors shared where they can be).
+    fn fill(
+        &self,
+        file: &File,
+        share: Option<u64>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), CommitError> {
+        file.write_all_at(&self.layout.header, 0)
+            .map_err(io_err(format!(
+                "writing the commit of {}",
+                self.source.path().display()
+            )))?;
+        let total = self.layout.data_len();
+        let mut out = self.layout.header.len() as u64;
+        let (mut done, mut shared) = (0, 0);
+        for (placed, &k) in self.layout.tensors.iter().zip(&self.layout.source_index) {
+            let len = placed.nbytes();
+            let what = io_err(format!(
+                "{}: tensor {:?}: copying its bytes",
+                self.source.path().display(),
+                placed.name
+            ));
+            match share {
+                Some(block) => {
+                    shared += self.inputs[k]
+                        .copy_sharing_to(file, out, block)
+                        .map_err(what)?
+                }
+                None => self.inputs[k].copy_to(0, file, out, len).map_err(what)?,
+            }
+            out += len;
+            done += len;
+            progress(done, total);
+            // (A test kills or pauses the daemon here, the new file half written.)
+            crate::testpoint::point("rewrite:copying").map_err(io_err(format!(
+                "{}: writing the new file",
+                self.source.path().display()
+            )))?;
+        }
+        if share.is_some() {
+            info!(
+                file = %self.source.path().display(),
+                shared,
+                copied = total - shared,
+                "commit: blocks shared with the old file"
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::new_mtime;
+
+    #[test]
+    fn an_in_place_commit_gives_a_time_after_the_old_one() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        // An old time: now.
+        let t = new_mtime((1000, 5));
+        assert!(t.0 >= now && (0..1_000_000_000).contains(&t.1), "{t:?}");
+        // A time in the future (a clock set back): one nanosecond after it.
+        assert_eq!(new_mtime((now + 100, 7)), (now + 100, 8));
+        assert_eq!(new_mtime((now + 100, 999_999_999)), (now + 101, 0));
+    }
+}
