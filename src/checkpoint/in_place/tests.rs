@@ -1,0 +1,479 @@
+//! In-place commits, step by step: redo records that do not hold, crashes
+//! between the steps, and the planner case by case.
+
+use super::*;
+
+/// A file, its record for a commit that grows its header by one block,
+/// and the bytes the commit ends with.
+fn setup(dir: &std::path::Path) -> (std::path::PathBuf, InPlaceRecord, Vec<u8>, Vec<u8>) {
+    let json = br#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+    let mut old = (json.len() as u64).to_le_bytes().to_vec();
+    old.extend_from_slice(json);
+    old.extend_from_slice(b"DATA");
+    let path = dir.join("m.safetensors");
+    std::fs::write(&path, &old).unwrap();
+    let room = json.len() as u64 + 4096;
+    let mut header = room.to_le_bytes().to_vec();
+    header.extend_from_slice(
+        br#"{"__metadata__":{"k":"v"},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+    );
+    header.resize(8 + room as usize, b' ');
+    let mut new = header.clone();
+    new.extend_from_slice(b"DATA");
+    let stat = FileStat::of(&File::open(&path).unwrap()).unwrap();
+    let mut record = InPlaceRecord {
+        folder: std::fs::canonicalize(dir).unwrap(),
+        name: "m.safetensors".into(),
+        before: stat,
+        old_prefix: json.len() as u64,
+        after_len: new.len() as u64,
+        after_mtime: (stat.mtime.0 + 10, 0),
+        header_file: "in-place-1-1-1.header".into(),
+        inserted: 4096,
+        header_write: 0,
+        writes: Vec::new(),
+        old_header_sum: sha256_hex(&[&old]),
+        sum: String::new(),
+    };
+    record.seal(&header);
+    std::fs::write(dir.join("staging").join(&record.header_file), &header).unwrap();
+    (path, record, old, new)
+}
+
+fn can_insert(dir: &std::path::Path) -> bool {
+    let f = File::open(dir).unwrap();
+    crate::source::local::inserts_blocks(&f) == Some(4096)
+}
+
+#[test]
+fn a_commit_killed_while_writing_the_header_is_not_inserted_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    if !can_insert(dir.path()) {
+        return; // (tmpfs and others: nothing to insert)
+    }
+    std::fs::create_dir(dir.path().join("staging")).unwrap();
+    let (path, record, _, new) = setup(dir.path());
+    // Killed mid-header: inserted (and recorded so), marker at the start,
+    // the page with the moved marker already overwritten by header bytes.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    file.write_all_at(&IN_PLACE_MARKER, 0).unwrap();
+    crate::source::local::insert_range(&file, 4096).unwrap();
+    std::fs::write(dir.path().join("staging").join(record.inserted_flag()), b"").unwrap();
+    file.write_all_at(&IN_PLACE_MARKER, 0).unwrap();
+    file.write_all_at(&new[4090..4110], 4090).unwrap();
+    drop(file);
+    let staging = Folder::open(&dir.path().join("staging")).unwrap();
+    let note = record.complete(&staging).unwrap();
+    assert!(note.is_some());
+    assert_eq!(std::fs::read(&path).unwrap(), new);
+    // And again (a crash during the recovery): the same file.
+    record.complete(&staging).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), new);
+}
+
+#[test]
+fn a_commit_killed_before_its_marker_is_completed_and_a_changed_file_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    if !can_insert(dir.path()) {
+        return;
+    }
+    std::fs::create_dir(dir.path().join("staging")).unwrap();
+    let (path, record, old, new) = setup(dir.path());
+    assert_eq!(std::fs::read(&path).unwrap(), old);
+    let staging = Folder::open(&dir.path().join("staging")).unwrap();
+    // Not started: rolled forward (the journal already names the new version).
+    record.complete(&staging).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), new);
+    let st = FileStat::of(&File::open(&path).unwrap()).unwrap();
+    assert_eq!(st.mtime, record.after_mtime);
+    // Done: nothing to do.
+    assert_eq!(record.complete(&staging).unwrap(), None);
+    // Changed by another program since: left alone, and said so.
+    std::fs::write(&path, b"someone else's bytes").unwrap();
+    let other = record.complete(&staging);
+    assert!(other.is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), b"someone else's bytes");
+}
+
+#[test]
+fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("staging")).unwrap();
+    let (path, record, old, new) = setup(dir.path());
+    let header = &new[..new.len() - 4];
+    let staging = Folder::open(&dir.path().join("staging")).unwrap();
+    std::fs::write(dir.path().join("staging").join("short"), b"xy").unwrap();
+    let data_at = header.len() as u64;
+    type Tamper = Box<dyn Fn(&mut InPlaceRecord)>;
+    let tampered: Vec<(&str, Tamper)> = vec![
+        (
+            "a write far past the end",
+            Box::new(move |r| {
+                r.writes = vec![RangeWrite {
+                    at: 1 << 40,
+                    len: 4,
+                    from: WriteFrom::Here { offset: 4096 + 8 },
+                }];
+            }),
+        ),
+        (
+            "a copy from past the old data",
+            Box::new(move |r| {
+                r.writes = vec![RangeWrite {
+                    at: data_at,
+                    len: 4,
+                    from: WriteFrom::Here { offset: 1 << 30 },
+                }];
+            }),
+        ),
+        (
+            "a new length the header does not describe",
+            Box::new(move |r| r.after_len += 4096),
+        ),
+        (
+            "a file of a length no step of the commit leaves",
+            Box::new(move |r| r.before.len += 1 << 20),
+        ),
+        (
+            "a staging file shorter than its write",
+            Box::new(move |r| {
+                r.writes = vec![RangeWrite {
+                    at: data_at,
+                    len: 4,
+                    from: WriteFrom::Staged {
+                        file: "short".into(),
+                    },
+                }];
+            }),
+        ),
+        (
+            "a staging file by a path",
+            Box::new(move |r| {
+                r.writes = vec![RangeWrite {
+                    at: data_at,
+                    len: 4,
+                    from: WriteFrom::Staged {
+                        file: "../short".into(),
+                    },
+                }];
+            }),
+        ),
+    ];
+    for (what, change) in &tampered {
+        let mut r = record.clone();
+        change(&mut r);
+        // Sealed again (as whoever changed it could), and not: both refused.
+        let unsealed = r.clone();
+        r.seal(header);
+        for r in [r, unsealed] {
+            let e = r.complete(&staging).expect_err(what);
+            assert!(e.0.contains("does not hold"), "{what}: {}", e.0);
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                old,
+                "{what}: the file changed"
+            );
+        }
+    }
+    // Names that are not plain (a path out of the folder, a relative
+    // folder, a header file elsewhere) are refused before anything is read.
+    type Rename = Box<dyn Fn(&mut InPlaceRecord)>;
+    let renamed: Vec<Rename> = vec![
+        Box::new(|r| r.name = "../m.safetensors".into()),
+        Box::new(|r| r.name = "x/m.safetensors".into()),
+        Box::new(|r| r.name = String::new()),
+        Box::new(|r| r.name = ".".into()),
+        Box::new(|r| r.name = "..".into()),
+        Box::new(|r| r.folder = "relative".into()),
+        Box::new(|r| r.header_file = "../in-place.header".into()),
+    ];
+    for change in &renamed {
+        let mut r = record.clone();
+        change(&mut r);
+        r.seal(header);
+        let e = r.complete(&staging).expect_err("not plain");
+        assert!(e.0.contains("not a plain name"), "{r:?}: {}", e.0);
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+    }
+    // A header file cut short: its checksum no longer matches.
+    std::fs::write(
+        dir.path().join("staging").join(&record.header_file),
+        &header[..header.len() - 1],
+    )
+    .unwrap();
+    let e = record.complete(&staging).expect_err("cut short");
+    assert!(
+        e.0.contains("does not hold") || e.0.contains("without a header"),
+        "{}",
+        e.0
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), old);
+}
+
+/// The planner, case by case: which edits it writes in place, where, and
+/// why it refuses the others (a planner that falls back to a rewrite, or
+/// places bytes elsewhere, fails here).
+mod planner {
+    use super::*;
+    use crate::source::StagingDir;
+
+    struct Case {
+        _dir: tempfile::TempDir,
+        source: Arc<SourceFile>,
+        staging: Arc<StagingDir>,
+        data_start: u64,
+        len: u64,
+    }
+
+    /// a 16, b 32, c 16, d 8 bytes (U8), a header with 400 bytes of room.
+    fn case() -> Case {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c, d) = ([1u8; 16], [2u8; 32], [3u8; 16], [4u8; 8]);
+        let tensors: [(&str, &[u8]); 4] = [("a", &a), ("b", &b), ("c", &c), ("d", &d)];
+        let (_, file) = crate::checkpoint::explore::checkpoint(&tensors, "v0", 400);
+        let path = dir.path().join("m.safetensors");
+        std::fs::write(&path, &file).unwrap();
+        let source = Arc::new(SourceFile::open(&path).unwrap());
+        let parent = Arc::new(Folder::open(dir.path()).unwrap());
+        let staging = Arc::new(StagingDir::create(parent, "m.safetensors").unwrap());
+        Case {
+            _dir: dir,
+            source,
+            staging,
+            data_start: PREFIX_LEN + 400,
+            len: file.len() as u64,
+        }
+    }
+
+    enum In {
+        Old(u32),
+        New(usize),
+    }
+
+    fn plan(
+        c: &Case,
+        new: &[(&str, In)],
+        metadata: Option<&str>,
+        held: &[bool],
+        block: Option<u64>,
+    ) -> Result<InPlaceLayout, String> {
+        let old = c.source.header();
+        let mut shapes = Vec::new();
+        let mut inputs = Vec::new();
+        for (_, input) in new {
+            match input {
+                In::Old(i) => {
+                    shapes.push(vec![old.tensors.nbytes(*i as usize)]);
+                    inputs.push(Bytes::Source(c.source.clone(), *i));
+                }
+                In::New(n) => {
+                    shapes.push(vec![*n as u64]);
+                    let staged = c.staging.file_with(&vec![9u8; *n]).unwrap();
+                    inputs.push(Bytes::Staged(staged));
+                }
+            }
+        }
+        let names: Vec<&str> = new.iter().map(|(n, _)| *n).collect();
+        let meta: Option<Metadata> = metadata.map(|v| [("k".to_string(), v.to_string())].into());
+        let spec = |k: usize| (names[k], Dtype::U8, shapes[k].as_slice());
+        layout(
+            &c.source,
+            new.len(),
+            spec,
+            &inputs,
+            meta.as_ref(),
+            held,
+            block,
+        )
+    }
+
+    const NONE_HELD: [bool; 4] = [false; 4];
+    use In::{New, Old};
+
+    #[test]
+    fn header_edits_and_renames_write_the_header_alone() {
+        let c = case();
+        let l = plan(
+            &c,
+            &[("a", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+            Some("v1"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert!(l.writes.is_empty() && l.inserted == 0 && l.file_len == c.len);
+        assert_eq!(l.summary, "header");
+        let l = plan(
+            &c,
+            &[("z", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert!(l.writes.is_empty() && l.file_len == c.len);
+        assert_eq!(
+            l.layout.tensors.get(0).name,
+            "z",
+            "the renamed tensor keeps its place"
+        );
+    }
+
+    #[test]
+    fn new_bytes_of_a_tensors_size_overwrite_it_where_it_is() {
+        let c = case();
+        let l = plan(
+            &c,
+            &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert_eq!(l.writes.len(), 1);
+        assert_eq!(
+            (l.writes[0].0.at, l.writes[0].0.len),
+            (c.data_start + 16, 32)
+        );
+        assert_eq!(l.summary, "header, 1 tensor overwritten");
+        assert_eq!(l.file_len, c.len);
+        // A new tensor takes the place of a removed one of its size.
+        let l = plan(
+            &c,
+            &[("e", New(16)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.data_start, 16));
+        assert_eq!(l.file_len, c.len);
+    }
+
+    #[test]
+    fn appends_and_tail_drops_change_only_the_end() {
+        let c = case();
+        let l = plan(
+            &c,
+            &[
+                ("a", Old(0)),
+                ("b", Old(1)),
+                ("c", Old(2)),
+                ("d", Old(3)),
+                ("e", New(40)),
+            ],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.len, 40));
+        assert_eq!(l.file_len, c.len + 40);
+        assert_eq!(l.summary, "header, 1 tensor appended");
+        let l = plan(
+            &c,
+            &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert!(l.writes.is_empty());
+        assert_eq!(l.file_len, c.len - 8);
+        assert_eq!(l.summary, "header, 1 tensor dropped at the end");
+        // A copy of a tensor goes at the end, copied from where it is.
+        let l = plan(
+            &c,
+            &[
+                ("a", Old(0)),
+                ("a2", Old(0)),
+                ("b", Old(1)),
+                ("c", Old(2)),
+                ("d", Old(3)),
+            ],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .unwrap();
+        assert_eq!(l.writes.len(), 1);
+        assert_eq!(
+            l.writes[0].0.from,
+            WriteFrom::Here {
+                offset: c.data_start
+            }
+        );
+        assert_eq!((l.writes[0].0.at, l.file_len), (c.len, c.len + 16));
+    }
+
+    #[test]
+    fn holes_held_bytes_and_foreign_bytes_are_refused_with_the_reason() {
+        let c = case();
+        let e = plan(
+            &c,
+            &[("a", Old(0)), ("b", Old(1)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("\"c\" leaves a hole"), "{e}");
+        let e = plan(
+            &c,
+            &[("a", Old(0)), ("b", New(8)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("\"b\" leaves a hole"), "{e}");
+        let held = [false, true, false, false];
+        let e = plan(
+            &c,
+            &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &held,
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("still read"), "{e}");
+        // Held bytes at the end are not cut either.
+        let held = [false, false, false, true];
+        let e = plan(
+            &c,
+            &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
+            Some("v0"),
+            &held,
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.contains("still read"), "{e}");
+    }
+
+    #[test]
+    fn a_header_past_its_room_grows_by_whole_blocks_or_is_refused() {
+        let c = case();
+        let big = "x".repeat(600);
+        let all = [("a", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))];
+        let e = plan(&c, &all, Some(&big), &NONE_HELD, None).err().unwrap();
+        assert!(e.contains("cannot insert blocks"), "{e}");
+        let l = plan(&c, &all, Some(&big), &NONE_HELD, Some(4096)).unwrap();
+        // The JSON (about 900 bytes) and room to spare (a quarter of it, at
+        // least 4 KiB), past the 400 there: two blocks.
+        assert_eq!(l.inserted, 8192);
+        assert_eq!(l.file_len, c.len + 8192);
+        assert_eq!(l.summary, "header grown by 8 KiB at the start");
+        assert_eq!(l.layout.header.len() as u64 - PREFIX_LEN, 400 + 8192);
+        // Written: up to the end of the old JSON (moved by the insertion), not
+        // the spaces after it.
+        assert_eq!(l.header_write, 8192 + c.source.header_json_end());
+    }
+}
