@@ -1,0 +1,313 @@
+//! A live checkpoint's journal: the record of each edit, snapshots that
+//! rewrite it whole, and the replay that takes the edits back after a
+//! crash (`journal.rs` holds the format).
+
+use super::*;
+
+impl Live {
+    pub(super) fn data_ref(&self, id: Id) -> DataRef {
+        let bytes = match self.objects.get(id as usize) {
+            Some(ObjectSlot::Source(i)) => Bytes::Source(self.source.clone(), *i),
+            Some(ObjectSlot::Live(o)) => o.bytes(),
+            _ => Bytes::Empty,
+        };
+        match bytes {
+            Bytes::Empty => DataRef::Empty,
+            Bytes::Staged(s) => DataRef::Staged { file: s.name() },
+            Bytes::Source(src, index) => {
+                let own = Arc::ptr_eq(&src, &self.source);
+                DataRef::Source {
+                    shard: (!own).then(|| src.file_name().to_string_lossy().into_owned()),
+                    version: (!own).then(|| *src.stat()),
+                    index,
+                    committed: self
+                        .committing
+                        .as_ref()
+                        .filter(|_| own)
+                        .and_then(|(_, moved)| moved.get(index as usize).copied())
+                        .filter(|&j| j != u32::MAX),
+                }
+            }
+        }
+    }
+
+    /// The journal record of a name's current state.
+    pub(super) fn record_of(&self, name: &str) -> Record {
+        match self.find(name).and_then(|id| self.entry(id)) {
+            None => Record::Gone { name: name.into() },
+            Some(e) => Record::Entry {
+                name: name.into(),
+                meta: e.meta.to_owned(),
+                data: e.data.map(|d| self.data_ref(d)),
+            },
+        }
+    }
+
+    pub(super) fn begin_record(&self) -> Record {
+        Record::Begin {
+            version: journal::VERSION,
+            source: self.source.path().to_path_buf(),
+            stat: *self.source.stat(),
+        }
+    }
+
+    pub(super) fn log(&mut self, mut records: Vec<Record>) {
+        self.version += 1;
+        self.touch();
+        if let Some(batch) = &mut self.batch {
+            batch.append(&mut records);
+            return;
+        }
+        if records.is_empty() {
+            return;
+        }
+        let result = self
+            .staging
+            .dir()
+            .map_err(|e| e.to_string())
+            .and_then(|d| d.folder().map_err(|e| e.to_string()))
+            .and_then(|folder| {
+                let begin = self.begin_record();
+                self.journal
+                    .append(&folder, || begin, &records)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = result {
+            if !self.journal.broken {
+                warn!(file = %self.source.path().display(), "journal of staged edits: {e}; \
+                      edits stay in memory, and are written to the journal again at the next fsync");
+            }
+            self.journal.broken = true;
+            return;
+        }
+        // Keep the journal within a few times the live edits.
+        if self.committing.is_none() && self.journal.wants_snapshot(self.entries.len()) {
+            if let Err(e) = self.snapshot() {
+                warn!("rewriting the journal: {e}");
+            }
+        }
+    }
+
+    /// Every edit, as journal records: the source names gone, then every
+    /// changed or new entry, then the metadata.
+    pub(super) fn overlay(&self) -> Vec<Record> {
+        let mut gone = Vec::new();
+        for (i, &id) in self.source_ids.iter().enumerate() {
+            if !self.untouched(id, i as u32) {
+                gone.push(Record::Gone {
+                    name: source_name(&self.source, i as u32).to_string(),
+                });
+            }
+        }
+        let mut records = gone;
+        for (id, e) in self.entries_from(0) {
+            let untouched = match self.entries[id as usize] {
+                EntrySlot::Source(i) => self.untouched(id, i),
+                EntrySlot::Live(ref l) => l.origin.is_some_and(|i| self.untouched(id, i)),
+                EntrySlot::Gone => true,
+            };
+            if !untouched {
+                records.push(Record::Entry {
+                    name: e.name.to_string(),
+                    meta: e.meta.to_owned(),
+                    data: e.data.map(|d| self.data_ref(d)),
+                });
+            }
+        }
+        if self.metadata != MetadataDoc::Unchanged {
+            records.push(Record::Metadata {
+                doc: self.metadata.clone(),
+            });
+        }
+        records
+    }
+
+    /// Whether entry `id` is source tensor `i` exactly: its name, meta and bytes.
+    pub(super) fn untouched(&self, id: Id, i: u32) -> bool {
+        let entry_ok = match self.entries.get(id as usize) {
+            Some(EntrySlot::Source(j)) => *j == i,
+            Some(EntrySlot::Live(e)) => {
+                e.origin == Some(i)
+                    && e.name
+                        .as_deref()
+                        .is_none_or(|n| n == source_name(&self.source, i))
+                    && match &e.meta {
+                        EntryMeta::Source => true,
+                        EntryMeta::Own(m) => {
+                            let t = self.source.header().tensors.get(i as usize);
+                            *m == Meta::Valid {
+                                dtype: t.dtype,
+                                shape: t.shape.to_vec(),
+                            }
+                        }
+                    }
+                    && e.data.is_some_and(|d| self.object_is_source(d, i))
+            }
+            _ => false,
+        };
+        entry_ok
+            && match self.entries.get(id as usize) {
+                Some(EntrySlot::Source(_)) => self.object_is_source(id, i),
+                _ => true,
+            }
+    }
+
+    pub(super) fn object_is_source(&self, id: Id, i: u32) -> bool {
+        match self.objects.get(id as usize) {
+            Some(ObjectSlot::Source(j)) => *j == i,
+            Some(ObjectSlot::Live(o)) => o.bytes().same(&Bytes::Source(self.source.clone(), i)),
+            _ => false,
+        }
+    }
+
+    /// Rewrites the journal as one snapshot of the edits.
+    pub(super) fn snapshot(&mut self) -> std::io::Result<()> {
+        let Some(dir) = self.staging.current() else {
+            return Ok(());
+        };
+        let mut records = vec![self.begin_record()];
+        records.extend(self.overlay());
+        self.journal.rewrite(&dir, &records)
+    }
+
+    /// Makes every journaled edit durable (fsync, close): the journal is
+    /// fsynced (rewritten first if an append had failed).
+    pub fn sync_journal(&mut self) -> Result<(), EditError> {
+        if self.journal.broken {
+            self.snapshot()?;
+        }
+        Ok(self.journal.sync()?)
+    }
+
+    /// Takes back the edits a journal holds (see `journal::fold`). Source
+    /// tensors of other checkpoints of a folder mount come from `shard`.
+    /// Returns the names restored and notes for the user.
+    pub fn replay(
+        &mut self,
+        folded: journal::Folded,
+        dir: &Arc<StagingDir>,
+        shard: &dyn Fn(&str) -> Option<Arc<SourceFile>>,
+    ) -> (usize, Vec<String>) {
+        self.version += 1;
+        self.touch();
+        let mut notes: Vec<String> = folded
+            .dropped
+            .iter()
+            .map(|n| {
+                format!("tensor {n:?}: its bytes were not in the committed file; not restored")
+            })
+            .collect();
+        let mut restored = 0;
+        for (name, state) in folded.names {
+            let existing = self.find(&name);
+            let Some((meta, data)) = state else {
+                if let Some(id) = existing {
+                    if let Some(d) = self.entry(id).and_then(|e| e.data) {
+                        self.objects[d as usize] = ObjectSlot::Gone;
+                    }
+                    if let Some(e) = self.entry_mut(id) {
+                        e.data = None;
+                        e.meta = EntryMeta::Own(Meta::None);
+                    }
+                    self.prune(id);
+                }
+                restored += 1;
+                continue;
+            };
+            let object = match data {
+                None => None,
+                Some(DataRef::Empty) => Some(Bytes::Empty),
+                Some(DataRef::Staged { file }) => match dir.existing(&file) {
+                    Ok(f) => Some(Bytes::Staged(f)),
+                    Err(e) => {
+                        notes.push(format!(
+                            "tensor {name:?}: staged file {file}: {e}; not restored"
+                        ));
+                        continue;
+                    }
+                },
+                Some(DataRef::Source {
+                    shard: None, index, ..
+                }) if (index as usize) < self.source_ids.len() => {
+                    Some(Bytes::Source(self.source.clone(), index))
+                }
+                Some(DataRef::Source {
+                    shard: Some(s),
+                    version,
+                    index,
+                    ..
+                }) => match shard(&s) {
+                    // The index is of a version of that shard: not of another.
+                    Some(src)
+                        if (index as usize) < src.header().tensors.len()
+                            && version.is_none_or(|v| v.same_version(src.stat())) =>
+                    {
+                        Some(Bytes::Source(src, index))
+                    }
+                    _ => {
+                        notes.push(format!(
+                            "tensor {name:?}: its bytes were in {s}, which is gone or changed since; not restored"
+                        ));
+                        continue;
+                    }
+                },
+                Some(DataRef::Source { index, .. }) => {
+                    notes.push(format!(
+                        "tensor {name:?}: source tensor {index} does not exist; not restored"
+                    ));
+                    continue;
+                }
+            };
+            let (entry, _) = self.entry_for(&name);
+            if let Some(bytes) = object {
+                let id = self.new_id();
+                // The object holding a source tensor is what a discard keeps.
+                if let Bytes::Source(src, i) = &bytes {
+                    if Arc::ptr_eq(src, &self.source) {
+                        self.source_objects[*i as usize] = id;
+                    }
+                }
+                let edited = (!matches!(bytes, Bytes::Source(..))).then(SystemTime::now);
+                self.attach(entry, id, Some(DataObject::new(bytes, edited)));
+            } else if let Some(d) = self.entry(entry).and_then(|e| e.data) {
+                self.objects[d as usize] = ObjectSlot::Gone;
+                if let Some(e) = self.entry_mut(entry) {
+                    e.data = None;
+                }
+            }
+            if let Some(e) = self.entry_mut(entry) {
+                e.meta = EntryMeta::Own(meta);
+            }
+            self.prune(entry);
+            restored += 1;
+        }
+        if let Some(doc) = folded.metadata {
+            self.metadata = doc;
+            self.metadata_gen = next_gen();
+        }
+        self.dirty = true;
+        if let Err(e) = self.snapshot() {
+            notes.push(format!("rewriting the journal: {e}"));
+        }
+        self.dirty = !self.overlay().is_empty();
+        info!(file = %self.source.path().display(), restored, "edits taken back from the journal");
+        (restored, notes)
+    }
+
+    pub fn journal_name(&self) -> &str {
+        self.journal.name()
+    }
+
+    /// The journal, to fsync outside the state's lock; None when there is
+    /// none, or when a snapshot must be written first (`sync_journal`).
+    pub fn journal_handle(&self) -> Option<Arc<std::fs::File>> {
+        (!self.journal.broken)
+            .then(|| self.journal.handle())
+            .flatten()
+    }
+
+    /// An append failed: `sync_journal` must rewrite the journal.
+    pub fn journal_broken(&self) -> bool {
+        self.journal.broken
+    }
+}
