@@ -1,0 +1,239 @@
+//! A folder opened by descriptor (`Folder`): the one way stfs creates,
+//! renames and removes files in a user's folder, without following a link
+//! in a path; and a file's identity and version (`FileStat`).
+
+use super::*;
+
+/// What `stat` said of a file: identity, size, times, owner and mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileStat {
+    pub dev: u64,
+    pub ino: u64,
+    pub len: u64,
+    pub mtime: (i64, i64),
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl FileStat {
+    pub fn of(file: &File) -> std::io::Result<FileStat> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(FileStat {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
+        })
+    }
+
+    /// What stands for something remote: `mode`, owned by the user who
+    /// mounts, no identity, size or time until the caller gives them.
+    pub fn of_mounting_user(mode: u32) -> FileStat {
+        FileStat {
+            dev: 0,
+            ino: 0,
+            len: 0,
+            mtime: (0, 0),
+            mode,
+            uid: rustix::process::getuid().as_raw(),
+            gid: rustix::process::getgid().as_raw(),
+        }
+    }
+
+    /// Same file, same length, same modification time: the bytes stfs validated.
+    pub fn same_version(&self, other: &FileStat) -> bool {
+        (self.dev, self.ino, self.len, self.mtime) == (other.dev, other.ino, other.len, other.mtime)
+    }
+
+    pub fn modified(&self) -> SystemTime {
+        let (s, ns) = self.mtime;
+        if s >= 0 {
+            SystemTime::UNIX_EPOCH + std::time::Duration::new(s as u64, ns as u32)
+        } else {
+            SystemTime::UNIX_EPOCH
+        }
+    }
+}
+
+/// A folder, opened: files in it are opened, created and renamed relative to
+/// this descriptor, so a rename of a path component cannot redirect them.
+pub struct Folder {
+    pub path: PathBuf,
+    pub fd: OwnedFd,
+}
+
+impl Folder {
+    pub fn open(path: &Path) -> std::io::Result<Folder> {
+        Folder::open_with(path, 0)
+    }
+
+    /// Opens a folder that must not be a symbolic link (a private folder of
+    /// this user's, checked by the caller through `stat`).
+    pub fn open_private(path: &Path) -> std::io::Result<Folder> {
+        Folder::open_with(path, libc::O_NOFOLLOW)
+    }
+
+    pub(super) fn open_with(path: &Path, flags: i32) -> std::io::Result<Folder> {
+        let flags = oflags(libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | flags);
+        let fd = rustix::fs::open(path, flags, rustix::fs::Mode::empty())?;
+        Ok(Folder {
+            path: path.to_path_buf(),
+            fd,
+        })
+    }
+
+    /// Another descriptor of the same folder.
+    pub fn try_clone(&self) -> std::io::Result<Folder> {
+        Ok(Folder {
+            path: self.path.clone(),
+            fd: self.fd.try_clone()?,
+        })
+    }
+
+    /// The folder's own owner and mode.
+    pub fn stat(&self) -> std::io::Result<FileStat> {
+        // SAFETY: dup of a valid descriptor; the File closes the copy.
+        let file = File::from(self.fd.try_clone()?);
+        FileStat::of(&file)
+    }
+
+    pub fn chmod(&self, mode: u32) -> std::io::Result<()> {
+        // SAFETY: fchmod of a valid descriptor.
+        if unsafe { libc::fchmod(self.fd.as_raw_fd(), mode as libc::mode_t) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The names in this folder (not "." and ".."), read through its descriptor.
+    pub fn entries(&self) -> Vec<OsString> {
+        let Ok(fd) = self.fd.try_clone() else {
+            return Vec::new();
+        };
+        // SAFETY: fdopendir takes ownership of the duplicated descriptor.
+        let dir = unsafe { libc::fdopendir(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
+        if dir.is_null() {
+            return Vec::new();
+        }
+        let mut names = Vec::new();
+        // SAFETY: dir is a valid DIR* until closedir; each entry's name is a
+        // NUL-terminated string valid until the next readdir.
+        unsafe {
+            libc::rewinddir(dir);
+            loop {
+                let entry = libc::readdir(dir);
+                if entry.is_null() {
+                    break;
+                }
+                let name = std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()).to_bytes();
+                if name != b"." && name != b".." {
+                    names.push(OsStr::from_bytes(name).to_os_string());
+                }
+            }
+            libc::closedir(dir);
+        }
+        names
+    }
+
+    /// Opens `name` in this folder without following a symbolic link there.
+    pub fn open_file(&self, name: &OsStr, flags: i32, mode: u32) -> std::io::Result<File> {
+        let creates = flags & libc::O_CREAT != 0
+            && crate::testpoint::fs_hooked()
+            && self.stat_at(name).is_err();
+        let flags = oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        let mode = rustix::fs::Mode::from_raw_mode(mode);
+        let fd = rustix::fs::openat(&self.fd, name, flags, mode)?;
+        if creates {
+            crate::testpoint::fs_event(FsEvent::Created {
+                folder: &self.path,
+                name,
+            });
+        }
+        Ok(File::from(fd))
+    }
+
+    pub fn rename(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::fs_event(FsEvent::Renaming {
+            folder: &self.path,
+            from,
+            to,
+        });
+        Ok(rustix::fs::renameat(&self.fd, from, &self.fd, to)?)
+    }
+
+    /// Renames, failing with EEXIST if `to` exists (renameat2 RENAME_NOREPLACE).
+    pub fn rename_noreplace(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        if crate::testpoint::fs_hooked() && self.stat_at(to).is_err() {
+            crate::testpoint::fs_event(FsEvent::Renaming {
+                folder: &self.path,
+                from,
+                to,
+            });
+        }
+        let flags = rustix::fs::RenameFlags::NOREPLACE;
+        Ok(rustix::fs::renameat_with(
+            &self.fd, from, &self.fd, to, flags,
+        )?)
+    }
+
+    /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
+    pub fn exchange(&self, a: &OsStr, b: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::fs_event(FsEvent::Exchanging {
+            folder: &self.path,
+            a,
+            b,
+        });
+        let flags = rustix::fs::RenameFlags::EXCHANGE;
+        Ok(rustix::fs::renameat_with(&self.fd, a, &self.fd, b, flags)?)
+    }
+
+    /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
+    pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::fs_event(FsEvent::Unlinking {
+            folder: &self.path,
+            name,
+        });
+        let flags = rustix::fs::AtFlags::empty();
+        Ok(rustix::fs::unlinkat(&self.fd, name, flags)?)
+    }
+
+    /// lstat of a name in this folder.
+    pub fn stat_at(&self, name: &OsStr) -> std::io::Result<libc::stat> {
+        let c = cstr(name)?;
+        // SAFETY: zeroed stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid directory fd, NUL-terminated name, sized out-parameter.
+        if unsafe {
+            libc::fstatat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        } != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(st)
+    }
+
+    pub fn sync(&self) -> std::io::Result<()> {
+        rustix::fs::fsync(&self.fd)?;
+        crate::testpoint::fs_event(FsEvent::SyncedFolder { folder: &self.path });
+        Ok(())
+    }
+}
+
+/// open(2) flags as rustix takes them (the bits are the kernel's).
+pub(super) fn oflags(flags: i32) -> rustix::fs::OFlags {
+    rustix::fs::OFlags::from_bits_retain(flags as u32)
+}
+
+pub fn cstr(s: &OsStr) -> std::io::Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+}
