@@ -268,6 +268,13 @@ def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
     for name, t in tensors.items():
         assert read(os.path.join(m.path, name)) == t.tobytes()
     assert s3.count("GET") == first, "a second read makes no request"
+    # A chunk that served a read may still be on its way to the cache (an
+    # unmount abandons writers): wait for the writers, not for a time.
+    writers = lambda: [f for f in (tmp_path / "cache").rglob("*") if ".chunk.tmp." in f.name]
+    deadline = time.monotonic() + 60
+    while writers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not writers(), writers()
     m.close()
     # Another mount of the same object version (two at once, sharing the cache).
     s3.reset()
