@@ -30,7 +30,6 @@ pub mod transaction;
 pub mod view;
 
 use std::collections::HashMap;
-use std::fmt;
 use std::hash::BuildHasher;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -68,51 +67,22 @@ pub fn trim_memory() {
 }
 
 /// Why an edit was refused.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum EditError {
+    #[error("no such file")]
     NotFound,
+    #[error("exists")]
     Exists,
     /// The content does not fit where it goes (a meta that does not parse...).
+    #[error("{0}")]
     Invalid(String),
     /// A JSON file over its size limit (in bytes).
+    #[error("a JSON file over {} KiB", .0 >> 10)]
     TooLarge(usize),
-    Staging(StagingError),
-    Io(std::io::Error),
-}
-
-impl fmt::Display for EditError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            EditError::NotFound => f.write_str("no such file"),
-            EditError::Exists => f.write_str("exists"),
-            EditError::Invalid(why) => f.write_str(why),
-            EditError::TooLarge(limit) => write!(f, "a JSON file over {} KiB", limit >> 10),
-            EditError::Staging(e) => write!(f, "{e}"),
-            EditError::Io(e) => write!(f, "{e}"),
-        }
-    }
-}
-
-impl std::error::Error for EditError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            EditError::Staging(e) => Some(e),
-            EditError::Io(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<std::io::Error> for EditError {
-    fn from(e: std::io::Error) -> Self {
-        EditError::Io(e)
-    }
-}
-
-impl From<StagingError> for EditError {
-    fn from(e: StagingError) -> Self {
-        EditError::Staging(e)
-    }
+    #[error("{0}")]
+    Staging(#[from] StagingError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
 }
 
 /// A name's dtype and shape: the source tensor's, or its own.

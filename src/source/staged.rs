@@ -9,7 +9,6 @@
 //! others, is refused.
 
 use std::ffi::{OsStr, OsString};
-use std::fmt;
 use std::fs::File;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -28,41 +27,19 @@ use super::Bytes;
 const OPEN_FILES: usize = 256;
 
 /// Why a staging folder could not be made or used.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum StagingError {
     /// The location is not safe to use (a link, another owner, open to others).
+    #[error("{}: refused as a staging folder: {why} (choose another with --staging-dir)", path.display())]
     Unsafe { path: PathBuf, why: String },
     /// Another live stfs daemon holds it.
+    #[error("{}: in use by another stfs daemon", path.display())]
     Busy { path: PathBuf },
+    #[error("{}: {source}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-}
-
-impl fmt::Display for StagingError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StagingError::Unsafe { path, why } => write!(
-                f,
-                "{}: refused as a staging folder: {why} (choose another with --staging-dir)",
-                path.display()
-            ),
-            StagingError::Busy { path } => {
-                write!(f, "{}: in use by another stfs daemon", path.display())
-            }
-            StagingError::Io { path, source } => write!(f, "{}: {source}", path.display()),
-        }
-    }
-}
-
-impl std::error::Error for StagingError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            StagingError::Io { source, .. } => Some(source),
-            _ => None,
-        }
-    }
 }
 
 pub struct StagingDir {

@@ -10,7 +10,6 @@ pub use extents::*;
 pub use folder::*;
 
 use std::ffi::{CString, OsStr, OsString};
-use std::fmt;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -28,48 +27,30 @@ use crate::format::{FormatError, Header};
 use crate::testpoint::FsEvent;
 
 /// Why a source could not be opened.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum SourceError {
+    #[error("{}: {source}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    NotRegular {
-        path: PathBuf,
-    },
+    #[error("{}: not a regular file", path.display())]
+    NotRegular { path: PathBuf },
+    #[error("{}: {error}{}", path.display(), if looks_foreign(error) { " (not a safetensors file?)" } else { "" })]
     Format {
         path: PathBuf,
+        #[source]
         error: FormatError,
     },
     /// An in-place commit of stfs was interrupted: the record that
     /// completes it is in the staging folder of the mount that made it.
-    Interrupted {
-        path: PathBuf,
-    },
-}
-
-impl fmt::Display for SourceError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SourceError::Io { path, source } => write!(f, "{}: {source}", path.display()),
-            SourceError::NotRegular { path } => write!(f, "{}: not a regular file", path.display()),
-            SourceError::Interrupted { path } => write!(
-                f,
-                "{}: a commit of stfs that writes this file in place was interrupted, so every \
-                 reader refuses it until it is completed; `stfs mount` of it completes it from the \
-                 record in its staging folder (give the --staging-dir of the interrupted mount, if \
-                 it had one)",
-                path.display()
-            ),
-            SourceError::Format { path, error } => {
-                write!(f, "{}: {error}", path.display())?;
-                if looks_foreign(error) {
-                    f.write_str(" (not a safetensors file?)")?;
-                }
-                Ok(())
-            }
-        }
-    }
+    #[error(
+        "{}: a commit of stfs that writes this file in place was interrupted, so every reader \
+         refuses it until it is completed; `stfs mount` of it completes it from the record in \
+         its staging folder (give the --staging-dir of the interrupted mount, if it had one)",
+        path.display()
+    )]
+    Interrupted { path: PathBuf },
 }
 
 /// Errors that a file of another format typically gets at its first bytes.
@@ -82,16 +63,6 @@ fn looks_foreign(e: &FormatError) -> bool {
             | FormatError::HeaderNotUtf8 { .. }
             | FormatError::HeaderJson { tensor: None, .. }
     )
-}
-
-impl std::error::Error for SourceError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            SourceError::Io { source, .. } => Some(source),
-            SourceError::Format { error, .. } => Some(error),
-            SourceError::NotRegular { .. } | SourceError::Interrupted { .. } => None,
-        }
-    }
 }
 
 pub struct SourceFile {

@@ -26,7 +26,6 @@ use fetch::*;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -71,26 +70,19 @@ pub struct RemoteOptions {
 }
 
 /// Why a remote fetch failed.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum FetchError {
     /// The object is not the version seen at mount.
+    #[error(
+        "the object was replaced since it was mounted (its ETag changed): its bytes are not served"
+    )]
     Replaced,
+    #[error("the server did not answer in time")]
     TimedOut,
+    #[error("{0}")]
     Store(String),
+    #[error("the local cache: {0}")]
     Cache(String),
-}
-
-impl fmt::Display for FetchError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            FetchError::Replaced => f.write_str(
-                "the object was replaced since it was mounted (its ETag changed): its bytes are not served",
-            ),
-            FetchError::TimedOut => f.write_str("the server did not answer in time"),
-            FetchError::Store(e) => f.write_str(e),
-            FetchError::Cache(e) => write!(f, "the local cache: {e}"),
-        }
-    }
 }
 
 /// Whether a source names a remote object.
