@@ -368,6 +368,9 @@ impl Fs {
                 if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
                     return Err(FsError::NotADirectory);
                 }
+                if let Some(why) = views::refuses(&st, &parent) {
+                    return Err(FsError::Invalid(why));
+                }
                 for e in views::list(&st, &parent, offset) {
                     let kind = if e.folder {
                         Kind::Directory

@@ -142,3 +142,23 @@ def test_reshard_of_a_checkpoint_without_tensors_is_empty(tmp_path, mount, run):
     m = mount(src)
     for size in ["5GB", "1KB"]:
         assert os.listdir(os.path.join(m.path, "__views__", "reshard", size)) == []
+
+
+def test_reshard_of_a_state_a_commit_would_refuse_is_einval_not_empty(tmp_path, mount):
+    """A state that is no checkpoint (a meta that disagrees with its bytes): listing a
+    split fails with EINVAL, as reading the other views does, so `cp -r` fails instead
+    of copying an empty folder."""
+    src = tmp_path / "m.safetensors"
+    save_file(sample(), str(src))
+    m = mount(src)
+    with open(os.path.join(m.path, "embed.meta.json"), "w") as f:
+        json.dump({"dtype": "F32", "shape": [41, 64]}, f)  # one row more than its bytes
+    split = os.path.join(m.path, "__views__", "reshard", "4KB")
+    with pytest.raises(OSError) as e:
+        os.listdir(split)
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError):
+        shutil.copytree(split, tmp_path / "out")
+    with open(os.path.join(m.path, "embed.meta.json"), "w") as f:
+        json.dump({"dtype": "F32", "shape": [40, 64]}, f)
+    assert len(os.listdir(split)) > 2

@@ -61,6 +61,13 @@ pub trait ViewFolder: Sync {
     /// File `path`, made for the state now; why not (what a commit would
     /// refuse) if the state is not a valid checkpoint.
     fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String>;
+    /// Why folder `path` cannot be listed now (the state is one a commit
+    /// would refuse, and what it holds depends on it): its listing is
+    /// EINVAL, as its files' reads are, so `cp -r` fails instead of copying
+    /// nothing.
+    fn refuses(&self, _st: &State, _path: &[&str]) -> Option<String> {
+        None
+    }
     /// Whether a made file is kept until the state changes (small files
     /// that many names show, as `.npy` files, are made on each use).
     fn cached(&self) -> bool {
@@ -106,6 +113,12 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
         return out;
     }
     folder_of(st, parts[0]).map_or_else(Vec::new, |f| f.list(st, &parts, from))
+}
+
+/// Why folder `path` cannot be listed now, if it cannot.
+pub fn refuses(st: &State, path: &str) -> Option<String> {
+    let parts = split(path);
+    folder_of(st, parts.first()?)?.refuses(st, &parts)
 }
 
 /// File `path`, made now, and whether it may be kept until the state changes.

@@ -227,6 +227,15 @@ impl ViewFolder for Reshard {
         }
     }
 
+    fn refuses(&self, st: &State, path: &[&str]) -> Option<String> {
+        let [_, size] = path else { return None };
+        split(st, parse_size(size)?)
+            .as_ref()
+            .as_ref()
+            .err()
+            .cloned()
+    }
+
     fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
         let [_, size, name] = path else {
             return Err("not a view".into());
