@@ -41,7 +41,7 @@ use tracing::{info, warn};
 pub use commit::{CommitError, CommitPlan, Problem};
 use journal::{DataRef, Journal, Record};
 pub use meta::{Meta, MetadataDoc, MAX_JSON, MAX_META};
-pub use object::{DataObject, ObjectState};
+pub use object::{Changed, DataObject, ObjectState};
 use staging::Staging;
 
 use crate::format::{printable, Dtype, Metadata};

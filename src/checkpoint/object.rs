@@ -49,6 +49,15 @@ impl ObjectState {
     }
 }
 
+/// What a write or a truncation did to an object's bytes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Changed {
+    /// They moved to a new staging file: the journal must say so.
+    pub moved: bool,
+    /// Their length changed: every view of the checkpoint is laid out anew.
+    pub resized: bool,
+}
+
 impl DataObject {
     pub fn new(bytes: Bytes, edited: Option<SystemTime>) -> Arc<DataObject> {
         let gen = if edited.is_some() { next_gen() } else { 0 };
@@ -99,31 +108,41 @@ impl DataObject {
     }
 
     /// Writes at `offset`, first copying the bytes into a private staging file
-    /// if they are not in one (or a commit is copying from it). Returns true
-    /// when the bytes moved to a new staging file (the journal must say so).
-    pub fn write(&self, staging: &Staging, offset: u64, data: &[u8]) -> Result<bool, EditError> {
+    /// if they are not in one (or a commit is copying from it).
+    pub fn write(&self, staging: &Staging, offset: u64, data: &[u8]) -> Result<Changed, EditError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let before = self.bytes().len();
         let (staged, moved) = self.private_copy(staging, u64::MAX)?;
         staged.write_at(data, offset)?;
         self.set(Bytes::Staged(staged), Some(SystemTime::now()), next_gen());
-        Ok(moved)
+        Ok(Changed {
+            moved,
+            resized: offset + data.len() as u64 > before,
+        })
     }
 
     /// Cuts or extends (with a hole) to `len`. To 0, nothing is copied.
-    pub fn truncate(&self, staging: &Staging, len: u64) -> Result<bool, EditError> {
+    pub fn truncate(&self, staging: &Staging, len: u64) -> Result<Changed, EditError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let before = self.bytes();
         if len == 0 {
-            let was_empty = matches!(self.bytes(), Bytes::Empty);
+            let was_empty = matches!(before, Bytes::Empty);
             self.set(Bytes::Empty, Some(SystemTime::now()), next_gen());
-            return Ok(!was_empty);
+            return Ok(Changed {
+                moved: !was_empty,
+                resized: !before.is_empty(),
+            });
         }
-        if len == self.bytes().len() {
-            return Ok(false);
+        if len == before.len() {
+            return Ok(Changed::default());
         }
         let (staged, moved) = self.private_copy(staging, len)?;
         staged.set_len(len)?;
         self.set(Bytes::Staged(staged), Some(SystemTime::now()), next_gen());
-        Ok(moved)
+        Ok(Changed {
+            moved,
+            resized: true,
+        })
     }
 
     fn private_copy(

@@ -60,21 +60,21 @@ impl Fs {
         object: &Arc<DataObject>,
         len: u64,
     ) -> Result<(), FsError> {
-        let before = object.bytes().len();
-        let moved = object.truncate(&self.staging, len)?;
-        self.note_write(object, moved, before != len);
+        let changed = object.truncate(&self.staging, len)?;
+        self.note_write(object, changed);
         Ok(())
     }
 
     /// After a data write: the checkpoint listing the object learns it has
-    /// edits, and its journal where the bytes are if they moved; with
-    /// `resized`, that its views are laid out anew.
-    pub(super) fn note_write(&self, object: &Arc<DataObject>, moved: bool, resized: bool) {
+    /// edits, and its journal where the bytes are if they moved; if their
+    /// length changed, that its views are laid out anew.
+    pub(super) fn note_write(&self, object: &Arc<DataObject>, changed: crate::checkpoint::Changed) {
+        let moved = changed.moved;
         if !moved {
             let st = self.read_state();
             let home = st.home(object);
             if let Some(c) = home {
-                match resized {
+                match changed.resized {
                     true => st.live(c).resized(),
                     false => st.live(c).touch(),
                 }

@@ -571,10 +571,8 @@ impl Fs {
             }
         };
         let object = target;
-        let before = object.bytes().len();
-        let moved = object.write(&self.staging, offset, data)?;
-        let resized = offset + data.len() as u64 > before;
-        self.note_write(&object, moved, resized);
+        let changed = object.write(&self.staging, offset, data)?;
+        self.note_write(&object, changed);
         Ok(data.len() as u32)
     }
 

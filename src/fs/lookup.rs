@@ -396,19 +396,17 @@ impl Fs {
             return Err(FsError::NotFound);
         };
         let version = views::version(st, draws);
-        if let Some((v, made)) = lock(&self.views).get(path) {
-            if *v == version {
-                return made.clone().map_err(FsError::Invalid);
+        let make = || {
+            let made = views::make(st, path).map(Arc::new);
+            if let Err(why) = &made {
+                warn!(view = path, "not a valid checkpoint now: {why}");
             }
-        }
-        let (made, keep) = views::make(st, path).ok_or(FsError::NotFound)?;
-        let made = made.map(Arc::new);
-        if let Err(why) = &made {
-            warn!(view = path, "not a valid checkpoint now: {why}");
-        }
-        if keep {
-            lock(&self.views).put(path.to_string(), (version, made.clone()));
-        }
+            made
+        };
+        let made = match views::cached(st, path) {
+            true => (*st.view_files.get(path, version, make)).clone(),
+            false => make(),
+        };
         made.map_err(FsError::Invalid)
     }
 }

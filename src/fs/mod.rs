@@ -194,10 +194,6 @@ impl Default for Settings {
     }
 }
 
-/// A view as made for one state of its checkpoints (their versions summed),
-/// or why it cannot be made (what a commit would refuse).
-type CachedView = (u64, Result<Arc<GeneratedFile>, String>);
-
 use crate::checkpoint::view::GeneratedFile;
 use views::{Draws, Found, VIEW_BIT};
 
@@ -208,9 +204,6 @@ pub struct Fs {
     transactions: Transactions,
     state: RwLock<State>,
     handles: Mutex<Handles>,
-    /// View files made, by path: made again when the state they draw on
-    /// moves; the last `VIEWS_KEPT` used (taken after `state`).
-    views: Mutex<lru::LruCache<String, CachedView>>,
     json_budget: Arc<JsonBudget>,
     /// Views that are a source file are served by kernel passthrough.
     passthrough: std::sync::atomic::AtomicBool,
@@ -275,12 +268,10 @@ impl Fs {
                 hashed: Mutex::new(HashMap::new()),
                 whole_inos: Mutex::new(HashMap::new()),
                 view_inos: Mutex::new(views::ViewInodes::new()),
-                view_memo: views::Memo::new(),
+                view_files: views::Memo::new(VIEWS_KEPT),
+                view_memo: views::Memo::new(8),
             }),
             handles: Mutex::new(Handles::default()),
-            views: Mutex::new(lru::LruCache::new(
-                std::num::NonZeroUsize::new(VIEWS_KEPT).expect("not zero"),
-            )),
             json_budget: Arc::default(),
             passthrough: Default::default(),
             looked_up: Default::default(),

@@ -81,7 +81,10 @@ pub(super) struct State {
     pub(super) whole_inos: Mutex<HashMap<(u64, u64), Ino>>,
     /// The inodes of `__views__` and everything below it.
     pub(super) view_inos: Mutex<views::ViewInodes>,
-    /// What view folders keep between requests (`views::Memo`).
+    /// View files made, by path, until the state they draw on moves: the
+    /// last `VIEWS_KEPT` used.
+    pub(super) view_files: views::Memo,
+    /// What view folders keep between requests (a reshard's splits).
     pub(super) view_memo: views::Memo,
 }
 

@@ -121,11 +121,20 @@ pub fn refuses(st: &State, path: &str) -> Option<String> {
     folder_of(st, parts.first()?)?.refuses(st, &parts)
 }
 
-/// File `path`, made now, and whether it may be kept until the state changes.
-pub fn make(st: &State, path: &str) -> Option<(Result<GeneratedFile, String>, bool)> {
+/// File `path`, made now.
+pub fn make(st: &State, path: &str) -> Result<GeneratedFile, String> {
     let parts = split(path);
-    let f = folder_of(st, parts.first()?)?;
-    Some((f.make(st, &parts), f.cached()))
+    let f = parts.first().and_then(|first| folder_of(st, first));
+    f.ok_or("not a view")?.make(st, &parts)
+}
+
+/// Whether file `path` may be kept until the state it draws on changes.
+pub fn cached(st: &State, path: &str) -> bool {
+    let parts = split(path);
+    parts
+        .first()
+        .and_then(|first| folder_of(st, first))
+        .is_some_and(|f| f.cached())
 }
 
 /// The version of the state an entry drawing on `draws` was made from.
@@ -187,19 +196,19 @@ impl ViewInodes {
     }
 }
 
-/// What view folders compute once per state and use for many requests (a
-/// split of 50,000 tensors is made once, not at every lookup): at most a
-/// few results, each with the version of the state it was made from.
+/// What is computed once per state and used for many requests (a view file
+/// made, a split of 50,000 tensors): the last few results, each with the
+/// version of the state it was made from.
 pub struct Memo(Mutex<lru::LruCache<String, Kept>>);
 
 /// A result and the version of the state it was made from.
 type Kept = (u64, Arc<dyn Any + Send + Sync>);
 
 impl Memo {
-    pub fn new() -> Memo {
-        Memo(Mutex::new(lru::LruCache::new(
-            NonZeroUsize::new(8).expect("not zero"),
-        )))
+    /// Keeping at most `kept` results (at least one).
+    pub fn new(kept: usize) -> Memo {
+        let kept = NonZeroUsize::new(kept).unwrap_or(NonZeroUsize::MIN);
+        Memo(Mutex::new(lru::LruCache::new(kept)))
     }
 
     /// The result kept for `key` if it was made at `version`, else `make`'s.
