@@ -17,7 +17,7 @@
 use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
 
 use tracing::warn;
@@ -27,8 +27,8 @@ struct Plan {
     pause: Vec<String>,
     pause_dir: Option<std::path::PathBuf>,
     fault: Option<(String, i32, Fault)>,
-    /// Times each faulted step was reached.
-    reached: Mutex<u64>,
+    /// Times the faulted step was reached.
+    reached: AtomicU64,
     /// Pauses already taken.
     spent: Mutex<HashSet<String>>,
 }
@@ -56,18 +56,24 @@ fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
-        // (Step names have colons: the errno and when are read from the end.)
-        let fault = var("STFS_FAULT_AT").and_then(|v| {
-            let (rest, last) = v.rsplit_once(':')?;
-            let (v, when) = match last {
-                "always" => (rest.to_string(), Fault::Always),
-                n if n.parse::<u64>().is_ok_and(|n| n > 0) => {
-                    (rest.to_string(), Fault::Nth(n.parse().expect("a number")))
-                }
-                _ => (v.clone(), Fault::Nth(1)),
-            };
+        // (Step names have colons: the errno and when are read from the end;
+        // a number last is N only if an errno stands before it.)
+        let step_errno = |v: &str| {
             let (step, errno) = v.rsplit_once(':')?;
-            Some((step.to_string(), errno_of(errno)?, when))
+            Some((step.to_string(), errno_of(errno)?))
+        };
+        let fault = var("STFS_FAULT_AT").and_then(|v| {
+            if let Some(rest) = v.strip_suffix(":always") {
+                let (step, errno) = step_errno(rest)?;
+                return Some((step, errno, Fault::Always));
+            }
+            if let Some((rest, n)) = v.rsplit_once(':') {
+                if let (Ok(n @ 1..), Some((step, errno))) = (n.parse::<u64>(), step_errno(rest)) {
+                    return Some((step, errno, Fault::Nth(n)));
+                }
+            }
+            let (step, errno) = step_errno(&v)?;
+            Some((step, errno, Fault::Nth(1)))
         });
         Plan {
             crash: var("STFS_CRASH_AT"),
@@ -76,7 +82,7 @@ fn plan() -> &'static Plan {
                 .unwrap_or_default(),
             pause_dir: var("STFS_PAUSE_DIR").map(Into::into),
             fault,
-            reached: Mutex::new(0),
+            reached: AtomicU64::new(0),
             spent: Mutex::new(HashSet::new()),
         }
     })
@@ -103,11 +109,10 @@ pub fn point(step: &str) -> std::io::Result<()> {
     }
     if let Some((at, errno, when)) = &plan.fault {
         let fails = at == step && {
-            let mut reached = plan.reached.lock().unwrap_or_else(|p| p.into_inner());
-            *reached += 1;
+            let reached = plan.reached.fetch_add(1, Ordering::SeqCst) + 1;
             match when {
                 Fault::Always => true,
-                Fault::Nth(n) => *reached == *n,
+                Fault::Nth(n) => reached == *n,
             }
         };
         if fails {
