@@ -34,6 +34,7 @@ struct Plan {
 }
 
 /// When a faulted step fails.
+#[derive(Debug, PartialEq, Eq)]
 enum Fault {
     Always,
     /// The N-th time it is reached (from 1).
@@ -52,29 +53,32 @@ fn errno_of(name: &str) -> Option<i32> {
     })
 }
 
+/// `STEP:ERRNO[:always|:N]`. (Step names have colons: the errno and when
+/// are read from the end; a number last is N only if an errno stands
+/// before it.)
+fn parse_fault(v: &str) -> Option<(String, i32, Fault)> {
+    let step_errno = |v: &str| {
+        let (step, errno) = v.rsplit_once(':')?;
+        Some((step.to_string(), errno_of(errno)?))
+    };
+    if let Some(rest) = v.strip_suffix(":always") {
+        let (step, errno) = step_errno(rest)?;
+        return Some((step, errno, Fault::Always));
+    }
+    if let Some((rest, n)) = v.rsplit_once(':') {
+        if let (Ok(n @ 1..), Some((step, errno))) = (n.parse::<u64>(), step_errno(rest)) {
+            return Some((step, errno, Fault::Nth(n)));
+        }
+    }
+    let (step, errno) = step_errno(v)?;
+    Some((step, errno, Fault::Nth(1)))
+}
+
 fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
-        // (Step names have colons: the errno and when are read from the end;
-        // a number last is N only if an errno stands before it.)
-        let step_errno = |v: &str| {
-            let (step, errno) = v.rsplit_once(':')?;
-            Some((step.to_string(), errno_of(errno)?))
-        };
-        let fault = var("STFS_FAULT_AT").and_then(|v| {
-            if let Some(rest) = v.strip_suffix(":always") {
-                let (step, errno) = step_errno(rest)?;
-                return Some((step, errno, Fault::Always));
-            }
-            if let Some((rest, n)) = v.rsplit_once(':') {
-                if let (Ok(n @ 1..), Some((step, errno))) = (n.parse::<u64>(), step_errno(rest)) {
-                    return Some((step, errno, Fault::Nth(n)));
-                }
-            }
-            let (step, errno) = step_errno(&v)?;
-            Some((step, errno, Fault::Nth(1)))
-        });
+        let fault = var("STFS_FAULT_AT").and_then(|v| parse_fault(&v));
         Plan {
             crash: var("STFS_CRASH_AT"),
             pause: var("STFS_PAUSE_AT")
@@ -218,4 +222,35 @@ pub fn synced(file: &std::fs::File, result: std::io::Result<()>) -> std::io::Res
         fs_event(FsEvent::SyncedFile { file });
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_fault, Fault};
+
+    #[test]
+    fn faults_are_read_from_the_end() {
+        let f = parse_fault;
+        assert_eq!(
+            f("in-place:write:EIO"),
+            Some(("in-place:write".into(), libc::EIO, Fault::Nth(1)))
+        );
+        assert_eq!(
+            f("in-place:write:5"),
+            Some(("in-place:write".into(), 5, Fault::Nth(1)))
+        );
+        assert_eq!(
+            f("rewrite:written:EIO:2"),
+            Some(("rewrite:written".into(), libc::EIO, Fault::Nth(2)))
+        );
+        assert_eq!(
+            f("in-place:write:5:3"),
+            Some(("in-place:write".into(), 5, Fault::Nth(3)))
+        );
+        assert_eq!(
+            f("a:ENOSPC:always"),
+            Some(("a".into(), libc::ENOSPC, Fault::Always))
+        );
+        assert_eq!(f("a:NOPE"), None);
+    }
 }
