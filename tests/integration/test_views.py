@@ -592,3 +592,20 @@ def test_a_write_that_changes_a_staged_tensors_length_changes_every_view(tmp_pat
         got = load_file(os.path.join(views, v))
         assert got["big"].shape == (3000,) and float(got["big"][-1]) == 2.0, v
     assert os.listdir(os.path.join(views, "reshard", "4KB")) != []
+
+
+def test_a_shard_named_like_an_npy_file_has_its_npy_folder(tmp_path, mount):
+    """`npy/SHARD/` is found by depth, not by name: a shard `w.npy.safetensors` (its
+    folder `w.npy`) has its folder of `.npy` views like any other."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    t = tensors()
+    save_file({"w": t["w"]}, str(folder / "w.npy.safetensors"))
+    save_file({"h": t["h"]}, str(folder / "b.safetensors"))
+    m = mount(folder)
+    npy = os.path.join(m.path, "__views__", "npy")
+    assert sorted(os.listdir(npy)) == ["b", "w.npy"]
+    assert os.path.isdir(os.path.join(npy, "w.npy"))
+    assert os.listdir(os.path.join(npy, "w.npy")) == ["w.npy"]
+    got = np.load(os.path.join(npy, "w.npy", "w.npy"))
+    assert got.view(np.uint32).tobytes() == t["w"].view(np.uint32).tobytes()

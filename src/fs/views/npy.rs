@@ -51,21 +51,18 @@ impl ViewFolder for Npy {
         vec![NPY_DIR.to_string()]
     }
 
+    /// By depth, never by a name's suffix (a shard may be named `x.npy`):
+    /// a file mount's files are `npy/FILE`; a folder mount's, `npy/SHARD/FILE`.
     fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
-        let (folder, file) = match path.split_last()? {
-            (last, rest) if last.ends_with(SUFFIX) && !rest.is_empty() => (rest, Some(*last)),
-            _ => (path, None),
-        };
-        let c = checkpoint_of(st, folder)?;
-        match (c, file) {
-            (None, None) => Some(Found::Folder(Draws::All)),
-            (Some(c), None) if folder.len() == 2 => Some(Found::Folder(Draws::Checkpoint(c))),
-            (Some(_), None) => Some(Found::Folder(Draws::All)),
-            (Some(c), Some(name)) => {
-                file_named(st, c, name).map(|_| Found::File(Draws::Checkpoint(c)))
-            }
-            (None, Some(_)) => None,
+        if let Some(c) = checkpoint_of(st, path) {
+            return Some(Found::Folder(match (c, path.len()) {
+                (Some(c), 2) => Draws::Checkpoint(c),
+                _ => Draws::All,
+            }));
         }
+        let (name, folder) = path.split_last()?;
+        let c = checkpoint_of(st, folder).flatten()?;
+        file_named(st, c, name).map(|_| Found::File(Draws::Checkpoint(c)))
     }
 
     fn list(&self, st: &State, path: &[&str], from: u64) -> Vec<Entry> {
