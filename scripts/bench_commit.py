@@ -27,63 +27,28 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIB = 1 << 20
-
-
-def write_checkpoint(path, count, size):
-    """count U8 tensors of `size` random bytes, in save_file's layout (streamed: no copy in memory)."""
-    names = [f"model.layers.{i:02d}.weight" for i in range(count)]
-    header = {"__metadata__": {"format": "pt"}}
-    for i, n in enumerate(names):
-        header[n] = {"dtype": "U8", "shape": [size], "data_offsets": [i * size, (i + 1) * size]}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    rng = np.random.default_rng(0)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for _ in names:
-            f.write(rng.bytes(size))
-        os.fsync(f.fileno())
-    return names
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def written_by(pid):
-    with open(f"/proc/{pid}/io") as f:
-        return int(next(line for line in f if line.startswith("write_bytes")).split()[1])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import (MIB, Mount, add_stfs_option, dd_write, fsync_path, timed,  # noqa: E402
+                           write_by_hand, written_by)
 
 
 def dd_time(work, nbytes):
     """Time to write `nbytes` to a new file in the same folder and fsync it (the edit's own bytes)."""
     path = os.path.join(work, "dd.bin")
-    t = timed(lambda: subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={nbytes // MIB}",
-                                       "conv=fsync", "status=none"], check=True))
+    t = timed(lambda: dd_write(path, nbytes))
     os.unlink(path)
     return t
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    add_stfs_option(p)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--gib", type=int, default=8)
     p.add_argument("--no-python", action="store_true", help="skip the Python baseline (it holds the model in memory)")
@@ -113,7 +78,10 @@ def run(a, fs_name):
     count = a.gib * 1024 // 128
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-") as work:
         src = os.path.join(work, "model.safetensors")
-        names = write_checkpoint(src, count, size)
+        # count U8 tensors of `size` random bytes, in save_file's layout (streamed: no copy in memory).
+        names = [f"model.layers.{i:02d}.weight" for i in range(count)]
+        write_by_hand(src, [(n, "U8", [size], size) for n in names], metadata={"format": "pt"},
+                      fill=np.random.default_rng(0).bytes, fsync=True)
         total = os.path.getsize(src)
         copy = os.path.join(work, "copy.safetensors")
 
@@ -140,20 +108,16 @@ def run(a, fs_name):
 
         mnt = os.path.join(work, "mnt")
         os.mkdir(mnt)
-        pid_file = os.path.join(work, "pid")
-        log = os.path.join(work, "log")
-        subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", log, src, mnt], check=True)
-        pid = int(open(pid_file).read())
         rows = []
-        try:
+        with Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True) as m:
             def row(label, edit, own_bytes=0):
                 edit()
                 os.sync()  # staged bytes reach the disk before the commit is timed
-                before = written_by(pid)
+                before = written_by(m.pid)
                 t = time.perf_counter()
                 out = subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True, text=True).stdout
                 seconds = time.perf_counter() - t
-                wrote = written_by(pid) - before
+                wrote = written_by(m.pid) - before
                 way = ("in place" if "committed in place" in out
                        else "shared" if "shares extents" in out else "rewrite")
                 base = dd_time(work, own_bytes) if own_bytes else None
@@ -188,8 +152,7 @@ def run(a, fs_name):
                 os.unlink(os.path.join(mnt, "lora.A"))
 
             def rewrite_one():
-                subprocess.run(["dd", "if=/dev/urandom", f"of={os.path.join(mnt, names[count // 2])}", "bs=1M",
-                                "count=128", "conv=notrunc", "status=none"], check=True)
+                dd_write(os.path.join(mnt, names[count // 2]), 128 * MIB, "/dev/urandom", fsync=False, notrunc=True)
 
             def drop_middle():
                 os.unlink(os.path.join(mnt, names[count // 3]))
@@ -202,8 +165,6 @@ def run(a, fs_name):
             row("last tensor removed", drop_tail)
             row("one 128 MiB tensor rewritten (dd conv=notrunc)", rewrite_one, 128 * MIB)
             row("a tensor removed from the middle", drop_middle)
-        finally:
-            subprocess.run([a.stfs, "umount", mnt], check=True)
         print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), {fs_name} in {a.dir}")
         print(f"baselines: cp + fsync {cp_time:.2f} s", end="")
         print(f"; Python load_file + edit + save_file {python_time:.2f} s" if python_time else "")

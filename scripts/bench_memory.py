@@ -13,38 +13,18 @@ Needs root (or fusermount3).
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_checkpoint(path, n):
-    header = {}
-    for i in range(n):
-        header[f"model.layers.{i // 1000}.block.{i % 1000}.weight"] = {
-            "dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        f.write(bytes(n))
-    return len(text)
-
-
-def status(pid, field):
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import Mount, add_stfs_option, status_kib, timed, write_by_hand  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    add_stfs_option(p)
     p.add_argument("--tensors", type=int, default=1_000_000)
     p.add_argument("--commits", type=int, default=3)
     p.add_argument("--metadata", action="store_true",
@@ -52,23 +32,21 @@ def main():
     a = p.parse_args()
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="stfs-bench-") as work:
         src = os.path.join(work, "big.safetensors")
-        header = write_checkpoint(src, a.tensors)
+        names = (f"model.layers.{i // 1000}.block.{i % 1000}.weight" for i in range(a.tensors))
+        header = write_by_hand(src, [(n, "U8", [1], 1) for n in names], fill=bytes)
         mnt = os.path.join(work, "mnt")
         os.mkdir(mnt)
-        pid_file = os.path.join(work, "pid")
         t = time.perf_counter()
-        subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", os.path.join(work, "log"), src, mnt],
-                       check=True)
+        m = Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True)
         took = time.perf_counter() - t
-        pid = int(open(pid_file).read())
         print(f"{a.tensors} tensors, header {header / 1e6:.1f} MB; daemon memory as a multiple of the header:")
 
         def report(step, took):
-            rss, hwm, anon = status(pid, "VmRSS"), status(pid, "VmHWM"), status(pid, "RssAnon")
+            rss, hwm, anon = (status_kib(m.pid, field) * 1024 for field in ("VmRSS", "VmHWM", "RssAnon"))
             print(f"  {step:28s} {took:6.2f} s   RSS {rss / 1e6:7.1f} MB = {rss / header:.2f}x"
                   f" (anonymous {anon / header:.2f}x)   peak so far {hwm / 1e6:7.1f} MB = {hwm / header:.2f}x")
 
-        try:
+        with m:
             report("mount", took)
             t = time.perf_counter()
             out = subprocess.run(f"ls {mnt} | wc -l", shell=True, capture_output=True, text=True, check=True).stdout
@@ -82,13 +60,9 @@ def main():
                 else:
                     with open(victim, "r+b") as f:
                         f.write(bytes([k + 1]))
-                t = time.perf_counter()
-                subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True)
-                took = time.perf_counter() - t
+                took = timed(lambda: subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True))
                 time.sleep(1)  # the replaced file is unmapped in the background
                 report(f"commit {k + 1}", took)
-        finally:
-            subprocess.run([a.stfs, "umount", mnt], check=True)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 from safetensors.numpy import save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def drop(path):
-    with open(path, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import Mount, add_stfs_option, drop_from_cache, timed  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    add_stfs_option(p)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--runs", type=int, default=5)
     a = p.parse_args()
@@ -37,20 +32,14 @@ def main():
         os.sync()
         mnt = os.path.join(work, "mnt")
         os.mkdir(mnt)
-        subprocess.run([a.stfs, "mount", "--log-file", os.path.join(work, "log"), src, mnt], check=True)
         cat, pre = [], []
-        try:
+        with Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True):
             for _ in range(a.runs):
-                drop(src)
-                t = time.perf_counter()
-                subprocess.run(f"cat {src} > /dev/null", shell=True, check=True)
-                cat.append(time.perf_counter() - t)
-                drop(src)
-                t = time.perf_counter()
-                subprocess.run([a.stfs, "prefetch", os.path.join(mnt, "t")], check=True, stdout=subprocess.DEVNULL)
-                pre.append(time.perf_counter() - t)
-        finally:
-            subprocess.run([a.stfs, "umount", mnt], check=True)
+                drop_from_cache(src)
+                cat.append(timed(lambda: subprocess.run(f"cat {src} > /dev/null", shell=True, check=True)))
+                drop_from_cache(src)
+                pre.append(timed(lambda: subprocess.run([a.stfs, "prefetch", os.path.join(mnt, "t")], check=True,
+                                                        stdout=subprocess.DEVNULL)))
         c, q = statistics.median(cat), statistics.median(pre)
         gb = (1 << 30) / 1e9
         print(f"1 GiB, page cache cold, median of {a.runs}:")

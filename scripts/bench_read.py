@@ -23,7 +23,6 @@ Needs root (or fusermount3), numpy and safetensors.
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -35,57 +34,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def dd(path, skip=0, count=None):
-    args = ["dd", f"if={path}", "of=/dev/null", "bs=1M", "status=none", "iflag=skip_bytes,count_bytes", f"skip={skip}"]
-    if count is not None:
-        args.append(f"count={count}")
-    subprocess.run(args, check=True)
-
-
-class Mounted:
-    def __init__(self, stfs, src, mnt, log, options=()):
-        self.stfs, self.mnt = stfs, mnt
-        self.pid_file = log + ".pid"
-        subprocess.run([stfs, "mount", "--pid-file", self.pid_file, "--log-file", log, *options, src, mnt],
-                       check=True)
-        self.pid = int(open(self.pid_file).read())
-
-    def status_kib(self, field):
-        for line in open(f"/proc/{self.pid}/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-
-    def close(self, discard=False):
-        subprocess.run([self.stfs, "umount", *(["--discard"] if discard else []), self.mnt], check=True,
-                       capture_output=True)
-        deadline = time.monotonic() + 20
-        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
-def header_offset(path, name):
-    n = int.from_bytes(open(path, "rb").read(8), "little")
-    with open(path, "rb") as f:
-        f.seek(8)
-        h = json.loads(f.read(n))
-    b, e = h[name]["data_offsets"]
-    return 8 + n + b, e - b
-
-
-def cached_kib():
-    """The page cache of the whole machine, in KiB (/proc/meminfo Cached)."""
-    for line in open("/proc/meminfo"):
-        if line.startswith("Cached:"):
-            return int(line.split()[1])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import ROOT, Mount, add_stfs_option, dd_read, meminfo_kib, tensor_range, timed  # noqa: E402
 
 
 def served_reads(stfs, mnt):
@@ -121,8 +71,8 @@ def bench_throughput(stfs, minimal, work, runs):
     src = os.path.join(work, "one.safetensors")
     size = 1 << 30
     save_file({"t": np.frombuffer(np.random.default_rng(0).bytes(size), dtype=np.uint8)}, src)
-    off, length = header_offset(src, "t")
-    dd(src)  # warm the source's page cache
+    off, length = tensor_range(src, "t")
+    dd_read(src)  # warm the source's page cache
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
     print(f"1 GiB tensor, source page cache warm, median of {runs}; ratios to dd of the range from the source")
@@ -132,31 +82,28 @@ def bench_throughput(stfs, minimal, work, runs):
 
     def three_reads(path, reads):
         for r in reads:
-            r.append(timed(lambda: dd(path)))
+            r.append(timed(lambda: dd_read(path)))
 
     modes = [(cache, mapping) for cache in ("direct", "keep") for mapping in ("keep", "release")]
     rows = [(f"stfs -o cache={c},mapping={mp}", [[], [], []], [], []) for c, mp in modes]
     # Interleaved, so that the machine's drift falls on every server alike.
     for _ in range(runs):
-        direct.append(timed(lambda: dd(src, off, length)))
+        direct.append(timed(lambda: dd_read(src, off, length)))
         s = MinimalServer(minimal, src, off, length, mnt)
         try:
             three_reads(os.path.join(mnt, "t"), floor)
         finally:
             s.close()
         for (cache, mapping), (_, reads, held, served) in zip(modes, rows):
-            m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"),
-                        ["-o", f"cache={cache},mapping={mapping}"])
-            try:
-                before = cached_kib()
-                reads[0].append(timed(lambda: dd(os.path.join(mnt, "t"))))
-                held.append((cached_kib() - before) / (size / 1024))
+            with Mount(stfs, src, mnt, ["-o", f"cache={cache},mapping={mapping}"], os.path.join(work, "bench.log"),
+                       check=True):
+                before = meminfo_kib("Cached")
+                reads[0].append(timed(lambda: dd_read(os.path.join(mnt, "t"))))
+                held.append((meminfo_kib("Cached") - before) / (size / 1024))
                 n = served_reads(stfs, mnt)
-                reads[1].append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                reads[1].append(timed(lambda: dd_read(os.path.join(mnt, "t"))))
                 served.append(served_reads(stfs, mnt) - n)
-                reads[2].append(timed(lambda: dd(os.path.join(mnt, "t"))))
-            finally:
-                m.close()
+                reads[2].append(timed(lambda: dd_read(os.path.join(mnt, "t"))))
     base = statistics.median(direct)
     fl = [statistics.median(x) for x in floor]
     print(f"  {'minimal server (direct I/O)':38s}" + "".join(f" {base / f:6.2f}       " for f in fl))
@@ -186,15 +133,15 @@ def bench_staged(stfs, src, mnt, work, runs, base, floor):
     file), read through the daemon from that file."""
     reads = [[], [], []]
     for _ in range(runs):
-        m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
+        m = Mount(stfs, src, mnt, log=os.path.join(work, "bench.log"), check=True)
         try:
             with open(os.path.join(mnt, "t"), "r+b") as f:
                 f.write(b"x")
             os.sync()
             for r in reads:
-                r.append(timed(lambda: dd(os.path.join(mnt, "t"))))
+                r.append(timed(lambda: dd_read(os.path.join(mnt, "t"))))
         finally:
-            m.close(discard=True)
+            m.close(discard=True, check=True)
     cells = "".join(f" {base / statistics.median(x):6.2f} [{f / statistics.median(x):4.2f}]"
                     for x, f in zip(reads, floor))
     print(f"  {'stfs, the tensor staged (pread of it)':38s}{cells}")
@@ -204,14 +151,11 @@ def bench_passthrough(stfs, src, mnt, work, runs):
     """The export view of an unedited checkpoint is the source file: served by kernel passthrough."""
     whole, reads = [], [[], []]
     for _ in range(runs):
-        whole.append(timed(lambda: dd(src)))
-        m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
-        try:
+        whole.append(timed(lambda: dd_read(src)))
+        with Mount(stfs, src, mnt, log=os.path.join(work, "bench.log"), check=True):
             view = os.path.join(mnt, "__views__", "model.safetensors")
             for r in reads:
-                r.append(timed(lambda: dd(view)))
-        finally:
-            m.close()
+                r.append(timed(lambda: dd_read(view)))
     base = statistics.median(whole)
     r = [base / statistics.median(x) for x in reads]
     print(f"  __views__/model.safetensors of it (the source file: kernel passthrough), whole file,"
@@ -227,13 +171,13 @@ def bench_listing(stfs, work, runs):
     ours, theirs = [], []
     for _ in range(runs):
         def mount_and_ls():
-            m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
+            m = Mount(stfs, src, mnt, log=os.path.join(work, "bench.log"), check=True)
             try:
                 out = subprocess.run(f"ls {mnt} | wc -l", shell=True, capture_output=True, text=True, check=True).stdout
                 assert int(out) == 200_001, out
             finally:
                 ours_after.append(time.perf_counter())
-                m.close()
+                m.close(check=True)
 
         ours_after = []
         t0 = time.perf_counter()
@@ -258,13 +202,10 @@ def bench_rss(stfs, work):
     save_file({f"t{i}": np.frombuffer(rng.bytes(128 << 20), np.uint8) for i in range(16)}, src)
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt, exist_ok=True)
-    m = Mounted(stfs, src, mnt, os.path.join(work, "bench.log"))
-    try:
+    with Mount(stfs, src, mnt, log=os.path.join(work, "bench.log"), check=True) as m:
         for i in range(16):
-            dd(os.path.join(mnt, f"t{i}"))
+            dd_read(os.path.join(mnt, f"t{i}"))
         anon, files = m.status_kib("RssAnon"), m.status_kib("RssFile")
-    finally:
-        m.close()
     print(f"2 GiB checkpoint, every tensor read: daemon private memory (RssAnon) {anon / 1024:.1f} MiB;"
           f" source pages it keeps mapped (RssFile, page cache shared with readers) {files / 1024:.0f} MiB")
     os.unlink(src)
@@ -272,8 +213,8 @@ def bench_rss(stfs, work):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
-    p.add_argument("--minimal", default=os.path.join(ROOT, "target", "release", "examples", "minimal_server"),
+    add_stfs_option(p)
+    p.add_argument("--minimal", default=str(ROOT / "target" / "release" / "examples" / "minimal_server"),
                    help="the baseline server (cargo build --release --example minimal_server)")
     p.add_argument("--dir", default=None, help="work folder (default: a temp folder under /var/tmp)")
     p.add_argument("--runs", type=int, default=5)

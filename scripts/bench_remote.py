@@ -29,38 +29,23 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 from safetensors.numpy import save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import ROOT, Mount, add_stfs_option, timed  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from remote_servers import FaultProxy, Moto  # noqa: E402
 
 BUCKET = "bench"
 
 
-class Mounted:
-    def __init__(self, stfs, src, mnt, log, options=()):
-        self.stfs, self.mnt = stfs, mnt
-        os.makedirs(mnt, exist_ok=True)
-        self.pid_file = log + ".pid"
-        subprocess.run([stfs, "mount", "--pid-file", self.pid_file, "--log-file", log, *options, src, mnt],
-                       check=True, capture_output=True)
-        self.pid = int(open(self.pid_file).read())
-
-    def close(self):
-        subprocess.run([self.stfs, "umount", self.mnt], check=True)
-        deadline = time.monotonic() + 20
-        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
-def timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def mounted(stfs, src, mnt, log, options=()):
+    """A mount at `mnt` (made if missing) that must succeed."""
+    os.makedirs(mnt, exist_ok=True)
+    return Mount(stfs, src, mnt, options, log, check=True)
 
 
 def read_all(folder, names, readers=1):
@@ -95,12 +80,12 @@ def sweep(stfs, work, url, names, options, settings, runs, baseline):
             times = []
             for r in range(runs):
                 cache = os.path.join(work, f"cache-{conc}-{readers}-{r}")
-                m = Mounted(stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
+                m = mounted(stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
                             [*options, "--cache-dir", cache, "--concurrency", str(conc)])
                 try:
-                    times.append(timed(lambda: read_all(m.mnt, names, readers)))
+                    times.append(timed(lambda: read_all(m.path, names, readers)))
                 finally:
-                    m.close()
+                    m.close(check=True)
                     shutil.rmtree(cache)
             row.append(baseline / statistics.median(times))
         print(f"  {conc:<20d} {row[0]:>8.2f}x {row[1]:>9.2f}x")
@@ -167,7 +152,7 @@ http {{ access_log off; sendfile on; tcp_nopush on;
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    add_stfs_option(ap)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrency", default="4,8,16,32", help="settings tried against nginx")
@@ -203,19 +188,19 @@ def main():
 
         # Second read: from the cache, against a local mount of the same file.
         cache = os.path.join(work, "cache-second")
-        remote = Mounted(args.stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
+        remote = mounted(args.stfs, url, os.path.join(work, "mnt"), os.path.join(work, "stfs.log"),
                          ["--endpoint", moto.endpoint, "--cache-dir", cache])
         mounts.append(remote)
-        local = Mounted(args.stfs, src, os.path.join(work, "mnt-local"), os.path.join(work, "stfs-local.log"))
+        local = mounted(args.stfs, src, os.path.join(work, "mnt-local"), os.path.join(work, "stfs-local.log"))
         mounts.append(local)
-        read_all(remote.mnt, names)  # fills the cache
-        read_all(local.mnt, names)  # warms the source's page cache
-        cached = statistics.median([timed(lambda: read_all(remote.mnt, names)) for _ in range(args.runs)])
-        direct = statistics.median([timed(lambda: read_all(local.mnt, names)) for _ in range(args.runs)])
+        read_all(remote.path, names)  # fills the cache
+        read_all(local.path, names)  # warms the source's page cache
+        cached = statistics.median([timed(lambda: read_all(remote.path, names)) for _ in range(args.runs)])
+        direct = statistics.median([timed(lambda: read_all(local.path, names)) for _ in range(args.runs)])
         print(f"  second read, from the cache: {size / cached / 1e6:.0f} MB/s = {direct / cached:.2f}x "
               f"of a local mount of the same file ({size / direct / 1e6:.0f} MB/s)")
         for m in (remote, local):
-            m.close()
+            m.close(check=True)
         mounts.clear()
 
         # Mount + ls of 10,000 tensors, requests counted at a proxy.
@@ -230,14 +215,14 @@ def main():
                 before = proxy.count("GET")
 
                 def mount_and_ls():
-                    m = Mounted(args.stfs, f"s3://{BUCKET}/many.safetensors", os.path.join(work, "mnt"),
+                    m = mounted(args.stfs, f"s3://{BUCKET}/many.safetensors", os.path.join(work, "mnt"),
                                 os.path.join(work, "stfs.log"), ["--endpoint", proxy.url, "--cache-dir", cache])
                     mounts.append(m)
-                    subprocess.run(["ls", m.mnt], check=True, stdout=subprocess.DEVNULL)
+                    subprocess.run(["ls", m.path], check=True, stdout=subprocess.DEVNULL)
 
                 times.append(timed(mount_and_ls))
                 requests = proxy.count("GET") - before
-                mounts.pop().close()
+                mounts.pop().close(check=True)
             print(f"  mount + ls of a remote 10,000-tensor checkpoint: {statistics.median(times):.2f} s, "
                   f"{requests} request(s)")
         finally:
@@ -264,7 +249,7 @@ def main():
                 proc.wait(10)
     finally:
         for m in mounts:
-            m.close()
+            m.close()  # (after an error: cleanup only)
         moto.stop()
         shutil.rmtree(work, ignore_errors=True)
 

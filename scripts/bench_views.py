@@ -16,12 +16,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIB = 1 << 20
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
+from stfs_fixtures import MIB, Mount, add_stfs_option, timed  # noqa: E402
 
 PYTHON_WAY = """
 import resource, sys, time
@@ -35,30 +34,18 @@ print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrs
 """
 
 
-def timed(cmd):
-    t = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    return time.perf_counter() - t
-
-
 def timed_copy(src, out):
     """`cp src out` into a new file, after the last copy's writeback (overwriting a 2 GiB
     file that is still being written back costs more than the copy itself, and varies)."""
     if os.path.exists(out):
         os.unlink(out)
     os.sync()
-    return timed(["cp", src, out])
-
-
-def private_memory(pid):
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["RssAnon"].split()[0]) * 1024
+    return timed(lambda: subprocess.run(["cp", src, out], check=True))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stfs", default=os.path.join(ROOT, "target", "release", "stfs"))
+    add_stfs_option(p)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--gib", type=int, default=2)
     a = p.parse_args()
@@ -72,10 +59,7 @@ def main():
         out = os.path.join(work, "out.safetensors")
         mnt = os.path.join(work, "mnt")
         os.mkdir(mnt)
-        pid_file = os.path.join(work, "pid")
-        subprocess.run([a.stfs, "mount", "--pid-file", pid_file, "--log-file", os.path.join(work, "log"), src, mnt],
-                       check=True)
-        pid = int(open(pid_file).read())
+        m = Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True)
         try:
             view = os.path.join(mnt, "__views__", "model.safetensors")
             cp_src, cp_view = [], []
@@ -89,9 +73,9 @@ def main():
             with open(os.path.join(mnt, "__metadata__.json"), "w") as f:
                 f.write('{"format": "edited"}')
             cp_edited = min(timed_copy(view, out) for _ in range(2))
-            daemon = private_memory(pid)
+            daemon = m.status_kib("RssAnon") * 1024  # its private memory
         finally:
-            subprocess.run([a.stfs, "umount", "--discard", mnt], check=True)
+            m.close(discard=True, check=True)
         r = subprocess.run([sys.executable, "-c", PYTHON_WAY, src, out], capture_output=True, text=True, check=True)
         py_time, py_peak = r.stdout.split()
         py_time, py_peak = float(py_time), int(py_peak)

@@ -1,19 +1,19 @@
 import os
-import signal
-import time
 import uuid
 import pwd
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "pylib"))
+from stfs_fixtures import Mount, stfs_path  # noqa: E402
 
 
 def stfs_binary():
-    path = os.environ.get("STFS") or str(ROOT / "target" / "release" / "stfs")
+    path = stfs_path()
     if not os.access(path, os.X_OK):
         pytest.exit(f"stfs binary not found at {path}: build it (cargo build --release) or set STFS", 2)
     return path
@@ -37,48 +37,6 @@ def run(stfs):
     return _run
 
 
-class Mount:
-    """A live stfs mount made by a test; `close()` always leaves nothing behind."""
-
-    def __init__(self, stfs, source, mountpoint, options, log):
-        self.stfs, self.source, self.path, self.log = stfs, str(source), str(mountpoint), log
-        self.pid_file = str(log) + ".pid"
-        self.pid = None
-        cmd = [stfs, "mount", "--pid-file", self.pid_file, "--log-file", str(log), *options, self.source, self.path]
-        self.result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if self.result.returncode == 0:
-            with open(self.pid_file) as f:
-                self.pid = int(f.read())
-
-    @property
-    def ok(self):
-        return self.result.returncode == 0
-
-    def is_mounted(self):
-        with open("/proc/self/mountinfo") as f:
-            return any(line.split()[4] == self.path for line in f)
-
-    def close(self):
-        if self.is_mounted():
-            p = subprocess.run([self.stfs, "umount", self.path], capture_output=True, text=True, timeout=60)
-            if p.returncode != 0 and self.is_mounted():
-                subprocess.run(["umount", "-l", self.path], timeout=60)  # last resort
-        if self.pid is not None:
-            wait_for_exit(self.pid, 20)
-        assert not self.is_mounted(), f"{self.path} is still mounted"
-
-
-def wait_for_exit(pid, seconds):
-    """Waits for a daemon this test started to exit; kills it by pid if it hangs."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
-            return True
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"stfs daemon {pid} did not exit after unmount; killed")
-
-
 @pytest.fixture
 def mount(stfs, tmp_path):
     """mount(source, *options) -> Mount. Every mount is unmounted at teardown,
@@ -91,7 +49,7 @@ def mount(stfs, tmp_path):
         mnt = pathlib.Path(at or tmp_path) / f"mnt{len(made)}"
         mnt.mkdir()
         os.chmod(mnt, 0o755)
-        m = Mount(str(binary or stfs), source, mnt, options, tmp_path / f"stfs{len(made)}.log")
+        m = Mount(binary or stfs, source, mnt, options, tmp_path / f"stfs{len(made)}.log", timeout=60)
         made.append(m)
         if expect_ok:
             assert m.ok, f"mount failed: {m.result.stderr}"

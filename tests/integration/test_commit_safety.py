@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import wait_for_exit
+from stfs_fixtures import wait_for_exit
 
 MIB = 1 << 20
 

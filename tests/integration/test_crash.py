@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint
-from conftest import wait_for_exit
+from stfs_fixtures import assert_checkpoint, wait_for_exit
 
 MIB = 1 << 20
 

@@ -8,18 +8,18 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import ckpt
+import stfs_fixtures as fx
 
 
 def test_reference_files_inspect_like_the_reference(tmp_path, run):
     path = tmp_path / "mixed.safetensors"
-    expected = ckpt.mixed_checkpoint(str(path))
+    expected = fx.mixed_checkpoint(str(path))
     p = run("verify", path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"ok ({len(expected)} tensors" in p.stdout
 
     doc = json.loads(run("inspect", "--json", path, check=True).stdout)
-    n, header = ckpt.read_header(path)
+    n, header = fx.read_header(path)
     assert doc["header_len"] == n and doc["data_start"] == 8 + n
     assert doc["metadata"] == {"format": "np", "note": "stfs test"}
     assert doc["tensor_count"] == len(expected)
@@ -40,7 +40,7 @@ def test_reference_files_inspect_like_the_reference(tmp_path, run):
 
 def test_hand_written_f6_and_empty_checkpoint(tmp_path, run):
     path = tmp_path / "f6.safetensors"
-    ckpt.write_by_hand(path, [("a", "F6_E2M3", [4], b"\x01\x02\x03"), ("b", "F6_E3M2", [2, 4], bytes(6))])
+    fx.write_by_hand(path, [("a", "F6_E2M3", [4], b"\x01\x02\x03"), ("b", "F6_E3M2", [2, 4], bytes(6))])
     assert run("verify", path).returncode == 0
     with safe_open(str(path), framework="numpy") as f:
         assert f.get_slice("b").get_dtype() == "F6_E3M2"

@@ -9,22 +9,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint, header_of, sh
+from stfs_fixtures import assert_checkpoint, header_of, sh, written_by
 
 MIB = 1 << 20
-
-
-def written_by(pid):
-    """Bytes the process has caused to be written (write_bytes of /proc/PID/io)."""
-    with open(f"/proc/{pid}/io") as f:
-        return int(next(line for line in f if line.startswith("write_bytes")).split()[1])
 
 
 def tensors():

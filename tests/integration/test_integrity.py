@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint, base
 from conftest import as_user
+from stfs_fixtures import assert_checkpoint, base
 
 # Tests that create a second user, or chown, run as root only.
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates a user")

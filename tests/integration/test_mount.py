@@ -1,7 +1,6 @@
 """Real mounts of files written by the official Python `safetensors`, driven
 with real tools (ls, cat, dd, stat) and real syscalls."""
 
-import errno
 import hashlib
 import json
 import os
@@ -10,11 +9,9 @@ import subprocess
 import threading
 
 import numpy as np
-import pytest
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import ckpt
+import stfs_fixtures as fx
 
 DIR_ENTRIES = {"__metadata__.json"}
 
@@ -40,7 +37,7 @@ def sha(b):
 def check_listing_bytes_and_metas(mnt, src, expected):
     """A mount of checkpoint `src` ({name: bytes} `expected`): its listing,
     every tensor's bytes through `cat`, every meta, and __metadata__.json."""
-    n, header = ckpt.read_header(src)
+    n, header = fx.read_header(src)
     listing = set(subprocess.run(["ls", "-a", mnt], capture_output=True, text=True, check=True).stdout.split("\n")) - {""}
     want = {".", ".."} | DIR_ENTRIES
     for name in expected:
@@ -66,10 +63,10 @@ def check_listing_bytes_and_metas(mnt, src, expected):
 
 def test_mixed_checkpoint_bytes_meta_and_listing(tmp_path, mount):
     src = tmp_path / "mixed.safetensors"
-    expected = ckpt.mixed_checkpoint(str(src))
+    expected = fx.mixed_checkpoint(str(src))
     m = mount(src)
     check_listing_bytes_and_metas(m.path, src, expected)
-    assert ckpt.read_header(src)[1]["__metadata__"] == {"format": "np", "note": "stfs test"}
+    assert fx.read_header(src)[1]["__metadata__"] == {"format": "np", "note": "stfs test"}
 
     # ls -l sizes match the header.
     for line in subprocess.run(["ls", "-l", m.path], capture_output=True, text=True, check=True).stdout.splitlines()[1:]:
@@ -153,7 +150,7 @@ def test_np_memmap_and_concurrent_readers(tmp_path, mount):
 
 def test_scalar_zero_size_f6_and_empty(tmp_path, mount):
     src = tmp_path / "h.safetensors"
-    ckpt.write_by_hand(src, [
+    fx.write_by_hand(src, [
         ("scalar", "F64", [], struct.pack("<d", 2.5)),
         ("zero", "BF16", [0, 3], b""),
         ("f6", "F6_E3M2", [8], bytes([1, 2, 3, 4, 5, 6])),
@@ -176,7 +173,7 @@ def test_escaped_and_long_names(tmp_path, mount):
     src = tmp_path / "names.safetensors"
     long_name = "layer." + "x" * 300
     names = ["", ".", "..", "a/b", "100%", "nul\0", "x.meta.json", "__metadata__.json", "~tilde", long_name]
-    ckpt.write_by_hand(src, [(n, "U8", [1], bytes([i])) for i, n in enumerate(names)])
+    fx.write_by_hand(src, [(n, "U8", [1], bytes([i])) for i, n in enumerate(names)])
     m = mount(src)
     entries = os.listdir(m.path)
     assert len(entries) == 1 + 2 * len(names)
@@ -362,7 +359,7 @@ def test_a_mount_that_is_hard_to_misuse(tmp_path, mount, run, stfs):
     # A dead mount is recognised by mount and by umount, and cleaned up.
     m = mount(src)
     os.kill(m.pid, 9)
-    from conftest import wait_for_exit
+    from stfs_fixtures import wait_for_exit
     wait_for_exit(m.pid, 20)
     m.pid = None
     p = run("mount", src, m.path)

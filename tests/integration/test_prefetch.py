@@ -3,7 +3,6 @@ errors, and cuda:N answering ENODEV (without a panic) where there is no driver."
 
 import errno
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -12,19 +11,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import stfs_cuda  # noqa: E402
-
-
-def resident(path):
-    """Bytes of a file in the page cache, by util-linux fincore."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
-
-
-def drop_from_cache(path):
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+from stfs_fixtures import drop_from_cache, resident  # noqa: E402
 
 
 def test_page_cache_prefetch_brings_the_tensor_in(tmp_path, mount, run):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import ckpt
-from conftest import wait_for_exit
+import stfs_fixtures as fx
 from remote_servers import FaultProxy, Moto, RangeServer
+from stfs_fixtures import wait_for_exit
 from test_mount import check_listing_bytes_and_metas
 
 BUCKET = "stfs-test"
@@ -138,7 +138,7 @@ def log_of(m):
 
 def test_s3_object_reads_like_a_local_file(tmp_path, s3, mount, run):
     mixed = tmp_path / "mixed.safetensors"
-    expected = ckpt.mixed_checkpoint(str(mixed))
+    expected = fx.mixed_checkpoint(str(mixed))
     big = tmp_path / "big.safetensors"
     tensors = big_checkpoint(big)
     m1 = mount(s3.upload(mixed, "models/mixed.safetensors"), *s3.options)
@@ -154,7 +154,7 @@ def test_s3_object_reads_like_a_local_file(tmp_path, s3, mount, run):
 
 
 def test_https_object_reads_like_a_local_file(tmp_path, web, mount):
-    expected = ckpt.mixed_checkpoint(str(web.root / "mixed.safetensors"))
+    expected = fx.mixed_checkpoint(str(web.root / "mixed.safetensors"))
     tensors = big_checkpoint(web.root / "big.safetensors")
     m1 = mount(f"{web.url}/mixed.safetensors", *web.options)
     check_listing_bytes_and_metas(m1.path, web.root / "mixed.safetensors", expected)
@@ -240,7 +240,7 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
 
 def test_writes_are_erofs(tmp_path, s3, mount):
     src = tmp_path / "w.safetensors"
-    ckpt.base(src)
+    fx.base(src)
     m = mount(s3.upload(src, "w.safetensors"), *s3.options)
     assert "read-only" in m.result.stderr
     for action in [lambda: open(os.path.join(m.path, "a"), "r+b"),
@@ -512,7 +512,7 @@ def test_many_tensors_mount_and_ls_in_one_or_two_requests(tmp_path, s3, mount, t
     width = 20 if requests == 1 else 90
     arrays = {f"model.layers.{i}." + "x" * width: np.full(2, i, np.float32) for i in range(tensors)}
     save_file(arrays, str(src))
-    n, _ = ckpt.read_header(src)
+    n, _ = fx.read_header(src)
     assert (n + 8 > (1 << 20)) == (requests == 2)
     url = s3.upload(src, f"many/{tensors}.safetensors")
     s3.reset()
@@ -525,7 +525,7 @@ def test_many_tensors_mount_and_ls_in_one_or_two_requests(tmp_path, s3, mount, t
 
 def test_credentials_from_the_aws_shared_files(tmp_path, s3, mount, monkeypatch):
     src = tmp_path / "k.safetensors"
-    ckpt.base(src)
+    fx.base(src)
     url = s3.upload(src, "creds/k.safetensors")
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
         monkeypatch.delenv(var, raising=False)
@@ -595,7 +595,7 @@ def test_without_etags_last_modified_still_tells_versions_apart(tmp_path, web_se
 
 def test_the_cache_folder_is_private(tmp_path, s3, mount):
     src = tmp_path / "p.safetensors"
-    ckpt.base(src)
+    fx.base(src)
     url = s3.upload(src, "private/p.safetensors")
     opened = tmp_path / "opened"
     opened.mkdir(mode=0o755)
@@ -618,7 +618,7 @@ def test_the_cache_folder_is_private(tmp_path, s3, mount):
 
 def test_a_signal_unmounts_a_remote_mount_cleanly(tmp_path, s3, mount):
     src = tmp_path / "sig.safetensors"
-    ckpt.base(src)
+    fx.base(src)
     url = s3.upload(src, "signal/sig.safetensors")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         m = mount(url, *s3.options)

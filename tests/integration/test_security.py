@@ -7,19 +7,16 @@ them out. See "Who may do what" in docs/SEMANTICS.md."""
 import errno
 import json
 import os
-import pwd
-import shutil
 import signal
 import subprocess
 import time
-import uuid
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint, base
-from conftest import as_user, wait_for_exit
+from conftest import as_user
+from stfs_fixtures import assert_checkpoint, base, wait_for_exit
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates a user and mounts as root")
 

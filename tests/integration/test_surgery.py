@@ -3,18 +3,15 @@ commit, judged by loading the result with the official package and by byte
 equality with its save_file of the expected tensors."""
 
 import errno
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint, base
+from stfs_fixtures import assert_checkpoint, base
 
 
 def commit(run, path, *flags):

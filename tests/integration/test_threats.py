@@ -5,12 +5,9 @@ the test lets it go), faults with STFS_FAULT_AT, and the co-user is a real
 second user made by the test. See "Who may do what" in docs/SEMANTICS.md."""
 
 import errno
-import fcntl
 import json
 import os
 import shutil
-import signal
-import struct
 import subprocess
 import time
 
@@ -19,8 +16,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ckpt import assert_checkpoint, base, header_of
-from conftest import as_user, wait_for_exit
+from conftest import as_user
+from stfs_fixtures import assert_checkpoint, base, wait_for_exit
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user, or a loop filesystem")
 

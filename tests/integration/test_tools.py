@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt import assert_checkpoint, base, committed, sh
+from stfs_fixtures import assert_checkpoint, base, committed, sh
 
 
 @pytest.fixture

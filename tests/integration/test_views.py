@@ -17,7 +17,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from ckpt import save_raw, sh, write_by_hand
+from stfs_fixtures import save_raw, sh, write_by_hand
 
 
 def tensors():

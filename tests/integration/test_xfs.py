@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
-from ckpt import assert_checkpoint, sh
+from stfs_fixtures import assert_checkpoint, sh, written_by
 
 MIB = 1 << 20
 
@@ -39,11 +39,6 @@ def xfs(tmp_path):
 def used(path):
     st = os.statvfs(path)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-
-def written_by(pid):
-    with open(f"/proc/{pid}/io") as f:
-        return int(next(line for line in f if line.startswith("write_bytes")).split()[1])
 
 
 def test_xfs_grows_headers_in_place_and_shares_extents_of_a_rewrite(xfs, mount, run):
