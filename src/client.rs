@@ -249,14 +249,16 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
 
 /// Unmounts; as a normal user through fusermount3.
 fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
-    let flags = if lazy { libc::MNT_DETACH } else { 0 };
-    // SAFETY: c is a valid path string.
-    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+    use rustix::mount::UnmountFlags;
+    let flags = if lazy {
+        UnmountFlags::DETACH
+    } else {
+        UnmountFlags::empty()
+    };
+    let Err(err) = rustix::mount::unmount(mountpoint, flags) else {
         return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
+    };
+    let err = std::io::Error::from(err);
     match err.raw_os_error() {
         Some(libc::EPERM) => crate::daemon::fusermount_unmount(mountpoint, lazy)
             .map_err(|e| format!("{}: fusermount3 -u: {e}", mountpoint.display())),

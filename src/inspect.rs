@@ -167,7 +167,7 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
         let problems = match std::fs::read(path) {
             Err(e) => vec![e.to_string()],
             Ok(bytes) => match index::parse_index(&bytes) {
-                Err(e) => vec![e],
+                Err(e) => vec![e.to_string()],
                 // An index can only be checked against shards that parsed.
                 Ok(ix) if headers.len() == shards.checkpoints.len() => {
                     index::check_index(&ix, &refs)

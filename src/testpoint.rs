@@ -14,6 +14,7 @@
 //! The steps are listed in docs/SEMANTICS.md ("Testing the commit"). The
 //! variables are read once per process; without them a point costs a load.
 
+use crate::sync::{LockAnyway, RwLockAnyway};
 use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::path::Path;
@@ -97,15 +98,10 @@ pub fn point(step: &str) -> std::io::Result<()> {
     let plan = plan();
     if plan.crash.as_deref() == Some(step) {
         warn!("STFS_CRASH_AT={step}: killing the daemon here");
-        // SAFETY: kill of our own process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        let me = rustix::process::getpid();
+        let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
     }
-    let first = |key: String| {
-        plan.spent
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key)
-    };
+    let first = |key: String| plan.spent.lock_anyway().insert(key);
     if let (true, Some(dir)) = (plan.pause.iter().any(|p| p == step), &plan.pause_dir) {
         if first(format!("pause {step}")) {
             pause(&dir.join(step), step);
@@ -200,7 +196,7 @@ static FS_HOOK: RwLock<Option<FsHook>> = RwLock::new(None);
 /// Sets (or takes away) the function told of every `FsEvent`.
 pub fn set_fs_hook(hook: Option<FsHook>) {
     FS_HOOKED.store(hook.is_some(), Ordering::SeqCst);
-    *FS_HOOK.write().unwrap_or_else(|p| p.into_inner()) = hook;
+    *FS_HOOK.write_anyway() = hook;
 }
 
 /// Whether a hook listens (the callers skip the work of telling it).
@@ -210,7 +206,7 @@ pub fn fs_hooked() -> bool {
 
 pub fn fs_event(event: FsEvent) {
     if fs_hooked() {
-        if let Some(hook) = &*FS_HOOK.read().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(hook) = &*FS_HOOK.read_anyway() {
             hook(&event);
         }
     }

@@ -218,11 +218,28 @@ pub struct Replay {
     pub torn: bool,
 }
 
-pub fn read(text: &[u8]) -> Result<Replay, String> {
+/// Why a journal cannot be replayed.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("empty journal")]
+    Empty,
+    #[error("line {line}: {source}")]
+    Line {
+        line: usize,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("journal version {found}, this stfs reads {VERSION}")]
+    Version { found: u32 },
+    #[error("does not start with a Begin record")]
+    NoBegin,
+}
+
+pub fn read(text: &[u8]) -> Result<Replay, JournalError> {
     let mut lines = text.split(|&b| b == b'\n').filter(|l| !l.is_empty());
-    let first = lines.next().ok_or("empty journal")?;
+    let first = lines.next().ok_or(JournalError::Empty)?;
     let begin: Vec<Record> =
-        serde_json::from_slice(first).map_err(|e| format!("first line: {e}"))?;
+        serde_json::from_slice(first).map_err(|source| JournalError::Line { line: 1, source })?;
     let (source, stat) = match begin.first() {
         Some(Record::Begin {
             version: VERSION,
@@ -230,11 +247,9 @@ pub fn read(text: &[u8]) -> Result<Replay, String> {
             stat,
         }) => (source.clone(), *stat),
         Some(Record::Begin { version, .. }) => {
-            return Err(format!(
-                "journal version {version}, this stfs reads {VERSION}"
-            ))
+            return Err(JournalError::Version { found: *version })
         }
-        _ => return Err("does not start with a Begin record".into()),
+        _ => return Err(JournalError::NoBegin),
     };
     let mut records = Vec::new();
     let mut torn = false;
@@ -244,7 +259,12 @@ pub fn read(text: &[u8]) -> Result<Replay, String> {
             Ok(batch) => records.extend(batch),
             // Only the last line may be torn by a crash.
             Err(_) if k + 1 == rest.len() => torn = true,
-            Err(e) => return Err(format!("line {}: {e}", k + 2)),
+            Err(source) => {
+                return Err(JournalError::Line {
+                    line: k + 2,
+                    source,
+                })
+            }
         }
     }
     Ok(Replay {

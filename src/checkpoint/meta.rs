@@ -38,7 +38,7 @@ impl Meta {
             Ok((dtype, shape)) => Meta::Valid { dtype, shape },
             Err(error) => Meta::Invalid {
                 text: text.to_vec(),
-                error,
+                error: error.to_string(),
             },
         }
     }
@@ -63,32 +63,50 @@ fn json_part(text: &[u8]) -> &[u8] {
     &text[..end]
 }
 
-fn parse_meta(text: &[u8]) -> Result<(Dtype, Vec<u64>), String> {
+/// Why a written `.meta.json` or `__metadata__.json` is not usable.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("empty")]
+    Empty,
+    #[error("not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("needs \"dtype\", a string")]
+    NoDtype,
+    #[error("unknown dtype {name:?} (one of {})", Dtype::ALL.map(|d| d.name()).join(", "))]
+    UnknownDtype { name: String },
+    #[error("needs \"shape\", an array")]
+    NoShape,
+    #[error("\"shape\" must hold non-negative integers")]
+    BadShape,
+    /// The dtype and shape have no byte size (the format's words).
+    #[error("{0}")]
+    NoSize(String),
+    #[error("must be a JSON object of string values: {0}")]
+    NotMetadata(#[source] serde_json::Error),
+}
+
+fn parse_meta(text: &[u8]) -> Result<(Dtype, Vec<u64>), MetaError> {
     let text = json_part(text);
     if text.iter().all(u8::is_ascii_whitespace) {
-        return Err("empty".into());
+        return Err(MetaError::Empty);
     }
-    let v: serde_json::Value =
-        serde_json::from_slice(text).map_err(|e| format!("not JSON: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(text).map_err(MetaError::NotJson)?;
     let dtype = v
         .get("dtype")
         .and_then(|d| d.as_str())
-        .ok_or("needs \"dtype\", a string")?;
-    let dtype = Dtype::from_name(dtype).ok_or_else(|| {
-        format!(
-            "unknown dtype {dtype:?} (one of {})",
-            Dtype::ALL.map(|d| d.name()).join(", ")
-        )
+        .ok_or(MetaError::NoDtype)?;
+    let dtype = Dtype::from_name(dtype).ok_or_else(|| MetaError::UnknownDtype {
+        name: dtype.to_string(),
     })?;
     let shape = v
         .get("shape")
         .and_then(|s| s.as_array())
-        .ok_or("needs \"shape\", an array")?
+        .ok_or(MetaError::NoShape)?
         .iter()
         .map(|d| d.as_u64())
         .collect::<Option<Vec<u64>>>()
-        .ok_or("\"shape\" must hold non-negative integers")?;
-    byte_len(dtype, &shape).map_err(|e| size_message("", dtype, &shape, e))?;
+        .ok_or(MetaError::BadShape)?;
+    byte_len(dtype, &shape).map_err(|e| MetaError::NoSize(size_message("", dtype, &shape, e)))?;
     Ok((dtype, shape))
 }
 
@@ -136,16 +154,15 @@ impl MetadataDoc {
             Ok(m) => MetadataDoc::Set(m),
             Err(error) => MetadataDoc::Invalid {
                 text: text.to_vec(),
-                error,
+                error: error.to_string(),
             },
         }
     }
 }
 
 /// An object of string values; `{}` means none.
-pub fn parse_metadata(text: &[u8]) -> Result<Option<Metadata>, String> {
-    let meta: Metadata = serde_json::from_slice(json_part(text))
-        .map_err(|e| format!("must be a JSON object of string values: {e}"))?;
+pub fn parse_metadata(text: &[u8]) -> Result<Option<Metadata>, MetaError> {
+    let meta: Metadata = serde_json::from_slice(json_part(text)).map_err(MetaError::NotMetadata)?;
     Ok((!meta.is_empty()).then_some(meta))
 }
 

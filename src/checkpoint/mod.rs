@@ -66,6 +66,25 @@ pub fn trim_memory() {
     }
 }
 
+/// Why a commit way cannot commit a state (shown by `stfs status` and the
+/// commit's summary when a cheaper way was passed over): a reason for a
+/// person, not an error to act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Declined(pub String);
+
+impl From<&str> for Declined {
+    fn from(why: &str) -> Declined {
+        Declined(why.to_string())
+    }
+}
+
+impl From<String> for Declined {
+    fn from(why: String) -> Declined {
+        Declined(why)
+    }
+}
+
 /// Why an edit was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum EditError {
@@ -83,6 +102,19 @@ pub enum EditError {
     Staging(#[from] StagingError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+impl crate::errno::ToErrno for EditError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            EditError::NotFound => libc::ENOENT,
+            EditError::Exists => libc::EEXIST,
+            EditError::Invalid(_) => libc::EINVAL,
+            EditError::TooLarge(_) => libc::EFBIG,
+            EditError::Staging(e) => e.to_errno(),
+            EditError::Io(e) => e.to_errno(),
+        }
+    }
 }
 
 /// A name's dtype and shape: the source tensor's, or its own.
@@ -555,17 +587,25 @@ impl Live {
 
     /// The tensors and metadata of the state as a commit would write them,
     /// for a view; what a commit would refuse, if anything.
-    pub fn view_tensors(&self) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), String> {
+    pub fn view_tensors(&self) -> Result<(Vec<view::ViewTensor>, Option<Metadata>), Problem> {
         if let Some(p) = self.problems().first() {
-            return Err(p.to_string());
+            return Err(p.clone());
         }
+        let lost = |rule: &str| Problem {
+            tensor: None,
+            rule: rule.to_string(),
+        };
         let mut tensors = Vec::new();
         for (id, e) in self.entries_from(0) {
             if let (Some(_), MetaView::Valid(..)) = (e.data, e.meta) {
-                tensors.push(self.view_tensor(id).ok_or("a tensor's bytes are gone")?);
+                let tensor = self.view_tensor(id);
+                tensors.push(tensor.ok_or_else(|| lost("a tensor's bytes are gone"))?);
             }
         }
-        let metadata = self.metadata().ok_or("invalid metadata")?.cloned();
+        let metadata = self
+            .metadata()
+            .ok_or_else(|| lost("invalid metadata"))?
+            .cloned();
         Ok((tensors, metadata))
     }
 

@@ -3,6 +3,7 @@
 //! handles hold it, so a handle keeps reading it after an unlink or a rename,
 //! and every handle sees every write.
 
+use crate::sync::{LockAnyway, RwLockAnyway};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
@@ -69,33 +70,29 @@ impl DataObject {
     }
 
     pub fn state(&self) -> ObjectState {
-        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.state.read_anyway().clone()
     }
 
     pub fn bytes(&self) -> Bytes {
-        self.state
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .bytes
-            .clone()
+        self.state.read_anyway().bytes.clone()
     }
 
     pub fn gen(&self) -> u64 {
-        self.state.read().unwrap_or_else(|p| p.into_inner()).gen
+        self.state.read_anyway().gen
     }
 
     /// The checkpoint serial and entry that list it.
     pub fn home(&self) -> (u64, Id) {
-        *self.home.lock().unwrap_or_else(|p| p.into_inner())
+        *self.home.lock_anyway()
     }
 
     pub fn set_home(&self, serial: u64, entry: Id) {
-        *self.home.lock().unwrap_or_else(|p| p.into_inner()) = (serial, entry);
+        *self.home.lock_anyway() = (serial, entry);
     }
 
     /// An edit: new bytes, the same origin.
     fn set(&self, bytes: Bytes, edited: Option<SystemTime>, gen: u64) {
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.write_anyway();
         state.bytes = bytes;
         state.edited = edited;
         state.gen = gen;
@@ -104,13 +101,13 @@ impl DataObject {
     /// The same bytes, found elsewhere (a commit put them in the new file):
     /// not an edit.
     pub fn rebase(&self, bytes: Bytes) {
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = ObjectState::of(bytes, None, 0);
+        *self.state.write_anyway() = ObjectState::of(bytes, None, 0);
     }
 
     /// Writes at `offset`, first copying the bytes into a private staging file
     /// if they are not in one (or a commit is copying from it).
     pub fn write(&self, staging: &Staging, offset: u64, data: &[u8]) -> Result<Changed, EditError> {
-        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _writer = self.writer.lock_anyway();
         let before = self.bytes().len();
         let (staged, moved) = self.private_copy(staging, u64::MAX)?;
         staged.write_at(data, offset)?;
@@ -123,7 +120,7 @@ impl DataObject {
 
     /// Cuts or extends (with a hole) to `len`. To 0, nothing is copied.
     pub fn truncate(&self, staging: &Staging, len: u64) -> Result<Changed, EditError> {
-        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _writer = self.writer.lock_anyway();
         let before = self.bytes();
         if len == 0 {
             let was_empty = matches!(before, Bytes::Empty);
@@ -160,7 +157,7 @@ impl DataObject {
     /// they are a staging file, pinned before it is released, so that a later
     /// write copies the file instead of changing it under the commit.
     pub fn take_for_commit(&self) -> ObjectState {
-        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _writer = self.writer.lock_anyway();
         let state = self.state();
         if let Bytes::Staged(s) = &state.bytes {
             s.pin();

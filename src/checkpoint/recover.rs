@@ -17,6 +17,42 @@ use super::Live;
 use crate::source::local::Folder;
 use crate::source::{SourceFile, StagingDir};
 
+/// Why kept edits cannot be taken back, or the record of an interrupted
+/// commit used; what is kept stays on disk.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    /// Reading or completing a kept file failed.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Journal {
+        what: String,
+        #[source]
+        source: journal::JournalError,
+    },
+    /// What is kept does not apply here, and why.
+    #[error("{0}")]
+    Refused(String),
+    /// An error within staging folder `dir`.
+    #[error("{}: {source}", dir.display())]
+    In {
+        dir: std::path::PathBuf,
+        #[source]
+        source: Box<RecoveryError>,
+    },
+}
+
+impl RecoveryError {
+    pub fn io(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> RecoveryError {
+        let what = what.to_string();
+        move |source| RecoveryError::Io { what, source }
+    }
+}
+
 /// Which kept edits a mount takes back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resume {
@@ -89,7 +125,7 @@ pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
                 .is_some_and(process_gone);
             let ours = folder
                 .stat_at(&entry)
-                .is_ok_and(|st| st.st_uid == euid && st.st_mode & libc::S_IFMT == libc::S_IFREG);
+                .is_ok_and(|st| st.uid == euid && st.is_file());
             if dead && ours && folder.unlink(&entry).is_ok() {
                 notes.push(format!(
                     "{}: removed the temp file of an interrupted commit",
@@ -116,7 +152,7 @@ pub fn resume(
     lives: &mut [&mut Live],
     staging: &Staging,
     how: &Resume,
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, RecoveryError> {
     let (mut found, mut notes) = kept(staging.base(), staging.stem());
     // Folders without a journal hold nothing to take back (a mount that
     // died before its first edit was journaled): they go.
@@ -134,13 +170,13 @@ pub fn resume(
     if let Resume::Only(name) = how {
         found.retain(|d| d.path().file_name() == Some(name.as_os_str()));
         if found.is_empty() {
-            return Err(format!(
+            return Err(RecoveryError::Refused(format!(
                 "{}: not a staging folder of this source that stfs can take over \
                  (it must be a folder .{}.stfs-* beside the source or in --staging-dir, \
                  made by stfs, and not in use)",
                 staging.base().path.join(name).display(),
                 staging.stem()
-            ));
+            )));
         }
     }
     if found.is_empty() {
@@ -185,7 +221,10 @@ pub fn resume(
         }
         if let Some(why) = refused {
             if matches!(how, Resume::Only(_)) {
-                return Err(format!("{}: {why}", dir.path().display()));
+                return Err(RecoveryError::In {
+                    dir: dir.path().to_path_buf(),
+                    source: Box::new(why),
+                });
             }
             notes.push(format!("{}: {why}; left as it is", dir.path().display()));
             continue;
@@ -229,16 +268,22 @@ fn newest_journal(dir: &StagingDir) -> std::time::SystemTime {
 }
 
 /// A checkpoint's journal in `dir`, folded for the source as it is now.
-fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>, String> {
-    let folder = dir.folder().map_err(|e| e.to_string())?;
-    let f = match folder.open_file(OsStr::new(live.journal_name()), libc::O_RDONLY, 0) {
+fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>, RecoveryError> {
+    let folder = dir
+        .folder()
+        .map_err(RecoveryError::io(dir.path().display()))?;
+    let name = live.journal_name();
+    let f = match folder.open_file(OsStr::new(name), libc::O_RDONLY, 0) {
         Ok(f) => f,
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", live.journal_name())),
+        Err(e) => return Err(RecoveryError::io(name)(e)),
     };
     let mut text = Vec::new();
-    std::io::Read::read_to_end(&mut &f, &mut text).map_err(|e| e.to_string())?;
-    let replay = journal::read(&text).map_err(|e| format!("{}: {e}", live.journal_name()))?;
+    std::io::Read::read_to_end(&mut &f, &mut text).map_err(RecoveryError::io(name))?;
+    let replay = journal::read(&text).map_err(|source| RecoveryError::Journal {
+        what: name.to_string(),
+        source,
+    })?;
     if std::fs::canonicalize(&replay.source).ok()
         != std::fs::canonicalize(live.source().path()).ok()
     {
@@ -252,10 +297,10 @@ fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>
         // The commit in flight landed: what it planned is in the source now.
         return Ok(Some(journal::fold(&replay.records, Some(commit))));
     }
-    Err(format!(
+    Err(RecoveryError::Refused(format!(
         "its edits were made on another version of {} (changed since), so they are not taken back",
         live.source().path().display()
-    ))
+    )))
 }
 
 #[cfg(test)]

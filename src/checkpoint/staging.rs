@@ -3,6 +3,8 @@
 //! record of a commit's renames (`commit.json`) that lets the next mount
 //! finish a commit of several shards that a crash interrupted.
 
+use super::recover::RecoveryError;
+use crate::sync::LockAnyway;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
@@ -34,12 +36,12 @@ impl Staging {
 
     /// Takes over a folder an earlier mount left (see `kept`).
     pub fn adopt(&self, dir: Arc<StagingDir>) {
-        *lock(&self.dir) = Some(dir);
+        *self.dir.lock_anyway() = Some(dir);
     }
 
     /// The folder, made now if this is the first edit.
     pub fn dir(&self) -> Result<Arc<StagingDir>, StagingError> {
-        let mut dir = lock(&self.dir);
+        let mut dir = self.dir.lock_anyway();
         if let Some(d) = &*dir {
             return Ok(d.clone());
         }
@@ -51,7 +53,7 @@ impl Staging {
 
     /// The folder, if it was made.
     pub fn current(&self) -> Option<Arc<StagingDir>> {
-        lock(&self.dir).clone()
+        self.dir.lock_anyway().clone()
     }
 
     pub fn base(&self) -> &Arc<Folder> {
@@ -64,7 +66,7 @@ impl Staging {
 
     /// Removes the folder (after a commit or a discard left nothing in it).
     pub fn remove(&self) {
-        if let Some(d) = lock(&self.dir).take() {
+        if let Some(d) = self.dir.lock_anyway().take() {
             match d.remove() {
                 Ok(()) => info!(dir = %d.path().display(), "staging folder removed"),
                 Err(e) => warn!(dir = %d.path().display(), "removing the staging folder: {e}"),
@@ -128,19 +130,21 @@ impl Renames {
 
     /// The record in `dir`: None if there is none, an error saying why if
     /// it cannot be read (cut short, not JSON, not this record).
-    pub fn read(dir: &StagingDir) -> Result<Option<Renames>, String> {
+    pub fn read(dir: &StagingDir) -> Result<Option<Renames>, RecoveryError> {
         let path = dir.path().join(RENAMES);
         let folder = dir
             .folder()
-            .map_err(|e| format!("{}: {e}", dir.path().display()))?;
+            .map_err(RecoveryError::io(dir.path().display()))?;
         let f = match folder.open_file(OsStr::new(RENAMES), libc::O_RDONLY | libc::O_NOFOLLOW, 0) {
             Ok(f) => f,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Err(e) => return Err(RecoveryError::io(path.display())(e)),
         };
         serde_json::from_reader(std::io::BufReader::new(f))
             .map(Some)
-            .map_err(|e| format!("{}: not a record stfs wrote ({e})", path.display()))
+            .map_err(|e| {
+                RecoveryError::Refused(format!("{}: not a record stfs wrote ({e})", path.display()))
+            })
     }
 
     /// Forgets the record (and the headers of its in-place files).
@@ -171,7 +175,7 @@ impl Renames {
                 Ok(None) => {}
                 Err((why, marked)) => {
                     warn!("{why}");
-                    notes.push(why);
+                    notes.push(why.to_string());
                     keep |= marked;
                 }
             }
@@ -202,9 +206,8 @@ impl Renames {
             let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
                 continue; // renamed already
             };
-            let is = |t: &libc::stat, f: &FileStat, mtime: bool| {
-                (t.st_dev, t.st_ino, t.st_size as u64) == (f.dev, f.ino, f.len)
-                    && (!mtime || (t.st_mtime, t.st_mtime_nsec) == f.mtime)
+            let is = |t: &FileStat, f: &FileStat, mtime: bool| {
+                (t.dev, t.ino, t.len) == (f.dev, f.ino, f.len) && (!mtime || t.mtime == f.mtime)
             };
             // (Length and time too: an inode number is given again once freed.)
             let target_is_mapped = |folder: &Folder| {
@@ -281,8 +284,4 @@ fn keep_aside(folder: &Folder, r: &PendingRename) {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -6,6 +6,7 @@
 //! the rest: one commit or discard at a time, commit numbers, and the taint
 //! that stops commits after one failed half-way.
 
+use crate::sync::{LockAnyway, RwLockAnyway};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -59,16 +60,12 @@ pub struct Transactions {
     tainted: Mutex<Option<String>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 fn read<S>(state: &RwLock<S>) -> RwLockReadGuard<'_, S> {
-    state.read().unwrap_or_else(|p| p.into_inner())
+    state.read_anyway()
 }
 
 fn write<S>(state: &RwLock<S>) -> RwLockWriteGuard<'_, S> {
-    state.write().unwrap_or_else(|p| p.into_inner())
+    state.write_anyway()
 }
 
 /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
@@ -100,7 +97,7 @@ impl Transactions {
 
     /// No more commits from this mount: its edits stay on disk for the next one.
     pub fn taint(&self, why: String) {
-        let mut tainted = lock(&self.tainted);
+        let mut tainted = self.tainted.lock_anyway();
         if tainted.is_none() {
             error!("{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back");
             *tainted = Some(why);
@@ -108,7 +105,7 @@ impl Transactions {
     }
 
     pub fn tainted(&self) -> Option<String> {
-        lock(&self.tainted).clone()
+        self.tainted.lock_anyway().clone()
     }
 
     /// Drops every staged edit. Returns a line per file, as `commit` does.
@@ -117,7 +114,7 @@ impl Transactions {
     pub fn discard<S: Shards>(&self, state: &RwLock<S>) -> Result<Vec<String>, CommitError> {
         let landings = self.landings.load(Ordering::SeqCst);
         let _ = crate::testpoint::point("discard:waiting");
-        let _one = lock(&self.one_at_a_time);
+        let _one = self.one_at_a_time.lock_anyway();
         let _ = crate::testpoint::point("discard:locked");
         if self.unlanded.load(Ordering::SeqCst) {
             let why = self.tainted().unwrap_or_default();
@@ -182,7 +179,7 @@ impl Transactions {
         if let Some(why) = self.tainted() {
             return Err(CommitError::Tainted { why });
         }
-        let _one = lock(&self.one_at_a_time);
+        let _one = self.one_at_a_time.lock_anyway();
         let _ = crate::testpoint::point("commit:locked");
         // The files this commit may replace, locked against other mounts'
         // commits from before the plan's check until they landed.

@@ -3,20 +3,24 @@
 //! `_FUSE_COMMFD`, SCM_RIGHTS). fuser opens /dev/fuse itself before it tries
 //! fusermount, which fails where /dev/fuse is not world-accessible.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
+use rustix::net::{
+    recvmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags,
+    SocketFlags, SocketType,
+};
+
 pub fn mount(mountpoint: &Path, options: &str) -> std::io::Result<OwnedFd> {
-    let mut sv = [0; 2];
-    // SAFETY: sv is a valid out-array of two ints.
-    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, sv.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: socketpair returned two fresh descriptors that we now own.
-    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    let (ours, theirs) = socketpair(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::empty(),
+        None,
+    )?;
     // Only fusermount3's end may be inherited.
-    // SAFETY: setting a descriptor flag on our own fd.
-    unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    rustix::io::fcntl_setfd(&ours, rustix::io::FdFlags::CLOEXEC)?;
     let output = std::process::Command::new("fusermount3")
         .env("_FUSE_COMMFD", theirs.as_raw_fd().to_string())
         .arg("-o")
@@ -37,49 +41,27 @@ pub fn mount(mountpoint: &Path, options: &str) -> std::io::Result<OwnedFd> {
 
 /// Receives one descriptor sent with SCM_RIGHTS.
 fn receive_fd(socket: &OwnedFd) -> std::io::Result<OwnedFd> {
+    let none = || std::io::Error::other("fusermount3 sent no descriptor");
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // Room for one cmsghdr carrying one int, suitably aligned.
-    let mut control = [0u64; 8];
-    // SAFETY: msghdr is plain data; zeroed is a valid start.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    msg.msg_controllen =
-        unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
     loop {
-        // SAFETY: msg points at live buffers of the sizes it states.
-        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n > 0 {
-            break;
+        let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+        match recvmsg(socket, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Ok(got) if got.bytes > 0 => break,
+            Ok(_) => return Err(none()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
-        let e = std::io::Error::last_os_error();
-        if n < 0 && e.kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        return Err(if n == 0 {
-            std::io::Error::other("fusermount3 sent no descriptor")
-        } else {
-            e
-        });
     }
-    // SAFETY: msg was filled by recvmsg; CMSG_* walk its control buffer.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if cmsg.is_null()
-            || (*cmsg).cmsg_level != libc::SOL_SOCKET
-            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
-        {
-            return Err(std::io::Error::other("fusermount3 sent no descriptor"));
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(mut fds) = message {
+            if let Some(fd) = fds.next() {
+                return Ok(fd);
+            }
         }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const libc::c_int);
-        Ok(OwnedFd::from_raw_fd(fd))
     }
+    Err(none())
 }
 
 pub fn unmount(mountpoint: &Path, lazy: bool) -> std::io::Result<()> {

@@ -8,7 +8,7 @@ pub mod logging;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -158,7 +158,7 @@ fn shard_folder(
     for (shown, ix) in &indexes {
         let problems = match index::parse_index(&ix.bytes) {
             Ok(parsed) => index::check_index(&parsed, &headers),
-            Err(e) => vec![e],
+            Err(e) => vec![e.to_string()],
         };
         warnings.extend(problems.into_iter().map(|p| format!("{shown}: {p}")));
     }
@@ -190,7 +190,7 @@ fn open_remote(
     url: &str,
     opts: &RemoteOptions,
 ) -> Result<(Source, Vec<String>, Arc<Folder>), String> {
-    let at = Remote::connect(url, opts)?;
+    let at = Remote::connect(url, opts).map_err(|e| e.to_string())?;
     let mut notes = Vec::new();
     // Read-ahead of all GET slots at once must fit, with the chunks being read.
     let room = 2 * opts.concurrency as u64 * CHUNK;
@@ -232,14 +232,14 @@ fn open_remote(
              (folders of shards work with s3://, gs:// and az://)"
         ));
     }
-    let listed = at.remote.list(&at.path)?;
+    let listed = at.remote.list(&at.path).map_err(|e| e.to_string())?;
     let mut shards = Vec::new();
     let mut indexes = Vec::new();
     for (name, path) in listed {
         if name.ends_with(".safetensors") {
             shards.push((name, open(&path)?));
         } else if name.ends_with(".index.json") {
-            let bytes = at.remote.get_all(&path)?;
+            let bytes = at.remote.get_all(&path).map_err(|e| e.to_string())?;
             let stat = FileStat {
                 len: bytes.len() as u64,
                 ..FileStat::of_mounting_user(0o100444)
@@ -307,15 +307,7 @@ fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
 /// A FUSE mount whose daemon is gone answers ENOTCONN (statfs: never
 /// answered from the kernel's caches).
 pub fn dead(mountpoint: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: zeroed statfs is a valid out-parameter; c is NUL-terminated.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let failed = unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0;
-    failed && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
+    rustix::fs::statfs(mountpoint).err() == Some(rustix::io::Errno::NOTCONN)
 }
 
 /// Where staging folders go, and their stem: beside the source (inside a
@@ -452,7 +444,10 @@ pub fn open_local(
     }
     let staging = Arc::new(Staging::new(base, stem));
     let fs = Fs::new(source, settings, staging.clone());
-    notes.extend(fs.with_lives(|lives| recover::resume(lives, &staging, resume))?);
+    notes.extend(
+        fs.with_lives(|lives| recover::resume(lives, &staging, resume))
+            .map_err(|e| e.to_string())?,
+    );
     Ok((fs, warnings.into_iter().chain(notes).collect()))
 }
 
@@ -497,21 +492,14 @@ fn daemonize(
     options: MountOptions,
     prepare: impl FnOnce() -> Prepared,
 ) -> Result<(), String> {
-    let mut fds = [0; 2];
-    // SAFETY: fds is a valid out-array of two ints.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: pipe2 returned two fresh descriptors that we now own.
-    let (read_end, write_end) =
-        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: stfs has started no threads yet, so the child may run Rust code freely.
     match unsafe { libc::fork() } {
         -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
         0 => {
             drop(read_end);
-            // SAFETY: plain syscalls in the child.
-            unsafe { libc::setsid() };
+            let _ = rustix::process::setsid();
             detach_stdio();
             let mut ready = Some(write_end);
             // As in `launch`: before any thread starts.
@@ -567,11 +555,9 @@ fn detach_stdio() {
         .write(true)
         .open("/dev/null")
     {
-        use std::os::fd::AsRawFd;
-        for fd in 0..3 {
-            // SAFETY: replacing the standard descriptors with /dev/null.
-            unsafe { libc::dup2(null.as_raw_fd(), fd) };
-        }
+        let _ = rustix::stdio::dup2_stdin(&null);
+        let _ = rustix::stdio::dup2_stdout(&null);
+        let _ = rustix::stdio::dup2_stderr(&null);
     }
 }
 
@@ -584,15 +570,15 @@ fn say(ready: &mut Option<OwnedFd>, message: &str) {
 /// Raises the soft limit of open files to the hard one: staging files are
 /// opened on use, but a busy mount still holds many.
 fn raise_open_files() {
-    // SAFETY: getrlimit/setrlimit with a valid struct.
-    unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            let old = lim.rlim_cur;
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
-                info!("open file limit raised from {old} to {}", lim.rlim_max);
-            }
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let Rlimit { current, maximum } = getrlimit(Resource::Nofile);
+    if let (Some(old), Some(max)) = (current, maximum) {
+        let raised = Rlimit {
+            current: maximum,
+            maximum,
+        };
+        if old < max && setrlimit(Resource::Nofile, raised).is_ok() {
+            info!("open file limit raised from {old} to {max}");
         }
     }
 }
@@ -728,7 +714,7 @@ fn mount_direct(
     options: &MountOptions,
 ) -> std::io::Result<OwnedFd> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::ffi::OsStrExt;
+
     let dev = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -744,51 +730,30 @@ fn mount_direct(
     if options.acl != SessionACL::Owner {
         data.push_str(",allow_other");
     }
-    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    use rustix::mount::MountFlags;
+    let mut flags = MountFlags::NOSUID | MountFlags::NODEV;
     if options.read_only {
-        flags |= libc::MS_RDONLY;
+        flags |= MountFlags::RDONLY;
     }
     for k in &options.kernel {
         match k {
-            MountOption::NoExec => flags |= libc::MS_NOEXEC,
-            MountOption::NoAtime => flags |= libc::MS_NOATIME,
+            MountOption::NoExec => flags |= MountFlags::NOEXEC,
+            MountOption::NoAtime => flags |= MountFlags::NOATIME,
             _ => {}
         }
     }
-    let c = |b: &[u8]| {
-        std::ffi::CString::new(b).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
-    };
-    let (src, target, fstype, data) = (
-        c(source.as_os_str().as_bytes())?,
-        c(mountpoint.as_os_str().as_bytes())?,
-        c(b"fuse.stfs")?,
-        c(data.as_bytes())?,
-    );
-    // SAFETY: valid NUL-terminated strings; the kernel copies them.
-    if unsafe {
-        libc::mount(
-            src.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    } != 0
-    {
-        return Err(std::io::Error::last_os_error());
-    }
+    let data = std::ffi::CString::new(data)
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    rustix::mount::mount(source, mountpoint, "fuse.stfs", flags, data.as_c_str())?;
     Ok(OwnedFd::from(dev))
 }
 
 /// Detaches a mount now; the session ends once its files are closed.
 fn detach(mountpoint: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
-    // SAFETY: c is a valid path string.
-    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(rustix::mount::unmount(
+        mountpoint,
+        rustix::mount::UnmountFlags::DETACH,
+    )?)
 }
 
 /// Removes `path` if it is still the file `written` describes.
@@ -804,7 +769,7 @@ fn remove_if_same(path: &Path, written: &FileStat) {
     if let Ok(folder) = Folder::open(dir) {
         if folder
             .stat_at(name)
-            .is_ok_and(|st| st.st_dev == written.dev && st.st_ino == written.ino)
+            .is_ok_and(|st| st.dev == written.dev && st.ino == written.ino)
         {
             let _ = folder.unlink(name);
         }

@@ -6,23 +6,37 @@ use std::path::PathBuf;
 
 use super::Dtype;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FormatError {
     /// The file is shorter than the 8-byte length prefix.
+    #[error("file is {file_len} bytes, shorter than the 8-byte header length prefix")]
     TooShort { file_len: u64 },
     /// The header length prefix is above the 100,000,000-byte cap.
+    #[error("header length {header_len} is above the 100000000-byte limit")]
     HeaderTooLarge { header_len: u64 },
     /// The header length prefix points past the end of the file.
+    #[error("header length {header_len} runs past the end of the file ({file_len} bytes)")]
     HeaderTruncated { header_len: u64, file_len: u64 },
     /// The header bytes are not UTF-8.
+    #[error("header is not valid UTF-8 (byte {at} of the header)")]
     HeaderNotUtf8 { at: usize },
     /// The header is not JSON of the expected shape (bad syntax, unknown dtype,
     /// missing field, non-string metadata value, ...).
+    #[error("{}", match tensor {
+        Some(t) => format!("tensor {t:?}: invalid header entry: {message}"),
+        None => format!("header is not a valid safetensors JSON object: {message}"),
+    })]
     HeaderJson {
         tensor: Option<String>,
         message: String,
     },
     /// Taken in offset order, tensors must start at 0, be contiguous and have end >= begin.
+    #[error("tensor {tensor:?}: data_offsets [{begin}, {end}] {}", if end < begin {
+        "end before they begin".to_string()
+    } else {
+        format!("should begin at {expected_begin} (tensors must be contiguous from offset 0, \
+                 without gaps or overlaps)")
+    })]
     InvalidOffsets {
         tensor: String,
         begin: u64,
@@ -30,14 +44,27 @@ pub enum FormatError {
         expected_begin: u64,
     },
     /// elements x bits overflowed 64 bits.
+    #[error(
+        "tensor {tensor:?}: shape {} has a byte size that overflows 64 bits",
+        ShapeDisplay(shape)
+    )]
     Overflow { tensor: String, shape: Vec<u64> },
     /// A sub-byte dtype whose total bit count is not a multiple of 8.
+    #[error(
+        "tensor {tensor:?}: {dtype} {} is not a whole number of bytes",
+        ShapeDisplay(shape)
+    )]
     NotByteAligned {
         tensor: String,
         dtype: Dtype,
         shape: Vec<u64>,
     },
     /// data_offsets span a different byte count than dtype x shape needs.
+    #[error(
+        "tensor {tensor:?}: data_offsets [{begin}, {end}] span {} bytes but {dtype} {} needs {needed}",
+        end - begin,
+        ShapeDisplay(shape)
+    )]
     SizeMismatch {
         tensor: String,
         dtype: Dtype,
@@ -47,14 +74,23 @@ pub enum FormatError {
         needed: u64,
     },
     /// 8 + header length + end of the last tensor must equal the file length.
+    #[error(
+        "file is {file_len} bytes but 8 + header {header_len} + tensor data {data_len} = {}",
+        8u128 + *header_len as u128 + *data_len as u128
+    )]
     LengthMismatch {
         header_len: u64,
         data_len: u64,
         file_len: u64,
     },
     /// Serializer input names one tensor twice.
+    #[error("tensor {tensor:?} is given twice")]
     DuplicateName { tensor: String },
     /// A tensor may not be named `__metadata__`: that key is the metadata.
+    #[error(
+        "tensor {tensor:?}: a tensor cannot be named __metadata__ (the header keeps that key for \
+         the metadata)"
+    )]
     ReservedName { tensor: String },
 }
 
@@ -98,108 +134,10 @@ impl fmt::Display for ShapeDisplay<'_> {
     }
 }
 
-impl fmt::Display for FormatError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use FormatError::*;
-        match self {
-            TooShort { file_len } => write!(
-                f,
-                "file is {file_len} bytes, shorter than the 8-byte header length prefix"
-            ),
-            HeaderTooLarge { header_len } => write!(
-                f,
-                "header length {header_len} is above the 100000000-byte limit"
-            ),
-            HeaderTruncated {
-                header_len,
-                file_len,
-            } => write!(
-                f,
-                "header length {header_len} runs past the end of the file ({file_len} bytes)"
-            ),
-            HeaderNotUtf8 { at } => write!(f, "header is not valid UTF-8 (byte {at} of the header)"),
-            HeaderJson {
-                tensor: Some(t),
-                message,
-            } => write!(f, "tensor {t:?}: invalid header entry: {message}"),
-            HeaderJson {
-                tensor: None,
-                message,
-            } => write!(f, "header is not a valid safetensors JSON object: {message}"),
-            InvalidOffsets {
-                tensor,
-                begin,
-                end,
-                expected_begin,
-            } => {
-                if end < begin {
-                    write!(f, "tensor {tensor:?}: data_offsets [{begin}, {end}] end before they begin")
-                } else {
-                    write!(
-                        f,
-                        "tensor {tensor:?}: data_offsets [{begin}, {end}] should begin at {expected_begin} \
-                         (tensors must be contiguous from offset 0, without gaps or overlaps)"
-                    )
-                }
-            }
-            Overflow { tensor, shape } => write!(
-                f,
-                "tensor {tensor:?}: shape {} has a byte size that overflows 64 bits",
-                ShapeDisplay(shape)
-            ),
-            NotByteAligned {
-                tensor,
-                dtype,
-                shape,
-            } => write!(
-                f,
-                "tensor {tensor:?}: {dtype} {} is not a whole number of bytes",
-                ShapeDisplay(shape)
-            ),
-            SizeMismatch {
-                tensor,
-                dtype,
-                shape,
-                begin,
-                end,
-                needed,
-            } => write!(
-                f,
-                "tensor {tensor:?}: data_offsets [{begin}, {end}] span {} bytes but {dtype} {} needs {needed}",
-                end - begin,
-                ShapeDisplay(shape)
-            ),
-            LengthMismatch {
-                header_len,
-                data_len,
-                file_len,
-            } => write!(
-                f,
-                "file is {file_len} bytes but 8 + header {header_len} + tensor data {data_len} = {}",
-                8u128 + *header_len as u128 + *data_len as u128
-            ),
-            DuplicateName { tensor } => write!(f, "tensor {tensor:?} is given twice"),
-            ReservedName { tensor } => write!(
-                f,
-                "tensor {tensor:?}: a tensor cannot be named __metadata__ (the header keeps that key for the metadata)"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for FormatError {}
-
 /// A format error with the file it was found in.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {error}", path.display())]
 pub struct InFile {
     pub path: PathBuf,
     pub error: FormatError,
 }
-
-impl fmt::Display for InFile {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path.display(), self.error)
-    }
-}
-
-impl std::error::Error for InFile {}

@@ -15,25 +15,41 @@ pub struct ShardIndex {
     pub weight_map: BTreeMap<String, String>,
 }
 
-/// Parses an index file. The error says which field is wrong.
-pub fn parse_index(bytes: &[u8]) -> Result<ShardIndex, String> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| format!("not valid JSON: {e}"))?;
-    let obj = value.as_object().ok_or("not a JSON object")?;
+/// Why an index file was refused: which field is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("not valid JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("{0}")]
+    Field(String),
+}
+
+/// Parses an index file.
+pub fn parse_index(bytes: &[u8]) -> Result<ShardIndex, IndexError> {
+    let field = |why: &str| IndexError::Field(why.to_string());
+    let value: Value = serde_json::from_slice(bytes).map_err(IndexError::NotJson)?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| field("not a JSON object"))?;
     let map = obj
         .get("weight_map")
-        .ok_or("has no \"weight_map\"")?
+        .ok_or_else(|| field("has no \"weight_map\""))?
         .as_object()
-        .ok_or("\"weight_map\" is not an object")?;
+        .ok_or_else(|| field("\"weight_map\" is not an object"))?;
     let mut weight_map = BTreeMap::new();
     for (name, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| format!("\"weight_map\" entry {name:?} is not a file name string"))?;
+        let file = file.as_str().ok_or_else(|| {
+            field(&format!(
+                "\"weight_map\" entry {name:?} is not a file name string"
+            ))
+        })?;
         weight_map.insert(name.clone(), file.to_string());
     }
     let total_size = match obj.get("metadata").and_then(|m| m.get("total_size")) {
         None | Some(Value::Null) => None,
-        Some(v) => Some(total_size_of(v).ok_or("\"metadata.total_size\" is not a byte count")?),
+        Some(v) => Some(
+            total_size_of(v).ok_or_else(|| field("\"metadata.total_size\" is not a byte count"))?,
+        ),
     };
     Ok(ShardIndex {
         total_size,

@@ -337,6 +337,7 @@ fn shard_index_checks() {
     assert_eq!(problems.len(), 5, "{problems:#?}");
     assert!(index::parse_index(b"{\"weight_map\":{\"a\":1}}")
         .unwrap_err()
+        .to_string()
         .contains("\"a\""));
     assert!(index::parse_index(b"[]").is_err());
 }

@@ -2,6 +2,7 @@
 //! (the edits a commit writes later).
 
 use super::*;
+use crate::sync::LockAnyway;
 
 impl Fs {
     /// Creates (or opens, unless `exclusive`) a file in a checkpoint directory.
@@ -93,11 +94,11 @@ impl Fs {
     pub fn set_size(&self, ino: Ino, fh: Option<u64>, size: u64) -> Result<Attr, FsError> {
         self.writable()?;
         if let Some(fh) = fh {
-            let mut handles = lock(&self.handles);
+            let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
                 Some(Handle::Json { file, .. }) => {
                     let len = usize::try_from(size).unwrap_or(usize::MAX);
-                    file.resize(&mut lock(&file.content), len)?;
+                    file.resize(&mut file.content.lock_anyway(), len)?;
                     drop(handles);
                     return self.getattr(ino, Some(fh));
                 }
@@ -264,7 +265,9 @@ impl Fs {
                     _ => self.json_text(st, from_node)?,
                 };
                 let bad = match to {
-                    Name::Metadata => crate::checkpoint::meta::parse_metadata(&text).err(),
+                    Name::Metadata => crate::checkpoint::meta::parse_metadata(&text)
+                        .err()
+                        .map(|e| e.to_string()),
                     _ => match crate::checkpoint::Meta::parse(&text) {
                         crate::checkpoint::Meta::Invalid { error, .. } => Some(error),
                         _ => None,

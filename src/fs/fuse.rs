@@ -7,11 +7,14 @@
 //! read needs. A handler that panics taints the mount (it will not commit)
 //! and its request gets EIO.
 
+use crate::errno::{with_causes, ToErrno};
+use crate::sync::LockAnyway;
 use std::ffi::OsStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use zerocopy::IntoBytes;
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
@@ -26,8 +29,7 @@ use super::ioctl::{
     COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{
-    lock, Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget,
-    PREFETCH_SLICE,
+    Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget, PREFETCH_SLICE,
 };
 
 /// Attributes of files whose content only changes through the mount.
@@ -66,7 +68,7 @@ impl FuseAdapter {
             let _ = std::thread::Builder::new()
                 .name(format!("stfs-edit-{k}"))
                 .spawn(move || loop {
-                    let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                    let job = match rx.lock_anyway().recv() {
                         Ok(job) => job,
                         Err(_) => return,
                     };
@@ -81,11 +83,11 @@ impl FuseAdapter {
     }
 
     /// Runs `f` on an edit thread.
-    fn edit(&self, op: &'static str, f: impl FnOnce(&Fs) + Send + 'static) {
+    fn edit(&self, req: Req, f: impl FnOnce(&Fs) + Send + 'static) {
         let fs = self.fs.clone();
         let _ = self
             .edits
-            .send(Box::new(move || guarded(&fs, op, || f(&fs))));
+            .send(Box::new(move || guarded(&fs, req, || f(&fs))));
     }
 
     /// The backing id of `file` for an open of `ino` by handle `fh`: the
@@ -99,7 +101,7 @@ impl FuseAdapter {
         file: &std::fs::File,
         reply: &ReplyOpen,
     ) -> Result<Arc<fuser::BackingId>, ()> {
-        let mut b = lock(&self.backings);
+        let mut b = self.backings.lock_anyway();
         let id = match b.by_ino.get(&ino).and_then(std::sync::Weak::upgrade) {
             Some(id) => id,
             None => match reply.open_backing(file) {
@@ -124,43 +126,79 @@ impl FuseAdapter {
     }
 
     /// Runs `f` on a thread of its own (commits, prefetches).
-    fn spawn(&self, op: &'static str, f: impl FnOnce(&Fs) + Send + 'static) {
+    fn spawn(&self, req: Req, f: impl FnOnce(&Fs) + Send + 'static) {
         let fs = self.fs.clone();
         let _ = std::thread::Builder::new()
-            .name(format!("stfs-{op}"))
-            .spawn(move || guarded(&fs, op, || f(&fs)));
+            .name(format!("stfs-{}", req.op))
+            .spawn(move || guarded(&fs, req, || f(&fs)));
     }
+}
+
+/// One request, for the log: a span with its op, inode and handle around
+/// everything logged while it is served (on whichever thread serves it).
+struct Req {
+    op: &'static str,
+    span: tracing::Span,
+}
+
+macro_rules! request {
+    ($op:literal, $ino:expr) => {
+        Req {
+            op: $op,
+            span: tracing::warn_span!("request", op = $op, ino = $ino),
+        }
+    };
+    ($op:literal, $ino:expr, $fh:expr) => {
+        Req {
+            op: $op,
+            span: tracing::warn_span!("request", op = $op, ino = $ino, fh = $fh),
+        }
+    };
+}
+
+/// Answers a request from a handler's result: `$ok` with the value, or the
+/// error's errno (logged once by `failed`).
+macro_rules! reply {
+    ($reply:ident, $result:expr, |$value:pat_param| $ok:expr) => {
+        match $result {
+            Ok($value) => $ok,
+            Err(e) => $reply.error(failed(&e)),
+        }
+    };
 }
 
 /// Runs a handler; a panic taints the mount (the reply, dropped while
 /// unwinding, sends EIO).
-fn guarded(fs: &Fs, op: &'static str, f: impl FnOnce()) {
+fn guarded(fs: &Fs, req: Req, f: impl FnOnce()) {
+    let _in = req.span.enter();
     if catch_unwind(AssertUnwindSafe(f)).is_err() {
-        error!(op, "request handler panicked");
+        error!("request handler panicked");
         fs.taint(format!(
-            "a request of this mount ({op}) panicked, so its state is not trusted"
+            "a request of this mount ({}) panicked, so its state is not trusted",
+            req.op
         ));
     }
 }
 
 /// Runs a handler that changes nothing: a panic answers EIO (and is logged),
 /// but leaves the state trusted, so that no reader can stop commits.
-fn guarded_read(op: &'static str, f: impl FnOnce()) {
+fn guarded_read(req: Req, f: impl FnOnce()) {
+    let _in = req.span.enter();
     if catch_unwind(AssertUnwindSafe(f)).is_err() {
-        error!(
-            op,
-            "request handler panicked (a read: the mount still commits)"
-        );
+        error!("request handler panicked (a read: the mount still commits)");
     }
 }
 
-fn errno(op: &str, e: &FsError) -> Errno {
+/// The errno of a failed request; the failure is logged once, in the
+/// request's span, with its errno and the chain of its causes.
+fn failed(e: &FsError) -> Errno {
+    let n = e.to_errno();
     if e.is_routine() {
-        debug!(op, "{e}");
+        debug!(errno = n, "{e}");
     } else {
-        refused(format_args!("{op}: {e}"));
+        refused(format_args!("{} (errno {n})", with_causes(e)));
     }
-    Errno::from_i32(e.errno())
+    Errno::from_i32(n)
 }
 
 /// How many refusals may be logged at once, and then one a second.
@@ -171,7 +209,7 @@ const REFUSALS_BURST: f64 = 20.0;
 /// mounting user's. What is left out is counted and said with the next line.
 fn refused(what: std::fmt::Arguments) {
     static LIMIT: Mutex<Option<(f64, Instant, u64)>> = Mutex::new(None);
-    let mut limit = LIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut limit = LIMIT.lock_anyway();
     let now = Instant::now();
     let (tokens, last, suppressed) = limit.get_or_insert((REFUSALS_BURST, now, 0));
     *tokens = (*tokens + now.duration_since(*last).as_secs_f64()).min(REFUSALS_BURST);
@@ -248,7 +286,7 @@ impl FuseAdapter {
         in_data: &[u8],
         reply: ReplyIoctl,
     ) {
-        let Some(mut args) = PrefetchArgs::from_bytes(in_data) else {
+        let Some(mut args) = PrefetchArgs::from_caller(in_data) else {
             refused(format_args!("STFS_IOC_PREFETCH with a bad struct size"));
             return reply.error(Errno::EINVAL);
         };
@@ -262,12 +300,13 @@ impl FuseAdapter {
             }
         };
         let (uid, pid) = (req.uid(), req.pid());
+        let request = request!("prefetch", ino.0, fh.0);
         if let Err(e) = self.fs.allowed(uid, "prefetch") {
-            args.result = e.errno();
+            args.result = request.span.in_scope(|| failed(&e)).code();
             args.set_message(&e.to_string());
             return reply.ioctl(0, args.as_bytes());
         }
-        self.spawn("prefetch", move |fs| {
+        self.spawn(request, move |fs| {
             let started = Instant::now();
             // A FUSE request cannot be interrupted once the daemon has it:
             // stop when the caller is gone, and hand back a page-cache
@@ -314,8 +353,7 @@ impl FuseAdapter {
                     }
                 }
                 Err(e) => {
-                    let _ = errno("prefetch", &e);
-                    args.result = e.errno();
+                    args.result = failed(&e).code();
                     args.set_message(&e.to_string());
                 }
             }
@@ -365,7 +403,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        guarded_read("lookup", || {
+        guarded_read(request!("lookup", parent.0), || {
             let Some(name) = name.to_str() else {
                 return reply.error(Errno::ENOENT);
             };
@@ -373,22 +411,20 @@ impl Filesystem for FuseAdapter {
                 Ok(a) => {
                     reply.entry_with_ttls(&attr_ttl(&a), &ENTRY_TTL, &file_attr(&a), Generation(0))
                 }
-                Err(e) => reply.error(errno("lookup", &e)),
+                Err(e) => reply.error(failed(&e)),
             }
         })
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
-        guarded_read("getattr", || {
-            match self.fs.getattr(ino.0, fh.map(|f| f.0)) {
-                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
-                Err(e) => reply.error(errno("getattr", &e)),
-            }
+        guarded_read(request!("getattr", ino.0, fh.map(|f| f.0)), || {
+            reply!(reply, self.fs.getattr(ino.0, fh.map(|f| f.0)), |a| reply
+                .attr(&attr_ttl(&a), &file_attr(&a)))
         })
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        guarded(&self.fs, "open", || {
+        guarded(&self.fs, request!("open", ino.0), || {
             let write = flags.acc_mode() != OpenAccMode::O_RDONLY;
             match self.fs.open(ino.0, write, flags.0 & libc::O_TRUNC != 0) {
                 Ok(o) => match o
@@ -402,7 +438,7 @@ impl Filesystem for FuseAdapter {
                     // (Served by the daemon: `o` says how.)
                     Some(Err(())) | None => reply.opened(FileHandle(o.fh), fopen_flags(&o)),
                 },
-                Err(e) => reply.error(errno("open", &e)),
+                Err(e) => reply.error(failed(&e)),
             }
         })
     }
@@ -417,7 +453,7 @@ impl Filesystem for FuseAdapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        guarded(&self.fs, "create", || {
+        guarded(&self.fs, request!("create", parent.0), || {
             let Some(name) = name.to_str() else {
                 return reply.error(Errno::EINVAL);
             };
@@ -430,7 +466,7 @@ impl Filesystem for FuseAdapter {
                     FileHandle(o.fh),
                     fopen_flags(&o),
                 ),
-                Err(e) => reply.error(errno("create", &e)),
+                Err(e) => reply.error(failed(&e)),
             }
         })
     }
@@ -438,18 +474,18 @@ impl Filesystem for FuseAdapter {
     fn release(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if let Some(id) = lock(&self.backings).by_fh.remove(&fh.0) {
+        if let Some(id) = self.backings.lock_anyway().by_fh.remove(&fh.0) {
             drop(id); // (the last handle of its inode closes the backing id)
         }
         // An error here reaches nobody (close already returned): release logs it.
-        self.edit("release", move |fs| {
+        self.edit(request!("release", ino.0, fh.0), move |fs| {
             let _ = fs.release(fh.0);
             reply.ok()
         })
@@ -466,7 +502,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        guarded_read("read", || {
+        guarded_read(request!("read", ino.0, fh.0), || {
             // The reply is sent from inside the call, while the mapped bytes are borrowed.
             let mut reply = Some(reply);
             let result = self.fs.read(ino.0, fh.0, offset, size, |slices| {
@@ -478,7 +514,7 @@ impl Filesystem for FuseAdapter {
                 }
             });
             if let (Err(e), Some(r)) = (result, reply) {
-                r.error(errno("read", &e));
+                r.error(failed(&e));
             }
         })
     }
@@ -491,7 +527,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        guarded_read("readdir", || {
+        guarded_read(request!("readdir", ino.0), || {
             let result = self.fs.readdir(ino.0, offset, |e| {
                 let kind = match e.kind {
                     Kind::Directory => FileType::Directory,
@@ -499,15 +535,12 @@ impl Filesystem for FuseAdapter {
                 };
                 reply.add(INodeNo(e.ino), e.next_offset, kind, &e.name)
             });
-            match result {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("readdir", &e)),
-            }
+            reply!(reply, result, |()| reply.ok())
         })
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match statvfs(&self.fs.backing_dir()) {
+        match rustix::fs::statvfs(self.fs.backing_dir()) {
             Ok(s) => reply.statfs(
                 s.f_blocks,
                 s.f_bfree,
@@ -518,21 +551,20 @@ impl Filesystem for FuseAdapter {
                 super::names::NAME_MAX as u32,
                 s.f_frsize as u32,
             ),
-            Err(e) => reply.error(errno("statfs", &FsError::from(e))),
+            Err(e) => reply.error(failed(&FsError::from(std::io::Error::from(e)))),
         }
     }
 
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        self.edit("flush", move |fs| match fs.flush(fh.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("flush", &e)),
+        self.edit(request!("flush", ino.0, fh.0), move |fs| {
+            reply!(reply, fs.flush(fh.0), |()| reply.ok())
         })
     }
 
@@ -540,28 +572,26 @@ impl Filesystem for FuseAdapter {
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.edit("fsync", move |fs| match fs.fsync(Some(fh.0)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("fsync", &e)),
+        self.edit(request!("fsync", ino.0, fh.0), move |fs| {
+            reply!(reply, fs.fsync(Some(fh.0)), |()| reply.ok())
         })
     }
 
     fn fsyncdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.edit("fsyncdir", move |fs| match fs.fsync(None) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno("fsyncdir", &e)),
+        self.edit(request!("fsyncdir", ino.0), move |fs| {
+            reply!(reply, fs.fsync(None), |()| reply.ok())
         })
     }
 
@@ -580,18 +610,18 @@ impl Filesystem for FuseAdapter {
         match cmd {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
             IOC_STATUS => {
-                let Some(mut args) = StatusArgs::from_bytes(in_data).map(Box::new) else {
+                let Some(mut args) = StatusArgs::from_caller(in_data).map(Box::new) else {
                     refused(format_args!("STFS_IOC_STATUS with a bad struct size"));
                     return reply.error(Errno::EINVAL);
                 };
                 // Staged edits may name tensors of a source the caller cannot read.
+                let request = request!("status", ino.0, fh.0);
                 if let Err(e) = self.fs.allowed(uid, "status") {
-                    let _ = errno("status", &e);
-                    args.result = e.errno();
+                    args.result = request.span.in_scope(|| failed(&e)).code();
                     args.set_page(&e.to_string());
                     return reply.ioctl(0, args.as_bytes());
                 }
-                guarded_read("status", || {
+                guarded_read(request, || {
                     let (report, refused) = self.fs.status();
                     args.refused = refused as u32;
                     args.set_page(&report);
@@ -599,7 +629,7 @@ impl Filesystem for FuseAdapter {
                 })
             }
             IOC_COMMIT => {
-                let Some(mut args) = CommitArgs::from_bytes(in_data) else {
+                let Some(mut args) = CommitArgs::from_caller(in_data) else {
                     refused(format_args!("STFS_IOC_COMMIT with a bad struct size"));
                     return reply.error(Errno::EINVAL);
                 };
@@ -608,13 +638,13 @@ impl Filesystem for FuseAdapter {
                 } else {
                     "commit"
                 };
+                let request = request!("commit", ino.0, fh.0);
                 if let Err(e) = self.fs.allowed(uid, what) {
-                    let _ = errno("commit", &e);
-                    args.result = e.errno();
+                    args.result = request.span.in_scope(|| failed(&e)).code();
                     args.set_message(&e.to_string());
                     return reply.ioctl(0, args.as_bytes());
                 }
-                self.spawn("commit", move |fs| {
+                self.spawn(request, move |fs| {
                     let result = if args.flags & COMMIT_DISCARD != 0 {
                         fs.discard(uid)
                     } else {
@@ -627,8 +657,7 @@ impl Filesystem for FuseAdapter {
                     match result {
                         Ok(lines) => args.set_message(&lines.join("\n")),
                         Err(e) => {
-                            let _ = errno("commit", &e);
-                            args.result = e.errno();
+                            args.result = failed(&e).code();
                             args.set_message(&e.to_string());
                         }
                     }
@@ -682,13 +711,13 @@ impl Filesystem for FuseAdapter {
         // the kernel has checked the caller may make it).
         let fh = fh.map(|f| f.0);
         match size {
-            Some(size) => self.edit("setattr", move |fs| match fs.set_size(ino.0, fh, size) {
-                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
-                Err(e) => reply.error(errno("setattr", &e)),
+            Some(size) => self.edit(request!("setattr", ino.0, fh), move |fs| {
+                reply!(reply, fs.set_size(ino.0, fh, size), |a| reply
+                    .attr(&attr_ttl(&a), &file_attr(&a)))
             }),
-            None => guarded(&self.fs, "setattr", || match self.fs.getattr(ino.0, fh) {
-                Ok(a) => reply.attr(&attr_ttl(&a), &file_attr(&a)),
-                Err(e) => reply.error(errno("setattr", &e)),
+            None => guarded(&self.fs, request!("setattr", ino.0, fh), || {
+                reply!(reply, self.fs.getattr(ino.0, fh), |a| reply
+                    .attr(&attr_ttl(&a), &file_attr(&a)))
             }),
         }
     }
@@ -706,23 +735,18 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         let data = data.to_vec();
-        self.edit("write", move |fs| {
-            match fs.write(ino.0, fh.0, offset, &data) {
-                Ok(n) => reply.written(n),
-                Err(e) => reply.error(errno("write", &e)),
-            }
+        self.edit(request!("write", ino.0, fh.0), move |fs| {
+            reply!(reply, fs.write(ino.0, fh.0, offset, &data), |n| reply
+                .written(n))
         })
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        guarded(&self.fs, "unlink", || {
+        guarded(&self.fs, request!("unlink", parent.0), || {
             let Some(name) = name.to_str() else {
                 return reply.error(Errno::ENOENT);
             };
-            match self.fs.unlink(parent.0, name) {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("unlink", &e)),
-            }
+            reply!(reply, self.fs.unlink(parent.0, name), |()| reply.ok())
         })
     }
 
@@ -736,29 +760,24 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        guarded(&self.fs, "rename", || {
+        guarded(&self.fs, request!("rename", parent.0), || {
             let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
                 return reply.error(Errno::EINVAL);
             };
             if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
-                return reply.error(errno(
-                    "rename",
-                    &FsError::NotSupported("rename with RENAME_EXCHANGE or RENAME_WHITEOUT"),
-                ));
+                let flags = "rename with RENAME_EXCHANGE or RENAME_WHITEOUT";
+                return reply.error(failed(&FsError::NotSupported(flags)));
             }
             let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
-            match self
+            let renamed = self
                 .fs
-                .rename(parent.0, name, newparent.0, newname, no_replace)
-            {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("rename", &e)),
-            }
+                .rename(parent.0, name, newparent.0, newname, no_replace);
+            reply!(reply, renamed, |()| reply.ok())
         })
     }
 
     fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(errno("rmdir", &FsError::NotSupported("rmdir")))
+        reply.error(failed(&FsError::NotSupported("rmdir")))
     }
 
     fn mkdir(
@@ -770,7 +789,7 @@ impl Filesystem for FuseAdapter {
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(errno("mkdir", &FsError::NotSupported("mkdir")))
+        reply.error(failed(&FsError::NotSupported("mkdir")))
     }
 
     fn mknod(
@@ -783,7 +802,7 @@ impl Filesystem for FuseAdapter {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(errno("mknod", &FsError::NotSupported("mknod")))
+        reply.error(failed(&FsError::NotSupported("mknod")))
     }
 
     fn symlink(
@@ -794,7 +813,7 @@ impl Filesystem for FuseAdapter {
         _target: &std::path::Path,
         reply: ReplyEntry,
     ) {
-        reply.error(errno("symlink", &FsError::NotSupported("symlink")))
+        reply.error(failed(&FsError::NotSupported("symlink")))
     }
 
     fn link(
@@ -805,10 +824,9 @@ impl Filesystem for FuseAdapter {
         _newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        reply.error(errno(
-            "link",
-            &FsError::NotPermitted("hard links are not supported"),
-        ))
+        reply.error(failed(&FsError::NotPermitted(
+            "hard links are not supported",
+        )))
     }
 
     fn setxattr(
@@ -821,18 +839,6 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        reply.error(errno("setxattr", &FsError::NotSupported("setxattr")))
+        reply.error(failed(&FsError::NotSupported("setxattr")))
     }
-}
-
-fn statvfs(path: &std::path::Path) -> std::io::Result<libc::statvfs> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-    // SAFETY: zeroed statvfs is a valid out-parameter.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: c is a valid NUL-terminated path and s a properly sized out-parameter.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(s)
 }

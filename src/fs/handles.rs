@@ -3,6 +3,7 @@
 //! open, read, write, flush, fsync, release.
 
 use super::*;
+use crate::sync::LockAnyway;
 
 /// An open `.meta.json`, `__metadata__.json` or index file: its text, shared
 /// by every descriptor open on the same inode, and theirs alone once the name
@@ -50,7 +51,7 @@ impl JsonBudget {
 
 impl Drop for JsonFile {
     fn drop(&mut self) {
-        let len = lock(&self.content).text.len();
+        let len = self.content.lock_anyway().text.len();
         self.budget.give(len);
     }
 }
@@ -84,7 +85,7 @@ impl JsonFile {
 
     pub(super) fn attr(&self, nlink: u32) -> Attr {
         Attr {
-            size: lock(&self.content).text.len() as u64,
+            size: self.content.lock_anyway().text.len() as u64,
             nlink,
             ..self.attr.clone()
         }
@@ -188,7 +189,7 @@ pub(super) fn slice_at(data: &[u8], offset: u64, size: u32) -> &[u8] {
 impl Fs {
     pub(super) fn new_handle(&self, h: Handle) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        lock(&self.handles).open.insert(fh, h);
+        self.handles.lock_anyway().open.insert(fh, h);
         fh
     }
 
@@ -256,7 +257,9 @@ impl Fs {
                     // An edit came between the lookup and this open: it gets
                     // the file the lookup saw, if the file is still exactly
                     // that; else the kernel looks the name up again (ESTALE).
-                    _ => lock(&self.looked_up)
+                    _ => self
+                        .looked_up
+                        .lock_anyway()
                         .get(&ino)
                         .filter(|f| is_source(f))
                         .cloned()
@@ -310,10 +313,10 @@ impl Fs {
             Node::File(..) => MAX_META,
             _ => MAX_JSON,
         };
-        let mut handles = lock(&self.handles);
+        let mut handles = self.handles.lock_anyway();
         let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
         let file = match open.filter(|f| {
-            let content = lock(&f.content);
+            let content = f.content.lock_anyway();
             content.written || content.text == text
         }) {
             Some(file) => file,
@@ -335,7 +338,7 @@ impl Fs {
             }
         };
         if truncate {
-            file.resize(&mut lock(&file.content), 0)?;
+            file.resize(&mut file.content.lock_anyway(), 0)?;
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         handles.open.insert(fh, Handle::Json { file, write });
@@ -347,7 +350,7 @@ impl Fs {
     /// last close. What does not parse is kept as written, and reported.
     pub(super) fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
         let (ino, text, others) = {
-            let handles = lock(&self.handles);
+            let handles = self.handles.lock_anyway();
             let Some(Handle::Json { file, write: true }) = handles.open.get(&fh) else {
                 return Ok(());
             };
@@ -356,7 +359,7 @@ impl Fs {
                 *other != fh
                     && matches!(h, Handle::Json { file: f, write: true } if Arc::ptr_eq(f, file))
             });
-            let mut content = lock(&file.content);
+            let mut content = file.content.lock_anyway();
             if !content.dirty || (!last_close && content.text.is_empty()) {
                 return Ok(());
             }
@@ -413,7 +416,7 @@ impl Fs {
 
     /// Makes what went through a handle durable: its staging file and the journal.
     pub(super) fn make_durable(&self, fh: u64) -> Result<(), FsError> {
-        let object = match lock(&self.handles).open.get(&fh) {
+        let object = match self.handles.lock_anyway().open.get(&fh) {
             Some(Handle::Data {
                 object,
                 wrote: true,
@@ -439,7 +442,7 @@ impl Fs {
         let result = self
             .apply_json(fh, true)
             .and_then(|()| self.make_durable(fh));
-        let mut handles = lock(&self.handles);
+        let mut handles = self.handles.lock_anyway();
         if let Some(Handle::Json { file, .. }) = handles.open.remove(&fh) {
             let ino = file.ino;
             drop(file);
@@ -484,10 +487,10 @@ impl Fs {
         size: u32,
         reply: impl FnOnce(&[&[u8]]) -> R,
     ) -> Result<R, FsError> {
-        let object = match lock(&self.handles).open.get(&fh) {
+        let object = match self.handles.lock_anyway().open.get(&fh) {
             Some(Handle::Data { object, .. }) => Some(object.bytes()),
             Some(Handle::Json { file, .. }) => {
-                let content = lock(&file.content);
+                let content = file.content.lock_anyway();
                 return Ok(reply(&[slice_at(&content.text, offset, size)]));
             }
             Some(Handle::View { file, .. }) => {
@@ -540,7 +543,7 @@ impl Fs {
     pub fn write(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
         self.writable()?;
         let target = {
-            let mut handles = lock(&self.handles);
+            let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
                 Some(Handle::Json { file, .. }) => {
                     let end = offset
@@ -548,7 +551,7 @@ impl Fs {
                         .filter(|&e| e <= file.limit as u64)
                         .ok_or(EditError::TooLarge(file.limit))?
                         as usize;
-                    let mut content = lock(&file.content);
+                    let mut content = file.content.lock_anyway();
                     if content.text.len() < end {
                         file.resize(&mut content, end)?;
                     }
@@ -580,12 +583,14 @@ impl Fs {
     /// on it if a descriptor wrote it, else the state's.
     pub(super) fn json_text(&self, st: &State, node: Node) -> Result<Vec<u8>, FsError> {
         let ino = st.ino_of(node);
-        let open = lock(&self.handles)
+        let open = self
+            .handles
+            .lock_anyway()
             .json
             .get(&ino)
             .and_then(std::sync::Weak::upgrade);
         if let Some(file) = open {
-            let content = lock(&file.content);
+            let content = file.content.lock_anyway();
             if content.written {
                 return Ok(content.text.clone());
             }

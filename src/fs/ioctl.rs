@@ -3,6 +3,8 @@
 //! size, which the daemon checks: a caller built against another version gets
 //! EINVAL instead of misread fields.
 
+use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout};
+
 /// `'s'`: the ioctl type byte of stfs.
 pub const IOC_TYPE: u32 = b's' as u32;
 
@@ -12,7 +14,7 @@ pub const MESSAGE_LEN: usize = 4080;
 /// STFS_IOC_COMMIT, on any file or directory of a checkpoint (the mount's
 /// root commits every checkpoint of a folder mount).
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct CommitArgs {
     /// In: size_of::<CommitArgs>() (4096).
     pub size: u32,
@@ -42,7 +44,7 @@ pub const STATUS_TEXT_LEN: usize = 16344;
 /// STFS_IOC_STATUS, on any file or directory of the mount: a page of the
 /// status report (what is staged, and what a commit would refuse).
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct StatusArgs {
     /// In: size_of::<StatusArgs>() (16376).
     pub size: u32,
@@ -64,8 +66,7 @@ pub const IOC_STATUS: u32 = iowr(3, std::mem::size_of::<StatusArgs>());
 
 impl StatusArgs {
     pub fn new(offset: u64) -> Box<StatusArgs> {
-        // SAFETY: all-zero is a valid StatusArgs (plain integers and arrays).
-        let mut a: Box<StatusArgs> = Box::new(unsafe { std::mem::zeroed() });
+        let mut a = Box::new(StatusArgs::new_zeroed());
         a.size = std::mem::size_of::<StatusArgs>() as u32;
         a.offset = offset;
         a
@@ -96,39 +97,22 @@ pub const fn iowr(nr: u32, size: usize) -> u32 {
     (READ_WRITE << 30) | ((size as u32) << 16) | (IOC_TYPE << 8) | nr
 }
 
-/// A fixed-size ioctl struct: plain `repr(C)` data without padding, whose first
-/// field is its own size.
-///
-/// # Safety
-/// Implementors must be `repr(C)`, have no padding, accept every bit pattern,
-/// and start with a `u32` holding `size_of::<Self>()`.
-pub unsafe trait IoctlStruct: Copy + Sized {
+/// A fixed-size ioctl struct: plain `repr(C)` data without padding (the
+/// zerocopy derives prove it at compile time), whose first field is its own
+/// size.
+pub trait IoctlStruct: FromBytes + IntoBytes + Immutable + KnownLayout + Copy {
     /// The struct from the bytes the caller passed, if their size and the
     /// struct's own size field both match.
-    fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != std::mem::size_of::<Self>() {
-            return None;
-        }
-        // SAFETY: the length matches and every bit pattern is valid (trait contract).
-        let value: Self = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    fn from_caller(bytes: &[u8]) -> Option<Self> {
+        let value = Self::read_from_bytes(bytes).ok()?;
         let size = u32::from_ne_bytes(bytes[..4].try_into().expect("4 bytes"));
         (size as usize == std::mem::size_of::<Self>()).then_some(value)
     }
-
-    fn as_bytes(&self) -> &[u8] {
-        // SAFETY: plain data without padding (trait contract).
-        unsafe {
-            std::slice::from_raw_parts((self as *const Self).cast(), std::mem::size_of::<Self>())
-        }
-    }
 }
 
-// SAFETY: repr(C): 4 x u32 then a byte array; 4096 bytes, no padding.
-unsafe impl IoctlStruct for CommitArgs {}
-// SAFETY: repr(C): 2 x u32, 2 x u64, 2 x u32, then a byte array; no padding.
-unsafe impl IoctlStruct for StatusArgs {}
-// SAFETY: repr(C), fields laid out without padding (prefetch_abi_layout checks the offsets).
-unsafe impl IoctlStruct for PrefetchArgs {}
+impl IoctlStruct for CommitArgs {}
+impl IoctlStruct for StatusArgs {}
+impl IoctlStruct for PrefetchArgs {}
 
 /// Writes NUL-terminated text into a fixed buffer, cut to fit.
 fn write_text(buf: &mut [u8], text: &str) {
@@ -173,12 +157,12 @@ mod tests {
         assert_eq!(IOC_COMMIT, 0xd000_7302);
         let mut a = CommitArgs::new(COMMIT_FORCE);
         a.set_message("hello");
-        let b = CommitArgs::from_bytes(a.as_bytes()).unwrap();
+        let b = CommitArgs::from_caller(a.as_bytes()).unwrap();
         assert_eq!((b.flags, b.message()), (COMMIT_FORCE, "hello".to_string()));
         let mut bad = a;
         bad.size = 12;
-        assert!(CommitArgs::from_bytes(bad.as_bytes()).is_none());
-        assert!(CommitArgs::from_bytes(&[0; 10]).is_none());
+        assert!(CommitArgs::from_caller(bad.as_bytes()).is_none());
+        assert!(CommitArgs::from_caller(&[0; 10]).is_none());
         assert_eq!(std::mem::size_of::<StatusArgs>(), 16376);
         assert_eq!(IOC_STATUS, 0xfff8_7303);
         let mut st = StatusArgs::new(3);
@@ -193,7 +177,7 @@ mod tests {
 
 /// STFS_IOC_PREFETCH, on a tensor file.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct PrefetchArgs {
     /// In: size_of::<PrefetchArgs>() (520).
     pub size: u32,
@@ -244,8 +228,7 @@ pub const IOC_PREFETCH: u32 = iowr(1, std::mem::size_of::<PrefetchArgs>());
 
 impl PrefetchArgs {
     pub fn new(target: u32, device: i32) -> PrefetchArgs {
-        // SAFETY: all-zero is a valid PrefetchArgs (plain integers and arrays).
-        let mut a: PrefetchArgs = unsafe { std::mem::zeroed() };
+        let mut a = PrefetchArgs::new_zeroed();
         a.size = std::mem::size_of::<PrefetchArgs>() as u32;
         a.target = target;
         a.device = device;
@@ -283,7 +266,7 @@ mod prefetch_tests {
         assert_eq!(IOC_PREFETCH, 0xc208_7301);
         let mut a = PrefetchArgs::new(TARGET_CUDA, 3);
         a.set_message("m");
-        let b = PrefetchArgs::from_bytes(a.as_bytes()).unwrap();
+        let b = PrefetchArgs::from_caller(a.as_bytes()).unwrap();
         assert_eq!(
             (b.target, b.device, b.message()),
             (TARGET_CUDA, 3, "m".to_string())

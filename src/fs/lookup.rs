@@ -2,6 +2,8 @@
 //! made for them.
 
 use super::*;
+use crate::fs::views::ViewError;
+use crate::sync::LockAnyway;
 
 impl Fs {
     pub fn lookup(&self, parent: Ino, name: &str) -> Result<Attr, FsError> {
@@ -68,7 +70,7 @@ impl Fs {
             .iter()
             .position(|m| Arc::ptr_eq(m.live.source(), source))?;
         let ino = st.whole_ino(source)?;
-        lock(&self.looked_up).insert(ino, file.clone());
+        self.looked_up.lock_anyway().insert(ino, file.clone());
         Some(Node::WholeView(c))
     }
 
@@ -79,7 +81,7 @@ impl Fs {
     pub fn getattr(&self, ino: Ino, fh: Option<u64>) -> Result<Attr, FsError> {
         let st = self.read_state();
         let node = st.node(ino);
-        let handles = lock(&self.handles);
+        let handles = self.handles.lock_anyway();
         // A view's descriptor reads the view as it opened it: its size too
         // (a reader that maps what fstat says must not fault past the end).
         if let (Ok(n), Some(Handle::View { ino: i, file, .. })) =
@@ -93,7 +95,7 @@ impl Fs {
         }
         if let Ok(node) = node {
             let open = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
-            return match open.filter(|f| lock(&f.content).written) {
+            return match open.filter(|f| f.content.lock_anyway().written) {
                 Some(f) => Ok(f.attr(1)),
                 None => self.attr_of(&st, node),
             };
@@ -398,7 +400,7 @@ impl Fs {
         let version = views::version(st, draws);
         let make = || {
             let made = views::make(st, path).map(Arc::new);
-            if let Err(why) = &made {
+            if let Err(ViewError::Invalid(why)) = &made {
                 warn!(view = path, "not a valid checkpoint now: {why}");
             }
             made
@@ -407,6 +409,6 @@ impl Fs {
             true => (*st.view_files.get(path, version, make)).clone(),
             false => make(),
         };
-        made.map_err(FsError::Invalid)
+        made.map_err(FsError::from)
     }
 }

@@ -35,16 +35,17 @@ mod state;
 mod status;
 mod views;
 
+use crate::sync::{LockAnyway, RwLockAnyway};
 use handles::*;
 use state::*;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime};
 
-pub use error::FsError;
+pub use error::{FsError, UnmountError};
 pub use files::TensorFile;
 use names::{METADATA_FILE, NAME_MAX, VIEWS_DIR};
 use tracing::{info, warn};
@@ -217,10 +218,6 @@ pub struct Fs {
     read_bytes: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Fs {
     pub fn new(source: Source, settings: Settings, staging: Arc<Staging>) -> Fs {
         let mut fixed = Vec::new();
@@ -282,11 +279,11 @@ impl Fs {
     }
 
     fn read_state(&self) -> RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(|p| p.into_inner())
+        self.state.read_anyway()
     }
 
     fn write_state(&self) -> RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|p| p.into_inner())
+        self.state.write_anyway()
     }
 
     pub fn settings(&self) -> &Settings {
@@ -330,7 +327,7 @@ impl Fs {
         // Views looked up before are of source files a commit may have
         // replaced: do not keep those open and mapped.
         let st = self.read_state();
-        lock(&self.looked_up).retain(|_, f| {
+        self.looked_up.lock_anyway().retain(|_, f| {
             f.whole_source().is_some_and(|s| {
                 st.checkpoints
                     .iter()
@@ -343,7 +340,9 @@ impl Fs {
     /// The bytes that open descriptors and the checkpoints' edited objects
     /// read: an in-place commit leaves their ranges of a source alone.
     fn held_bytes(&self, st: &State) -> Vec<crate::source::Bytes> {
-        let mut held: Vec<crate::source::Bytes> = lock(&self.handles)
+        let mut held: Vec<crate::source::Bytes> = self
+            .handles
+            .lock_anyway()
             .open
             .values()
             .flat_map(|h| match h {
@@ -386,28 +385,27 @@ impl Fs {
     /// The unmount's policy: commit what is staged; if that cannot be done,
     /// keep the edits on disk (staging files and journal) for the next mount.
     /// Returns what happened, for the log.
-    pub fn unmount(&self) -> Result<(), String> {
+    pub fn unmount(&self) -> Result<(), UnmountError> {
         let result = if !self.is_dirty() {
             Ok(())
         } else if let Some(why) = self.tainted() {
-            Err(CommitError::Tainted { why }.to_string())
+            Err(FsError::Commit(CommitError::Tainted { why }))
         } else {
             self.commit(CommitOptions::default(), self.settings.owner)
                 .map(|lines| lines.iter().for_each(|l| info!("at unmount: {l}")))
-                .map_err(|e| e.to_string())
         };
         match &result {
             Ok(()) if !self.is_dirty() => self.staging.remove(),
             _ => self.keep_edits(),
         }
-        result.map_err(|e| {
-            format!(
-                "commit at unmount failed: {e}. The source is unchanged; the staged edits are kept in {} \
-                 and the next `stfs mount` of this source takes them back (`stfs status` then lists them)",
-                self.staging
-                    .current()
-                    .map_or("(no staging folder)".into(), |d| d.path().display().to_string())
-            )
+        result.map_err(|source| UnmountError {
+            source,
+            kept: self
+                .staging
+                .current()
+                .map_or("(no staging folder)".into(), |d| {
+                    d.path().display().to_string()
+                }),
         })
     }
 

@@ -3,6 +3,7 @@
 //! checkpoint directory.
 
 use super::*;
+use crate::sync::LockAnyway;
 
 /// A file or directory, as an inode number decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,7 +158,11 @@ impl State {
             return Ok(self.fixed[(ino - 1) as usize]);
         }
         if ino & VIEW_BIT != 0 {
-            let path = lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)?;
+            let path = self
+                .view_inos
+                .lock_anyway()
+                .path(ino)
+                .ok_or(FsError::NotFound)?;
             return match views::find(self, &path) {
                 Some(_) => Ok(Node::Views(ino)),
                 None => Err(FsError::NotFound),
@@ -221,12 +226,15 @@ impl State {
 
     /// The path below `__views__` of view inode `ino`.
     pub(super) fn view_path(&self, ino: Ino) -> Result<Arc<str>, FsError> {
-        lock(&self.view_inos).path(ino).ok_or(FsError::NotFound)
+        self.view_inos
+            .lock_anyway()
+            .path(ino)
+            .ok_or(FsError::NotFound)
     }
 
     /// The inode of `path` below `__views__`.
     pub(super) fn view_ino(&self, path: &str) -> Ino {
-        lock(&self.view_inos).ino(path)
+        self.view_inos.lock_anyway().ino(path)
     }
 
     /// The modification time of the views of checkpoint `target` (None: of
@@ -252,7 +260,7 @@ impl State {
     pub(super) fn whole_ino(&self, source: &SourceFile) -> Option<Ino> {
         source.file()?;
         let key = (source.stat().dev, source.stat().ino);
-        let mut inos = lock(&self.whole_inos);
+        let mut inos = self.whole_inos.lock_anyway();
         let next = WHOLE_BIT + inos.len() as Ino;
         Some(*inos.entry(key).or_insert(next))
     }
@@ -338,7 +346,7 @@ impl State {
     /// it is, in a table of the hashed names made again when names change.
     pub(super) fn hashed_name(&self, c: usize, stem: &str) -> Option<String> {
         let live = self.live(c);
-        let mut tables = lock(&self.hashed);
+        let mut tables = self.hashed.lock_anyway();
         let (gen, table) = tables.entry(c).or_insert((u64::MAX, HashMap::new()));
         if *gen != live.names_gen() {
             *table = live

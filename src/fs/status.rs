@@ -1,6 +1,7 @@
 //! What `stfs status` shows, and prefetching a tensor.
 
 use super::*;
+use crate::sync::LockAnyway;
 
 pub(super) fn plural(n: usize) -> &'static str {
     if n == 1 {
@@ -104,7 +105,7 @@ impl Fs {
             caller,
         } = req;
         self.allowed(caller, "prefetch")?;
-        let object = match lock(&self.handles).open.get(&fh) {
+        let object = match self.handles.lock_anyway().open.get(&fh) {
             Some(Handle::Data { object, .. }) => Some(object.clone()),
             _ => None,
         };
@@ -159,7 +160,9 @@ impl Fs {
                 let buffer = crate::prefetch::cuda::to_device(device, &backing, keep_going)?;
                 done.bytes = nbytes;
                 done.ipc = Some((buffer.ipc_handle, buffer.len() as u64));
-                if let Some(Handle::Data { device, .. }) = lock(&self.handles).open.get_mut(&fh) {
+                if let Some(Handle::Data { device, .. }) =
+                    self.handles.lock_anyway().open.get_mut(&fh)
+                {
                     device.push(buffer);
                 }
             }

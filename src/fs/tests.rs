@@ -1,3 +1,4 @@
+use crate::errno::ToErrno;
 use std::path::Path;
 
 use super::*;
@@ -52,7 +53,7 @@ fn staging_beside(path: &Path) -> Arc<Staging> {
 }
 
 fn errno<T: std::fmt::Debug>(r: Result<T, FsError>) -> i32 {
-    r.expect_err("an error").errno()
+    r.expect_err("an error").to_errno()
 }
 
 fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
@@ -360,7 +361,7 @@ fn invalid_meta_is_kept_and_refused_at_commit() {
         "{status}"
     );
     let e = fs.commit(Default::default(), 0).unwrap_err();
-    assert_eq!(e.errno(), libc::EINVAL);
+    assert_eq!(e.to_errno(), libc::EINVAL);
     assert!(e.to_string().contains("tensor \"a\""), "{e}");
     assert_eq!(std::fs::read(&path).unwrap(), before);
 }

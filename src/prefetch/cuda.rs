@@ -31,37 +31,32 @@ const SLAB: usize = 16 << 20;
 const WORKERS: usize = 4;
 
 /// Why a CUDA prefetch failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     /// No driver library on this machine (ENODEV).
+    #[error("{0}")]
     NoDriver(String),
     /// No such device, or the driver did not initialize (ENODEV).
+    #[error("{0}")]
     NoDevice(String),
     /// The device allocation failed (ENOMEM).
+    #[error("{0}")]
     OutOfMemory(String),
     /// Another driver call failed (EIO).
+    #[error("{0}")]
     Driver(String),
     /// Reading the tensor's bytes failed, or the caller went away.
-    Io(std::io::Error),
+    #[error("reading the tensor: {0}")]
+    Io(#[source] std::io::Error),
 }
 
-impl std::fmt::Display for CudaError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl crate::errno::ToErrno for CudaError {
+    fn to_errno(&self) -> i32 {
         match self {
-            CudaError::NoDriver(m)
-            | CudaError::NoDevice(m)
-            | CudaError::OutOfMemory(m)
-            | CudaError::Driver(m) => f.write_str(m),
-            CudaError::Io(e) => write!(f, "reading the tensor: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for CudaError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            CudaError::Io(e) => Some(e),
-            _ => None,
+            CudaError::NoDriver(_) | CudaError::NoDevice(_) => libc::ENODEV,
+            CudaError::OutOfMemory(_) => libc::ENOMEM,
+            CudaError::Driver(_) => libc::EIO,
+            CudaError::Io(e) => e.to_errno(),
         }
     }
 }

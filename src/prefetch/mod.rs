@@ -3,8 +3,8 @@
 
 pub mod cuda;
 
+use crate::sync::LockAnyway;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -48,15 +48,8 @@ pub fn to_page_cache(
             return Ok((reached - offset, cached));
         }
     };
-    // SAFETY: plain advice on a valid descriptor.
-    unsafe {
-        libc::posix_fadvise(
-            file.as_raw_fd(),
-            (base + start) as i64,
-            (end - start) as i64,
-            libc::POSIX_FADV_WILLNEED,
-        )
-    };
+    let len = std::num::NonZeroU64::new(end - start);
+    let _ = rustix::fs::fadvise(file, base + start, len, rustix::fs::Advice::WillNeed);
     let chunks = (end - start).div_ceil(CHUNK);
     let workers = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
@@ -83,7 +76,7 @@ pub fn to_page_cache(
                         let from = start + i * CHUNK;
                         let to = (from + CHUNK).min(end);
                         read_range(file, base, from, to, sparse, &mut buf)?;
-                        finished.lock().unwrap_or_else(|p| p.into_inner())[i as usize] = true;
+                        finished.lock_anyway()[i as usize] = true;
                     }
                 })
             })
@@ -103,8 +96,10 @@ pub fn to_page_cache(
     let resident = if sparse {
         // Only the data segments can hold pages.
         let (mut pos, stop, mut sum) = (base + start, base + reached, 0);
-        while let Some(data) = seek(file, pos, libc::SEEK_DATA).filter(|&d| d < stop) {
-            let hole = seek(file, data, libc::SEEK_HOLE).unwrap_or(stop).min(stop);
+        while let Some(data) = seek(file, rustix::fs::SeekFrom::Data(pos)).filter(|&d| d < stop) {
+            let hole = seek(file, rustix::fs::SeekFrom::Hole(data))
+                .unwrap_or(stop)
+                .min(stop);
             sum += resident_bytes(file, data, hole - data)?;
             pos = hole;
         }
@@ -127,13 +122,15 @@ fn read_range(
     let (mut pos, stop) = (base + from, base + to);
     while pos < stop {
         if sparse {
-            match seek(file, pos, libc::SEEK_DATA) {
+            match seek(file, rustix::fs::SeekFrom::Data(pos)) {
                 Some(data) if data < stop => pos = data,
                 _ => return Ok(()), // only a hole (or the end) is left
             }
         }
         let hole = if sparse {
-            seek(file, pos, libc::SEEK_HOLE).unwrap_or(stop).min(stop)
+            seek(file, rustix::fs::SeekFrom::Hole(pos))
+                .unwrap_or(stop)
+                .min(stop)
         } else {
             stop
         };
@@ -150,11 +147,10 @@ fn read_range(
     Ok(())
 }
 
-fn seek(file: &File, pos: u64, whence: i32) -> Option<u64> {
-    // SAFETY: lseek on a valid descriptor; the position is not shared with
-    // anything that depends on it (reads use pread).
-    let r = unsafe { libc::lseek(file.as_raw_fd(), pos as i64, whence) };
-    (r >= 0).then_some(r as u64)
+/// lseek with SEEK_DATA or SEEK_HOLE; the position is not shared with
+/// anything that depends on it (reads use pread).
+fn seek(file: &File, to: rustix::fs::SeekFrom) -> Option<u64> {
+    rustix::fs::seek(file, to).ok()
 }
 
 /// Bytes of a file range that are in the page cache (mincore on a temporary

@@ -5,7 +5,6 @@
 
 use std::ffi::CString;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 
 use super::local::FileStat;
 
@@ -106,46 +105,30 @@ pub fn narrowest(stats: &[FileStat]) -> Option<FileStat> {
 }
 
 fn get_xattr(file: &File, name: &str) -> Option<Vec<u8>> {
-    let cname = CString::new(name).ok()?;
     let mut buf = vec![0u8; 256];
     loop {
-        // SAFETY: fgetxattr into a buffer of the given length.
-        let n = unsafe {
-            libc::fgetxattr(
-                file.as_raw_fd(),
-                cname.as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
-        if n >= 0 {
-            buf.truncate(n as usize);
-            return Some(buf);
+        match rustix::fs::fgetxattr(file, name, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Some(buf);
+            }
+            Err(rustix::io::Errno::RANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            Err(_) => return None, // none (ENODATA), or a filesystem without xattrs
         }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ERANGE) && buf.len() < 1 << 20 {
-            buf.resize(buf.len() * 4, 0);
-            continue;
-        }
-        return None; // none (ENODATA), or a filesystem without xattrs
     }
 }
 
 fn list_xattrs(file: &File) -> Vec<CString> {
     let mut buf = vec![0u8; 1024];
     loop {
-        // SAFETY: flistxattr into a buffer of the given length.
-        let n = unsafe { libc::flistxattr(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n >= 0 {
-            buf.truncate(n as usize);
-            break;
+        match rustix::fs::flistxattr(file, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                break;
+            }
+            Err(rustix::io::Errno::RANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            Err(_) => return Vec::new(),
         }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ERANGE) && buf.len() < 1 << 20 {
-            buf.resize(buf.len() * 4, 0);
-            continue;
-        }
-        return Vec::new();
     }
     buf.split(|&b| b == 0)
         .filter(|n| !n.is_empty())
@@ -169,18 +152,9 @@ pub fn copy_xattrs(from: &File, to: &File) -> Vec<String> {
         let Some(value) = get_xattr(from, &shown) else {
             continue;
         };
-        // SAFETY: fsetxattr with a NUL-terminated name and a value buffer.
-        let r = unsafe {
-            libc::fsetxattr(
-                to.as_raw_fd(),
-                name.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
-        if r != 0 {
-            missed.push(format!("{shown} ({})", std::io::Error::last_os_error()));
+        let flags = rustix::fs::XattrFlags::empty();
+        if let Err(e) = rustix::fs::fsetxattr(to, name.as_c_str(), &value, flags) {
+            missed.push(format!("{shown} ({})", std::io::Error::from(e)));
         }
     }
     missed
@@ -253,22 +227,12 @@ mod tests {
         let from = File::open(&a).unwrap();
         let big = vec![7u8; 3000];
         let set = |name: &str, value: &[u8]| {
-            let name = CString::new(name).unwrap();
-            // SAFETY: fsetxattr with a NUL-terminated name and a value buffer.
-            unsafe {
-                libc::fsetxattr(
-                    from.as_raw_fd(),
-                    name.as_ptr(),
-                    value.as_ptr().cast(),
-                    value.len(),
-                    0,
-                )
-            }
+            rustix::fs::fsetxattr(&from, name, value, rustix::fs::XattrFlags::empty())
         };
-        if set("user.big", &big) != 0 {
+        if set("user.big", &big).is_err() {
             return; // a filesystem without user xattrs
         }
-        assert_eq!(set("user.small", b"s"), 0);
+        set("user.small", b"s").unwrap();
         let to = std::fs::OpenOptions::new().write(true).open(&b).unwrap();
         assert!(copy_xattrs(&from, &to).is_empty());
         assert_eq!(get_xattr(&to, "user.big").unwrap(), big);

@@ -242,36 +242,32 @@ pub fn copy_range(
     mut to_off: u64,
     len: u64,
 ) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     let mut left = len;
     while left > 0 {
-        let mut off_in = from_off as libc::loff_t;
-        let mut off_out = to_off as libc::loff_t;
+        let mut off_in = from_off;
+        let mut off_out = to_off;
         let chunk = left.min(1 << 30) as usize;
-        // SAFETY: valid fds and offset pointers; the kernel bounds the copy.
-        let n = unsafe {
-            libc::copy_file_range(
-                from.as_raw_fd(),
-                &mut off_in,
-                to.as_raw_fd(),
-                &mut off_out,
-                chunk,
-                0,
-            )
+        let err = match rustix::fs::copy_file_range(
+            from,
+            Some(&mut off_in),
+            to,
+            Some(&mut off_out),
+            chunk,
+        ) {
+            Ok(0) => {
+                return Err(short_read(
+                    "the file ended before the tensor did (truncated behind the mount?)",
+                ))
+            }
+            Ok(n) => {
+                let n = n as u64;
+                left -= n;
+                from_off += n;
+                to_off += n;
+                continue;
+            }
+            Err(e) => std::io::Error::from(e),
         };
-        if n > 0 {
-            let n = n as u64;
-            left -= n;
-            from_off += n;
-            to_off += n;
-            continue;
-        }
-        if n == 0 {
-            return Err(short_read(
-                "the file ended before the tensor did (truncated behind the mount?)",
-            ));
-        }
-        let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
                 return copy_by_buffer(from, from_off, to, to_off, left);

@@ -8,10 +8,11 @@
 //! and a folder that is a link, or not owned by the daemon's user, or open to
 //! others, is refused.
 
+use crate::sync::LockAnyway;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
 
-use super::local::{cstr, Folder};
+use super::local::Folder;
 use super::Bytes;
 
 /// Descriptors of staging files kept open at once.
@@ -40,6 +41,16 @@ pub enum StagingError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl crate::errno::ToErrno for StagingError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            StagingError::Io { source, .. } => source.to_errno(),
+            StagingError::Unsafe { .. } => libc::EACCES,
+            StagingError::Busy { .. } => libc::EBUSY,
+        }
+    }
 }
 
 pub struct StagingDir {
@@ -68,15 +79,12 @@ impl StagingDir {
         };
         for _ in 0..100 {
             let name = OsString::from(format!(".{stem}.stfs-{}", random_suffix()));
-            let c = cstr(&name).map_err(io)?;
-            // SAFETY: valid directory fd and NUL-terminated name; mkdirat fails
-            // if anything (a link included) already has the name.
-            if unsafe { libc::mkdirat(parent.fd.as_raw_fd(), c.as_ptr(), 0o700) } == 0 {
-                return StagingDir::adopt(parent, &name);
-            }
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EEXIST) {
-                return Err(io(e));
+            // mkdirat fails if anything (a link included) already has the name.
+            let mode = rustix::fs::Mode::from_raw_mode(0o700);
+            match rustix::fs::mkdirat(&parent.fd, &name, mode) {
+                Ok(()) => return StagingDir::adopt(parent, &name),
+                Err(rustix::io::Errno::EXIST) => continue,
+                Err(e) => return Err(io(e.into())),
             }
         }
         Err(io(std::io::Error::from_raw_os_error(libc::EEXIST)))
@@ -96,28 +104,21 @@ impl StagingDir {
             path: path.clone(),
             source,
         };
-        let c = cstr(name).map_err(io)?;
-        // SAFETY: valid directory fd and NUL-terminated name.
-        let fd = unsafe {
-            libc::openat(
-                parent.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::ELOOP | libc::ENOTDIR) => StagingError::Unsafe {
+        let flags = rustix::fs::OFlags::RDONLY
+            | rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC;
+        let dir = match rustix::fs::openat(&parent.fd, name, flags, rustix::fs::Mode::empty()) {
+            Ok(dir) => dir,
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
+                return Err(StagingError::Unsafe {
                     path,
                     why: "a symbolic link or not a folder".into(),
-                },
-                _ => io(e),
-            });
-        }
-        // SAFETY: openat returned a fresh descriptor we now own.
-        let dir = unsafe { OwnedFd::from_raw_fd(fd) };
-        let st = fstat(&dir).map_err(io)?;
+                })
+            }
+            Err(e) => return Err(io(e.into())),
+        };
+        let st = rustix::fs::fstat(&dir).map_err(|e| io(e.into()))?;
         if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
             return Err(StagingError::Unsafe {
                 path,
@@ -139,14 +140,11 @@ impl StagingDir {
                 ),
             });
         }
-        // SAFETY: flock on a valid descriptor; held until it is closed.
-        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                StagingError::Busy { path }
-            } else {
-                io(e)
-            });
+        // Held until the descriptor is closed.
+        match rustix::fs::flock(&dir, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => return Err(StagingError::Busy { path }),
+            Err(e) => return Err(io(e.into())),
         }
         let staging = StagingDir {
             path: path.clone(),
@@ -214,7 +212,7 @@ impl StagingDir {
             let number = self.next_file.fetch_add(1, Ordering::Relaxed);
             match self.open(number, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL) {
                 Ok(file) => {
-                    lock(&self.open_files).put(number, Arc::new(file));
+                    self.open_files.lock_anyway().put(number, Arc::new(file));
                     return Ok(Arc::new(StagedFile {
                         dir: self.clone(),
                         number,
@@ -250,12 +248,12 @@ impl StagingDir {
         let number = staged_number(OsStr::new(name))
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
         let file = self.open(number, libc::O_RDWR)?;
-        let st = fstat(&file)?;
+        let st = rustix::fs::fstat(&file)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != euid() {
             return Err(std::io::Error::from_raw_os_error(libc::EPERM));
         }
         let len = st.st_size as u64;
-        lock(&self.open_files).put(number, Arc::new(file));
+        self.open_files.lock_anyway().put(number, Arc::new(file));
         Ok(Arc::new(StagedFile {
             dir: self.clone(),
             number,
@@ -266,29 +264,19 @@ impl StagingDir {
 
     fn open(&self, number: u64, flags: i32) -> std::io::Result<File> {
         let name = format!("s{number}");
-        let c = cstr(OsStr::new(&name))?;
-        // SAFETY: valid directory fd and NUL-terminated name.
-        let fd = unsafe {
-            libc::openat(
-                self.dir.as_raw_fd(),
-                c.as_ptr(),
-                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                0o600 as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: openat returned a fresh descriptor we now own.
-        Ok(unsafe { File::from_raw_fd(fd) })
+        let flags = super::local::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        let mode = rustix::fs::Mode::from_raw_mode(0o600);
+        Ok(File::from(rustix::fs::openat(
+            &self.dir, name, flags, mode,
+        )?))
     }
 
     fn file(&self, number: u64) -> std::io::Result<Arc<File>> {
-        if let Some(f) = lock(&self.open_files).get(&number) {
+        if let Some(f) = self.open_files.lock_anyway().get(&number) {
             return Ok(f.clone());
         }
         let file = Arc::new(self.open(number, libc::O_RDWR)?);
-        lock(&self.open_files).put(number, file.clone());
+        self.open_files.lock_anyway().put(number, file.clone());
         Ok(file)
     }
 
@@ -318,19 +306,13 @@ impl StagingDir {
     /// Removes the folder and every file in it. Only for a folder this daemon
     /// created or adopted (checked at `adopt`).
     pub fn remove(&self) -> std::io::Result<()> {
-        lock(&self.open_files).clear();
+        self.open_files.lock_anyway().clear();
         let folder = self.folder()?;
         for name in self.list()? {
             folder.unlink(&name)?;
         }
-        let c = cstr(&self.name)?;
-        // SAFETY: valid directory fd and NUL-terminated name.
-        if unsafe { libc::unlinkat(self.parent.fd.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR) }
-            != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        let flags = rustix::fs::AtFlags::REMOVEDIR;
+        Ok(rustix::fs::unlinkat(&self.parent.fd, &self.name, flags)?)
     }
 }
 
@@ -340,16 +322,6 @@ fn staged_number(name: &OsStr) -> Option<u64> {
         return None;
     }
     s.parse().ok()
-}
-
-fn fstat(fd: &impl AsRawFd) -> std::io::Result<libc::stat> {
-    // SAFETY: zeroed stat is a valid out-parameter.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid descriptor and a sized out-parameter.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st)
 }
 
 fn random_suffix() -> String {
@@ -368,10 +340,6 @@ fn random_suffix() -> String {
             (if d < 10 { b'0' + d } else { b'a' + d - 10 }) as char
         })
         .collect()
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One staging file. It is removed when the last reference goes (unless the
@@ -459,7 +427,7 @@ impl StagedFile {
 
 impl Drop for StagedFile {
     fn drop(&mut self) {
-        lock(&self.dir.open_files).pop(&self.number);
+        self.dir.open_files.lock_anyway().pop(&self.number);
         if !self.dir.keep.load(Ordering::Relaxed) {
             if let Ok(folder) = self.dir.folder() {
                 let _ = folder.unlink(OsStr::new(&self.name()));

@@ -179,6 +179,8 @@ def test_refusals_from_another_user_do_not_flood_the_log(shared, user, mount, st
     refused = [line for line in log.splitlines() if "commit is for the user who mounted" in line]
     assert 10 <= len(refused) < 100, len(refused)
     assert "similar lines left out of the log" in log or len(refused) >= 20
+    # Each line says the request (op, inode, handle) and the errno it got.
+    assert all('request{op="commit" ino=1' in line and "(errno 13)" in line for line in refused), refused[:3]
 
 
 def test_json_buffers_are_bounded(tmp_path, mount, run):

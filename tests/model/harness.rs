@@ -2,6 +2,7 @@
 //! and to the model, and the checks that they agree.
 
 use super::*;
+use stfs::errno::ToErrno;
 
 pub(super) struct Mounted {
     pub(super) fs: Option<Fs>,
@@ -40,7 +41,10 @@ impl Mounted {
 
     /// A file's bytes read through a new descriptor, 5 bytes at a time.
     pub(super) fn cat(&self, ino: Ino) -> Result<Vec<u8>, i32> {
-        let o = self.fs().open(ino, false, false).map_err(|e| e.errno())?;
+        let o = self
+            .fs()
+            .open(ino, false, false)
+            .map_err(|e| e.to_errno())?;
         let mut out = Vec::new();
         let result = loop {
             match self
@@ -49,7 +53,7 @@ impl Mounted {
             {
                 Ok(chunk) if chunk.is_empty() => break Ok(out),
                 Ok(chunk) => out.extend(chunk),
-                Err(e) => break Err(e.errno()),
+                Err(e) => break Err(e.to_errno()),
             }
         };
         self.fs().release(o.fh).unwrap();
@@ -218,7 +222,7 @@ pub(super) fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
 pub(super) fn errno<T, E: std::borrow::Borrow<stfs::fs::FsError>>(r: Result<T, E>) -> i32 {
     match r {
         Ok(_) => 0,
-        Err(e) => e.borrow().errno(),
+        Err(e) => e.borrow().to_errno(),
     }
 }
 

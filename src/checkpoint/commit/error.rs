@@ -3,52 +3,75 @@
 use super::*;
 
 /// Something a commit refuses, with the tensor it is about.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", match tensor {
+    Some(t) => format!("tensor {t:?} {rule}"),
+    None => rule.clone(),
+})]
 pub struct Problem {
     pub tensor: Option<String>,
     pub rule: String,
 }
 
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.tensor {
-            Some(t) => write!(f, "tensor {t:?} {}", self.rule),
-            None => f.write_str(&self.rule),
-        }
-    }
-}
-
 /// Why a commit did not happen. In every case the source is untouched and
 /// the staged edits are kept.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum CommitError {
     /// Edits that would not make a valid checkpoint (EINVAL).
+    #[error("{}", refused_text(file, problems))]
     Refused {
         file: PathBuf,
         problems: Vec<Problem>,
     },
     /// The source changed behind the mount (ESTALE); `--force` overrides.
+    #[error(
+        "{}: the source changed since it was mounted (another program wrote or replaced it); \
+         commit refused: commit with --force to overwrite it, or unmount with --discard",
+        file.display()
+    )]
     Conflict { file: PathBuf },
     /// Another commit of the same files did not end in time (EBUSY).
+    #[error(
+        "{}: another commit of this file (by another mount) has not ended in {} s; try again",
+        file.display(),
+        LOCK_WAIT.as_secs()
+    )]
     Busy { file: PathBuf },
     /// Another program opened the file just as an in-place commit was about
     /// to write it: nothing changed (EAGAIN).
+    #[error(
+        "{}: another program opened it as the commit was about to write it in place; \
+         nothing changed and the edits are staged: commit again",
+        file.display()
+    )]
     Opened { file: PathBuf },
     /// The mount does not commit any more (EIO): a request handler
     /// panicked, or a commit failed half-way; `why` says which.
+    #[error(
+        "{why}: commit refused, this mount commits no more. The staged edits are kept on \
+         disk: unmount, mount again (the edits are taken back from the journal, an \
+         interrupted commit is finished) and review them with stfs status"
+    )]
     Tainted { why: String },
     /// Writing the new file failed (ENOSPC, EIO, ...).
+    #[error("{what}: {source}")]
     Io {
         what: String,
         source: std::io::Error,
     },
     /// The staging folder (for the journal and the record of renames).
-    Staging(StagingError),
+    #[error("{0}")]
+    Staging(#[source] StagingError),
     /// The source cannot be written (a remote object) (EROFS).
+    #[error(
+        "{}: a remote source is read-only (stfs does not write to object stores yet)",
+        file.display()
+    )]
     ReadOnly { file: PathBuf },
     /// The commit failed after a file of it began to change: `landed` of
     /// its `total` files landed; `file` is refused by every reader until the
     /// next mount completes the commit from its record (the errno of `source`).
+    #[error("{}", not_landed_text(file, *landed, *total, *refused, source))]
     NotLanded {
         file: PathBuf,
         landed: usize,
@@ -56,120 +79,89 @@ pub enum CommitError {
         /// Whether `file` is left refused by every reader (an in-place
         /// commit that had begun); else it is unchanged.
         refused: bool,
+        #[source]
         source: Box<CommitError>,
     },
     /// A discard on a mount whose commit did not land: its staging folder
     /// holds the record the next mount completes (EIO).
+    #[error(
+        "{why}: discard refused, this mount commits no more, and its staging folder holds \
+         the record that completes that commit: unmount it with a plain `umount` and mount \
+         the source again with stfs"
+    )]
     DiscardRefused { why: String },
     /// A discard ran while this commit waited for it: nothing was committed
     /// (ECANCELED).
+    #[error(
+        "nothing committed: the staged edits were discarded (stfs umount --discard) while \
+         this commit waited for that discard to end"
+    )]
     Discarded,
     /// A commit ran while this discard waited for it: the edits it would
     /// have dropped are in the files now (ECANCELED).
+    #[error(
+        "nothing discarded: a commit that ran while this discard waited for it wrote the \
+         staged edits into the files"
+    )]
     CommittedFirst,
 }
 
-impl fmt::Display for CommitError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl crate::errno::ToErrno for CommitError {
+    fn to_errno(&self) -> i32 {
         match self {
-            CommitError::Refused { file, problems } => {
-                if let [one] = &problems[..] {
-                    return write!(f, "{}: {one}", file.display());
-                }
-                write!(
-                    f,
-                    "{}: commit refused, {} problems:",
-                    file.display(),
-                    problems.len()
-                )?;
-                for p in problems.iter().take(20) {
-                    write!(f, "\n  {p}")?;
-                }
-                if problems.len() > 20 {
-                    write!(f, "\n  ... and {} more (stfs status lists them all)", problems.len() - 20)?;
-                }
-                Ok(())
-            }
-            CommitError::Conflict { file } => write!(
-                f,
-                "{}: the source changed since it was mounted (another program wrote or replaced it); \
-                 commit refused: commit with --force to overwrite it, or unmount with --discard",
-                file.display()
-            ),
-            CommitError::Busy { file } => write!(
-                f,
-                "{}: another commit of this file (by another mount) has not ended in {} s; try again",
-                file.display(),
-                LOCK_WAIT.as_secs()
-            ),
-            CommitError::Opened { file } => write!(
-                f,
-                "{}: another program opened it as the commit was about to write it in place; \
-                 nothing changed and the edits are staged: commit again",
-                file.display()
-            ),
-            CommitError::Tainted { why } => write!(
-                f,
-                "{why}: commit refused, this mount commits no more. The staged edits are kept on \
-                 disk: unmount, mount again (the edits are taken back from the journal, an \
-                 interrupted commit is finished) and review them with stfs status"
-            ),
-            CommitError::DiscardRefused { why } => write!(
-                f,
-                "{why}: discard refused, this mount commits no more, and its staging folder holds \
-                 the record that completes that commit: unmount it with a plain `umount` and mount \
-                 the source again with stfs"
-            ),
-            CommitError::Io { what, source } => write!(f, "{what}: {source}"),
-            CommitError::Staging(e) => write!(f, "{e}"),
-            CommitError::ReadOnly { file } => write!(
-                f,
-                "{}: a remote source is read-only (stfs does not write to object stores yet)",
-                file.display()
-            ),
-            CommitError::NotLanded {
-                file,
-                landed,
-                total,
-                refused,
-                source,
-            } => {
-                write!(
-                    f,
-                    "{}: the commit did not land ({landed} of its {total} files landed): {source}. ",
-                    file.display()
-                )?;
-                f.write_str(match refused {
-                    true => "Every reader refuses this file until the commit is completed",
-                    false => "This file is unchanged, the files that landed before it are written",
-                })?;
-                f.write_str(
-                    "; the record and the staged edits are kept on disk, and this mount commits \
-                     no more: unmount it with a plain `umount` and mount the source again with \
-                     stfs (after making room, if the disk was full), which completes the commit",
-                )
-            }
-            CommitError::Discarded => f.write_str(
-                "nothing committed: the staged edits were discarded (stfs umount --discard) while \
-                 this commit waited for that discard to end",
-            ),
-            CommitError::CommittedFirst => f.write_str(
-                "nothing discarded: a commit that ran while this discard waited for it wrote the \
-                 staged edits into the files",
-            ),
+            CommitError::Refused { .. } => libc::EINVAL,
+            CommitError::Conflict { .. } => libc::ESTALE,
+            CommitError::Busy { .. } => libc::EBUSY,
+            CommitError::Opened { .. } => libc::EAGAIN,
+            CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,
+            CommitError::Io { source, .. } => source.to_errno(),
+            CommitError::Staging(e) => e.to_errno(),
+            CommitError::ReadOnly { .. } => libc::EROFS,
+            CommitError::NotLanded { source, .. } => source.to_errno(),
+            CommitError::Discarded | CommitError::CommittedFirst => libc::ECANCELED,
         }
     }
 }
 
-impl std::error::Error for CommitError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            CommitError::Io { source, .. } => Some(source),
-            CommitError::Staging(e) => Some(e),
-            CommitError::NotLanded { source, .. } => Some(source),
-            _ => None,
-        }
+fn refused_text(file: &std::path::Path, problems: &[Problem]) -> String {
+    if let [one] = problems {
+        return format!("{}: {one}", file.display());
     }
+    let mut text = format!(
+        "{}: commit refused, {} problems:",
+        file.display(),
+        problems.len()
+    );
+    for p in problems.iter().take(20) {
+        text.push_str(&format!("\n  {p}"));
+    }
+    if problems.len() > 20 {
+        let more = problems.len() - 20;
+        text.push_str(&format!(
+            "\n  ... and {more} more (stfs status lists them all)"
+        ));
+    }
+    text
+}
+
+fn not_landed_text(
+    file: &std::path::Path,
+    landed: usize,
+    total: usize,
+    refused: bool,
+    source: &CommitError,
+) -> String {
+    let state = match refused {
+        true => "Every reader refuses this file until the commit is completed",
+        false => "This file is unchanged, the files that landed before it are written",
+    };
+    format!(
+        "{}: the commit did not land ({landed} of its {total} files landed): {source}. {state}\
+         ; the record and the staged edits are kept on disk, and this mount commits no more: \
+         unmount it with a plain `umount` and mount the source again with stfs (after making \
+         room, if the disk was full), which completes the commit",
+        file.display()
+    )
 }
 
 impl From<crate::checkpoint::EditError> for CommitError {

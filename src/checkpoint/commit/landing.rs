@@ -3,6 +3,7 @@
 //! and lands them all.
 
 use super::*;
+use crate::sync::LockAnyway;
 
 /// A new file written beside its target, not yet renamed over it.
 pub struct Written {
@@ -51,7 +52,7 @@ impl Written {
             Err(e) => return Err(err(e)),
         }
         let out = self.folder.stat_at(&self.tmp).map_err(err)?;
-        if out.st_dev == expected.dev && out.st_ino == expected.ino {
+        if out.dev == expected.dev && out.ino == expected.ino {
             let _ = self.folder.unlink(&self.tmp);
             return Ok(());
         }
@@ -244,7 +245,7 @@ pub struct InPlaceJob {
 
 impl InPlaceJob {
     pub(super) fn run(&self, dir: &Folder) -> Result<(), in_place::ApplyError> {
-        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let lease = self.lease.lock_anyway().take();
         if !lease.as_ref().is_some_and(Lease::holds) {
             return Err(in_place::ApplyError {
                 marked: false,
@@ -293,7 +294,7 @@ impl InPlaceJob {
             }
             other => other,
         };
-        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = landed;
+        *self.landed.lock_anyway() = landed;
         drop(lease); // opens that waited go on, and see the new file
                      // (A test pauses here to write as another program would.)
         let _ = crate::testpoint::point("in-place:unleased");

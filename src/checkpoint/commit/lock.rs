@@ -2,6 +2,7 @@
 //! one source commit one at a time.
 
 use super::*;
+use crate::source::local::FolderError;
 
 /// How long a commit waits for another commit of the same files.
 pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -24,8 +25,7 @@ pub type LockTarget = (Arc<Folder>, OsString, Option<Arc<File>>);
 impl Drop for CommitLock {
     fn drop(&mut self) {
         for f in &self.0 {
-            // SAFETY: flock of a valid descriptor.
-            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+            let _ = rustix::fs::flock(f, rustix::fs::FlockOperation::Unlock);
         }
     }
 }
@@ -34,23 +34,26 @@ impl Drop for CommitLock {
 pub(super) fn home_of(uid: u32) -> Option<PathBuf> {
     let mut buf = vec![0 as libc::c_char; 16384];
     loop {
-        // SAFETY: zeroed passwd is a valid out-parameter.
-        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
-        let mut found: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: getpwuid_r with an out-parameter, a buffer of its length,
-        // and a result pointer; the strings it sets point into `buf`.
-        let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        // No safe wrapper reads the password database through NSS.
+        // SAFETY: getpwuid_r fills a zeroed (valid) passwd whose strings
+        // point into `buf`, of the length given; pw_dir is read only when the
+        // call succeeded and set it, while `buf` is alive.
+        let (r, dir) = unsafe {
+            let mut pw: libc::passwd = std::mem::zeroed();
+            let mut found: *mut libc::passwd = std::ptr::null_mut();
+            let r = libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found);
+            let ok = r == 0 && !found.is_null() && !pw.pw_dir.is_null();
+            (
+                r,
+                ok.then(|| std::ffi::CStr::from_ptr(pw.pw_dir).to_bytes().to_vec()),
+            )
+        };
         if r == libc::ERANGE && buf.len() < 1 << 20 {
             buf.resize(buf.len() * 4, 0);
             continue;
         }
-        if r != 0 || found.is_null() || pw.pw_dir.is_null() {
-            return None;
-        }
-        // SAFETY: pw_dir is a NUL-terminated string in `buf`, alive here.
-        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
-        use std::os::unix::ffi::OsStrExt;
-        let dir = PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes()));
+        use std::os::unix::ffi::OsStringExt;
+        let dir = PathBuf::from(std::ffi::OsString::from_vec(dir?));
         return dir.is_absolute().then_some(dir);
     }
 }
@@ -60,27 +63,29 @@ pub(super) fn home_of(uid: u32) -> Option<PathBuf> {
 /// environment, so that every session of a user (a shell, cron, `sudo -u`)
 /// finds the same: `/run/user/UID/stfs/locks` where that folder exists,
 /// else `~/.local/state/stfs/locks` of the user's home in the password database.
-pub(super) fn lock_folder() -> Result<Folder, String> {
+pub(super) fn lock_folder() -> Result<Folder, FolderError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let euid = rustix::process::geteuid().as_raw();
     let run = PathBuf::from(format!("/run/user/{euid}"));
     let base = match std::fs::symlink_metadata(&run) {
         Ok(m) if m.is_dir() && m.uid() == euid && m.mode() & 0o077 == 0 => run,
         _ => home_of(euid)
-            .ok_or(format!("no home folder for uid {euid}"))?
+            .ok_or_else(|| FolderError::refused(&run, format!("no home folder for uid {euid}")))?
             .join(".local/state"),
     };
     let dir = base.join("stfs").join("locks");
-    let what = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(&dir)
-        .map_err(|e| what(&e))?;
-    let folder = Folder::open_private(&dir).map_err(|e| what(&e))?;
-    let st = folder.stat().map_err(|e| what(&e))?;
+        .map_err(FolderError::io(&dir))?;
+    let folder = Folder::open_private(&dir).map_err(FolderError::io(&dir))?;
+    let st = folder.stat().map_err(FolderError::io(&dir))?;
     if st.uid != euid || st.mode & 0o077 != 0 {
-        return Err(what(&"not a private folder of this user's"));
+        return Err(FolderError::refused(
+            &dir,
+            "not a private folder of this user's",
+        ));
     }
     Ok(folder)
 }
@@ -94,7 +99,7 @@ impl CommitLock {
             let path = folder.path.join(name);
             let mine = own.as_ref().and_then(|f| FileStat::of(f).ok());
             let key = match folder.stat_at(name) {
-                Ok(st) => (st.st_dev, st.st_ino),
+                Ok(st) => (st.dev, st.ino),
                 // Gone (the plan says what that means): the file it was.
                 Err(_) => match mine {
                     Some(m) => (m.dev, m.ino),
@@ -127,10 +132,10 @@ impl CommitLock {
                     continue;
                 }
             };
-            // SAFETY: a valid descriptor.
-            while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            let exclusive = rustix::fs::FlockOperation::NonBlockingLockExclusive;
+            while let Err(e) = rustix::fs::flock(&file, exclusive) {
+                if e != rustix::io::Errno::WOULDBLOCK {
+                    let e = std::io::Error::from(e);
                     warn!(file = %path.display(), "cannot lock it for the commit: {e}");
                     break;
                 }

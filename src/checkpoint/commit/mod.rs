@@ -29,8 +29,8 @@ pub use landing::*;
 pub use lock::*;
 pub use ways::*;
 
+use crate::sync::LockAnyway;
 use std::ffi::OsString;
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -146,12 +146,7 @@ impl Live {
             .folder()
             .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
         let same = match folder.stat_at(self.source.file_name()) {
-            Ok(now) => {
-                now.st_dev == mapped.dev
-                    && now.st_ino == mapped.ino
-                    && now.st_size as u64 == mapped.len
-                    && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
-            }
+            Ok(now) => now.same_version(mapped),
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
             Err(e) => return Err(io_err(file.display().to_string())(e)),
         };
@@ -264,11 +259,8 @@ impl Live {
         let specs = self.commit_specs(&members);
         let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).ok()?;
         let unchanged = self.source.folder().is_some_and(|f| {
-            f.stat_at(self.source.file_name()).is_ok_and(|now| {
-                let mapped = self.source.stat();
-                (now.st_dev, now.st_ino, now.st_size as u64) == (mapped.dev, mapped.ino, mapped.len)
-                    && (now.st_mtime, now.st_mtime_nsec) == mapped.mtime
-            })
+            f.stat_at(self.source.file_name())
+                .is_ok_and(|now| now.same_version(self.source.stat()))
         });
         // A lease is taken and let go at once: the answer is for now.
         let (layout, way) = choose(&NewState {
@@ -311,7 +303,7 @@ impl Live {
                 SourceFile::committed(&self.source, file, writable, header, written.stat)
             }
             Landing::InPlace(job) => {
-                let landed = job.landed.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let landed = job.landed.lock_anyway().take();
                 let landed = landed.ok_or_else(|| CommitError::Io {
                     what: what(),
                     source: std::io::Error::other("the in-place commit left no version"),
@@ -525,10 +517,7 @@ impl CommitPlan {
                     .expect("many")
                     .file()
                     .map_err(&what)?;
-                // SAFETY: syncfs of a valid descriptor.
-                if unsafe { libc::syncfs(any.as_raw_fd()) } != 0 {
-                    return Err(what(std::io::Error::last_os_error()));
-                }
+                rustix::fs::syncfs(&*any).map_err(|e| what(e.into()))?;
             } else {
                 for s in staged.values() {
                     s.sync().map_err(&what)?;

@@ -2,6 +2,7 @@
 //! seams"): each plans a new state or says why it cannot.
 
 use super::*;
+use crate::checkpoint::Declined;
 
 /// How a plan writes its file: one of the ways (docs/SEMANTICS.md, "The ways").
 // One per plan: the size of a variant does not matter.
@@ -117,7 +118,7 @@ pub struct NewState<'a> {
 /// A way of committing a checkpoint (docs/ARCHITECTURE.md, "The seams"): its plan for a new state
 /// (the new file's layout, and what landing it takes), or why it cannot.
 pub trait CommitWay: Sync {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String>;
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined>;
 }
 
 /// The ways, cheapest first: the planner takes the first that can.
@@ -138,8 +139,8 @@ pub(super) fn choose(new: &NewState) -> (Layout, Way) {
                 return (layout, Way::SharedExtents { why, block, shared });
             }
             Ok(plan) => return plan,
-            Err(why) if why_not.contains(&why) => {}
-            Err(why) => why_not.push(why),
+            Err(Declined(why)) if why_not.contains(&why) => {}
+            Err(Declined(why)) => why_not.push(why),
         }
     }
     unreachable!("a rewrite can always commit")
@@ -149,7 +150,7 @@ pub(super) fn choose(new: &NewState) -> (Layout, Way) {
 pub(super) struct InPlaceWay;
 
 impl CommitWay for InPlaceWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
         if new.options.compact {
             return Err("--compact".into());
         }
@@ -164,7 +165,7 @@ impl CommitWay for InPlaceWay {
         use std::os::unix::fs::MetadataExt;
         let links = file.metadata().map_err(|e| e.to_string())?.nlink();
         if links != 1 {
-            return Err(format!("it has {links} links"));
+            return Err(format!("it has {links} links").into());
         }
         let mut held = vec![false; source.header().tensors.len()];
         for b in new.held {
@@ -204,7 +205,7 @@ impl CommitWay for InPlaceWay {
 pub(super) struct SharedExtentsWay;
 
 impl CommitWay for SharedExtentsWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
         if new.options.compact {
             return Err("--compact".into());
         }
@@ -289,7 +290,7 @@ impl CommitWay for SharedExtentsWay {
 pub(super) struct RewriteWay;
 
 impl CommitWay for RewriteWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), String> {
+    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
         let mut layout = new.reference.clone();
         if !new.options.compact {
             leave_room(&mut layout);

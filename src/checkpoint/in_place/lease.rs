@@ -13,7 +13,7 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub fn take(file: &Arc<File>) -> Result<Lease, String> {
+    pub fn take(file: &Arc<File>) -> Result<Lease, crate::checkpoint::Declined> {
         // An open by another program sends the holder SIGIO, whose default
         // action kills: stfs asks F_GETLEASE instead (`unbroken`).
         static IGNORE_SIGIO: std::sync::Once = std::sync::Once::new();
@@ -25,8 +25,8 @@ impl Lease {
         if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) } != 0 {
             let e = std::io::Error::last_os_error();
             return Err(match e.raw_os_error() {
-                Some(libc::EAGAIN) => "another program has it open or mapped".to_string(),
-                _ => format!("no write lease on it ({e})"),
+                Some(libc::EAGAIN) => "another program has it open or mapped".into(),
+                _ => format!("no write lease on it ({e})").into(),
             });
         }
         Ok(Lease {

@@ -31,12 +31,19 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
+use crate::checkpoint::recover::RecoveryError;
+use crate::checkpoint::Declined;
 use crate::format::{
     byte_len, header_bytes, Dtype, Header, Layout, Metadata, Tensors, IN_PLACE_MARKER, PREFIX_LEN,
 };
 use crate::source::local::Folder;
 use crate::source::{copy_range, Bytes, FileStat, SourceFile};
 use crate::testpoint::point;
+
+/// Why a redo record cannot be trusted: checked before anything is written.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRecord(String);
 
 /// A range of the new file and where its bytes come from.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -85,7 +92,7 @@ pub fn layout<'a>(
     metadata: Option<&Metadata>,
     held: &[bool],
     block: Option<u64>,
-) -> Result<InPlaceLayout, String> {
+) -> Result<InPlaceLayout, Declined> {
     let old = source.header();
     let n_old = old.tensors.len();
     // Offsets in the file as it is now (earlier in-place commits may have
@@ -107,12 +114,13 @@ pub fn layout<'a>(
                     "tensor {:?} comes from another file ({})",
                     spec(k).0,
                     src.path().display()
-                ));
+                )
+                .into());
             }
             let i = *i as usize;
             let t = old.tensors.get(i);
             if len_of(k)? != t.nbytes() {
-                return Err(format!("tensor {:?} changes size", spec(k).0));
+                return Err(format!("tensor {:?} changes size", spec(k).0).into());
             }
             if t.nbytes() == 0 {
                 continue; // no bytes to keep: placed at the end
@@ -184,14 +192,15 @@ pub fn layout<'a>(
                 "tensor {:?}'s old bytes are still read (an open descriptor, or another shard), and \
                  writing in place would change them",
                 t.name
-            ));
+            ).into());
         }
         if t.data_offsets.1 <= kept_end {
             return Err(format!(
                 "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one \
                  of another size)",
                 t.name
-            ));
+            )
+            .into());
         }
     }
     // 4. Everything else goes at the end, in name order.
@@ -231,7 +240,8 @@ pub fn layout<'a>(
             return Err(format!(
                 "the header grows past its space ({needed} bytes, {room} there) and this \
                  filesystem cannot insert blocks at a file's start (ext4 and XFS can)"
-            ));
+            )
+            .into());
         };
         // Whole blocks, with room to spare for the next edits (as a rewrite leaves).
         let want = needed + (needed / 4).max(4096) - room;
@@ -276,7 +286,8 @@ pub fn layout<'a>(
                 return Err(format!(
                     "tensor {:?}'s bytes are not in a staging file of the mount",
                     spec(k).0
-                ))
+                )
+                .into())
             }
         };
         bytes += stop - start;
@@ -482,18 +493,22 @@ impl InPlaceRecord {
         header: &[u8],
         len: u64,
         staged_len: &dyn Fn(&str) -> std::io::Result<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), BadRecord> {
         // (A record of a version before the seal has none: its structure is checked.)
         if !self.sum.is_empty() && self.sum != self.digest(header) {
-            return Err(
-                "its checksum does not match: changed or cut short since it was made".into(),
-            );
+            let why = "its checksum does not match: changed or cut short since it was made";
+            return Err(BadRecord(why.into()));
         }
-        let parsed = Header::parse_prefix(header, self.after_len)
-            .map_err(|e| format!("its new header is not valid for the new length: {e}"))?;
+        let parsed = Header::parse_prefix(header, self.after_len).map_err(|e| {
+            BadRecord(format!(
+                "its new header is not valid for the new length: {e}"
+            ))
+        })?;
         let header_end = header.len() as u64;
         if parsed.data_start() != header_end || self.header_write > header_end {
-            return Err("its new header's length disagrees with its data".into());
+            return Err(BadRecord(
+                "its new header's length disagrees with its data".into(),
+            ));
         }
         // The old bytes end here once the insertion is done; appends, then
         // the cut, take the file to its new length.
@@ -503,10 +518,10 @@ impl InPlaceRecord {
             old_end.max(self.after_len),
         );
         if len < low || len > high {
-            return Err(format!(
+            return Err(BadRecord(format!(
                 "the file is {len} bytes, which no step of this commit leaves (from {} to {})",
                 self.before.len, self.after_len
-            ));
+            )));
         }
         // Copies within the file read old data that no write of the commit
         // changes and no cut removes, so that doing them again reads the same.
@@ -517,36 +532,42 @@ impl InPlaceRecord {
             .map(|w| (w.at, w.at.saturating_add(w.len)))
             .collect();
         for w in &self.writes {
-            let end = w.at.checked_add(w.len).ok_or("a range past any file")?;
+            let end =
+                w.at.checked_add(w.len)
+                    .ok_or_else(|| BadRecord("a range past any file".into()))?;
             if w.at < header_end || end > self.after_len {
-                return Err(format!(
+                return Err(BadRecord(format!(
                     "a write of {} bytes at {} falls outside the new data section ({header_end}..{})",
                     w.len, w.at, self.after_len
-                ));
+                )));
             }
             match &w.from {
                 WriteFrom::Here { offset } => {
-                    let from_end = offset.checked_add(w.len).ok_or("a range past any file")?;
+                    let from_end = offset
+                        .checked_add(w.len)
+                        .ok_or_else(|| BadRecord("a range past any file".into()))?;
                     let outside = *offset < old_data.max(header_end)
                         || from_end > old_end.min(self.after_len);
                     if outside || written.iter().any(|&(a, b)| *offset < b && a < from_end) {
-                        return Err(format!(
+                        return Err(BadRecord(format!(
                             "a copy of {} bytes from {offset} reads outside the old data the commit keeps",
                             w.len
-                        ));
+                        )));
                     }
                 }
                 WriteFrom::Staged { file } => {
                     if file.contains('/') || file.is_empty() || file == "." || file == ".." {
-                        return Err(format!("{file:?} is not a plain name of a staging file"));
+                        return Err(BadRecord(format!(
+                            "{file:?} is not a plain name of a staging file"
+                        )));
                     }
-                    let have =
-                        staged_len(file).map_err(|e| format!("its staging file {file}: {e}"))?;
+                    let have = staged_len(file)
+                        .map_err(|e| BadRecord(format!("its staging file {file}: {e}")))?;
                     if have < w.len {
-                        return Err(format!(
+                        return Err(BadRecord(format!(
                             "its staging file {file} holds {have} bytes, not the {} it writes",
                             w.len
-                        ));
+                        )));
                     }
                 }
             }
@@ -771,7 +792,7 @@ impl InPlaceRecord {
     /// was writing (old, marked, or written but for its time), and says what
     /// it did. `dir` is the staging folder holding the record. An error says
     /// whether the record must stay (the file is still refused by readers).
-    pub fn complete(&self, dir: &Folder) -> Result<Option<String>, (String, bool)> {
+    pub fn complete(&self, dir: &Folder) -> Result<Option<String>, (RecoveryError, bool)> {
         self.try_complete(dir).map_err(|why| {
             let refused = Folder::open(&self.folder)
                 .and_then(|f| f.open_file(OsStr::new(&self.name), libc::O_RDONLY, 0))
@@ -784,7 +805,7 @@ impl InPlaceRecord {
         })
     }
 
-    fn try_complete(&self, dir: &Folder) -> Result<Option<String>, String> {
+    fn try_complete(&self, dir: &Folder) -> Result<Option<String>, RecoveryError> {
         let path = self.folder.join(&self.name);
         let plain = !self.name.is_empty()
             && !self.name.contains('/')
@@ -793,13 +814,14 @@ impl InPlaceRecord {
             && self.folder.is_absolute()
             && !self.header_file.contains('/');
         if !plain {
-            return Err(format!(
+            return Err(RecoveryError::Refused(format!(
                 "{}: not a plain name in a redo record",
                 path.display()
-            ));
+            )));
         }
-        let io = |e: std::io::Error| {
-            format!("{}: completing an interrupted commit: {e}", path.display())
+        let io = |source: std::io::Error| RecoveryError::Io {
+            what: format!("{}: completing an interrupted commit", path.display()),
+            source,
         };
         let folder = Folder::open(&self.folder).map_err(io)?;
         let file = folder
@@ -807,10 +829,10 @@ impl InPlaceRecord {
             .map_err(io)?;
         let st = FileStat::of(&file).map_err(io)?;
         if (st.dev, st.ino) != (self.before.dev, self.before.ino) {
-            return Err(format!(
+            return Err(RecoveryError::Refused(format!(
                 "{}: replaced since an in-place commit of it was interrupted: its record is dropped",
                 path.display()
-            ));
+            )));
         }
         let marked = crate::format::interrupted_in_place(st.len, |b, p| file.read_at(b, p));
         if !marked && st.len == self.after_len && st.mtime == self.after_mtime {
@@ -822,10 +844,10 @@ impl InPlaceRecord {
             .map_err(io)?;
         std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
         if header.len() < PREFIX_LEN as usize {
-            return Err(format!(
+            return Err(RecoveryError::Refused(format!(
                 "{}: a redo record without a header",
                 path.display()
-            ));
+            )));
         }
         // The whole record is checked before any of it is used.
         let open_staged = |name: &str| -> std::io::Result<Arc<File>> {
@@ -872,12 +894,12 @@ impl InPlaceRecord {
             } else {
                 "the file is left as it is"
             };
-            format!(
+            RecoveryError::Refused(format!(
                 "{}: the record of an interrupted in-place commit does not hold ({why}): not \
                  applied; {state} (the record: {})",
                 path.display(),
                 dir.path.display()
-            )
+            ))
         })?;
         if only_time {
             self.finish_time(&file).map_err(io)?;
@@ -887,11 +909,11 @@ impl InPlaceRecord {
             )));
         }
         if !(marked || unchanged) {
-            return Err(format!(
+            return Err(RecoveryError::Refused(format!(
                 "{}: changed by another program since an in-place commit of it was interrupted: \
                  left as it is, its record is dropped",
                 path.display()
-            ));
+            )));
         }
         let insert = |len| crate::source::local::insert_range(&file, len);
         let collapse = |len| crate::source::local::collapse_range(&file, len);
@@ -928,40 +950,26 @@ pub fn sha256_hex(parts: &[&[u8]]) -> String {
 /// Allocates the blocks of `len` bytes at `at` without changing the size
 /// (a filesystem that cannot: nothing to do, its writes allocate).
 fn reserve(file: &File, at: u64, len: u64) -> std::io::Result<()> {
-    // SAFETY: fallocate on a valid descriptor.
-    let r = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_KEEP_SIZE,
-            at as libc::off_t,
-            len as libc::off_t,
-        )
-    };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
-            return Err(e);
-        }
+    use rustix::io::Errno;
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::KEEP_SIZE, at, len) {
+        Ok(()) | Err(Errno::OPNOTSUPP | Errno::NOSYS) => Ok(()),
+        Err(e) => Err(e.into()),
     }
-    Ok(())
 }
 
 fn set_mtime(file: &File, (s, ns): (i64, i64)) -> std::io::Result<()> {
-    let times = [
-        libc::timespec {
+    use rustix::fs::{Timespec, Timestamps, UTIME_OMIT};
+    let times = Timestamps {
+        last_access: Timespec {
             tv_sec: 0,
-            tv_nsec: libc::UTIME_OMIT,
+            tv_nsec: UTIME_OMIT,
         },
-        libc::timespec {
-            tv_sec: s as libc::time_t,
-            tv_nsec: ns as libc::c_long,
+        last_modification: Timespec {
+            tv_sec: s,
+            tv_nsec: ns as _,
         },
-    ];
-    // SAFETY: futimens on a valid descriptor with two timespecs.
-    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    };
+    Ok(rustix::fs::futimens(file, &times)?)
 }
 
 #[cfg(test)]

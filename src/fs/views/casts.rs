@@ -3,7 +3,7 @@
 //! checkpoint is a `cp`.
 
 use super::export::{draws, make_view, name_of, target_named, targets};
-use super::{numbered, Draws, Entry, Found, ViewFolder};
+use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
 use crate::fs::State;
@@ -41,12 +41,12 @@ impl ViewFolder for Casts {
         numbered(targets(st).into_iter().map(|t| (name_of(st, t), false)))
     }
 
-    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
         let [cast, name] = path else {
-            return Err("not a view".into());
+            return Err(ViewError::NotAView);
         };
-        let cast = cast_named(cast).ok_or("not a view")?;
-        let t = target_named(st, name).ok_or("not a view")?;
+        let cast = cast_named(cast).ok_or(ViewError::NotAView)?;
+        let t = target_named(st, name).ok_or(ViewError::NotAView)?;
         make_view(st, t, Some(cast))
     }
 }

@@ -3,7 +3,7 @@
 //! own name and `merged.safetensors`, all shards in one file, on a folder
 //! mount), and a folder mount's index files as a commit would rewrite them.
 
-use super::{Draws, Entry, Found, ViewFolder};
+use super::{Draws, Entry, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
 use crate::fs::{FsError, State};
@@ -61,10 +61,13 @@ pub fn tensors_of(
         Vec<crate::checkpoint::view::ViewTensor>,
         Option<crate::format::Metadata>,
     ),
-    String,
+    ViewError,
 > {
     if let Some(c) = target {
-        return st.live(c).view_tensors();
+        return st
+            .live(c)
+            .view_tensors()
+            .map_err(|p| ViewError::Invalid(p.to_string()));
     }
     let mut all = Vec::new();
     let mut metadata: Option<crate::format::Metadata> = None;
@@ -82,15 +85,19 @@ pub fn tensors_of(
         }
     }
     if let Some(p) = st.in_two_shards().first() {
-        return Err(p.to_string());
+        return Err(ViewError::Invalid(p.to_string()));
     }
     Ok((all, metadata))
 }
 
 /// The view of `target`, cast.
-pub fn make_view(st: &State, target: Target, cast: Option<Dtype>) -> Result<GeneratedFile, String> {
+pub fn make_view(
+    st: &State,
+    target: Target,
+    cast: Option<Dtype>,
+) -> Result<GeneratedFile, ViewError> {
     let (tensors, metadata) = tensors_of(st, target)?;
-    GeneratedFile::safetensors(tensors, metadata.as_ref(), cast).map_err(|e| e.to_string())
+    Ok(GeneratedFile::safetensors(tensors, metadata.as_ref(), cast).map_err(|e| e.to_string())?)
 }
 
 /// Index file `i` as a commit would rewrite it now: every shard's
@@ -99,7 +106,10 @@ fn index_view(st: &State, i: usize) -> Result<Vec<u8>, FsError> {
     let mut weight_map = serde_json::Map::new();
     let mut total = 0;
     for m in &st.checkpoints {
-        let (tensors, _) = m.live.view_tensors().map_err(FsError::Invalid)?;
+        let (tensors, _) = m
+            .live
+            .view_tensors()
+            .map_err(|p| FsError::Invalid(p.to_string()))?;
         for t in tensors {
             total += t.bytes.len();
             weight_map.insert(t.name, format!("{}.safetensors", m.dir_name).into());
@@ -139,18 +149,18 @@ impl ViewFolder for Export {
         Vec::new() // (files only)
     }
 
-    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
         let [name] = path else {
-            return Err("not a view".into());
+            return Err(ViewError::NotAView);
         };
         if let Some(t) = target_named(st, name) {
             return make_view(st, t, None);
         }
-        let i = index_named(st, name).ok_or("not a view")?;
+        let i = index_named(st, name).ok_or(ViewError::NotAView)?;
         match index_view(st, i) {
             Ok(bytes) => Ok(GeneratedFile::text(bytes)),
-            Err(FsError::Invalid(why)) => Err(why),
-            Err(e) => Err(e.to_string()),
+            Err(FsError::Invalid(why)) => Err(ViewError::Invalid(why)),
+            Err(e) => Err(ViewError::Invalid(e.to_string())),
         }
     }
 }

@@ -10,6 +10,7 @@ mod export;
 mod npy;
 mod reshard;
 
+use crate::sync::LockAnyway;
 use std::any::Any;
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -49,6 +50,33 @@ pub struct Entry {
     pub offset: u64,
 }
 
+/// Why a view's file cannot be made.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ViewError {
+    /// The path names no file of the view (ENOENT).
+    #[error("not a view")]
+    NotAView,
+    /// The state the view shows is not a valid checkpoint now: what a
+    /// commit would refuse (EINVAL).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<String> for ViewError {
+    fn from(why: String) -> ViewError {
+        ViewError::Invalid(why)
+    }
+}
+
+impl From<ViewError> for crate::fs::FsError {
+    fn from(e: ViewError) -> crate::fs::FsError {
+        match e {
+            ViewError::NotAView => crate::fs::FsError::NotFound,
+            ViewError::Invalid(why) => crate::fs::FsError::Invalid(why),
+        }
+    }
+}
+
 /// One folder of `__views__` (or, for `export`, the files at its top).
 pub trait ViewFolder: Sync {
     /// The names it shows in `__views__`.
@@ -60,7 +88,7 @@ pub trait ViewFolder: Sync {
     fn list(&self, st: &State, path: &[&str], from: u64) -> Vec<Entry>;
     /// File `path`, made for the state now; why not (what a commit would
     /// refuse) if the state is not a valid checkpoint.
-    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String>;
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError>;
     /// Why folder `path` cannot be listed now (the state is one a commit
     /// would refuse, and what it holds depends on it): its listing is
     /// EINVAL, as its files' reads are, so `cp -r` fails instead of copying
@@ -122,10 +150,10 @@ pub fn refuses(st: &State, path: &str) -> Option<String> {
 }
 
 /// File `path`, made now.
-pub fn make(st: &State, path: &str) -> Result<GeneratedFile, String> {
+pub fn make(st: &State, path: &str) -> Result<GeneratedFile, ViewError> {
     let parts = split(path);
     let f = parts.first().and_then(|first| folder_of(st, first));
-    f.ok_or("not a view")?.make(st, &parts)
+    f.ok_or(ViewError::NotAView)?.make(st, &parts)
 }
 
 /// Whether file `path` may be kept until the state it draws on changes.
@@ -218,7 +246,7 @@ impl Memo {
         version: u64,
         make: impl FnOnce() -> T,
     ) -> Arc<T> {
-        let lock = || self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let lock = || self.0.lock_anyway();
         if let Some((v, kept)) = lock().get(key) {
             if *v == version {
                 if let Ok(t) = kept.clone().downcast::<T>() {

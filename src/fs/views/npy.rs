@@ -2,7 +2,7 @@
 //! folder per shard on a folder mount). A tensor is listed while it has
 //! bytes and a valid meta that agree.
 
-use super::{numbered, Draws, Entry, Found, ViewFolder};
+use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::checkpoint::Id;
 use crate::fs::files::TensorFile;
@@ -84,10 +84,12 @@ impl ViewFolder for Npy {
         }
     }
 
-    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
-        let (name, folder) = path.split_last().ok_or("not a view")?;
-        let c = checkpoint_of(st, folder).flatten().ok_or("not a view")?;
-        let (_, t) = file_named(st, c, name).ok_or("not a view")?;
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
+        let (name, folder) = path.split_last().ok_or(ViewError::NotAView)?;
+        let c = checkpoint_of(st, folder)
+            .flatten()
+            .ok_or(ViewError::NotAView)?;
+        let (_, t) = file_named(st, c, name).ok_or(ViewError::NotAView)?;
         Ok(GeneratedFile::npy(t))
     }
 

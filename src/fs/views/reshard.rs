@@ -18,7 +18,7 @@
 //! `save_pretrained`.
 
 use super::export::tensors_of;
-use super::{numbered, Draws, Entry, Found, ViewFolder};
+use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::State;
 use std::sync::Arc;
@@ -82,13 +82,13 @@ struct Split {
 
 /// The split at `max` of the state now, made once per state (every lookup,
 /// `stat` and read of the folder's files asks for it).
-fn split(st: &State, max: u64) -> Arc<Result<Split, String>> {
+fn split(st: &State, max: u64) -> Arc<Result<Split, ViewError>> {
     let version = super::version(st, Draws::All);
     st.view_memo
         .get(&format!("reshard/{max}"), version, || make_split(st, max))
 }
 
-fn make_split(st: &State, max: u64) -> Result<Split, String> {
+fn make_split(st: &State, max: u64) -> Result<Split, ViewError> {
     let (tensors, metadata) = tensors_of(st, if st.folder.is_some() { None } else { Some(0) })?;
     // In file order of the export view (`model.safetensors`, or
     // `merged.safetensors`): the order `load_file` gives of it.
@@ -233,27 +233,27 @@ impl ViewFolder for Reshard {
             .as_ref()
             .as_ref()
             .err()
-            .cloned()
+            .map(ViewError::to_string)
     }
 
-    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, String> {
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
         let [_, size, name] = path else {
-            return Err("not a view".into());
+            return Err(ViewError::NotAView);
         };
-        let max = parse_size(size).ok_or("not a size")?;
+        let max = parse_size(size).ok_or(ViewError::NotAView)?;
         let split = split(st, max);
         let split = split.as_ref().as_ref().map_err(Clone::clone)?;
         if *name == INDEX {
-            let index = split.index.clone().ok_or("no index")?;
+            let index = split.index.clone().ok_or(ViewError::NotAView)?;
             return Ok(GeneratedFile::text(index));
         }
         let (_, tensors) = split
             .shards
             .iter()
             .find(|(n, _)| n == name)
-            .ok_or("not a shard")?;
+            .ok_or(ViewError::NotAView)?;
         GeneratedFile::safetensors(tensors.clone(), split.metadata.as_ref(), None)
-            .map_err(|e| e.to_string())
+            .map_err(|e| ViewError::Invalid(e.to_string()))
     }
 }
 

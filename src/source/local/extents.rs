@@ -6,22 +6,17 @@ use super::*;
 
 /// FALLOC_FL_INSERT_RANGE of `len` bytes at offset 0 (ext4 and XFS, whole blocks).
 pub fn insert_range(file: &File, len: u64) -> std::io::Result<()> {
-    shift_range(file, libc::FALLOC_FL_INSERT_RANGE, len)
+    shift_range(file, rustix::fs::FallocateFlags::INSERT_RANGE, len)
 }
 
 /// Takes `len` bytes (whole blocks) off the start of `file`, moving the
 /// rest down: the undoing of `insert_range`.
 pub fn collapse_range(file: &File, len: u64) -> std::io::Result<()> {
-    shift_range(file, libc::FALLOC_FL_COLLAPSE_RANGE, len)
+    shift_range(file, rustix::fs::FallocateFlags::COLLAPSE_RANGE, len)
 }
 
-pub(super) fn shift_range(file: &File, mode: libc::c_int, len: u64) -> std::io::Result<()> {
-    // SAFETY: fallocate on a valid descriptor.
-    let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, 0, len as libc::off_t) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+fn shift_range(file: &File, mode: rustix::fs::FallocateFlags, len: u64) -> std::io::Result<()> {
+    Ok(rustix::fs::fallocate(file, mode, 0, len)?)
 }
 
 pub(super) const EXT4: i64 = 0xEF53;
@@ -32,12 +27,7 @@ pub(super) const BTRFS: i64 = 0x9123_683E;
 
 /// The type (statfs magic) and block size of the filesystem holding `file`.
 pub(super) fn filesystem(file: &File) -> Option<(i64, u64)> {
-    // SAFETY: zeroed statfs is a valid out-parameter.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: fstatfs of a valid descriptor into a sized out-parameter.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
-        return None;
-    }
+    let st = rustix::fs::fstatfs(file).ok()?;
     Some((st.f_type as i64, st.f_bsize as u64))
 }
 

@@ -18,17 +18,7 @@ pub struct FileStat {
 
 impl FileStat {
     pub fn of(file: &File) -> std::io::Result<FileStat> {
-        use std::os::unix::fs::MetadataExt;
-        let m = file.metadata()?;
-        Ok(FileStat {
-            dev: m.dev(),
-            ino: m.ino(),
-            len: m.len(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            mode: m.mode(),
-            uid: m.uid(),
-            gid: m.gid(),
-        })
+        Ok(FileStat::from(&rustix::fs::fstat(file)?))
     }
 
     /// What stands for something remote: `mode`, owned by the user who
@@ -45,6 +35,11 @@ impl FileStat {
         }
     }
 
+    /// The file type bits of `mode` are a regular file's.
+    pub fn is_file(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFREG
+    }
+
     /// Same file, same length, same modification time: the bytes stfs validated.
     pub fn same_version(&self, other: &FileStat) -> bool {
         (self.dev, self.ino, self.len, self.mtime) == (other.dev, other.ino, other.len, other.mtime)
@@ -56,6 +51,51 @@ impl FileStat {
             SystemTime::UNIX_EPOCH + std::time::Duration::new(s as u64, ns as u32)
         } else {
             SystemTime::UNIX_EPOCH
+        }
+    }
+}
+
+impl From<&rustix::fs::Stat> for FileStat {
+    fn from(st: &rustix::fs::Stat) -> FileStat {
+        FileStat {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            len: st.st_size as u64,
+            mtime: (st.st_mtime, st.st_mtime_nsec as i64),
+            mode: st.st_mode,
+            uid: st.st_uid,
+            gid: st.st_gid,
+        }
+    }
+}
+
+/// Why a folder could not be used (a private folder of this user's: the
+/// cache, the commit locks).
+#[derive(Debug, thiserror::Error)]
+pub enum FolderError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not safe to use: a link, another user's, open to others...
+    #[error("{}: {why}", path.display())]
+    Refused { path: PathBuf, why: String },
+}
+
+impl FolderError {
+    pub fn io(path: &Path) -> impl FnOnce(std::io::Error) -> FolderError + '_ {
+        move |source| FolderError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub fn refused(path: &Path, why: impl Into<String>) -> FolderError {
+        FolderError::Refused {
+            path: path.to_path_buf(),
+            why: why.into(),
         }
     }
 }
@@ -97,47 +137,26 @@ impl Folder {
 
     /// The folder's own owner and mode.
     pub fn stat(&self) -> std::io::Result<FileStat> {
-        // SAFETY: dup of a valid descriptor; the File closes the copy.
         let file = File::from(self.fd.try_clone()?);
         FileStat::of(&file)
     }
 
     pub fn chmod(&self, mode: u32) -> std::io::Result<()> {
-        // SAFETY: fchmod of a valid descriptor.
-        if unsafe { libc::fchmod(self.fd.as_raw_fd(), mode as libc::mode_t) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        Ok(rustix::fs::fchmod(
+            &self.fd,
+            rustix::fs::Mode::from_raw_mode(mode),
+        )?)
     }
 
     /// The names in this folder (not "." and ".."), read through its descriptor.
     pub fn entries(&self) -> Vec<OsString> {
-        let Ok(fd) = self.fd.try_clone() else {
+        let Ok(dir) = rustix::fs::Dir::read_from(&self.fd) else {
             return Vec::new();
         };
-        // SAFETY: fdopendir takes ownership of the duplicated descriptor.
-        let dir = unsafe { libc::fdopendir(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
-        if dir.is_null() {
-            return Vec::new();
-        }
-        let mut names = Vec::new();
-        // SAFETY: dir is a valid DIR* until closedir; each entry's name is a
-        // NUL-terminated string valid until the next readdir.
-        unsafe {
-            libc::rewinddir(dir);
-            loop {
-                let entry = libc::readdir(dir);
-                if entry.is_null() {
-                    break;
-                }
-                let name = std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()).to_bytes();
-                if name != b"." && name != b".." {
-                    names.push(OsStr::from_bytes(name).to_os_string());
-                }
-            }
-            libc::closedir(dir);
-        }
-        names
+        dir.map_while(Result::ok)
+            .map(|entry| OsStr::from_bytes(entry.file_name().to_bytes()).to_os_string())
+            .filter(|name| name != "." && name != "..")
+            .collect()
     }
 
     /// Opens `name` in this folder without following a symbolic link there.
@@ -203,23 +222,9 @@ impl Folder {
     }
 
     /// lstat of a name in this folder.
-    pub fn stat_at(&self, name: &OsStr) -> std::io::Result<libc::stat> {
-        let c = cstr(name)?;
-        // SAFETY: zeroed stat is a valid out-parameter.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid directory fd, NUL-terminated name, sized out-parameter.
-        if unsafe {
-            libc::fstatat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                &mut st,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        } != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(st)
+    pub fn stat_at(&self, name: &OsStr) -> std::io::Result<FileStat> {
+        let flags = rustix::fs::AtFlags::SYMLINK_NOFOLLOW;
+        Ok(FileStat::from(&rustix::fs::statat(&self.fd, name, flags)?))
     }
 
     pub fn sync(&self) -> std::io::Result<()> {
@@ -230,7 +235,7 @@ impl Folder {
 }
 
 /// open(2) flags as rustix takes them (the bits are the kernel's).
-pub(super) fn oflags(flags: i32) -> rustix::fs::OFlags {
+pub fn oflags(flags: i32) -> rustix::fs::OFlags {
     rustix::fs::OFlags::from_bits_retain(flags as u32)
 }
 

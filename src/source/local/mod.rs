@@ -9,10 +9,11 @@ mod folder;
 pub use extents::*;
 pub use folder::*;
 
+use crate::sync::{LockAnyway, RwLockAnyway};
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,6 +52,16 @@ pub enum SourceError {
         path.display()
     )]
     Interrupted { path: PathBuf },
+}
+
+impl crate::errno::ToErrno for SourceError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            SourceError::Io { source, .. } => source.to_errno(),
+            SourceError::NotRegular { .. } | SourceError::Format { .. } => libc::EINVAL,
+            SourceError::Interrupted { .. } => libc::EIO,
+        }
+    }
 }
 
 /// Errors that a file of another format typically gets at its first bytes.
@@ -151,13 +162,13 @@ impl Version {
     }
 
     fn view(&self) -> RwLockReadGuard<'_, View> {
-        self.view.read().unwrap_or_else(|p| p.into_inner())
+        self.view.read_anyway()
     }
 
     /// EIO if `range` (the file's offsets now) was overwritten or cut by an
     /// in-place commit after the `SourceFile` numbered `made` was made.
     fn alive(&self, made: u64, range: Range<u64>, path: &Path) -> std::io::Result<()> {
-        let retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        let retired = self.retired.lock_anyway();
         let gone = retired
             .iter()
             .filter(|(before, _)| made < *before)
@@ -285,7 +296,7 @@ impl SourceFile {
         };
         // Mapped again at the file's new length, for every `SourceFile` of it.
         let shift = {
-            let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
+            let mut view = version.view.write_anyway();
             // SAFETY: as in `open`.
             view.map = unsafe { Mmap::map(&**file) }?;
             view.shift
@@ -304,13 +315,9 @@ impl SourceFile {
     pub fn retire(&self, ranges: Vec<Range<u64>>) {
         if let Origin::Local { version, .. } = &self.origin {
             // Taken alone: no read is between its check and its copy.
-            let _view = version.view.write().unwrap_or_else(|p| p.into_inner());
+            let _view = version.view.write_anyway();
             let made = version.made.load(Ordering::SeqCst);
-            version
-                .retired
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((made, ranges));
+            version.retired.lock_anyway().push((made, ranges));
         }
     }
 
@@ -338,7 +345,7 @@ impl SourceFile {
         let Origin::Local { file, version, .. } = &self.origin else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
-        let mut view = version.view.write().unwrap_or_else(|p| p.into_inner());
+        let mut view = version.view.write_anyway();
         shift(file)?;
         // The bytes moved: until they are mapped again, no read may go on.
         view.shift = view.shift.wrapping_add_signed(by);
@@ -408,7 +415,7 @@ impl SourceFile {
     pub fn end_in_place(&self, now: Option<&FileStat>) {
         if let Origin::Local { version, .. } = &self.origin {
             if let Some(now) = now {
-                *version.accepted.lock().unwrap_or_else(|p| p.into_inner()) = (now.len, now.mtime);
+                *version.accepted.lock_anyway() = (now.len, now.mtime);
             }
             version.writing.store(false, Ordering::SeqCst);
         }
@@ -674,7 +681,7 @@ impl SourceFile {
         let Origin::Local { version, made, .. } = &self.origin else {
             return false;
         };
-        let accepted = *version.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        let accepted = *version.accepted.lock_anyway();
         // (The newest `SourceFile` of the file: no in-place commit since.)
         *made + 1 == version.made.load(Ordering::SeqCst)
             && accepted.0 == len
@@ -719,7 +726,7 @@ impl SourceFile {
             return Ok(());
         }
         let now = FileStat::of(file)?;
-        let accepted = *version.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        let accepted = *version.accepted.lock_anyway();
         if (now.len, now.mtime) == accepted {
             return Ok(());
         }

@@ -3,6 +3,8 @@
 //! checked again before every use.
 
 use super::*;
+use crate::source::local::FolderError;
+use crate::sync::LockAnyway;
 
 /// Bytes after a chunk's payload: HMAC-SHA256 (32) of its name and payload
 /// under the cache's key, payload length (8), magic (4).
@@ -17,8 +19,9 @@ pub(super) const KEY_FILE: &str = "key";
 
 /// The cache's key: read from the folder, or made (and the folder's files,
 /// made under another key or planted, removed).
-pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String> {
-    let err = |e: std::io::Error| format!("{}/{KEY_FILE}: {e}", dir.display());
+pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, FolderError> {
+    let key_path = dir.join(KEY_FILE);
+    let err = |e: std::io::Error| FolderError::io(&key_path)(e);
     let euid = rustix::process::geteuid().as_raw();
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
     for _ in 0..3 {
@@ -48,7 +51,7 @@ pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String
         }
         let mut secret = [0u8; 32];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
-            .map_err(|_| format!("{}: no random bytes for the cache's key", dir.display()))?;
+            .map_err(|_| FolderError::refused(dir, "no random bytes for the cache's key"))?;
         let tmp = format!("{KEY_FILE}.tmp.{}", std::process::id());
         let file = folder
             .open_file(
@@ -73,7 +76,7 @@ pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, String
             }
         }
     }
-    Err(format!("{}: the cache's key keeps changing", dir.display()))
+    Err(FolderError::refused(dir, "the cache's key keeps changing"))
 }
 
 /// Something in a cache folder that is not this user's regular file or
@@ -83,11 +86,11 @@ pub(super) fn foreign_entry(folder: &Folder, euid: u32) -> Option<String> {
         let Ok(st) = folder.stat_at(&name) else {
             continue;
         };
-        let kind = st.st_mode & libc::S_IFMT;
+        let kind = st.mode & libc::S_IFMT;
         let shown = name.to_string_lossy();
         let fresh_folder = shown.starts_with(FRESH_PREFIX) && kind == libc::S_IFDIR;
-        if st.st_uid != euid {
-            return Some(format!("{shown:?} of uid {}", st.st_uid));
+        if st.uid != euid {
+            return Some(format!("{shown:?} of uid {}", st.uid));
         }
         if kind != libc::S_IFREG && (!fresh_folder || shown == KEY_FILE) {
             return Some(format!("{shown:?}, not a regular file"));
@@ -101,14 +104,14 @@ pub(super) const FRESH_PREFIX: &str = "private.";
 
 /// The first `<dir>/private.N` that is (or is made) a folder of this user's
 /// closed to others.
-pub(super) fn fresh_private(dir: &Path, euid: u32) -> Result<(Folder, PathBuf), String> {
+pub(super) fn fresh_private(dir: &Path, euid: u32) -> Result<(Folder, PathBuf), FolderError> {
     use std::os::unix::fs::DirBuilderExt;
     for n in 0..64 {
         let path = dir.join(format!("{FRESH_PREFIX}{n}"));
         match std::fs::DirBuilder::new().mode(0o700).create(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Err(e) => return Err(FolderError::io(&path)(e)),
         }
         let Ok(folder) = Folder::open_private(&path) else {
             continue;
@@ -124,10 +127,10 @@ pub(super) fn fresh_private(dir: &Path, euid: u32) -> Result<(Folder, PathBuf), 
             _ => continue,
         }
     }
-    Err(format!(
-        "{}: refused as a cache folder: it holds things of other users that cannot be removed \
+    Err(FolderError::refused(
+        dir,
+        "refused as a cache folder: it holds things of other users that cannot be removed \
          (choose another with --cache-dir)",
-        dir.display()
     ))
 }
 
@@ -155,35 +158,32 @@ pub(super) struct CacheState {
 
 impl DiskCache {
     /// Opens (making it 0700 if needed) a cache folder of this user's.
-    pub fn open(dir: &Path, limit: u64) -> Result<DiskCache, String> {
+    pub fn open(dir: &Path, limit: u64) -> Result<DiskCache, FolderError> {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+            .map_err(FolderError::io(dir))?;
         // Opened once, not through a link; checked and used by that descriptor.
         let folder = Folder::open_private(dir).map_err(|e| {
-            format!(
-                "{}: refused as a cache folder: not a folder, or a symbolic link ({e})",
-                dir.display()
-            )
+            let why = format!("refused as a cache folder: not a folder, or a symbolic link ({e})");
+            FolderError::refused(dir, why)
         })?;
-        let st = folder
-            .stat()
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let st = folder.stat().map_err(FolderError::io(dir))?;
         let euid = rustix::process::geteuid().as_raw();
         if st.uid != euid {
-            return Err(format!(
-                "{}: refused as a cache folder: it belongs to uid {}, not to uid {euid} (choose another with --cache-dir)",
-                dir.display(),
+            let why = format!(
+                "refused as a cache folder: it belongs to uid {}, not to uid {euid} (choose \
+                 another with --cache-dir)",
                 st.uid
-            ));
+            );
+            return Err(FolderError::refused(dir, why));
         }
         if st.mode & 0o077 != 0 {
             folder
                 .chmod(0o700)
-                .map_err(|e| format!("{}: making it private (0700): {e}", dir.display()))?;
+                .map_err(|e| FolderError::refused(dir, format!("making it private (0700): {e}")))?;
             // Anything in it, the key too, may have been planted by another user.
             for name in folder.entries() {
                 let _ = folder.unlink(&name);
@@ -214,11 +214,11 @@ impl DiskCache {
             .filter_map(|name| {
                 let name = name.to_str()?.to_string();
                 let st = folder.stat_at(OsStr::new(&name)).ok()?;
-                if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                if st.mode & libc::S_IFMT != libc::S_IFREG {
                     return None;
                 }
                 if name.ends_with(".chunk") {
-                    Some(((st.st_mtime, st.st_mtime_nsec), name, st.st_size as u64))
+                    Some((st.mtime, name, st.len))
                 } else {
                     if writer_gone(&name) {
                         let _ = folder.unlink(OsStr::new(&name));
@@ -262,7 +262,7 @@ impl DiskCache {
     }
 
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, CacheState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock_anyway()
     }
 
     /// Whether chunk `name` is in the cache (as far as this process knows).
@@ -309,8 +309,17 @@ impl DiskCache {
         let map = Arc::new(map);
         // A file's modification time is its last use: the next mount evicts
         // the least recently used first.
-        // SAFETY: a valid descriptor; null times mean now.
-        unsafe { libc::futimens(file.as_raw_fd(), std::ptr::null()) };
+        let now = rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_NOW,
+        };
+        let _ = rustix::fs::futimens(
+            &file,
+            &rustix::fs::Timestamps {
+                last_access: now,
+                last_modification: now,
+            },
+        );
         let mut st = self.lock();
         st.verified.insert(name.to_string());
         if st.lru.get(name).is_none() {
@@ -418,23 +427,19 @@ impl DiskCache {
 
     /// Whether a fetch of chunk `name` is under way.
     pub(super) fn busy(&self, name: &str) -> bool {
-        self.inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(name)
+        self.inflight.lock_anyway().contains_key(name)
     }
 
     pub(super) fn inflight(&self, name: &str) -> Arc<tokio::sync::OnceCell<Fetched>> {
         self.inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_anyway()
             .entry(name.to_string())
             .or_default()
             .clone()
     }
 
     pub(super) fn done(&self, name: &str, cell: &Arc<tokio::sync::OnceCell<Fetched>>) {
-        let mut m = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.inflight.lock_anyway();
         if m.get(name).is_some_and(|c| Arc::ptr_eq(c, cell)) {
             m.remove(name);
         }
@@ -536,14 +541,13 @@ pub(super) fn writer_gone(name: &str) -> bool {
     let Some(pid) = rest
         .split('.')
         .next()
-        .and_then(|p| p.parse::<libc::pid_t>().ok())
+        .and_then(|p| p.parse::<i32>().ok())
+        .and_then(rustix::process::Pid::from_raw)
     else {
         return false;
     };
-    // SAFETY: signal 0 only checks that the process exists.
-    pid != std::process::id() as libc::pid_t
-        && unsafe { libc::kill(pid, 0) } != 0
-        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    pid != rustix::process::getpid()
+        && rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
 }
 
 /// The MAC of a chunk file: its name, then its payload.

@@ -21,13 +21,14 @@
 
 mod cache;
 mod fetch;
+use crate::errno::{with_causes, ToErrno};
+use crate::sync::LockAnyway;
 pub use cache::*;
 use fetch::*;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -83,6 +84,38 @@ pub enum FetchError {
     Store(String),
     #[error("the local cache: {0}")]
     Cache(String),
+}
+
+impl crate::errno::ToErrno for FetchError {
+    /// A reader (cat, dd) says "Input/output error"; the log says why.
+    fn to_errno(&self) -> i32 {
+        libc::EIO
+    }
+}
+
+/// Why a remote source could not be reached, listed or read at mount.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The URL, or the store's settings, with what is wrong.
+    #[error("{url}: {why}")]
+    Url { url: String, why: String },
+    /// A request to the store failed: the URL and the causes.
+    #[error("{0}")]
+    Request(String),
+    #[error("starting the network runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The local disk cache.
+    #[error(transparent)]
+    Cache(#[from] crate::source::local::FolderError),
+}
+
+impl RemoteError {
+    fn url(url: &str, why: impl Into<String>) -> RemoteError {
+        RemoteError::Url {
+            url: url.to_string(),
+            why: why.into(),
+        }
+    }
 }
 
 /// Whether a source names a remote object.
@@ -144,28 +177,13 @@ fn store_error(url: &str, e: object_store::Error) -> String {
     }
 }
 
-/// An error and the causes under it ("error sending request" says little;
-/// "operation timed out" or "connection refused" under it says what happened).
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let said = c.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 impl Remote {
     /// Connects to the store a URL names: `s3://bucket/key`, `s3://bucket/prefix/`,
     /// `gs://`, `az://`, `https://host/path`. Credentials and settings come from
     /// the standard environment (AWS_*, GOOGLE_*, AZURE_*).
-    pub fn connect(url: &str, opts: &RemoteOptions) -> Result<Location, String> {
-        let parsed = url::Url::parse(url).map_err(|e| format!("{url}: not a URL: {e}"))?;
+    pub fn connect(url: &str, opts: &RemoteOptions) -> Result<Location, RemoteError> {
+        let parsed =
+            url::Url::parse(url).map_err(|e| RemoteError::url(url, format!("not a URL: {e}")))?;
         // A stalled connection fails after `timeout` without data (and is
         // retried within the retry budget); a slow one that keeps sending is
         // waited for, up to ten times as long in all.
@@ -179,9 +197,9 @@ impl Remote {
             ..Default::default()
         };
         if parsed.query().is_some() {
-            return Err(format!(
-                "{url}: a URL with a query string (a presigned URL, a version id) is not supported yet"
-            ));
+            let why =
+                "a URL with a query string (a presigned URL, a version id) is not supported yet";
+            return Err(RemoteError::url(url, why));
         }
         // `s3://bucket` is the bucket's top folder.
         let folder = parsed.path().ends_with('/') || parsed.path().is_empty();
@@ -195,7 +213,9 @@ impl Remote {
                 let profile = super::aws_profile::load();
                 let unset = |var: &str| std::env::var_os(var).is_none();
                 if unset("AWS_ACCESS_KEY_ID") {
-                    if let (Some(id), Some(secret)) = (profile.access_key_id, profile.secret_access_key) {
+                    if let (Some(id), Some(secret)) =
+                        (profile.access_key_id, profile.secret_access_key)
+                    {
                         b = b.with_access_key_id(id).with_secret_access_key(secret);
                         if let Some(token) = profile.session_token {
                             b = b.with_token(token);
@@ -218,7 +238,9 @@ impl Remote {
                         .with_endpoint(ep)
                         .with_virtual_hosted_style_request(false);
                 }
-                let store = b.build().map_err(|e| format!("{url}: {e}"))?;
+                let store = b
+                    .build()
+                    .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 let bucket = parsed.host_str().unwrap_or_default();
                 (
                     Arc::new(store),
@@ -232,9 +254,13 @@ impl Remote {
                     .with_client_options(client)
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| format!("{url}: {e}"))?;
+                    .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 let bucket = parsed.host_str().unwrap_or_default();
-                (Arc::new(store), parsed.path().to_string(), format!("gs://{bucket}"))
+                (
+                    Arc::new(store),
+                    parsed.path().to_string(),
+                    format!("gs://{bucket}"),
+                )
             }
             "az" | "azure" | "abfs" | "abfss" => {
                 let store = object_store::azure::MicrosoftAzureBuilder::from_env()
@@ -242,7 +268,7 @@ impl Remote {
                     .with_client_options(client)
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| format!("{url}: {e}"))?;
+                    .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 let container = parsed.host_str().unwrap_or_default();
                 (
                     Arc::new(store),
@@ -257,12 +283,16 @@ impl Remote {
                     .with_client_options(client.with_allow_http(parsed.scheme() == "http"))
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| format!("{url}: {e}"))?;
+                    .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 (Arc::new(store), parsed.path().to_string(), origin)
             }
             other => {
-                return Err(format!(
-                    "{url}: unknown scheme {other:?} (s3://, gs://, az://, http:// and https:// are known)"
+                return Err(RemoteError::url(
+                    url,
+                    format!(
+                        "unknown scheme {other:?} (s3://, gs://, az://, http:// and https:// are \
+                         known)"
+                    ),
                 ))
             }
         };
@@ -271,10 +301,10 @@ impl Remote {
             .thread_name("stfs-remote")
             .enable_all()
             .build()
-            .map_err(|e| format!("starting the network runtime: {e}"))?;
+            .map_err(RemoteError::Runtime)?;
         let cache = DiskCache::open(&opts.cache_dir, opts.cache_size)?;
-        let path =
-            ObjectPath::from_url_path(path.trim_matches('/')).map_err(|e| format!("{url}: {e}"))?;
+        let path = ObjectPath::from_url_path(path.trim_matches('/'))
+            .map_err(|e| RemoteError::url(url, e.to_string()))?;
         let concurrency = opts.concurrency.max(1);
         Ok(Location {
             remote: Arc::new(Remote {
@@ -329,15 +359,15 @@ impl Remote {
     }
 
     /// The objects in a folder (not below it): (file name, path).
-    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, ObjectPath)>, String> {
+    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, ObjectPath)>, RemoteError> {
         let url = self.url(prefix);
         let f = &self.fetcher;
         self.block_on(async {
             f.requests.fetch_add(1, Ordering::Relaxed);
             let listed = tokio::time::timeout(f.timeout, f.store.list_with_delimiter(Some(prefix)))
                 .await
-                .map_err(|_| format!("{url}: {}", FetchError::TimedOut))?
-                .map_err(|e| store_error(&url, e))?;
+                .map_err(|_| RemoteError::Request(format!("{url}: {}", FetchError::TimedOut)))?
+                .map_err(|e| RemoteError::Request(store_error(&url, e)))?;
             Ok(listed
                 .objects
                 .into_iter()
@@ -349,7 +379,7 @@ impl Remote {
     }
 
     /// A whole (small) object: an index file.
-    pub fn get_all(&self, path: &ObjectPath) -> Result<Vec<u8>, String> {
+    pub fn get_all(&self, path: &ObjectPath) -> Result<Vec<u8>, RemoteError> {
         let url = self.url(path);
         let f = &self.fetcher;
         self.block_on(async {
@@ -357,8 +387,8 @@ impl Remote {
             let got =
                 tokio::time::timeout(f.timeout, async { f.store.get(path).await?.bytes().await })
                     .await
-                    .map_err(|_| format!("{url}: {}", FetchError::TimedOut))?
-                    .map_err(|e| store_error(&url, e))?;
+                    .map_err(|_| RemoteError::Request(format!("{url}: {}", FetchError::TimedOut)))?
+                    .map_err(|e| RemoteError::Request(store_error(&url, e)))?;
             Ok(got.to_vec())
         })
     }
@@ -635,7 +665,7 @@ impl RemoteObject {
         } else {
             warn!(url = self.url, "{what}: {e}");
         }
-        std::io::Error::from_raw_os_error(libc::EIO)
+        std::io::Error::from_raw_os_error(e.to_errno())
     }
 
     /// Read-ahead, by tensor: a read of a tensor's first bytes fetches its
@@ -652,7 +682,7 @@ impl RemoteObject {
         last: usize,
     ) {
         let todo = {
-            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            let mut streams = self.streams.lock_anyway();
             let s = streams.get_or_insert_mut(tensor, || Stream {
                 next: u64::MAX,
                 window: 0,
@@ -696,7 +726,7 @@ impl RemoteObject {
             looked_at = k + 1;
         }
         if looked_at > todo_start {
-            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            let mut streams = self.streams.lock_anyway();
             if let Some(s) = streams.peek_mut(&tensor) {
                 s.looked_at = s.looked_at.max(looked_at);
             }
