@@ -1,7 +1,6 @@
 //! The client side: `stfs commit`, `stfs umount`, `stfs status` and
 //! `stfs prefetch`, which talk to a mount's daemon through ioctls.
 
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -12,40 +11,27 @@ use crate::fs::ioctl::{
 };
 
 /// Why a request to a mount failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The path is not in a stfs mount.
+    #[error("{}: not in a stfs mount", .0.display())]
     NotStfs(PathBuf),
     /// The mount's daemon is gone.
+    #[error(
+        "{}: the stfs daemon of this mount is gone; `stfs umount {}` cleans it up \
+         (staged edits are kept and taken back by the next mount)",
+        .0.display(),
+        .0.display()
+    )]
     Dead(PathBuf),
     /// The daemon answered with an errno and a message.
-    Refused {
-        errno: i32,
-        message: String,
-    },
-    Io(PathBuf, std::io::Error),
+    #[error("{message}")]
+    Refused { errno: i32, message: String },
+    #[error("{}: {}", .0.display(), .1)]
+    Io(PathBuf, #[source] std::io::Error),
+    #[error("{0}")]
     Other(String),
 }
-
-impl fmt::Display for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::NotStfs(p) => write!(f, "{}: not in a stfs mount", p.display()),
-            ClientError::Dead(p) => write!(
-                f,
-                "{}: the stfs daemon of this mount is gone; `stfs umount {}` cleans it up \
-                 (staged edits are kept and taken back by the next mount)",
-                p.display(),
-                p.display()
-            ),
-            ClientError::Refused { message, .. } => f.write_str(message),
-            ClientError::Io(p, e) => write!(f, "{}: {e}", p.display()),
-            ClientError::Other(m) => f.write_str(m),
-        }
-    }
-}
-
-impl std::error::Error for ClientError {}
 
 fn open(path: &Path) -> Result<File, ClientError> {
     File::open(path).map_err(|e| match e.raw_os_error() {
