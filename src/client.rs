@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::fs::ioctl::{
-    CommitArgs, PrefetchArgs, StatusArgs, COMMIT_DISCARD, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS,
+    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, PrefetchArgs, StatusArgs,
     TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 
@@ -219,14 +219,14 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
                  stay on disk) and mount the source again with stfs",
                 abs.display(),
                 abs.display()
-            ))
+            ));
         }
         Err(e) => {
             return Err(format!(
                 "{e}\nstfs: {} is still mounted with its edits staged: fix them (stfs status lists \
                  the problems) and run stfs umount again, or drop them with stfs umount --discard",
                 abs.display()
-            ))
+            ));
         }
     }
     unmount(&abs, lazy)?;
@@ -312,7 +312,7 @@ pub fn prefetch(path: &Path, device: Device) -> Result<String, ClientError> {
                 return Err(ClientError::Other(format!(
                     "{}: prefetch made no progress at byte {offset}",
                     path.display()
-                )))
+                )));
             }
             Device::Cpu => format!(
                 "{resident} of {} bytes resident in the page cache",

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::format::{layout, Metadata};
+use crate::format::{Metadata, layout};
 
 /// Writes an empty checkpoint atomically (temp file + rename); refuses to
 /// replace an existing file unless `force`.

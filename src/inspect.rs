@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use crate::format::{index, Header, ShapeDisplay};
+use crate::format::{Header, ShapeDisplay, index};
 
 /// Reads and validates the header of one file; the error names the file.
 pub fn read_header(path: &Path) -> Result<Header, String> {

@@ -222,7 +222,7 @@ pub fn synced(file: &std::fs::File, result: std::io::Result<()>) -> std::io::Res
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_fault, Fault};
+    use super::{Fault, parse_fault};
 
     #[test]
     fn faults_are_read_from_the_end() {

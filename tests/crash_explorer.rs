@@ -32,14 +32,14 @@ use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use stfs::checkpoint::commit::CommitOptions;
 use stfs::checkpoint::recover::Resume;
-use stfs::fs::{Fs, Ino, Settings, ROOT_INO};
-use stfs::testpoint::{set_fs_hook, FsEvent};
+use stfs::fs::{Fs, Ino, ROOT_INO, Settings};
+use stfs::testpoint::{FsEvent, set_fs_hook};
 
 const INDEX: &str = "model.safetensors.index.json";
 

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use stfs::format::{layout, Dtype, Metadata, TensorSpec};
+use stfs::format::{Dtype, Metadata, TensorSpec, layout};
 
 /// Deterministic content: byte i of tensor k. Python computes the same.
 fn byte_at(k: usize, i: u64) -> u8 {

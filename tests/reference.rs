@@ -3,10 +3,10 @@
 //! same bytes out of the serializer.
 
 use std::collections::{BTreeMap, HashMap};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use proptest::prelude::*;
-use stfs::format::{layout, Dtype, Header, Metadata, TensorSpec};
+use stfs::format::{Dtype, Header, Metadata, TensorSpec, layout};
 
 /// Tensor name -> (dtype, shape, data_offsets).
 type TensorTable = BTreeMap<String, (String, Vec<u64>, (u64, u64))>;

@@ -20,7 +20,7 @@ impl Live {
         }
         match slot {
             EntrySlot::Live(e) => {
-                e.gen = next_gen();
+                e.generation = next_gen();
                 Some(e)
             }
             _ => None,

@@ -27,8 +27,8 @@ use std::sync::Arc;
 
 use super::in_place::{FileOps, InPlaceRecord, RangeWrite, Steps, WriteFrom};
 use crate::format::{Header, PREFIX_LEN};
-use crate::source::local::Folder;
 use crate::source::FileStat;
+use crate::source::local::Folder;
 
 const BLOCK: u64 = 4096;
 /// The time a write gives the file (the kernel's "now").
@@ -615,17 +615,17 @@ fn recover(s: &Scenario, state: &Model, at: &std::path::Path) -> Result<(), Stri
     let after = std::fs::read(&path).map_err(|e| e.to_string())?;
     match &first {
         Ok(_) if after != s.new => {
-            return Err("recovery said done, and the file is not the new one".into())
+            return Err("recovery said done, and the file is not the new one".into());
         }
         Err((why, true)) if readers_accept(&after) => {
             return Err(format!(
                 "recovery failed ({why}) and left a file readers accept"
-            ))
+            ));
         }
         Err((why, false)) if after != s.old && after != s.new => {
             return Err(format!(
                 "recovery gave up ({why}) on a file that is neither old nor new"
-            ))
+            ));
         }
         Err((why, _)) => return Err(format!("recovery failed: {why}")),
         Ok(_) => {}

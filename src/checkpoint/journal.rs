@@ -247,7 +247,7 @@ pub fn read(text: &[u8]) -> Result<Replay, JournalError> {
             stat,
         }) => (source.clone(), *stat),
         Some(Record::Begin { version, .. }) => {
-            return Err(JournalError::Version { found: *version })
+            return Err(JournalError::Version { found: *version });
         }
         _ => return Err(JournalError::NoBegin),
     };
@@ -263,7 +263,7 @@ pub fn read(text: &[u8]) -> Result<Replay, JournalError> {
                 return Err(JournalError::Line {
                     line: k + 2,
                     source,
-                })
+                });
             }
         }
     }

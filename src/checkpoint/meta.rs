@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::format::{byte_len, Dtype, FormatError, Metadata, SizeError};
+use crate::format::{Dtype, FormatError, Metadata, SizeError, byte_len};
 
 /// Largest `__metadata__.json` accepted.
 pub const MAX_JSON: usize = 16 << 20;

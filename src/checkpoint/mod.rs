@@ -40,11 +40,11 @@ use tracing::{info, warn};
 
 pub use commit::{CommitError, CommitPlan, Problem};
 use journal::{DataRef, Journal, Record};
-pub use meta::{Meta, MetadataDoc, MAX_JSON, MAX_META};
+pub use meta::{MAX_JSON, MAX_META, Meta, MetadataDoc};
 pub use object::{Changed, DataObject, ObjectState};
 use staging::Staging;
 
-use crate::format::{printable, Dtype, Metadata};
+use crate::format::{Dtype, Metadata, printable};
 use crate::source::staged::StagingError;
 use crate::source::{Bytes, SourceFile, StagingDir};
 
@@ -132,7 +132,7 @@ struct Entry {
     name: Option<Box<str>>,
     meta: EntryMeta,
     data: Option<Id>,
-    gen: u64,
+    generation: u64,
     /// The id of its `.meta.json` (the inode's): a new one each time a meta
     /// is created or renamed over it, so that descriptors of the old file
     /// keep the old file (`Live::meta_file`).
@@ -153,7 +153,7 @@ impl Entry {
             name: None,
             meta: EntryMeta::Source,
             data: Some(id),
-            gen: 0,
+            generation: 0,
             meta_file: id,
             meta_hidden: false,
         }
@@ -166,7 +166,7 @@ impl Entry {
             name: Some(name.into()),
             meta: EntryMeta::Own(Meta::None),
             data: None,
-            gen: next_gen(),
+            generation: next_gen(),
             meta_file: id,
             meta_hidden: false,
         }
@@ -252,7 +252,7 @@ struct NameIndex {
     table: HashTable<Id>,
     hasher: DefaultHashBuilder,
     /// Changes whenever a name comes or goes.
-    gen: u64,
+    generation: u64,
 }
 
 impl NameIndex {
@@ -266,11 +266,11 @@ impl NameIndex {
         let hasher = &self.hasher;
         self.table
             .insert_unique(hash, id, |&other| hasher.hash_one(name_of(other)));
-        self.gen = next_gen();
+        self.generation = next_gen();
     }
 
     fn remove(&mut self, id: Id, name: &str) {
-        self.gen = next_gen();
+        self.generation = next_gen();
         let hash = self.hasher.hash_one(name);
         if let Ok(e) = self.table.find_entry(hash, |&other| other == id) {
             e.remove();
@@ -358,7 +358,7 @@ impl Live {
         let mut index = NameIndex {
             table: HashTable::with_capacity(self.entries.len()),
             hasher: DefaultHashBuilder::default(),
-            gen: next_gen(),
+            generation: next_gen(),
         };
         let (entries, source) = (&self.entries, &self.source);
         let name_of = |id: Id| slot_name(entries, source, id).unwrap_or("");
@@ -399,7 +399,7 @@ impl Live {
     /// Changes whenever a name comes or goes (tables of names made from
     /// the entries are out of date).
     pub fn names_gen(&self) -> u64 {
-        self.index.gen
+        self.index.generation
     }
 
     pub fn find(&self, name: &str) -> Option<Id> {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
 use super::staging::Staging;
-use super::{next_gen, EditError, Id};
+use super::{EditError, Id, next_gen};
 use crate::source::{Bytes, SourceFile};
 
 pub struct DataObject {
@@ -27,7 +27,7 @@ pub struct ObjectState {
     /// Time of the last edit; None while unchanged since the source was mapped.
     pub edited: Option<SystemTime>,
     /// Changes with every edit (0: never edited).
-    pub gen: u64,
+    pub generation: u64,
     /// The source tensor these bytes were when mapped (or committed), kept
     /// through edits: where the tensor lies in the file on disk, which a
     /// `.meta.json` shows whether or not the bytes were edited since, so that
@@ -36,7 +36,7 @@ pub struct ObjectState {
 }
 
 impl ObjectState {
-    pub fn of(bytes: Bytes, edited: Option<SystemTime>, gen: u64) -> ObjectState {
+    pub fn of(bytes: Bytes, edited: Option<SystemTime>, generation: u64) -> ObjectState {
         let origin = match &bytes {
             Bytes::Source(src, i) => Some((src.clone(), *i)),
             _ => None,
@@ -44,7 +44,7 @@ impl ObjectState {
         ObjectState {
             bytes,
             edited,
-            gen,
+            generation,
             origin,
         }
     }
@@ -61,9 +61,9 @@ pub struct Changed {
 
 impl DataObject {
     pub fn new(bytes: Bytes, edited: Option<SystemTime>) -> Arc<DataObject> {
-        let gen = if edited.is_some() { next_gen() } else { 0 };
+        let generation = if edited.is_some() { next_gen() } else { 0 };
         Arc::new(DataObject {
-            state: RwLock::new(ObjectState::of(bytes, edited, gen)),
+            state: RwLock::new(ObjectState::of(bytes, edited, generation)),
             writer: Mutex::new(()),
             home: Mutex::new((u64::MAX, Id::MAX)),
         })
@@ -77,8 +77,8 @@ impl DataObject {
         self.state.read_anyway().bytes.clone()
     }
 
-    pub fn gen(&self) -> u64 {
-        self.state.read_anyway().gen
+    pub fn generation(&self) -> u64 {
+        self.state.read_anyway().generation
     }
 
     /// The checkpoint serial and entry that list it.
@@ -91,11 +91,11 @@ impl DataObject {
     }
 
     /// An edit: new bytes, the same origin.
-    fn set(&self, bytes: Bytes, edited: Option<SystemTime>, gen: u64) {
+    fn set(&self, bytes: Bytes, edited: Option<SystemTime>, generation: u64) {
         let mut state = self.state.write_anyway();
         state.bytes = bytes;
         state.edited = edited;
-        state.gen = gen;
+        state.generation = generation;
     }
 
     /// The same bytes, found elsewhere (a commit put them in the new file):

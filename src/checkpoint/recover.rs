@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::journal;
-use super::staging::{kept, Renames, Staging};
 use super::Live;
+use super::journal;
+use super::staging::{Renames, Staging, kept};
 use crate::source::local::Folder;
 use crate::source::{SourceFile, StagingDir};
 

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tracing::{error, info, warn};
 
-use super::commit::{land, CommitLock, CommitOptions, LandError, Landing, Written};
+use super::commit::{CommitLock, CommitOptions, LandError, Landing, Written, land};
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
 use crate::source::local::Folder;
@@ -99,7 +99,9 @@ impl Transactions {
     pub fn taint(&self, why: String) {
         let mut tainted = self.tainted.lock_anyway();
         if tainted.is_none() {
-            error!("{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back");
+            error!(
+                "{why}: this mount will not commit; its edits stay in the staging folder and the next mount takes them back"
+            );
             *tainted = Some(why);
         }
     }

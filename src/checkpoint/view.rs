@@ -6,7 +6,7 @@
 //! computes only the bytes asked for, from the tensors' bytes (the source,
 //! a staging file) and, for a cast, a conversion of just those elements.
 
-use crate::format::{layout_of, Dtype, FormatError, Metadata};
+use crate::format::{Dtype, FormatError, Metadata, layout_of};
 use std::sync::Arc;
 
 use crate::source::{Bytes, SourceFile};
@@ -470,7 +470,7 @@ mod tests {
         assert_eq!(bits(-(1.0 + 2f64.powi(-8) + 2f64.powi(-30))), 0xBF81);
         assert_eq!(bits(1.0 + 2f64.powi(-8)), 0x3F80); // a tie: to even
         assert_eq!(bits(1.0 + 3.0 * 2f64.powi(-8)), 0x3F82); // a tie: to even, up
-                                                             // A subnormal past halfway of the smallest one (2^-133): up, not to zero.
+        // A subnormal past halfway of the smallest one (2^-133): up, not to zero.
         assert_eq!(bits(2f64.powi(-134) + 2f64.powi(-170)), 0x0001);
         assert_eq!(bits(2f64.powi(-134)), 0x0000);
         // Past F32's range: to infinity, as past BF16's; specials kept.
@@ -532,12 +532,18 @@ mod tests {
             String::from_utf8(out[10..].to_vec()).unwrap()
         };
         // As np.save writes them: a one-element tuple has its comma.
-        assert!(header(vec![5], 5)
-            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }"));
-        assert!(header(vec![2, 3], 6)
-            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }"));
-        assert!(header(vec![], 1)
-            .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (), }"));
+        assert!(
+            header(vec![5], 5)
+                .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (5,), }")
+        );
+        assert!(
+            header(vec![2, 3], 6)
+                .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (2, 3), }")
+        );
+        assert!(
+            header(vec![], 1)
+                .starts_with("{'descr': '|u1', 'fortran_order': False, 'shape': (), }")
+        );
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
 use rustix::net::{
-    recvmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags,
-    SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SocketFlags, SocketType,
+    recvmsg, socketpair,
 };
 
 pub fn mount(mountpoint: &Path, options: &str) -> std::io::Result<OwnedFd> {

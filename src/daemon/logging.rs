@@ -24,7 +24,7 @@ pub fn default_log_file() -> Result<PathBuf, String> {
         None => match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
             Some(home) => PathBuf::from(home).join(".local/state"),
             None => {
-                return Err("no HOME or XDG_STATE_HOME for the log: give --log-file FILE".into())
+                return Err("no HOME or XDG_STATE_HOME for the log: give --log-file FILE".into());
             }
         },
     };

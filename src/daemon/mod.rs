@@ -17,12 +17,12 @@ use tracing::{error, info, warn};
 
 use crate::checkpoint::recover::{self, Resume};
 use crate::checkpoint::staging::Staging;
-use crate::format::{index, Header};
+use crate::format::{Header, index};
 use crate::fs::fuse::FuseAdapter;
 use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
 use crate::inspect::list_dir;
 use crate::source::local::Folder;
-use crate::source::remote::{is_url, OpenError, Remote, RemoteOptions, CHUNK};
+use crate::source::remote::{CHUNK, OpenError, Remote, RemoteOptions, is_url};
 use crate::source::{FileStat, SourceError, SourceFile};
 
 pub use fusermount::unmount as fusermount_unmount;
@@ -570,7 +570,7 @@ fn say(ready: &mut Option<OwnedFd>, message: &str) {
 /// Raises the soft limit of open files to the hard one: staging files are
 /// opened on use, but a busy mount still holds many.
 fn raise_open_files() {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let Rlimit { current, maximum } = getrlimit(Resource::Nofile);
     if let (Some(old), Some(max)) = (current, maximum) {
         let raised = Rlimit {

@@ -8,8 +8,8 @@ use std::hash::BuildHasher;
 use std::os::unix::fs::FileExt;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
-use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
 
 use super::tensors::{TensorRef, Tensors};
 use super::{Dtype, FormatError};

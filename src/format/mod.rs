@@ -11,10 +11,10 @@ pub use dtype::Dtype;
 pub(crate) use error::ShapeDisplay;
 pub use error::{FormatError, InFile};
 pub use header::{
-    byte_len, element_count, interrupted_in_place, Header, Metadata, SizeError, IN_PLACE_MARKER,
-    MAX_HEADER_LEN, PREFIX_LEN,
+    Header, IN_PLACE_MARKER, MAX_HEADER_LEN, Metadata, PREFIX_LEN, SizeError, byte_len,
+    element_count, interrupted_in_place,
 };
-pub use serialize::{header_bytes, layout, layout_of, write_entry, Layout, TensorSpec};
+pub use serialize::{Layout, TensorSpec, header_bytes, layout, layout_of, write_entry};
 pub use tensors::{TensorInfo, TensorRef, Tensors};
 
 /// A tensor name as it may be printed to a terminal: control characters,

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use super::header::{byte_len, size_error, Metadata, MAX_HEADER_LEN, PREFIX_LEN};
+use super::header::{MAX_HEADER_LEN, Metadata, PREFIX_LEN, byte_len, size_error};
 use super::tensors::{TensorRef, Tensors};
 use super::{Dtype, FormatError};
 

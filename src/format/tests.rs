@@ -335,9 +335,11 @@ fn shard_index_checks() {
     let bad = index::parse_index(br#"{"metadata":{"total_size":6.0},"weight_map":{"a":"m-2.safetensors","c":"m-3.safetensors"}}"#).unwrap();
     let problems = index::check_index(&bad, &shards);
     assert_eq!(problems.len(), 5, "{problems:#?}");
-    assert!(index::parse_index(b"{\"weight_map\":{\"a\":1}}")
-        .unwrap_err()
-        .to_string()
-        .contains("\"a\""));
+    assert!(
+        index::parse_index(b"{\"weight_map\":{\"a\":1}}")
+            .unwrap_err()
+            .to_string()
+            .contains("\"a\"")
+    );
     assert!(index::parse_index(b"[]").is_err());
 }

@@ -120,13 +120,13 @@ impl Fs {
             }
             Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
             Node::Views(v) if self.read_state().is_view_folder(v) => {
-                return Err(FsError::IsADirectory)
+                return Err(FsError::IsADirectory);
             }
             Node::Views(_) | Node::WholeView(_) => return Err(FsError::ReadOnly),
             Node::Index(_) => {
                 return Err(FsError::NotPermitted(
                     "index files are rewritten by commits, not edited",
-                ))
+                ));
             }
             // A JSON file cut by path: as if opened, cut and closed.
             Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => {
@@ -142,15 +142,16 @@ impl Fs {
     pub fn unlink(&self, parent: Ino, name: &str) -> Result<(), FsError> {
         self.writable()?;
         let mut st = self.write_state();
-        let c =
-            match st.node(parent)? {
-                Node::CheckpointDir(c) => c,
-                Node::FolderRoot => return Err(FsError::NotPermitted(
+        let c = match st.node(parent)? {
+            Node::CheckpointDir(c) => c,
+            Node::FolderRoot => {
+                return Err(FsError::NotPermitted(
                     "the root of a folder mount holds one directory per shard: edit inside them",
-                )),
-                Node::Views(_) => return Err(FsError::ReadOnly),
-                _ => return Err(FsError::NotADirectory),
-            };
+                ));
+            }
+            Node::Views(_) => return Err(FsError::ReadOnly),
+            _ => return Err(FsError::NotADirectory),
+        };
         let decoded = match st.decode(c, name) {
             Err(FsError::ReadOnly) => return Err(FsError::ReadOnly),
             d => d.map_err(|_| FsError::NotFound)?,

@@ -7,10 +7,10 @@
 //! read needs. A handler that panics taints the mount (it will not commit)
 //! and its request gets EIO.
 
-use crate::errno::{with_causes, ToErrno};
+use crate::errno::{ToErrno, with_causes};
 use crate::sync::LockAnyway;
 use std::ffi::OsStr;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,11 +25,11 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    CommitArgs, IoctlStruct, PrefetchArgs, StatusArgs, COMMIT_COMPACT, COMMIT_DISCARD,
-    COMMIT_FORCE, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS,
+    IoctlStruct, PrefetchArgs, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::{
-    Attr, CacheMode, Fs, FsError, Kind, Opened, PrefetchRequest, PrefetchTarget, PREFETCH_SLICE,
+    Attr, CacheMode, Fs, FsError, Kind, Opened, PREFETCH_SLICE, PrefetchRequest, PrefetchTarget,
 };
 
 /// Attributes of files whose content only changes through the mount.
@@ -67,12 +67,14 @@ impl FuseAdapter {
             let rx = rx.clone();
             let _ = std::thread::Builder::new()
                 .name(format!("stfs-edit-{k}"))
-                .spawn(move || loop {
-                    let job = match rx.lock_anyway().recv() {
-                        Ok(job) => job,
-                        Err(_) => return,
-                    };
-                    job();
+                .spawn(move || {
+                    loop {
+                        let job = match rx.lock_anyway().recv() {
+                            Ok(job) => job,
+                            Err(_) => return,
+                        };
+                        job();
+                    }
                 });
         }
         FuseAdapter {
@@ -249,11 +251,7 @@ fn file_attr(a: &Attr) -> FileAttr {
 }
 
 fn attr_ttl(a: &Attr) -> Duration {
-    if a.volatile {
-        Duration::ZERO
-    } else {
-        ATTR_TTL
-    }
+    if a.volatile { Duration::ZERO } else { ATTR_TTL }
 }
 
 fn fopen_flags(o: &Opened) -> FopenFlags {
@@ -388,8 +386,12 @@ impl Filesystem for FuseAdapter {
             .is_err()
         {
             match self.fs.settings().cache {
-                CacheMode::Direct => warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): use -o cache=keep to mmap tensor files; views cannot be mapped"),
-                CacheMode::Keep => warn!("this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): views cannot be mapped"),
+                CacheMode::Direct => warn!(
+                    "this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): use -o cache=keep to mmap tensor files; views cannot be mapped"
+                ),
+                CacheMode::Keep => warn!(
+                    "this kernel cannot mmap files opened with direct I/O (Linux 6.6+ can): views cannot be mapped"
+                ),
             }
         }
         Ok(())

@@ -512,7 +512,7 @@ impl Fs {
                         return read_view(&file, offset, size, reply);
                     }
                     Node::Index(i) => {
-                        return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]))
+                        return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]));
                     }
                     Node::WholeView(c) => {
                         let file = self.view(&st, &views::export_path(&st, c))?;

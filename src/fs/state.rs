@@ -91,11 +91,7 @@ pub(super) struct State {
 
 pub(super) fn file_mode(stat: &FileStat, read_only: bool) -> u16 {
     let mode = (stat.mode & 0o777) as u16;
-    if read_only {
-        mode & !0o222
-    } else {
-        mode
-    }
+    if read_only { mode & !0o222 } else { mode }
 }
 
 /// A directory gets x where its file has r.
@@ -347,14 +343,14 @@ impl State {
     pub(super) fn hashed_name(&self, c: usize, stem: &str) -> Option<String> {
         let live = self.live(c);
         let mut tables = self.hashed.lock_anyway();
-        let (gen, table) = tables.entry(c).or_insert((u64::MAX, HashMap::new()));
-        if *gen != live.names_gen() {
+        let (generation, table) = tables.entry(c).or_insert((u64::MAX, HashMap::new()));
+        if *generation != live.names_gen() {
             *table = live
                 .entries_from(0)
                 .filter(|(_, e)| names::is_hashed(e.name))
                 .map(|(_, e)| (names::tensor_file_name(e.name), e.name.to_string()))
                 .collect();
-            *gen = live.names_gen();
+            *generation = live.names_gen();
         }
         table.get(stem).cloned()
     }

@@ -4,11 +4,7 @@ use super::*;
 use crate::sync::LockAnyway;
 
 pub(super) fn plural(n: usize) -> &'static str {
-    if n == 1 {
-        ""
-    } else {
-        "s"
-    }
+    if n == 1 { "" } else { "s" }
 }
 
 impl Fs {

@@ -3,7 +3,7 @@ use std::path::Path;
 
 use super::*;
 use crate::checkpoint::staging::Staging;
-use crate::format::{layout, Dtype, Metadata, TensorSpec};
+use crate::format::{Dtype, Metadata, TensorSpec, layout};
 use crate::source::SourceFile;
 
 fn write_checkpoint(
@@ -299,16 +299,20 @@ fn replacing_the_bytes_keeps_the_names_meta() {
         "the meta outlives the data file"
     );
     write_file(&fs, "b", b"xyz");
-    assert!(String::from_utf8(cat(&fs, "b.meta.json"))
-        .unwrap()
-        .contains("\"U8\""));
+    assert!(
+        String::from_utf8(cat(&fs, "b.meta.json"))
+            .unwrap()
+            .contains("\"U8\"")
+    );
     // temp + rename onto the name (os.replace): the meta stays too.
     write_file(&fs, ".a.tmp", &[1, 2, 3, 4, 5, 6, 7, 8]);
     fs.rename(ROOT_INO, ".a.tmp", ROOT_INO, "a", false).unwrap();
     assert_eq!(cat(&fs, "a"), [1, 2, 3, 4, 5, 6, 7, 8]);
-    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
-        .unwrap()
-        .contains("\"F32\""));
+    assert!(
+        String::from_utf8(cat(&fs, "a.meta.json"))
+            .unwrap()
+            .contains("\"F32\"")
+    );
     let (status, refused) = fs.status();
     assert!(!refused, "{status}");
     fs.commit(Default::default(), 0).unwrap();
@@ -322,9 +326,11 @@ fn files_renamed_onto_a_meta_become_its_json() {
     fs.rename(ROOT_INO, "sedTmp", ROOT_INO, "a.meta.json", false)
         .unwrap();
     assert_eq!(errno(fs.lookup(ROOT_INO, "sedTmp")), libc::ENOENT);
-    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
-        .unwrap()
-        .starts_with(r#"{"dtype":"U8","shape":[8]"#));
+    assert!(
+        String::from_utf8(cat(&fs, "a.meta.json"))
+            .unwrap()
+            .starts_with(r#"{"dtype":"U8","shape":[8]"#)
+    );
     // Not JSON: EINVAL, and nothing changes.
     write_file(&fs, "junk", b"not json");
     assert_eq!(
@@ -426,12 +432,16 @@ fn a_meta_descriptor_does_not_write_another_names_meta() {
         libc::ENOENT,
         "no tensor appears under the old name"
     );
-    assert!(String::from_utf8(cat(&fs, "z.meta.json"))
-        .unwrap()
-        .contains("\"F32\""));
-    assert!(String::from_utf8(cat(&fs, "a.meta.json"))
-        .unwrap()
-        .contains("\"U8\""));
+    assert!(
+        String::from_utf8(cat(&fs, "z.meta.json"))
+            .unwrap()
+            .contains("\"F32\"")
+    );
+    assert!(
+        String::from_utf8(cat(&fs, "a.meta.json"))
+            .unwrap()
+            .contains("\"U8\"")
+    );
     // Unlinked, the descriptor's writes stay with it.
     let o = fs.open(ino, true, false).unwrap();
     fs.unlink(ROOT_INO, "a.meta.json").unwrap();
@@ -512,11 +522,12 @@ fn a_view_that_is_the_source_file_has_an_inode_of_its_own_until_an_edit() {
     let views = fs.lookup(ROOT_INO, VIEWS_DIR).unwrap();
     let generated = fs.lookup(views.ino, "model.safetensors").unwrap().ino;
     // Passthrough off (a daemon without CAP_SYS_ADMIN): the generated view.
-    assert!(fs
-        .open(generated, false, false)
-        .unwrap()
-        .passthrough
-        .is_none());
+    assert!(
+        fs.open(generated, false, false)
+            .unwrap()
+            .passthrough
+            .is_none()
+    );
     fs.set_passthrough(true);
     let whole = fs.lookup(views.ino, "model.safetensors").unwrap();
     assert_ne!(whole.ino, generated);

@@ -268,7 +268,7 @@ fn copy_in(
                                     return Err(CudaError::Io(std::io::Error::new(
                                         std::io::ErrorKind::UnexpectedEof,
                                         "the file ended before the tensor did",
-                                    )))
+                                    )));
                                 }
                                 Ok(k) => done += k,
                                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

@@ -257,7 +257,7 @@ pub fn copy_range(
             Ok(0) => {
                 return Err(short_read(
                     "the file ended before the tensor did (truncated behind the mount?)",
-                ))
+                ));
             }
             Ok(n) => {
                 let n = n as u64;

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
 
-use super::local::Folder;
 use super::Bytes;
+use super::local::Folder;
 
 /// Descriptors of staging files kept open at once.
 const OPEN_FILES: usize = 256;
@@ -114,7 +114,7 @@ impl StagingDir {
                 return Err(StagingError::Unsafe {
                     path,
                     why: "a symbolic link or not a folder".into(),
-                })
+                });
             }
             Err(e) => return Err(io(e.into())),
         };

@@ -64,17 +64,23 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
+mod apply;
 mod cases;
+mod checks;
 mod generators;
 mod harness;
+mod lifecycle;
 mod reference;
 
+use apply::*;
+use checks::*;
 use generators::*;
 use harness::*;
+use lifecycle::*;
 use reference::*;
 use stfs::checkpoint::recover::{self, Resume};
 use stfs::checkpoint::staging::Staging;
-use stfs::fs::{Fs, IndexFile, Ino, Settings, Source, TensorFile, ROOT_INO};
+use stfs::fs::{Fs, IndexFile, Ino, ROOT_INO, Settings, Source, TensorFile};
 use stfs::source::local::Folder;
 use stfs::source::{FileStat, SourceFile};
 

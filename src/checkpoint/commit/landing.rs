@@ -181,7 +181,7 @@ pub(super) fn create_temp(
                 return Err(io_err(format!(
                     "writing {}",
                     folder.path.join(&tmp).display()
-                ))(e))
+                ))(e));
             }
         }
     }
@@ -296,7 +296,7 @@ impl InPlaceJob {
         };
         *self.landed.lock_anyway() = landed;
         drop(lease); // opens that waited go on, and see the new file
-                     // (A test pauses here to write as another program would.)
+        // (A test pauses here to write as another program would.)
         let _ = crate::testpoint::point("in-place:unleased");
         result
     }

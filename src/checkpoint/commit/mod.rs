@@ -42,8 +42,8 @@ use tracing::{info, warn};
 use super::in_place::{self, InPlaceLayout, InPlaceRecord, Lease};
 use super::journal::Record;
 use super::staging::{PendingRename, Renames, Staging};
-use super::{next_gen, DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot};
-use crate::format::{layout_of, FormatError, Header, Layout};
+use super::{DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot, next_gen};
+use crate::format::{FormatError, Header, Layout, layout_of};
 use crate::source::local::Folder;
 use crate::source::staged::StagingError;
 use crate::source::{Bytes, FileStat, SourceFile, StagedFile};
@@ -172,6 +172,7 @@ impl Live {
                 unchanged: same,
                 options,
                 reference,
+                preview: false,
             })
         };
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
@@ -221,11 +222,11 @@ impl Live {
             members.push(Member {
                 entry: id,
                 entry_gen: match &self.entries[id as usize] {
-                    EntrySlot::Live(l) => l.gen,
+                    EntrySlot::Live(l) => l.generation,
                     _ => 0,
                 },
                 object,
-                object_gen: state.gen,
+                object_gen: state.generation,
             });
         }
         (inputs, members)
@@ -251,7 +252,6 @@ impl Live {
             return None;
         }
         if self.committing.is_some() {
-            // (Its lease is the commit's: taking and letting go of one here would end it.)
             return Some("a commit of it is running".into());
         }
         let (inputs, members) = self.commit_inputs(false);
@@ -262,7 +262,6 @@ impl Live {
             f.stat_at(self.source.file_name())
                 .is_ok_and(|now| now.same_version(self.source.stat()))
         });
-        // A lease is taken and let go at once: the answer is for now.
         let (layout, way) = choose(&NewState {
             source: &self.source,
             specs: &specs,
@@ -272,6 +271,7 @@ impl Live {
             unchanged,
             options: CommitOptions::default(),
             reference,
+            preview: true,
         });
         Some(way.describe(layout.file_len()))
     }
@@ -327,12 +327,12 @@ impl Live {
             source_objects[j as usize] = m.object;
             let object_same = match &self.objects[m.object as usize] {
                 ObjectSlot::Source(_) => m.object_gen == 0,
-                ObjectSlot::Live(o) => o.gen() == m.object_gen,
+                ObjectSlot::Live(o) => o.generation() == m.object_gen,
                 ObjectSlot::Gone => false,
             };
             let entry_same = match &self.entries[m.entry as usize] {
                 EntrySlot::Source(_) => m.entry_gen == 0,
-                EntrySlot::Live(l) => l.gen == m.entry_gen,
+                EntrySlot::Live(l) => l.generation == m.entry_gen,
                 EntrySlot::Gone => false,
             };
             if object_same {
@@ -356,7 +356,7 @@ impl Live {
                 let slot = std::mem::replace(&mut self.entries[id], EntrySlot::Gone);
                 self.entries[id] = match slot {
                     EntrySlot::Source(i) => EntrySlot::Live(Box::new(super::Entry {
-                        gen: next_gen(),
+                        generation: next_gen(),
                         ..super::Entry::of_source(i, id as Id)
                     })),
                     other => other,
@@ -390,7 +390,7 @@ impl Live {
             let orphan = match &self.entries[id] {
                 EntrySlot::Live(e) => {
                     e.data.is_none()
-                        && e.gen < plan.mark
+                        && e.generation < plan.mark
                         && (e.meta_hidden
                             || matches!(&e.meta, EntryMeta::Own(super::Meta::Valid { .. })))
                 }
@@ -556,7 +556,7 @@ impl CommitPlan {
                 source: self.source.clone(),
                 landed: std::sync::Mutex::new(None),
                 file,
-                lease: std::sync::Mutex::new(Some(lease)),
+                lease: std::sync::Mutex::new(lease),
                 header: self.layout.header.clone(),
                 record,
                 staged,

@@ -8,10 +8,11 @@ use crate::checkpoint::Declined;
 // One per plan: the size of a variant does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum Way {
-    /// The source's own file, changed where it is, under a write lease.
+    /// The source's own file, changed where it is, under a write lease
+    /// (none in a preview: `stfs status` changes nothing).
     InPlace {
         layout: InPlaceLayout,
-        lease: Lease,
+        lease: Option<Lease>,
         file: Arc<File>,
         /// The modification time the file gets when done.
         mtime: (i64, i64),
@@ -33,10 +34,14 @@ impl Way {
     /// What `stfs status` and `stfs commit` say of it.
     pub fn describe(&self, file_len: u64) -> String {
         match self {
-            Way::InPlace { layout, .. } => format!(
-                "in place ({}; {} written)",
+            Way::InPlace { layout, lease, .. } => format!(
+                "in place ({}; {} written){}",
                 layout.summary,
-                human_bytes(layout.bytes)
+                human_bytes(layout.bytes),
+                match lease {
+                    Some(_) => "",
+                    None => ", unless another program has the file open then",
+                }
             ),
             Way::SharedExtents { why, shared, .. } => format!(
                 "by a rewrite that shares extents (not in place: {why}; {} written, {} shared with the old file)",
@@ -113,6 +118,9 @@ pub struct NewState<'a> {
     pub options: CommitOptions,
     /// The reference serializer's layout of the new state.
     pub reference: Layout,
+    /// A plan only to say what a commit would do (`stfs status`): it takes no
+    /// lease and changes nothing.
+    pub preview: bool,
 }
 
 /// A way of committing a checkpoint (docs/ARCHITECTURE.md, "The seams"): its plan for a new state
@@ -185,7 +193,10 @@ impl CommitWay for InPlaceWay {
             &held,
             crate::source::local::inserts_blocks(&file),
         )?;
-        let lease = Lease::take(&file)?;
+        let lease = match new.preview {
+            true => None,
+            false => Some(Lease::take(&file)?),
+        };
         let mtime = new_mtime(source.stat().mtime);
         Ok((
             layout.layout.clone(),

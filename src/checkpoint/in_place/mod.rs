@@ -31,13 +31,13 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::checkpoint::recover::RecoveryError;
 use crate::checkpoint::Declined;
+use crate::checkpoint::recover::RecoveryError;
 use crate::format::{
-    byte_len, header_bytes, Dtype, Header, Layout, Metadata, Tensors, IN_PLACE_MARKER, PREFIX_LEN,
+    Dtype, Header, IN_PLACE_MARKER, Layout, Metadata, PREFIX_LEN, Tensors, byte_len, header_bytes,
 };
 use crate::source::local::Folder;
-use crate::source::{copy_range, Bytes, FileStat, SourceFile};
+use crate::source::{Bytes, FileStat, SourceFile, copy_range};
 use crate::testpoint::point;
 
 /// Why a redo record cannot be trusted: checked before anything is written.
@@ -162,10 +162,12 @@ pub fn layout<'a>(
                     .get(spec(k).0)
                     .copied()
                     .filter(|&i| !claimed[i] && old.tensors.nbytes(i) == want),
-                _ => free_by_size.get_mut(&want).and_then(|v| loop {
-                    match v.pop() {
-                        Some(i) if claimed[i] => continue,
-                        other => break other,
+                _ => free_by_size.get_mut(&want).and_then(|v| {
+                    loop {
+                        match v.pop() {
+                            Some(i) if claimed[i] => continue,
+                            other => break other,
+                        }
                     }
                 }),
             };
@@ -287,7 +289,7 @@ pub fn layout<'a>(
                     "tensor {:?}'s bytes are not in a staging file of the mount",
                     spec(k).0
                 )
-                .into())
+                .into());
             }
         };
         bytes += stop - start;

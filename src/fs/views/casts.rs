@@ -3,7 +3,7 @@
 //! checkpoint is a `cp`.
 
 use super::export::{draws, make_view, name_of, target_named, targets};
-use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
 use crate::fs::State;

@@ -2,9 +2,9 @@
 //! folder per shard on a folder mount). A tensor is listed while it has
 //! bytes and a valid meta that agree.
 
-use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
-use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
 use crate::checkpoint::Id;
+use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::files::TensorFile;
 use crate::fs::{Name, State};
 

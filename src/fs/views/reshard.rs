@@ -18,7 +18,7 @@
 //! `save_pretrained`.
 
 use super::export::tensors_of;
-use super::{numbered, Draws, Entry, Found, ViewError, ViewFolder};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::State;
 use std::sync::Arc;

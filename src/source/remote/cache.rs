@@ -122,7 +122,7 @@ pub(super) fn fresh_private(dir: &Path, euid: u32) -> Result<(Folder, PathBuf), 
                     && st.mode & 0o077 == 0
                     && foreign_entry(&folder, euid).is_none() =>
             {
-                return Ok((folder, path))
+                return Ok((folder, path));
             }
             _ => continue,
         }

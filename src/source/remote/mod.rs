@@ -21,7 +21,7 @@
 
 mod cache;
 mod fetch;
-use crate::errno::{with_causes, ToErrno};
+use crate::errno::{ToErrno, with_causes};
 use crate::sync::LockAnyway;
 pub use cache::*;
 use fetch::*;
@@ -293,7 +293,7 @@ impl Remote {
                         "unknown scheme {other:?} (s3://, gs://, az://, http:// and https:// are \
                          known)"
                     ),
-                ))
+                ));
             }
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()

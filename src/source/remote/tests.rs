@@ -1,5 +1,5 @@
 use super::*;
-use crate::format::{layout, Dtype, TensorSpec};
+use crate::format::{Dtype, TensorSpec, layout};
 
 #[test]
 fn chunks_follow_tensor_boundaries() {
