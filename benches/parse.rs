@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use stfs::format::{layout, Dtype, Header, TensorSpec};
+use stfs::format::{Dtype, Header, TensorSpec, layout};
 
 fn checkpoint(n: usize) -> Vec<u8> {
     let specs: Vec<TensorSpec> = (0..n)
