@@ -121,19 +121,17 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
             continue;
         }
         match read_header(path) {
-            Ok(h) => say(
-                format!(
-                    "{}: ok ({} tensors, {} bytes)",
-                    path.display(),
-                    h.tensors.len(),
-                    h.data_len()
-                ),
-                false,
-            ),
+            Ok(h) => say(verified(path, &h), false),
             Err(e) => say(e, true),
         }
     }
     problems
+}
+
+/// The line `verify` says of a valid file.
+fn verified(path: &Path, h: &Header) -> String {
+    let (n, bytes) = (h.tensors.len(), h.data_len());
+    format!("{}: ok ({n} tensors, {bytes} bytes)", path.display())
 }
 
 fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
@@ -145,15 +143,7 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
     for (name, path) in &shards.checkpoints {
         match read_header(path) {
             Ok(h) => {
-                say(
-                    format!(
-                        "{}: ok ({} tensors, {} bytes)",
-                        path.display(),
-                        h.tensors.len(),
-                        h.data_len()
-                    ),
-                    false,
-                );
+                say(verified(path, &h), false);
                 headers.insert(name.clone(), h);
             }
             Err(e) => say(e, true),

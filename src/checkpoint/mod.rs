@@ -248,14 +248,14 @@ pub struct Status {
 
 /// Tensor names hashed to entry ids; the names stay in the entries (or the header).
 #[derive(Default)]
-struct NameIndex {
+struct EntriesByName {
     table: HashTable<Id>,
     hasher: DefaultHashBuilder,
     /// Changes whenever a name comes or goes.
     generation: u64,
 }
 
-impl NameIndex {
+impl EntriesByName {
     fn find<'n>(&self, name: &str, name_of: impl Fn(Id) -> &'n str) -> Option<Id> {
         let hash = self.hasher.hash_one(name);
         self.table.find(hash, |&id| name_of(id) == name).copied()
@@ -286,7 +286,7 @@ pub struct Live {
     key: String,
     entries: Vec<EntrySlot>,
     objects: Vec<ObjectSlot>,
-    index: NameIndex,
+    index: EntriesByName,
     /// For each source tensor, the ids of the entry and of the object that
     /// hold it (what a discard restores).
     source_ids: Vec<Id>,
@@ -333,7 +333,7 @@ impl Live {
             key,
             entries: (0..n as u32).map(EntrySlot::Source).collect(),
             objects: (0..n as u32).map(ObjectSlot::Source).collect(),
-            index: NameIndex::default(),
+            index: EntriesByName::default(),
             source_ids: (0..n as Id).collect(),
             source_objects: (0..n as Id).collect(),
             metadata: MetadataDoc::Unchanged,
@@ -355,7 +355,7 @@ impl Live {
     }
 
     fn rebuild_index(&mut self) {
-        let mut index = NameIndex {
+        let mut index = EntriesByName {
             table: HashTable::with_capacity(self.entries.len()),
             hasher: DefaultHashBuilder::default(),
             generation: next_gen(),

@@ -89,17 +89,17 @@ pub struct Header {
     /// Every tensor, in data-offset order (ties broken by name).
     pub tensors: Tensors,
     /// Indices into `tensors`, hashed by name: lookups without a second copy of every name.
-    by_name: NameIndex,
+    by_name: TensorsByName,
 }
 
 /// A hash index of tensor positions keyed by their names, which stay in `Tensors`.
 #[derive(Debug, Clone, Default)]
-struct NameIndex {
+struct TensorsByName {
     table: HashTable<u32>,
     hasher: DefaultHashBuilder,
 }
 
-impl NameIndex {
+impl TensorsByName {
     fn find(&self, tensors: &Tensors, name: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(name);
         self.table
@@ -109,8 +109,8 @@ impl NameIndex {
 
     /// Indexes `tensors` in order; a repeated name keeps its last entry (as a
     /// HashMap insert does in the reference). Returns the positions replaced.
-    fn build(tensors: &Tensors) -> (NameIndex, Vec<usize>) {
-        let mut index = NameIndex {
+    fn build(tensors: &Tensors) -> (TensorsByName, Vec<usize>) {
+        let mut index = TensorsByName {
             table: HashTable::with_capacity(tensors.len()),
             hasher: DefaultHashBuilder::default(),
         };
@@ -183,13 +183,13 @@ impl Header {
         let raw = parse_json(text)?;
 
         let mut tensors = raw.tensors;
-        let (mut by_name, replaced) = NameIndex::build(&tensors);
+        let (mut by_name, replaced) = TensorsByName::build(&tensors);
         if !replaced.is_empty() {
             // Rare: drop the entries a repeated name overrode, and index again.
             let mut keep = vec![true; tensors.len()];
             replaced.iter().for_each(|&i| keep[i] = false);
             tensors.retain_flags(&keep);
-            by_name = NameIndex::build(&tensors).0;
+            by_name = TensorsByName::build(&tensors).0;
         }
         // Offset order, as the reference validates; the name makes ties deterministic.
         let mut order: Vec<usize> = (0..tensors.len()).collect();
@@ -228,7 +228,7 @@ impl Header {
     /// The header of a file a commit wrote from a layout: its tensors are
     /// already validated and in file order.
     pub fn from_parts(header_len: u64, tensors: Tensors, metadata: Option<Metadata>) -> Header {
-        let (by_name, _) = NameIndex::build(&tensors);
+        let (by_name, _) = TensorsByName::build(&tensors);
         Header {
             header_len,
             metadata,
@@ -342,7 +342,7 @@ pub(crate) fn size_error(e: SizeError, name: &str, dtype: Dtype, shape: &[u64]) 
 // flattened HashMap of tensors, which buffers the whole document in serde's
 // `Content` tree first. This visitor makes the same decisions in one pass:
 // a repeated `__metadata__` is an error, a repeated tensor name keeps the last
-// entry (each entry must still be valid; see NameIndex::build), unknown fields inside an entry are
+// entry (each entry must still be valid; see TensorsByName::build), unknown fields inside an entry are
 // ignored (serde's derive skips them, as the reference's does), and JSON that
 // is not an object is refused.
 
@@ -401,7 +401,7 @@ impl<'de> Visitor<'de> for HeaderVisitor<'_> {
                     return Err(e);
                 }
             };
-            // Repeated names are resolved by NameIndex::build.
+            // Repeated names are resolved by TensorsByName::build.
             tensors
                 .push(&key, entry.dtype, &entry.shape, entry.data_offsets)
                 .map_err(|_| de::Error::custom("header too large to hold"))?;

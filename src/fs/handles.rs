@@ -109,7 +109,7 @@ pub(super) enum Handle {
     View {
         ino: Ino,
         file: Arc<GeneratedFile>,
-        _pins: Pins,
+        _pins: ViewPins,
         /// A view served by passthrough: the daemon's read-only open of
         /// the source file (no in-place commit while it is open).
         _reader: Option<Arc<std::fs::File>>,
@@ -119,10 +119,10 @@ pub(super) enum Handle {
 /// The staging files a view's descriptor reads, pinned while it is open: a
 /// later write into one of those tensors copies it to a new staging file
 /// instead of changing the bytes under the descriptor.
-pub(super) struct Pins(Vec<Arc<crate::source::StagedFile>>);
+pub(super) struct ViewPins(Vec<Arc<crate::source::StagedFile>>);
 
-impl Pins {
-    pub(super) fn of(file: &GeneratedFile) -> Pins {
+impl ViewPins {
+    pub(super) fn of(file: &GeneratedFile) -> ViewPins {
         let staged = file.bytes().filter_map(|b| match b {
             crate::source::Bytes::Staged(s) => {
                 s.pin();
@@ -130,11 +130,11 @@ impl Pins {
             }
             _ => None,
         });
-        Pins(staged.collect())
+        ViewPins(staged.collect())
     }
 }
 
-impl Drop for Pins {
+impl Drop for ViewPins {
     fn drop(&mut self) {
         self.0.iter().for_each(|s| s.unpin());
     }
@@ -213,7 +213,7 @@ impl Fs {
     ) -> Opened {
         let fh = self.new_handle(Handle::View {
             ino,
-            _pins: Pins::of(&file),
+            _pins: ViewPins::of(&file),
             file,
             _reader: reader.clone(),
         });

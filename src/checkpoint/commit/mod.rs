@@ -88,13 +88,13 @@ pub struct CommitPlan {
     pub moved: Arc<Vec<u32>>,
     /// Replace whatever file has the source's name (`--force`).
     force: bool,
-    _pins: Pins,
+    _pins: PlanPins,
 }
 
 /// Staging files a plan copies from, pinned (see `DataObject::take_for_commit`).
-struct Pins(Vec<Arc<StagedFile>>);
+struct PlanPins(Vec<Arc<StagedFile>>);
 
-impl Drop for Pins {
+impl Drop for PlanPins {
     fn drop(&mut self) {
         self.0.iter().for_each(|s| s.unpin());
     }
@@ -126,7 +126,7 @@ impl Live {
         let (inputs, members) = self.commit_inputs(true);
         // Staging files came back pinned: they are unpinned when the plan
         // goes, or now if it is not made.
-        let pins = Pins(
+        let pins = PlanPins(
             inputs
                 .iter()
                 .filter_map(|b| match b {
@@ -472,7 +472,7 @@ impl CommitPlan {
     /// A plan whose landing failed half-way: its staging files stay pinned
     /// (writes copy them aside) and on disk, for the next mount.
     pub fn keep_pinned(mut self) {
-        let pins = std::mem::replace(&mut self._pins, Pins(Vec::new()));
+        let pins = std::mem::replace(&mut self._pins, PlanPins(Vec::new()));
         std::mem::forget(pins);
     }
 

@@ -101,9 +101,9 @@ enum Origin {
         file: Arc<File>,
         /// Bytes inserted at the file's start (by in-place commits that grew
         /// the header) before this `SourceFile` was made: its offsets are
-        /// the file's now minus the inserts since (`Version::view`).
+        /// the file's now minus the inserts since (`OpenFile::view`).
         shift_base: u64,
-        /// Its number among the `SourceFile`s of this open file (`Version::retired`).
+        /// Its number among the `SourceFile`s of this open file (`OpenFile::retired`).
         made: u64,
         /// Drop the daemon's page-table references after each read.
         release_after_read: AtomicBool,
@@ -111,7 +111,7 @@ enum Origin {
         writable: bool,
         /// The version of the file reads accept, shared with the
         /// `SourceFile`s that in-place commits make of the same open file.
-        version: Arc<Version>,
+        shared: Arc<OpenFile>,
     },
     Remote(Box<RemoteObject>),
 }
@@ -120,7 +120,7 @@ enum Origin {
 /// version validated, then the one each in-place commit of this mount left.
 /// The `SourceFile` from before an in-place commit keeps serving the ranges
 /// the commit did not touch, so both accept the new version.
-struct Version {
+struct OpenFile {
     accepted: Mutex<(u64, (i64, i64))>,
     /// An in-place commit is writing the file: reads of ranges it does not
     /// touch go on.
@@ -139,30 +139,30 @@ struct Version {
     /// The mapping every `SourceFile` of this open file reads through.
     /// Reads hold it shared; an in-place commit holds it alone while it
     /// inserts blocks at the file's start, and maps the file again.
-    view: RwLock<View>,
+    mapping: RwLock<Mapping>,
 }
 
-struct View {
+struct Mapping {
     /// The whole file, mapped read-only and shared with the page cache.
     map: Mmap,
     /// Bytes inserted at the start since the file was opened.
     shift: u64,
 }
 
-impl Version {
-    fn new(map: Mmap, stat: &FileStat) -> Arc<Version> {
-        Arc::new(Version {
+impl OpenFile {
+    fn new(map: Mmap, stat: &FileStat) -> Arc<OpenFile> {
+        Arc::new(OpenFile {
             accepted: Mutex::new((stat.len, stat.mtime)),
             writing: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             retired: Mutex::new(Vec::new()),
             made: std::sync::atomic::AtomicU64::new(0),
-            view: RwLock::new(View { map, shift: 0 }),
+            mapping: RwLock::new(Mapping { map, shift: 0 }),
         })
     }
 
-    fn view(&self) -> RwLockReadGuard<'_, View> {
-        self.view.read_anyway()
+    fn mapping(&self) -> RwLockReadGuard<'_, Mapping> {
+        self.mapping.read_anyway()
     }
 
     /// EIO if `range` (the file's offsets now) was overwritten or cut by an
@@ -250,13 +250,13 @@ impl SourceFile {
             return Err(SourceError::Interrupted { path });
         }
         let header = Header::parse(&map).map_err(format)?;
-        let version = Version::new(map, &stat);
+        let shared = OpenFile::new(map, &stat);
         Ok(SourceFile::assemble(
             path,
             folder,
             name,
             Arc::new(file),
-            (writable, version, 0),
+            (writable, shared, 0),
             stat,
             header,
         ))
@@ -273,8 +273,8 @@ impl SourceFile {
     ) -> std::io::Result<SourceFile> {
         // SAFETY: as in `open`.
         let map = unsafe { Mmap::map(&file) }?;
-        let version = Version::new(map, &stat);
-        previous.remade(Arc::new(file), (writable, version, 0), header, stat)
+        let shared = OpenFile::new(map, &stat);
+        previous.remade(Arc::new(file), (writable, shared, 0), header, stat)
     }
 
     /// This file after an in-place commit wrote `header` (validated) and its
@@ -288,7 +288,7 @@ impl SourceFile {
         let Origin::Local {
             file,
             writable,
-            version,
+            shared,
             ..
         } = &self.origin
         else {
@@ -296,14 +296,14 @@ impl SourceFile {
         };
         // Mapped again at the file's new length, for every `SourceFile` of it.
         let shift = {
-            let mut view = version.view.write_anyway();
+            let mut mapping = shared.mapping.write_anyway();
             // SAFETY: as in `open`.
-            view.map = unsafe { Mmap::map(&**file) }?;
-            view.shift
+            mapping.map = unsafe { Mmap::map(&**file) }?;
+            mapping.shift
         };
         self.remade(
             file.clone(),
-            (*writable, version.clone(), shift),
+            (*writable, shared.clone(), shift),
             header,
             stat,
         )
@@ -313,11 +313,11 @@ impl SourceFile {
     /// offsets now): reads of them through the `SourceFile`s made so far fail
     /// from now on (the commit made sure none of them is supposed to read them).
     pub fn retire(&self, ranges: Vec<Range<u64>>) {
-        if let Origin::Local { version, .. } = &self.origin {
+        if let Origin::Local { shared, .. } = &self.origin {
             // Taken alone: no read is between its check and its copy.
-            let _view = version.view.write_anyway();
-            let made = version.made.load(Ordering::SeqCst);
-            version.retired.lock_anyway().push((made, ranges));
+            let _mapping = shared.mapping.write_anyway();
+            let made = shared.made.load(Ordering::SeqCst);
+            shared.retired.lock_anyway().push((made, ranges));
         }
     }
 
@@ -342,18 +342,18 @@ impl SourceFile {
         shift: impl FnOnce(&File) -> std::io::Result<()>,
         by: i64,
     ) -> std::io::Result<()> {
-        let Origin::Local { file, version, .. } = &self.origin else {
+        let Origin::Local { file, shared, .. } = &self.origin else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
-        let mut view = version.view.write_anyway();
+        let mut mapping = shared.mapping.write_anyway();
         shift(file)?;
         // The bytes moved: until they are mapped again, no read may go on.
-        view.shift = view.shift.wrapping_add_signed(by);
+        mapping.shift = mapping.shift.wrapping_add_signed(by);
         // SAFETY: as in `open`.
         match unsafe { Mmap::map(&**file) } {
-            Ok(map) => view.map = map,
+            Ok(map) => mapping.map = map,
             Err(e) => {
-                version.broken.store(true, Ordering::SeqCst);
+                shared.broken.store(true, Ordering::SeqCst);
                 return Err(e);
             }
         }
@@ -363,7 +363,7 @@ impl SourceFile {
     fn remade(
         &self,
         file: Arc<File>,
-        access: (bool, Arc<Version>, u64),
+        access: (bool, Arc<OpenFile>, u64),
         header: Header,
         stat: FileStat,
     ) -> std::io::Result<SourceFile> {
@@ -405,19 +405,19 @@ impl SourceFile {
     /// An in-place commit starts writing the file: reads go on (they are of
     /// ranges it leaves alone) although the file changes.
     pub fn begin_in_place(&self) {
-        if let Origin::Local { version, .. } = &self.origin {
-            version.writing.store(true, Ordering::SeqCst);
+        if let Origin::Local { shared, .. } = &self.origin {
+            shared.writing.store(true, Ordering::SeqCst);
         }
     }
 
     /// The in-place commit ended: `now` is the version reads accept from now on
     /// (the file as the commit left it, or as it was if it did not start).
     pub fn end_in_place(&self, now: Option<&FileStat>) {
-        if let Origin::Local { version, .. } = &self.origin {
+        if let Origin::Local { shared, .. } = &self.origin {
             if let Some(now) = now {
-                *version.accepted.lock_anyway() = (now.len, now.mtime);
+                *shared.accepted.lock_anyway() = (now.len, now.mtime);
             }
-            version.writing.store(false, Ordering::SeqCst);
+            shared.writing.store(false, Ordering::SeqCst);
         }
     }
 
@@ -427,21 +427,22 @@ impl SourceFile {
         folder: Arc<Folder>,
         name: OsString,
         file: Arc<File>,
-        (writable, version, shift_base): (bool, Arc<Version>, u64),
+        (writable, shared, shift_base): (bool, Arc<OpenFile>, u64),
         stat: FileStat,
         header: Header,
     ) -> SourceFile {
         // The header's pages were read once, to parse: they need not stay in
         // the daemon's resident memory.
         {
-            let view = version.view();
-            let header_end =
-                ((view.shift - shift_base + header.data_start()) as usize).min(view.map.len());
+            let mapping = shared.mapping();
+            let header_end = ((mapping.shift - shift_base + header.data_start()) as usize)
+                .min(mapping.map.len());
             if header_end > 0 {
                 // SAFETY: read-only shared file mapping; a later access faults the
                 // same bytes back in from the page cache.
                 let _ = unsafe {
-                    view.map
+                    mapping
+                        .map
                         .unchecked_advise_range(UncheckedAdvice::DontNeed, 0, header_end)
                 };
             }
@@ -455,10 +456,10 @@ impl SourceFile {
                 folder,
                 file,
                 shift_base,
-                made: version.made.fetch_add(1, Ordering::SeqCst),
+                made: shared.made.fetch_add(1, Ordering::SeqCst),
                 release_after_read: AtomicBool::new(false),
                 writable,
-                version,
+                shared,
             },
             warned_stale: AtomicBool::new(false),
         }
@@ -568,22 +569,11 @@ impl SourceFile {
         len: u64,
     ) -> std::io::Result<()> {
         let start = self.tensor_range(index).start + from;
-        match &self.origin {
-            Origin::Local {
-                file,
-                version,
-                shift_base,
-                made,
-                ..
-            } => {
-                let view = version.view();
-                let at = start + view.shift - shift_base;
-                version.alive(*made, at..at + len, &self.path)?;
-                super::copy_range(file, at, to, to_off, len)
-            }
-            Origin::Remote(_) => {
-                super::copy_through(|b, p| self.read_at(b, p), start, to, to_off, len)
-            }
+        match self.in_local_file(start, 0, len, |file, at| {
+            super::copy_range(file, at, to, to_off, len)
+        }) {
+            Some(done) => done,
+            None => super::copy_through(|b, p| self.read_at(b, p), start, to, to_off, len),
         }
     }
 
@@ -597,22 +587,11 @@ impl SourceFile {
         block: u64,
     ) -> std::io::Result<u64> {
         let range = self.tensor_range(index);
-        let Origin::Local {
-            file,
-            version,
-            shift_base,
-            ..
-        } = &self.origin
-        else {
-            return Err(std::io::Error::from_raw_os_error(libc::EROFS));
-        };
-        let view = version.view();
-        let start = range.start + view.shift - shift_base;
         let len = range.end - range.start;
-        if let Origin::Local { made, .. } = &self.origin {
-            version.alive(*made, start..start + len, &self.path)?;
-        }
-        super::copy_sharing(file, start, to, to_off, len, block)
+        self.in_local_file(range.start, 0, len, |file, start| {
+            super::copy_sharing(file, start, to, to_off, len, block)
+        })
+        .unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EROFS)))
     }
 
     /// Where the header's JSON ends in the file (its last byte that is not
@@ -620,19 +599,17 @@ impl SourceFile {
     pub fn header_json_end(&self) -> u64 {
         let end = self.header.data_start();
         let Origin::Local {
-            version,
-            shift_base,
-            ..
+            shared, shift_base, ..
         } = &self.origin
         else {
             return end;
         };
-        let view = version.view();
+        let mapping = shared.mapping();
         // (The header of the file now: at the start, whatever was inserted since.)
-        if view.shift != *shift_base {
-            return end + view.shift - shift_base;
+        if mapping.shift != *shift_base {
+            return end + mapping.shift - shift_base;
         }
-        let map = &view.map[..(end as usize).min(view.map.len())];
+        let map = &mapping.map[..(end as usize).min(mapping.map.len())];
         map.iter()
             .rposition(|&b| b != b' ')
             .map_or(end, |i| i as u64 + 1)
@@ -653,14 +630,12 @@ impl SourceFile {
     /// Whether the local file starts with `bytes` (as this `SourceFile` knows it).
     pub fn starts_with(&self, bytes: &[u8]) -> bool {
         let Origin::Local {
-            version,
-            shift_base,
-            ..
+            shared, shift_base, ..
         } = &self.origin
         else {
             return false;
         };
-        let at = version.view().shift - shift_base;
+        let at = shared.mapping().shift - shift_base;
         if self.check_unchanged().is_err() {
             return false;
         }
@@ -678,15 +653,15 @@ impl SourceFile {
     /// `len` bytes with `header` at its start: nothing inserted since, not
     /// changed behind the mount, not being written by a commit.
     pub fn is_now(&self, header: &[u8], len: u64) -> bool {
-        let Origin::Local { version, made, .. } = &self.origin else {
+        let Origin::Local { shared, made, .. } = &self.origin else {
             return false;
         };
-        let accepted = *version.accepted.lock_anyway();
+        let accepted = *shared.accepted.lock_anyway();
         // (The newest `SourceFile` of the file: no in-place commit since.)
-        *made + 1 == version.made.load(Ordering::SeqCst)
+        *made + 1 == shared.made.load(Ordering::SeqCst)
             && accepted.0 == len
             && self.shift() == 0
-            && !version.writing.load(Ordering::SeqCst)
+            && !shared.writing.load(Ordering::SeqCst)
             && self.check_unchanged().is_ok()
             && self.header.data_start() == header.len() as u64
     }
@@ -696,10 +671,8 @@ impl SourceFile {
     pub fn shift(&self) -> u64 {
         match &self.origin {
             Origin::Local {
-                version,
-                shift_base,
-                ..
-            } => version.view().shift - shift_base,
+                shared, shift_base, ..
+            } => shared.mapping().shift - shift_base,
             Origin::Remote(_) => 0,
         }
     }
@@ -715,18 +688,18 @@ impl SourceFile {
     /// rewrote the file since it was validated (for a remote object: if a
     /// read found it replaced).
     pub fn check_unchanged(&self) -> std::io::Result<()> {
-        let (file, version) = match &self.origin {
-            Origin::Local { file, version, .. } => (file, version),
+        let (file, shared) = match &self.origin {
+            Origin::Local { file, shared, .. } => (file, shared),
             Origin::Remote(r) => return r.check_unchanged(),
         };
-        if version.broken.load(Ordering::SeqCst) {
+        if shared.broken.load(Ordering::SeqCst) {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
-        if version.writing.load(Ordering::SeqCst) {
+        if shared.writing.load(Ordering::SeqCst) {
             return Ok(());
         }
         let now = FileStat::of(file)?;
-        let accepted = *version.accepted.lock_anyway();
+        let accepted = *shared.accepted.lock_anyway();
         if (now.len, now.mtime) == accepted {
             return Ok(());
         }
@@ -759,25 +732,25 @@ impl SourceFile {
         if end == start {
             return Ok(serve(&[]));
         }
-        let (view, shift_base, release_after_read) = match &self.origin {
+        let (mapping, shift_base, release_after_read) = match &self.origin {
             Origin::Local {
-                version,
+                shared,
                 shift_base,
                 release_after_read,
                 ..
-            } => (version.view(), *shift_base, release_after_read),
+            } => (shared.mapping(), *shift_base, release_after_read),
             Origin::Remote(r) => {
                 let tensor = (index as u32, self.header.tensors.name(index), range);
                 return r.serve(start..end, Some(tensor), serve);
             }
         };
         // Where the bytes are now: further on by what was inserted since.
-        let delta = view.shift - shift_base;
+        let delta = mapping.shift - shift_base;
         let (start, end) = ((start + delta) as usize, (end + delta) as usize);
-        let map = &view.map;
+        let map = &mapping.map;
         self.check_unchanged()?;
-        if let Origin::Local { version, made, .. } = &self.origin {
-            version.alive(*made, start as u64..end as u64, &self.path)?;
+        if let Origin::Local { shared, made, .. } = &self.origin {
+            shared.alive(*made, start as u64..end as u64, &self.path)?;
         }
         if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
             // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
@@ -816,7 +789,7 @@ impl SourceFile {
         }
         self.check_unchanged()?;
         // (A test cuts the file here, after the check, as a race would.)
-        crate::testpoint::point("view:read-source")?;
+        crate::testpoint::point("mapping:read-source")?;
         let mut done = 0;
         while done < out.len() {
             let n = self.read_at(&mut out[done..], range.start + offset + done as u64)?;
@@ -838,28 +811,50 @@ impl SourceFile {
     /// the start since this `SourceFile` was made (a `Backing` made earlier).
     pub fn read_shifted(&self, buf: &mut [u8], pos: u64, seen: u64) -> std::io::Result<usize> {
         use std::os::unix::fs::FileExt;
-        match &self.origin {
-            Origin::Local {
-                file,
-                version,
-                shift_base,
-                made,
-                ..
-            } => {
-                let view = version.view();
-                let at = pos + (view.shift - shift_base) - seen;
-                version.alive(*made, at..at + buf.len() as u64, &self.path)?;
-                file.read_at(buf, at)
-            }
-            Origin::Remote(r) => {
-                let end = pos.saturating_add(buf.len() as u64).min(r.data_end());
-                if end <= pos {
-                    return Ok(0);
-                }
-                let bytes = r.read(pos..end)?;
-                buf[..bytes.len()].copy_from_slice(&bytes);
-                Ok(bytes.len())
-            }
+        let len = buf.len() as u64;
+        if let Some(done) = self.in_local_file(pos, seen, len, |file, at| file.read_at(buf, at)) {
+            return done;
         }
+        let Origin::Remote(r) = &self.origin else {
+            unreachable!("a source is local or remote")
+        };
+        let end = pos.saturating_add(len).min(r.data_end());
+        if end <= pos {
+            return Ok(0);
+        }
+        let bytes = r.read(pos..end)?;
+        buf[..bytes.len()].copy_from_slice(&bytes);
+        Ok(bytes.len())
+    }
+
+    /// Runs `f` on the local file and the place there of `len` bytes at
+    /// `pos` (an offset as this `SourceFile` sees it, less `seen` bytes
+    /// inserted since), once they are checked to be the bytes validated; no
+    /// in-place commit moves them until `f` returns. None for a remote source.
+    fn in_local_file<R>(
+        &self,
+        pos: u64,
+        seen: u64,
+        len: u64,
+        f: impl FnOnce(&File, u64) -> std::io::Result<R>,
+    ) -> Option<std::io::Result<R>> {
+        let Origin::Local {
+            file,
+            shared,
+            shift_base,
+            made,
+            ..
+        } = &self.origin
+        else {
+            return None;
+        };
+        let mapping = shared.mapping();
+        let at = pos + (mapping.shift - shift_base) - seen;
+        if let Err(e) = shared.alive(*made, at..at + len, &self.path) {
+            return Some(Err(e));
+        }
+        let done = f(file, at);
+        drop(mapping);
+        Some(done)
     }
 }

@@ -18,13 +18,13 @@ pub(super) struct Fetcher {
 
 /// The version of an object seen at mount.
 #[derive(Clone)]
-pub(super) struct Version {
+pub(super) struct ObjectVersion {
     pub(super) size: u64,
     pub(super) etag: Option<String>,
     pub(super) modified: SystemTime,
 }
 
-impl Version {
+impl ObjectVersion {
     /// Whether an answer is of this version: same size, same ETag (a server
     /// that ignores If-Match still names the version it sends), and, where
     /// there is no ETag, the same modification time.
@@ -57,7 +57,7 @@ impl Fetcher {
     pub(super) async fn get(
         self,
         path: ObjectPath,
-        version: Option<Version>,
+        version: Option<ObjectVersion>,
         range: std::ops::Range<u64>,
         file: Option<CacheWriter>,
     ) -> Result<Landed, FetchError> {

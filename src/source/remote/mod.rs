@@ -426,7 +426,7 @@ impl Remote {
                 let rest = self
                     .fetch_range(
                         path,
-                        Version {
+                        ObjectVersion {
                             size,
                             etag: etag.clone(),
                             modified: modified.into(),
@@ -451,7 +451,7 @@ impl Remote {
             remote: self.clone(),
             url,
             path: path.clone(),
-            version: Version {
+            version: ObjectVersion {
                 size,
                 etag,
                 modified: modified.into(),
@@ -475,7 +475,7 @@ impl Remote {
     fn fetch_range(
         &self,
         path: &ObjectPath,
-        version: Version,
+        version: ObjectVersion,
         range: std::ops::Range<u64>,
     ) -> Result<Bytes, FetchError> {
         let job = self
@@ -505,7 +505,7 @@ pub struct RemoteObject {
     remote: Arc<Remote>,
     url: String,
     path: ObjectPath,
-    version: Version,
+    version: ObjectVersion,
     /// Names this version of this object in the cache.
     cache_key: String,
     chunks: Vec<u64>,
