@@ -8,7 +8,8 @@ in the same run (never as pass/fail thresholds):
    with direct I/O (examples/minimal_server.rs: the kernel's FUSE path with
    nothing added), and against the Python reference's get_tensor;
 2. mount + `ls | wc -l` of a 100,000-tensor checkpoint against the reference's
-   `safe_open(f, "np").keys()`;
+   `safe_open(f, "np").keys()`; `ls -l` of 10,000, 50,000 and 100,000 tensors,
+   cold and warm, against `ls -l` of a plain folder of as many empty files;
 3. the daemon's private memory (RssAnon) after reading every tensor of a 2 GiB
    checkpoint.
 
@@ -24,6 +25,7 @@ Needs root (or fusermount3), numpy and safetensors.
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -196,6 +198,36 @@ def bench_listing(stfs, work, runs):
     os.unlink(src)
 
 
+def bench_long_listing(stfs, work, runs):
+    """`ls -l` of a mount of N tensors (2N files: data and meta) against `ls -l`
+    of a plain folder of 2N empty files, cold (first after mounting) and warm."""
+    mnt = os.path.join(work, "mnt")
+    os.makedirs(mnt, exist_ok=True)
+    print(f"ls -l, median of {runs} (ratio to ls -l of a plain folder of as many empty files):")
+    for n in (10_000, 50_000, 100_000):
+        src = os.path.join(work, f"ls{n}.safetensors")
+        save_file({f"model.layers.{i // 100}.w{i % 100}": np.zeros(1, np.float16) for i in range(n)}, src)
+        plain = os.path.join(work, f"plain{n}")
+        os.makedirs(plain)
+        for i in range(2 * n):
+            open(os.path.join(plain, f"f{i}"), "w").close()
+
+        def ls_l(path):
+            return timed(lambda: subprocess.run(["ls", "-l", path], check=True, stdout=subprocess.DEVNULL))
+
+        cold, warm, base = [], [], []
+        for _ in range(runs):
+            with Mount(stfs, src, mnt, log=os.path.join(work, "bench.log"), check=True):
+                cold.append(ls_l(mnt))
+                warm.append(ls_l(mnt))
+            base.append(ls_l(plain))
+        c, w, b = (statistics.median(x) for x in (cold, warm, base))
+        print(f"  {n:7,} tensors: cold {c:6.3f} s ({c / b:4.2f}x), warm {w:6.3f} s ({w / b:4.2f}x);"
+              f" plain folder of {2 * n:,} files {b:6.3f} s")
+        shutil.rmtree(plain)
+        os.unlink(src)
+
+
 def bench_rss(stfs, work):
     src = os.path.join(work, "two.safetensors")
     rng = np.random.default_rng(1)
@@ -227,6 +259,7 @@ def main():
             bench_throughput(a.stfs, a.minimal, work, a.runs)
         if a.only in (None, "listing"):
             bench_listing(a.stfs, work, a.runs)
+            bench_long_listing(a.stfs, work, a.runs)
         if a.only in (None, "rss"):
             bench_rss(a.stfs, work)
 

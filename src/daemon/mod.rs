@@ -618,14 +618,20 @@ fn serve(
     // Signals are taken by one thread (below); every other thread has them
     // blocked (they were blocked before any was started).
     let signals = blocked_signals();
-    let fs = Arc::new(fs);
-    let adapter = FuseAdapter::new(fs.clone());
+    let mut fs = fs;
     let as_root = rustix::process::geteuid().as_raw() == 0;
     let fd = if as_root {
         mount_direct(&req.mountpoint, &req.source, &options)
     } else {
         fusermount::mount(&req.mountpoint, &fusermount_options(&req.source, &options))
     };
+    // A second descriptor of the connection, for the notifications that
+    // take back what the kernel caches.
+    if let Some(channel) = fd.as_ref().ok().and_then(|fd| fd.try_clone().ok()) {
+        fs.set_kernel_cache(crate::fs::kernel_cache::KernelCache::new(channel));
+    }
+    let fs = Arc::new(fs);
+    let adapter = FuseAdapter::new(fs.clone());
     let session =
         fd.and_then(|fd| fuser::Session::from_fd(adapter, fd, options.acl, config.clone()));
     let session = match session {

@@ -70,6 +70,7 @@ impl Fs {
     /// edits, and its journal where the bytes are if they moved; if their
     /// length changed, that its views are laid out anew.
     pub(super) fn note_write(&self, object: &Arc<DataObject>, changed: crate::checkpoint::Changed) {
+        self.meta_changed(object);
         let moved = changed.moved;
         if !moved {
             let st = self.read_state();
@@ -88,6 +89,25 @@ impl Fs {
         if let Some(c) = st.home(object) {
             st.live_mut(c).object_written(object, moved);
         }
+    }
+
+    /// After a data write, its tensor's meta has other attributes: its
+    /// time is the data's, its size drops the offsets when the bytes move and
+    /// follows `nbytes`.
+    fn meta_changed(&self, object: &DataObject) {
+        if !self.kernel.names_cached() {
+            return;
+        }
+        let ino = {
+            let st = self.read_state();
+            let Some(c) = st.home(object) else { return };
+            let (_, id) = object.home();
+            st.live(c)
+                .meta_file(id)
+                .map(|f| st.ino(c, f.id, TensorFile::Meta))
+        };
+        ino.into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
     }
 
     /// `truncate` / `ftruncate`.
@@ -165,6 +185,9 @@ impl Fs {
             Name::Tensor(TensorFile::Data, tensor) => live.unlink_data(tensor)?,
             Name::Tensor(TensorFile::Meta, tensor) => live.unlink_meta(tensor)?,
         }
+        drop(st);
+        // (A data file removed: its meta, left behind, loses its offsets.)
+        self.kernel.names_changed();
         info!(file = name, "removed");
         Ok(())
     }
@@ -201,6 +224,9 @@ impl Fs {
         st.live_mut(c).begin_batch();
         let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
         st.live_mut(c).end_batch();
+        drop(st);
+        // (A data file brings its meta; the target's may go.)
+        self.kernel.names_changed();
         result?;
         info!(from = name, to = new_name, "renamed");
         Ok(())

@@ -19,8 +19,8 @@ use zerocopy::IntoBytes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     IoctlFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
-    ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl,
+    ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 use tracing::{debug, error, warn};
 
@@ -28,14 +28,15 @@ use super::ioctl::{
     COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS,
     IoctlStruct, PrefetchArgs, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
+use super::kernel_cache::NAME_TTL;
 use super::{
     Attr, CacheMode, Fs, FsError, Kind, Opened, PREFETCH_SLICE, PrefetchRequest, PrefetchTarget,
 };
 
 /// Attributes of files whose content only changes through the mount.
 const ATTR_TTL: Duration = Duration::from_secs(1);
-/// Names are never cached: an edit of one name can change another (a meta
-/// appears or goes with its data file), so every path walk asks again.
+/// Names not kept by the kernel (views, index files, and every name where
+/// the kernel cannot take names back: `kernel_cache`).
 const ENTRY_TTL: Duration = Duration::ZERO;
 /// Preferred I/O size shown in stat: tools such as cat and cp size their buffers by it.
 const BLKSIZE: u32 = 1 << 20;
@@ -250,6 +251,14 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
+/// How long the kernel may keep the name of `a` (until an edit takes it back).
+fn entry_ttl(fs: &Fs, a: &Attr) -> Duration {
+    match a.cached_name && fs.kernel_cache().names_cached() {
+        true => NAME_TTL,
+        false => ENTRY_TTL,
+    }
+}
+
 fn attr_ttl(a: &Attr) -> Duration {
     if a.volatile { Duration::ZERO } else { ATTR_TTL }
 }
@@ -371,6 +380,15 @@ impl Filesystem for FuseAdapter {
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         // Lookups of a directory run in parallel with each other.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Names and attributes are kept by the kernel where it can take them
+        // back; then listings give attributes (READDIRPLUS, the kernel's
+        // choice when lookups follow a listing).
+        if self.fs.kernel_cache().start(config.kernel_abi().1) {
+            let plus = InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO;
+            if config.add_capabilities(plus).is_err() {
+                self.fs.kernel_cache().start(0);
+            }
+        }
         // Views that are a source file, served by the kernel from that file
         // (backing files need CAP_SYS_ADMIN; sources may be on overlayfs).
         if rustix::process::geteuid().as_raw() == 0
@@ -410,9 +428,12 @@ impl Filesystem for FuseAdapter {
                 return reply.error(Errno::ENOENT);
             };
             match self.fs.lookup(parent.0, name) {
-                Ok(a) => {
-                    reply.entry_with_ttls(&attr_ttl(&a), &ENTRY_TTL, &file_attr(&a), Generation(0))
-                }
+                Ok(a) => reply.entry_with_ttls(
+                    &attr_ttl(&a),
+                    &entry_ttl(&self.fs, &a),
+                    &file_attr(&a),
+                    Generation(0),
+                ),
                 Err(e) => reply.error(failed(&e)),
             }
         })
@@ -536,6 +557,34 @@ impl Filesystem for FuseAdapter {
                     Kind::File => FileType::RegularFile,
                 };
                 reply.add(INodeNo(e.ino), e.next_offset, kind, &e.name)
+            });
+            reply!(reply, result, |()| reply.ok())
+        })
+    }
+
+    /// A listing with each entry's attributes, so that `ls -l` of a
+    /// checkpoint asks nothing more (the kernel keeps the names and, for as
+    /// long, the attributes: edits take both back, `kernel_cache`).
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        guarded_read(request!("readdirplus", ino.0), || {
+            let result = self.fs.readdir_plus(ino.0, offset, |e, a| {
+                let ttl = entry_ttl(&self.fs, &a);
+                let ino = INodeNo(e.ino);
+                reply.add(
+                    ino,
+                    e.next_offset,
+                    &e.name,
+                    &ttl,
+                    &file_attr(&a),
+                    Generation(0),
+                )
             });
             reply!(reply, result, |()| reply.ok())
         })

@@ -129,6 +129,7 @@ impl Fs {
                     uid: stat.uid,
                     gid: stat.gid,
                     volatile: true,
+                    cached_name: false,
                 })
             }
             None => Err(node.err().unwrap_or(FsError::NotFound)),
@@ -154,6 +155,7 @@ impl Fs {
             uid: owner.uid,
             gid: owner.gid,
             volatile: false,
+            cached_name: false,
         }
     }
 
@@ -175,11 +177,12 @@ impl Fs {
             uid: owner.uid,
             gid: owner.gid,
             volatile,
+            cached_name: false,
         };
         let of_source = |c: usize, kind, size, mtime, volatile| {
             of_stat(st.live(c).source().owner_now(), kind, size, mtime, volatile)
         };
-        Ok(match node {
+        let mut attr = match node {
             Node::FolderRoot => {
                 let (_, stat) = st.folder.as_ref().expect("a folder mount");
                 let now = st.root_owner();
@@ -193,6 +196,7 @@ impl Fs {
                     uid: now.uid,
                     gid: now.gid,
                     volatile: false,
+                    cached_name: false,
                 }
             }
             Node::CheckpointDir(c) => {
@@ -275,7 +279,12 @@ impl Fs {
                     .unwrap_or_else(|| live.source().modified());
                 of_source(c, Kind::File, size, mtime, true)
             }
-        })
+        };
+        attr.cached_name = matches!(
+            node,
+            Node::CheckpointDir(_) | Node::Metadata(_) | Node::File(..)
+        );
+        Ok(attr)
     }
 
     /// Directory entries after `offset` (0 to start), in a stable order: `.`,
@@ -286,9 +295,37 @@ impl Fs {
         &self,
         ino: Ino,
         offset: u64,
-        mut add: impl FnMut(DirEntry) -> bool,
+        add: impl FnMut(DirEntry) -> bool,
+    ) -> Result<(), FsError> {
+        self.list_dir(&self.read_state(), ino, offset, add)
+    }
+
+    /// `readdir` with each entry's attributes (READDIRPLUS: a listing and
+    /// the lookups of `ls -l` in one).
+    pub fn readdir_plus(
+        &self,
+        ino: Ino,
+        offset: u64,
+        mut add: impl FnMut(DirEntry, Attr) -> bool,
     ) -> Result<(), FsError> {
         let st = self.read_state();
+        self.list_dir(&st, ino, offset, |e| {
+            // (Listed under the same lock: an entry has attributes, but for
+            // a race with nothing; such an entry is left out, as if gone.)
+            match st.node(e.ino).and_then(|node| self.attr_of(&st, node)) {
+                Ok(attr) => add(e, attr),
+                Err(_) => false,
+            }
+        })
+    }
+
+    fn list_dir(
+        &self,
+        st: &State,
+        ino: Ino,
+        offset: u64,
+        mut add: impl FnMut(DirEntry) -> bool,
+    ) -> Result<(), FsError> {
         let node = st.node(ino)?;
         let mut emit = |ino, kind, name: String, next_offset| {
             add(DirEntry {
@@ -367,13 +404,13 @@ impl Fs {
             }
             Node::Views(dir) => {
                 let parent = st.view_path(dir)?;
-                if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
+                if !matches!(views::find(st, &parent), Some(Found::Folder(_))) {
                     return Err(FsError::NotADirectory);
                 }
-                if let Some(why) = views::refuses(&st, &parent) {
+                if let Some(why) = views::refuses(st, &parent) {
                     return Err(FsError::Invalid(why));
                 }
-                for e in views::list(&st, &parent, offset) {
+                for e in views::list(st, &parent, offset) {
                     let kind = if e.folder {
                         Kind::Directory
                     } else {

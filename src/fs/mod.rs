@@ -29,6 +29,7 @@ pub mod files;
 pub mod fuse;
 mod handles;
 pub mod ioctl;
+pub mod kernel_cache;
 mod lookup;
 pub mod names;
 mod state;
@@ -79,6 +80,10 @@ pub struct Attr {
     pub gid: u32,
     /// Content generated from the state (metas): the kernel must not cache it.
     pub volatile: bool,
+    /// The kernel may keep the name of this file (a tensor's files,
+    /// `__metadata__.json`, a checkpoint's folder): edits take it back
+    /// (`kernel_cache`). Views and index files are looked up each time.
+    pub cached_name: bool,
 }
 
 impl Attr {
@@ -216,6 +221,9 @@ pub struct Fs {
     /// Reads of tensor bytes served, and their bytes (`stfs status` shows them).
     reads: AtomicU64,
     read_bytes: AtomicU64,
+    /// What the kernel may cache of names and attributes, and the
+    /// notifications that take it back.
+    kernel: kernel_cache::KernelCache,
 }
 
 impl Fs {
@@ -275,7 +283,41 @@ impl Fs {
             next_fh: AtomicU64::new(1),
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
+            kernel: Default::default(),
         }
+    }
+
+    /// The mount's kernel connection, for the notifications that take back
+    /// what the kernel caches (before the mount serves).
+    pub fn set_kernel_cache(&mut self, kernel: kernel_cache::KernelCache) {
+        self.kernel = kernel;
+    }
+
+    pub fn kernel_cache(&self) -> &kernel_cache::KernelCache {
+        &self.kernel
+    }
+
+    /// After a commit or a discard: every name may be another file, and every
+    /// file's attributes other ones.
+    fn everything_changed(&self) {
+        if !self.kernel.names_cached() {
+            return;
+        }
+        self.kernel.names_changed();
+        let mut inos = Vec::new();
+        {
+            let st = self.read_state();
+            for (c, m) in st.checkpoints.iter().enumerate() {
+                inos.push(st.ino_of(Node::Metadata(c)));
+                for (id, e) in m.live.entries_from(0) {
+                    inos.extend(e.data.map(|data| st.ino(c, data, TensorFile::Data)));
+                    let meta = m.live.meta_file(id);
+                    inos.extend(meta.map(|f| st.ino(c, f.id, TensorFile::Meta)));
+                }
+            }
+        }
+        inos.into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
     }
 
     fn read_state(&self) -> RwLockReadGuard<'_, State> {
@@ -324,6 +366,7 @@ impl Fs {
         self.allowed(caller, "commit")?;
         let held = |st: &State| self.held_bytes(st);
         let done = self.transactions.commit(&self.state, &held, options);
+        self.everything_changed();
         // Views looked up before are of source files a commit may have
         // replaced: do not keep those open and mapped.
         let st = self.read_state();
@@ -369,7 +412,9 @@ impl Fs {
     /// Returns a line per file, as `commit` does.
     pub fn discard(&self, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "discard")?;
-        Ok(self.transactions.discard(&self.state)?)
+        let done = self.transactions.discard(&self.state);
+        self.everything_changed();
+        Ok(done?)
     }
 
     /// Commit nothing of this mount from now on (its edits stay on disk for

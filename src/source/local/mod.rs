@@ -789,7 +789,7 @@ impl SourceFile {
         }
         self.check_unchanged()?;
         // (A test cuts the file here, after the check, as a race would.)
-        crate::testpoint::point("mapping:read-source")?;
+        crate::testpoint::point("view:read-source")?;
         let mut done = 0;
         while done < out.len() {
             let n = self.read_at(&mut out[done..], range.start + offset + done as u64)?;

@@ -1,0 +1,121 @@
+//! What the kernel may cache of the names and attributes the mount shows,
+//! and the notifications that take it back when the state changes.
+//!
+//! A listing (`ls -l`, `find`, a loader globbing the folder) asks for every
+//! name's attributes. Answered one lookup at a time, 100,000 tensors were
+//! 200,000 round trips through FUSE, twice (a path-based `getxattr` walks the
+//! path again). With name caching on, a listing is READDIRPLUS (names and
+//! attributes in one reply) and the kernel keeps both for `NAME_TTL`.
+//!
+//! An edit of one name changes others (a tensor's `.meta.json` comes and goes
+//! with its data file, a rename moves both, a discard or commit changes
+//! many), and those changes must be seen by the next `stat` of any process.
+//! Invalidating each name would need the directory's lock, which the kernel
+//! holds while it waits for the answer to the unlink or rename that made the
+//! change. So every edit of names bumps the connection's epoch
+//! (FUSE_NOTIFY_INC_EPOCH, Linux 6.16, FUSE 7.44) before it is answered: no
+//! lock, and every name the kernel holds is looked up again on its next use.
+//! Attributes of files whose content is generated (metas) are taken back one
+//! inode at a time (FUSE_NOTIFY_INVAL_INODE), also before the answer.
+//! Kernels without the epoch get no name caching (names looked up each time,
+//! as before).
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::Ino;
+
+/// How long the kernel may keep a name and, from a listing, its attributes.
+/// Changes are taken back by notifications; this bounds what one missed.
+pub const NAME_TTL: Duration = Duration::from_secs(10);
+
+/// The FUSE minor version that has FUSE_NOTIFY_INC_EPOCH.
+const EPOCH_MINOR: u32 = 44;
+
+const NOTIFY_INVAL_INODE: i32 = 2;
+const NOTIFY_INC_EPOCH: i32 = 8;
+
+/// The notifications this mount sends to its kernel connection.
+#[derive(Default)]
+pub struct KernelCache {
+    /// A descriptor of the mount's /dev/fuse connection (none in tests
+    /// without a kernel).
+    channel: Option<OwnedFd>,
+    /// Names are cached: the kernel can take them back (set at INIT).
+    on: AtomicBool,
+}
+
+impl KernelCache {
+    pub fn new(channel: OwnedFd) -> KernelCache {
+        KernelCache {
+            channel: Some(channel),
+            on: AtomicBool::new(false),
+        }
+    }
+
+    /// At INIT: names are cached if the kernel's FUSE has the epoch.
+    pub fn start(&self, kernel_minor: u32) -> bool {
+        let on = self.channel.is_some() && kernel_minor >= EPOCH_MINOR;
+        if !on {
+            info!(
+                kernel_minor,
+                "the kernel cannot take back every name at once (FUSE 7.{EPOCH_MINOR}, Linux \
+                 6.16): names are looked up on each use"
+            );
+        }
+        self.on.store(on, Ordering::SeqCst);
+        on
+    }
+
+    /// Whether the kernel may keep names (and listings give attributes).
+    pub fn names_cached(&self) -> bool {
+        self.on.load(Ordering::SeqCst)
+    }
+
+    /// Names changed: every name the kernel keeps is looked up again on its
+    /// next use. Call before answering the request that changed them.
+    pub fn names_changed(&self) {
+        if self.names_cached() && self.send(NOTIFY_INC_EPOCH, &[]).is_err() {
+            // Not taken back: names stay uncached from now on, and what was
+            // cached goes stale for at most NAME_TTL.
+            self.on.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// The attributes (and cached pages) of `ino` changed.
+    pub fn attrs_changed(&self, ino: Ino) {
+        if !self.names_cached() {
+            return;
+        }
+        let mut body = Vec::with_capacity(24);
+        body.extend_from_slice(&ino.to_ne_bytes());
+        body.extend_from_slice(&0i64.to_ne_bytes()); // from offset 0
+        body.extend_from_slice(&(-1i64).to_ne_bytes()); // to the end
+        let _ = self.send(NOTIFY_INVAL_INODE, &body);
+    }
+
+    /// One notification: a fuse_out_header whose error field is the code,
+    /// then its body, in one write.
+    fn send(&self, code: i32, body: &[u8]) -> std::io::Result<()> {
+        let Some(fd) = &self.channel else {
+            return Ok(());
+        };
+        let mut msg = Vec::with_capacity(16 + body.len());
+        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+        msg.extend_from_slice(&code.to_ne_bytes());
+        msg.extend_from_slice(&0u64.to_ne_bytes()); // unique: 0 for a notification
+        msg.extend_from_slice(body);
+        match rustix::io::write(fd, &msg) {
+            Ok(_) => Ok(()),
+            // An inode the kernel does not hold: nothing to take back.
+            Err(rustix::io::Errno::NOENT) => Ok(()),
+            Err(e) => {
+                warn!(code, "a cache notification to the kernel failed: {e}");
+                Err(e.into())
+            }
+        }
+    }
+}
