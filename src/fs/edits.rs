@@ -179,6 +179,7 @@ impl Fs {
         if st.find(c, &decoded).is_none() {
             return Err(FsError::NotFound);
         }
+        let touched = st.files_of(c, &decoded);
         let live = st.live_mut(c);
         match &decoded {
             Name::Metadata => live.remove_metadata(),
@@ -188,6 +189,7 @@ impl Fs {
         drop(st);
         // (A data file removed: its meta, left behind, loses its offsets.)
         self.kernel.names_changed();
+        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
         info!(file = name, "removed");
         Ok(())
     }
@@ -219,12 +221,19 @@ impl Fs {
         if no_replace && to_node.is_some() {
             return Err(FsError::Exists);
         }
+        // The files of both names, before and after: their attributes
+        // change (a replaced file's nlink, a moved meta's text).
+        let mut touched = st.files_of(c, &from);
+        touched.extend(st.files_of(nc, &to));
         // Journaled whole: one line per checkpoint, the target's first (a
         // crash between two checkpoints' lines leaves a copy, never a loss).
         st.live_mut(c).begin_batch();
         let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
         st.live_mut(c).end_batch();
+        touched.extend(st.files_of(c, &from));
+        touched.extend(st.files_of(nc, &to));
         drop(st);
+        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
         // (A data file brings its meta; the target's may go.)
         self.kernel.names_changed();
         result?;

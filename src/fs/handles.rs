@@ -366,14 +366,17 @@ impl Fs {
             content.dirty = false;
             (file.ino, content.text.clone(), others)
         };
+        let mut touched = Vec::new();
         let (c, file_name, kept_invalid) = {
             let mut st = self.write_state();
             match st.node(ino) {
                 Ok(Node::File(c, file, TensorFile::Meta)) => {
                     let id = st.meta_entry(c, file)?;
-                    let live = st.live_mut(c);
-                    let name = live.entry_name(id).ok_or(FsError::NotFound)?;
-                    let kept_invalid = live.set_meta(&name, &text, false)?;
+                    let name = st.live(c).entry_name(id).ok_or(FsError::NotFound)?;
+                    let kept_invalid = st.live_mut(c).set_meta(&name, &text, false)?;
+                    // (A meta may size its data file: zeros to its nbytes.)
+                    let data = Name::Tensor(TensorFile::Data, name.clone());
+                    touched = st.files_of(c, &data);
                     (c, TensorFile::Meta.file_name(&name), kept_invalid)
                 }
                 Ok(Node::Metadata(c)) => {
@@ -394,6 +397,7 @@ impl Fs {
         // What the name shows is the JSON as parsed and written again, and a
         // meta may show or hide its tensor's name.
         self.kernel.attrs_changed(ino);
+        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
         self.kernel.names_changed();
         self.sync_journal(c)?;
         match kept_invalid {

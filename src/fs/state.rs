@@ -356,6 +356,24 @@ impl State {
     }
 
     /// The node a decoded name stands for now, if it exists.
+    /// The inodes of the files of the tensor `name` is one of (its data
+    /// file and its meta), or of `__metadata__.json`: what an edit of that
+    /// name may change the attributes of.
+    pub(super) fn files_of(&self, c: usize, name: &Name) -> Vec<Ino> {
+        let names = match name {
+            Name::Metadata => vec![Name::Metadata],
+            Name::Tensor(_, tensor) => vec![
+                Name::Tensor(TensorFile::Data, tensor.clone()),
+                Name::Tensor(TensorFile::Meta, tensor.clone()),
+            ],
+        };
+        names
+            .iter()
+            .filter_map(|n| self.find(c, n))
+            .map(|node| self.ino_of(node))
+            .collect()
+    }
+
     pub(super) fn find(&self, c: usize, name: &Name) -> Option<Node> {
         let live = self.live(c);
         match name {

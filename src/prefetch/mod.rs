@@ -5,6 +5,7 @@ pub mod cuda;
 
 use crate::sync::LockAnyway;
 use std::fs::File;
+use std::sync::Arc;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -153,23 +154,38 @@ fn seek(file: &File, to: rustix::fs::SeekFrom) -> Option<u64> {
     rustix::fs::seek(file, to).ok()
 }
 
-/// Bytes of a file range that are in the page cache (mincore on a temporary
-/// map, a window at a time).
+/// Bytes of a file range that are in the page cache.
 pub fn resident_bytes(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
+    let ranges = resident_ranges(file, offset, len)?;
+    Ok(ranges.iter().map(|r| r.end - r.start).sum())
+}
+
+/// The runs of a file range that are in the page cache (mincore on a
+/// temporary map, a window at a time), adjacent pages joined.
+pub fn resident_ranges(
+    file: &File,
+    offset: u64,
+    len: u64,
+) -> std::io::Result<Vec<std::ops::Range<u64>>> {
     const WINDOW: u64 = 1 << 30;
-    let mut sum = 0;
+    let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
     let mut at = offset;
     while at < offset + len {
         let n = WINDOW.min(offset + len - at);
-        sum += resident_window(file, at, n)?;
+        for r in resident_window(file, at, n)? {
+            match ranges.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => ranges.push(r),
+            }
+        }
         at += n;
     }
-    Ok(sum)
+    Ok(ranges)
 }
 
-fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
+fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<Vec<std::ops::Range<u64>>> {
     if len == 0 {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     const PAGE: u64 = 4096;
     let start = offset / PAGE * PAGE;
@@ -187,15 +203,47 @@ fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<u64> {
     if unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map_len, vec.as_mut_ptr()) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut resident = 0u64;
+    let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
     for (i, v) in vec.iter().enumerate() {
-        if v & 1 != 0 {
-            let page_start = (start + i as u64 * PAGE).max(offset);
-            let page_end = (start + (i as u64 + 1) * PAGE).min(offset + len);
-            resident += page_end - page_start;
+        if v & 1 == 0 {
+            continue;
+        }
+        let page_start = (start + i as u64 * PAGE).max(offset);
+        let page_end = (start + (i as u64 + 1) * PAGE).min(offset + len);
+        match ranges.last_mut() {
+            Some(last) if last.end == page_start => last.end = page_end,
+            _ => ranges.push(page_start..page_end),
         }
     }
-    Ok(resident)
+    Ok(ranges)
+}
+
+/// Brings `ranges` of `file` into the page cache again, in the background
+/// (after an insertion at the file's start dropped them: FALLOC_FL_INSERT_RANGE
+/// empties the file's page cache past the insertion). Says how much when done.
+pub fn bring_back(file: Arc<File>, ranges: Vec<std::ops::Range<u64>>, path: std::path::PathBuf) {
+    let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+    if total == 0 {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("stfs-recache".into())
+        .spawn(move || {
+            let started = std::time::Instant::now();
+            let mut buf = vec![0u8; CHUNK as usize];
+            for r in &ranges {
+                // Read, not advised: WILLNEED gives up past the read-ahead
+                // limit, and a read is what a reader would have done.
+                let _ = read_range(&file, 0, r.start, r.end, true, &mut buf);
+            }
+            let _ = crate::testpoint::point("recache:done");
+            tracing::info!(
+                file = %path.display(),
+                mib = total >> 20,
+                seconds = started.elapsed().as_secs_f64(),
+                "page cache brought back after the header grew at the file's start"
+            );
+        });
 }
 
 #[cfg(test)]

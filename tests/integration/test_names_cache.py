@@ -162,3 +162,34 @@ def test_a_commit_changes_every_meta_it_moves(ckpt, run):
         meta = json.loads(shown_and_read_agree(f"{p}/layer.{n}.meta.json"))
         assert meta["file_offset"] > offsets[n]
     assert not exists(f"{p}/layer.5.meta.json")
+
+
+@pytest.mark.parametrize("cache", ["direct", "keep"])
+def test_a_held_data_file_sees_the_size_its_meta_gives(tmp_path, mount, cache):
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(src))
+    m = mount(src, "-o", f"cache={cache}")
+    p = m.path
+    subprocess.run(["touch", f"{p}/w"], check=True)
+    listed(p)
+    fd = os.open(f"{p}/w", os.O_RDONLY)
+    try:
+        with open(f"{p}/w.meta.json", "w") as f:
+            f.write('{"dtype":"F32","shape":[5]}')
+        assert os.fstat(fd).st_size == 20
+        assert os.pread(fd, 100, 0) == b"\0" * 20
+    finally:
+        os.close(fd)
+
+
+def test_a_held_meta_replaced_by_a_rename_shows_no_link(ckpt):
+    p = ckpt.path
+    fd = os.open(f"{p}/layer.0.meta.json", os.O_RDONLY)
+    try:
+        assert os.fstat(fd).st_nlink == 1
+        subprocess.run(["mv", f"{p}/layer.5", f"{p}/layer.0"], check=True)
+        # Another file is at that name now; the descriptor's is gone.
+        assert os.fstat(fd).st_nlink == 0
+        assert shape_of(f"{p}/layer.0.meta.json") == [48]
+    finally:
+        os.close(fd)

@@ -108,6 +108,15 @@ class Failed(subprocess.CalledProcessError):
         return f"{super().__str__()}\n{self.stdout or ''}{self.stderr or ''}".rstrip()
 
 
+def wait_for(done, what, seconds=60):
+    """Waits until `done()` (something the daemon finishes in the background
+    and says it did), failing with `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
 def wait_for_exit(pid, seconds):
     """Waits for a daemon we started to exit; kills it by pid if it hangs."""
     deadline = time.monotonic() + seconds

@@ -259,7 +259,17 @@ impl InPlaceJob {
                 .file()
         };
         self.source.begin_in_place();
-        let insert = |len| self.source.insert_at_start(len);
+        // What the page cache held of the file before blocks are inserted
+        // at its start (which empties it), brought back once the commit is done.
+        let recache = std::sync::Mutex::new(None);
+        let insert = |len| {
+            let cached = self.file.metadata().ok().and_then(|m| {
+                crate::prefetch::resident_ranges(&self.file, 0, m.len()).ok()
+            });
+            self.source.insert_at_start(len)?;
+            *recache.lock_anyway() = cached.map(|ranges| (len, ranges));
+            Ok(())
+        };
         let collapse = |len| self.source.collapse_at_start(len);
         let retire = |ranges| self.source.retire(ranges);
         let steps = in_place::Steps {
@@ -271,6 +281,10 @@ impl InPlaceJob {
             fresh: true,
         };
         let result = self.record.apply(&*self.file, &self.header, &steps);
+        if let (Ok(()), Some((by, ranges))) = (&result, recache.lock_anyway().take()) {
+            let moved = ranges.into_iter().map(|r| r.start + by..r.end + by).collect();
+            crate::prefetch::bring_back(self.file.clone(), moved, self.source.path().to_path_buf());
+        }
         let now = result
             .as_ref()
             .ok()

@@ -40,6 +40,9 @@ use crate::source::local::Folder;
 use crate::source::{Bytes, FileStat, SourceFile, copy_range};
 use crate::testpoint::point;
 
+/// The least room an insertion at the file's start leaves in the header.
+const HEADER_SPARE: u64 = 64 << 10;
+
 /// Why a redo record cannot be trusted: checked before anything is written.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -245,8 +248,12 @@ pub fn layout<'a>(
             )
             .into());
         };
-        // Whole blocks, with room to spare for the next edits (as a rewrite leaves).
-        let want = needed + (needed / 4).max(4096) - room;
+        // Whole blocks, with room to spare for the next edits (a chat
+        // template, every tensor renamed, a metadata key or two), so that
+        // they insert nothing: a quarter of the header again, at least
+        // 64 KiB. (Not more: each later header edit writes its room into
+        // the redo record once.)
+        let want = needed + (needed / 4).max(HEADER_SPARE) - room;
         inserted = want.div_ceil(block) * block;
         room += inserted;
         if room > crate::format::MAX_HEADER_LEN {

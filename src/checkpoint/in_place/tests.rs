@@ -471,13 +471,14 @@ mod planner {
         assert!(e.0.to_string().contains("cannot insert blocks"), "{e}");
         let l = plan(&c, &all, Some(&big), &NONE_HELD, Some(4096)).unwrap();
         // The JSON (about 900 bytes) and room to spare (a quarter of it, at
-        // least 4 KiB), past the 400 there: two blocks.
-        assert_eq!(l.inserted, 8192);
-        assert_eq!(l.file_len, c.len + 8192);
-        assert_eq!(l.summary, "header grown by 8 KiB at the start");
-        assert_eq!(l.layout.header.len() as u64 - PREFIX_LEN, 400 + 8192);
+        // least 64 KiB), past the 400 there: 64 KiB and a block, in whole blocks.
+        let grown = (64 << 10) + 4096;
+        assert_eq!(l.inserted, grown);
+        assert_eq!(l.file_len, c.len + grown);
+        assert_eq!(l.summary, "header grown by 68 KiB at the start");
+        assert_eq!(l.layout.header.len() as u64 - PREFIX_LEN, 400 + grown);
         // Written: up to the end of the old JSON (moved by the insertion), not
         // the spaces after it.
-        assert_eq!(l.header_write, 8192 + c.source.header_json_end());
+        assert_eq!(l.header_write, grown + c.source.header_json_end());
     }
 }
