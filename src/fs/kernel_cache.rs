@@ -112,6 +112,8 @@ impl KernelCache {
             Ok(_) => Ok(()),
             // An inode the kernel does not hold: nothing to take back.
             Err(rustix::io::Errno::NOENT) => Ok(()),
+            // Unmounted (a commit at unmount): nothing is kept any more.
+            Err(e @ (rustix::io::Errno::NODEV | rustix::io::Errno::NOTCONN)) => Err(e.into()),
             Err(e) => {
                 warn!(code, "a cache notification to the kernel failed: {e}");
                 Err(e.into())
