@@ -15,8 +15,9 @@
 //! change. So every edit of names bumps the connection's epoch
 //! (FUSE_NOTIFY_INC_EPOCH, Linux 6.16, FUSE 7.44) before it is answered: no
 //! lock, and every name the kernel holds is looked up again on its next use.
-//! Attributes of files whose content is generated (metas) are taken back one
-//! inode at a time (FUSE_NOTIFY_INVAL_INODE), also before the answer.
+//! Attributes of files that an edit of another name changed (a meta's text,
+//! a data file a meta sizes, a file replaced) are taken back one inode at a
+//! time (FUSE_NOTIFY_INVAL_INODE, attributes only), also before the answer.
 //! Kernels without the epoch get no name caching (names looked up each time,
 //! as before).
 
@@ -85,15 +86,19 @@ impl KernelCache {
         }
     }
 
-    /// The attributes (and cached pages) of `ino` changed.
+    /// The attributes of `ino` changed (not its cached pages: no edit of
+    /// another name changes the bytes under a file's pages).
     pub fn attrs_changed(&self, ino: Ino) {
         if !self.names_cached() {
             return;
         }
         let mut body = Vec::with_capacity(24);
         body.extend_from_slice(&ino.to_ne_bytes());
-        body.extend_from_slice(&0i64.to_ne_bytes()); // from offset 0
-        body.extend_from_slice(&(-1i64).to_ne_bytes()); // to the end
+        // A negative offset: the attributes only. (Invalidating pages would
+        // wait for their locks, which a write in flight holds until the
+        // daemon answers it: a request thread must not wait for that.)
+        body.extend_from_slice(&(-1i64).to_ne_bytes());
+        body.extend_from_slice(&0i64.to_ne_bytes());
         let _ = self.send(NOTIFY_INVAL_INODE, &body);
     }
 
