@@ -50,8 +50,13 @@ impl Fs {
                     Node::File(c, file.id, TensorFile::Meta)
                 }
             };
-            st.ino_of(node)
+            // (Data created under a name with a meta: the meta's time is
+            // the data's now.)
+            let touched = st.files_of(c, &decoded);
+            (st.ino_of(node), touched)
         };
+        let (ino, touched) = ino;
+        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
         let opened = self.open(ino, true, truncate)?;
         Ok((self.getattr(ino, Some(opened.fh))?, opened))
     }

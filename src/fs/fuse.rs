@@ -417,6 +417,8 @@ impl Filesystem for FuseAdapter {
 
     /// Unmount: the mount's policy decides (commit, or keep the edits).
     fn destroy(&mut self) {
+        // (Unmounted: a commit now has nothing to take back from the kernel.)
+        self.fs.kernel_cache().stop();
         if let Err(e) = self.fs.unmount() {
             error!("{e}");
         }

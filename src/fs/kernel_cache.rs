@@ -23,15 +23,25 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use tracing::{info, warn};
 
 use super::Ino;
+use crate::sync::LockAnyway;
 
-/// How long the kernel may keep a name and, from a listing, its attributes.
+/// How long the kernel may keep a name and, from a listing, its attributes
+/// (one timeout for both in a listing: as long as attributes are kept
+/// elsewhere, so that a `chmod` of the source shows within a second).
 /// Changes are taken back by notifications; this bounds what one missed.
-pub const NAME_TTL: Duration = Duration::from_secs(10);
+pub const NAME_TTL: Duration = Duration::from_secs(1);
+
+/// A listing the daemon answered before an edit, but that the kernel takes
+/// in after the edit's epoch bump, would be kept as fresh: every bump is
+/// made again this much later (a listing is taken in as soon as it is
+/// written, long before).
+const BUMP_AGAIN: Duration = Duration::from_millis(100);
 
 /// The FUSE minor version that has FUSE_NOTIFY_INC_EPOCH.
 const EPOCH_MINOR: u32 = 44;
@@ -44,16 +54,36 @@ const NOTIFY_INC_EPOCH: i32 = 8;
 pub struct KernelCache {
     /// A descriptor of the mount's /dev/fuse connection (none in tests
     /// without a kernel).
-    channel: Option<OwnedFd>,
+    channel: Option<Arc<OwnedFd>>,
     /// Names are cached: the kernel can take them back (set at INIT).
-    on: AtomicBool,
+    on: Arc<AtomicBool>,
+    /// Wakes the thread that bumps the epoch again (`BUMP_AGAIN`).
+    again: Option<Mutex<mpsc::Sender<()>>>,
 }
 
 impl KernelCache {
     pub fn new(channel: OwnedFd) -> KernelCache {
+        let channel = Arc::new(channel);
+        let on = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel::<()>();
+        let (fd, enabled) = (channel.clone(), on.clone());
+        let _ = std::thread::Builder::new()
+            .name("stfs-epoch".into())
+            .spawn(move || {
+                // Ends when the cache (its sender) is dropped.
+                while rx.recv().is_ok() {
+                    std::thread::sleep(BUMP_AGAIN);
+                    while rx.try_recv().is_ok() {} // one bump for all since
+                    if enabled.load(Ordering::SeqCst) && write(&fd, NOTIFY_INC_EPOCH, &[]).is_err()
+                    {
+                        enabled.store(false, Ordering::SeqCst);
+                    }
+                }
+            });
         KernelCache {
             channel: Some(channel),
-            on: AtomicBool::new(false),
+            on,
+            again: Some(Mutex::new(tx)),
         }
     }
 
@@ -79,11 +109,23 @@ impl KernelCache {
     /// Names changed: every name the kernel keeps is looked up again on its
     /// next use. Call before answering the request that changed them.
     pub fn names_changed(&self) {
-        if self.names_cached() && self.send(NOTIFY_INC_EPOCH, &[]).is_err() {
+        if !self.names_cached() {
+            return;
+        }
+        if self.send(NOTIFY_INC_EPOCH, &[]).is_err() {
             // Not taken back: names stay uncached from now on, and what was
             // cached goes stale for at most NAME_TTL.
             self.on.store(false, Ordering::SeqCst);
+            return;
         }
+        if let Some(again) = &self.again {
+            let _ = again.lock_anyway().send(());
+        }
+    }
+
+    /// Nothing is kept from now on (the mount is going away).
+    pub fn stop(&self) {
+        self.on.store(false, Ordering::SeqCst);
     }
 
     /// The attributes of `ino` changed (not its cached pages: no edit of
@@ -102,27 +144,31 @@ impl KernelCache {
         let _ = self.send(NOTIFY_INVAL_INODE, &body);
     }
 
-    /// One notification: a fuse_out_header whose error field is the code,
-    /// then its body, in one write.
     fn send(&self, code: i32, body: &[u8]) -> std::io::Result<()> {
-        let Some(fd) = &self.channel else {
-            return Ok(());
-        };
-        let mut msg = Vec::with_capacity(16 + body.len());
-        msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
-        msg.extend_from_slice(&code.to_ne_bytes());
-        msg.extend_from_slice(&0u64.to_ne_bytes()); // unique: 0 for a notification
-        msg.extend_from_slice(body);
-        match rustix::io::write(fd, &msg) {
-            Ok(_) => Ok(()),
-            // An inode the kernel does not hold: nothing to take back.
-            Err(rustix::io::Errno::NOENT) => Ok(()),
-            // Unmounted (a commit at unmount): nothing is kept any more.
-            Err(e @ (rustix::io::Errno::NODEV | rustix::io::Errno::NOTCONN)) => Err(e.into()),
-            Err(e) => {
-                warn!(code, "a cache notification to the kernel failed: {e}");
-                Err(e.into())
-            }
+        match &self.channel {
+            Some(fd) => write(fd, code, body),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One notification: a fuse_out_header whose error field is the code, then
+/// its body, in one write.
+fn write(fd: &OwnedFd, code: i32, body: &[u8]) -> std::io::Result<()> {
+    let mut msg = Vec::with_capacity(16 + body.len());
+    msg.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&code.to_ne_bytes());
+    msg.extend_from_slice(&0u64.to_ne_bytes()); // unique: 0 for a notification
+    msg.extend_from_slice(body);
+    match rustix::io::write(fd, &msg) {
+        Ok(_) => Ok(()),
+        // An inode the kernel does not hold: nothing to take back.
+        Err(rustix::io::Errno::NOENT) => Ok(()),
+        // Unmounted: nothing is kept any more.
+        Err(e @ (rustix::io::Errno::NODEV | rustix::io::Errno::NOTCONN)) => Err(e.into()),
+        Err(e) => {
+            warn!(code, "a cache notification to the kernel failed: {e}");
+            Err(e.into())
         }
     }
 }

@@ -308,6 +308,7 @@ impl Fs {
         {
             let st = self.read_state();
             for (c, m) in st.checkpoints.iter().enumerate() {
+                inos.push(m.dir_ino);
                 inos.push(st.ino_of(Node::Metadata(c)));
                 for (id, e) in m.live.entries_from(0) {
                     inos.extend(e.data.map(|data| st.ino(c, data, TensorFile::Data)));

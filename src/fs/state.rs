@@ -355,7 +355,6 @@ impl State {
         table.get(stem).cloned()
     }
 
-    /// The node a decoded name stands for now, if it exists.
     /// The inodes of the files of the tensor `name` is one of (its data
     /// file and its meta), or of `__metadata__.json`: what an edit of that
     /// name may change the attributes of.
@@ -374,6 +373,7 @@ impl State {
             .collect()
     }
 
+    /// The node a decoded name stands for now, if it exists.
     pub(super) fn find(&self, c: usize, name: &Name) -> Option<Node> {
         let live = self.live(c);
         match name {

@@ -220,10 +220,15 @@ fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<Vec<st
 
 /// Brings `ranges` of `file` into the page cache again, in the background
 /// (after an insertion at the file's start dropped them: FALLOC_FL_INSERT_RANGE
-/// empties the file's page cache past the insertion). Says how much when done.
-pub fn bring_back(file: Arc<File>, ranges: Vec<std::ops::Range<u64>>, path: std::path::PathBuf) {
-    let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
-    if total == 0 {
+/// empties the file's page cache past the insertion), while `still` holds
+/// (the bytes have not moved again). Says how much when done.
+pub fn bring_back(
+    file: Arc<File>,
+    ranges: Vec<std::ops::Range<u64>>,
+    still: impl Fn() -> bool + Send + 'static,
+    path: std::path::PathBuf,
+) {
+    if ranges.is_empty() {
         return;
     }
     let _ = std::thread::Builder::new()
@@ -231,15 +236,22 @@ pub fn bring_back(file: Arc<File>, ranges: Vec<std::ops::Range<u64>>, path: std:
         .spawn(move || {
             let started = std::time::Instant::now();
             let mut buf = vec![0u8; CHUNK as usize];
+            let mut read = 0;
             for r in &ranges {
+                if !still() {
+                    break;
+                }
                 // Read, not advised: WILLNEED gives up past the read-ahead
                 // limit, and a read is what a reader would have done.
-                let _ = read_range(&file, 0, r.start, r.end, true, &mut buf);
+                if read_range(&file, 0, r.start, r.end, true, &mut buf).is_err() {
+                    break;
+                }
+                read += r.end - r.start;
             }
             let _ = crate::testpoint::point("recache:done");
             tracing::info!(
                 file = %path.display(),
-                mib = total >> 20,
+                mib = read >> 20,
                 seconds = started.elapsed().as_secs_f64(),
                 "page cache brought back after the header grew at the file's start"
             );

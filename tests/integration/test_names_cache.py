@@ -193,3 +193,12 @@ def test_a_held_meta_replaced_by_a_rename_shows_no_link(ckpt):
         assert shape_of(f"{p}/layer.0.meta.json") == [48]
     finally:
         os.close(fd)
+
+
+def test_data_created_under_a_meta_gives_it_its_time(ckpt):
+    p = ckpt.path
+    subprocess.run(["rm", f"{p}/layer.2"], check=True)
+    listed(p)
+    assert mtime(f"{p}/layer.2.meta.json") == 946684800
+    subprocess.run(["touch", f"{p}/layer.2"], check=True)
+    assert mtime(f"{p}/layer.2.meta.json") == mtime(f"{p}/layer.2") > 946684800

@@ -283,7 +283,11 @@ impl InPlaceJob {
         let result = self.record.apply(&*self.file, &self.header, &steps);
         if let (Ok(()), Some((by, ranges))) = (&result, recache.lock_anyway().take()) {
             let moved = ranges.into_iter().map(|r| r.start + by..r.end + by).collect();
-            crate::prefetch::bring_back(self.file.clone(), moved, self.source.path().to_path_buf());
+            // (Until another insertion moves the bytes again.)
+            let (source, shift) = (self.source.clone(), self.source.shift());
+            let still = move || source.shift() == shift;
+            let path = self.source.path().to_path_buf();
+            crate::prefetch::bring_back(self.file.clone(), moved, still, path);
         }
         let now = result
             .as_ref()
