@@ -836,37 +836,37 @@ impl Filesystem for FuseAdapter {
     fn mkdir(
         &self,
         _req: &Request,
-        _parent: INodeNo,
+        parent: INodeNo,
         _name: &OsStr,
         _mode: u32,
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(failed(&FsError::NotSupported("mkdir")))
+        reply.error(failed(&self.fs.refuse_node(parent.0, "mkdir")))
     }
 
     fn mknod(
         &self,
         _req: &Request,
-        _parent: INodeNo,
+        parent: INodeNo,
         _name: &OsStr,
         _mode: u32,
         _umask: u32,
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(failed(&FsError::NotSupported("mknod")))
+        reply.error(failed(&self.fs.refuse_node(parent.0, "mknod")))
     }
 
     fn symlink(
         &self,
         _req: &Request,
-        _parent: INodeNo,
+        parent: INodeNo,
         _link_name: &OsStr,
         _target: &std::path::Path,
         reply: ReplyEntry,
     ) {
-        reply.error(failed(&FsError::NotSupported("symlink")))
+        reply.error(failed(&self.fs.refuse_node(parent.0, "symlink")))
     }
 
     fn link(

@@ -352,6 +352,15 @@ impl Fs {
         }
     }
 
+    /// Why a folder, device node or link cannot be made in `parent`: the
+    /// views are read-only (EROFS); elsewhere stfs makes only files (ENOTSUP).
+    pub fn refuse_node(&self, parent: Ino, what: &'static str) -> FsError {
+        match self.read_state().node(parent) {
+            Ok(Node::Views(_)) => FsError::ReadOnly,
+            _ => FsError::NotSupported(what),
+        }
+    }
+
     /// Commit, discard, prefetch and status are for the user who mounted, and root.
     pub fn allowed(&self, caller: u32, what: &'static str) -> Result<(), FsError> {
         if caller == 0 || caller == self.settings.owner {

@@ -166,6 +166,14 @@ def test_views_are_read_only_and_reserved(tmp_path, mount, run):
         with pytest.raises(OSError) as e:
             attempt()
         assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EISDIR, errno.EPERM), e.value
+    # Folders, nodes and links: the views are read-only; elsewhere, not supported.
+    for make in (lambda p: os.mkdir(p), lambda p: os.mkfifo(p), lambda p: os.symlink("x", p)):
+        with pytest.raises(OSError) as e:
+            make(os.path.join(m.path, "__views__", "made"))
+        assert e.value.errno == errno.EROFS, e.value
+        with pytest.raises(OSError) as e:
+            make(os.path.join(m.path, "made"))
+        assert e.value.errno == errno.EOPNOTSUPP, e.value
     assert os.stat(view).st_mode & 0o222 == 0
     # A state a commit would refuse has no view: EINVAL, and the log says why.
     with open(os.path.join(m.path, "x.meta.json"), "w") as f:
