@@ -56,7 +56,9 @@ impl Fs {
             (st.ino_of(node), touched)
         };
         let (ino, touched) = ino;
-        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
+        touched
+            .into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
         let opened = self.open(ino, true, truncate)?;
         Ok((self.getattr(ino, Some(opened.fh))?, opened))
     }
@@ -194,7 +196,9 @@ impl Fs {
         drop(st);
         // (A data file removed: its meta, left behind, loses its offsets.)
         self.kernel.names_changed();
-        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
+        touched
+            .into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
         info!(file = name, "removed");
         Ok(())
     }
@@ -238,7 +242,9 @@ impl Fs {
         touched.extend(st.files_of(c, &from));
         touched.extend(st.files_of(nc, &to));
         drop(st);
-        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
+        touched
+            .into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
         // (A data file brings its meta; the target's may go.)
         self.kernel.names_changed();
         result?;

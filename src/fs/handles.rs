@@ -397,7 +397,9 @@ impl Fs {
         // What the name shows is the JSON as parsed and written again, and a
         // meta may show or hide its tensor's name.
         self.kernel.attrs_changed(ino);
-        touched.into_iter().for_each(|ino| self.kernel.attrs_changed(ino));
+        touched
+            .into_iter()
+            .for_each(|ino| self.kernel.attrs_changed(ino));
         self.kernel.names_changed();
         self.sync_journal(c)?;
         match kept_invalid {

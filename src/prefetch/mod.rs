@@ -5,8 +5,8 @@ pub mod cuda;
 
 use crate::sync::LockAnyway;
 use std::fs::File;
-use std::sync::Arc;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::source::Backing;
@@ -183,7 +183,11 @@ pub fn resident_ranges(
     Ok(ranges)
 }
 
-fn resident_window(file: &File, offset: u64, len: u64) -> std::io::Result<Vec<std::ops::Range<u64>>> {
+fn resident_window(
+    file: &File,
+    offset: u64,
+    len: u64,
+) -> std::io::Result<Vec<std::ops::Range<u64>>> {
     if len == 0 {
         return Ok(Vec::new());
     }

@@ -263,9 +263,11 @@ impl InPlaceJob {
         // at its start (which empties it), brought back once the commit is done.
         let recache = std::sync::Mutex::new(None);
         let insert = |len| {
-            let cached = self.file.metadata().ok().and_then(|m| {
-                crate::prefetch::resident_ranges(&self.file, 0, m.len()).ok()
-            });
+            let cached = self
+                .file
+                .metadata()
+                .ok()
+                .and_then(|m| crate::prefetch::resident_ranges(&self.file, 0, m.len()).ok());
             self.source.insert_at_start(len)?;
             *recache.lock_anyway() = cached.map(|ranges| (len, ranges));
             Ok(())
@@ -282,7 +284,10 @@ impl InPlaceJob {
         };
         let result = self.record.apply(&*self.file, &self.header, &steps);
         if let (Ok(()), Some((by, ranges))) = (&result, recache.lock_anyway().take()) {
-            let moved = ranges.into_iter().map(|r| r.start + by..r.end + by).collect();
+            let moved = ranges
+                .into_iter()
+                .map(|r| r.start + by..r.end + by)
+                .collect();
             // (Until another insertion moves the bytes again.)
             let (source, shift) = (self.source.clone(), self.source.shift());
             let still = move || source.shift() == shift;
