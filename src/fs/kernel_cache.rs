@@ -23,13 +23,12 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use tracing::{info, warn};
 
 use super::Ino;
-use crate::sync::LockAnyway;
 
 /// How long the kernel may keep a name and, from a listing, its attributes
 /// (one timeout for both in a listing: as long as attributes are kept
@@ -58,7 +57,7 @@ pub struct KernelCache {
     /// Names are cached: the kernel can take them back (set at INIT).
     on: Arc<AtomicBool>,
     /// Wakes the thread that bumps the epoch again (`BUMP_AGAIN`).
-    again: Option<Mutex<mpsc::Sender<()>>>,
+    again: Option<mpsc::Sender<()>>,
 }
 
 impl KernelCache {
@@ -83,7 +82,7 @@ impl KernelCache {
         KernelCache {
             channel: Some(channel),
             on,
-            again: Some(Mutex::new(tx)),
+            again: Some(tx),
         }
     }
 
@@ -119,7 +118,7 @@ impl KernelCache {
             return;
         }
         if let Some(again) = &self.again {
-            let _ = again.lock_anyway().send(());
+            let _ = again.send(());
         }
     }
 

@@ -107,7 +107,8 @@ impl Fs {
         match handle {
             Some(Handle::Data { object, .. }) => {
                 let c = st.home(object).unwrap_or(0);
-                let mut a = self.object_attr(&st, c, object.state(), ino);
+                let owner = st.live(c).source().owner_now();
+                let mut a = self.object_attr(&st, c, object.state(), ino, owner);
                 a.nlink = 0;
                 Ok(a)
             }
@@ -136,15 +137,17 @@ impl Fs {
         }
     }
 
+    /// A data file's attributes; `owner` is its source's now
+    /// (`SourceFile::owner_now`).
     pub(super) fn object_attr(
         &self,
         st: &State,
         c: usize,
         o: crate::checkpoint::ObjectState,
         ino: Ino,
+        owner: FileStat,
     ) -> Attr {
         let src = st.live(c).source();
-        let owner = src.owner_now();
         Attr {
             ino,
             kind: Kind::File,
@@ -160,6 +163,17 @@ impl Fs {
     }
 
     pub(super) fn attr_of(&self, st: &State, node: Node) -> Result<Attr, FsError> {
+        self.attr_with(st, node, &|c| st.live(c).source().owner_now())
+    }
+
+    /// `attr_of`, with the owner of checkpoint `c`'s source (now) from `owner`
+    /// (a listing asks it once per source, not once per file).
+    fn attr_with(
+        &self,
+        st: &State,
+        node: Node,
+        owner: &dyn Fn(usize) -> FileStat,
+    ) -> Result<Attr, FsError> {
         let ro = self.settings.read_only;
         let ino = st.ino_of(node);
         // Owner and mode as the sources have them now (`SourceFile::owner_now`).
@@ -179,9 +193,8 @@ impl Fs {
             volatile,
             cached_name: false,
         };
-        let of_source = |c: usize, kind, size, mtime, volatile| {
-            of_stat(st.live(c).source().owner_now(), kind, size, mtime, volatile)
-        };
+        let of_source =
+            |c: usize, kind, size, mtime, volatile| of_stat(owner(c), kind, size, mtime, volatile);
         let mut attr = match node {
             Node::FolderRoot => {
                 let (_, stat) = st.folder.as_ref().expect("a folder mount");
@@ -220,7 +233,7 @@ impl Fs {
             }
             Node::File(c, id, TensorFile::Data) => {
                 let o = st.live(c).object(id).ok_or(FsError::NotFound)?;
-                self.object_attr(st, c, o, ino)
+                self.object_attr(st, c, o, ino, owner(c))
             }
             // (The source file itself, whatever the views show now.)
             Node::WholeView(c) => {
@@ -309,10 +322,20 @@ impl Fs {
         mut add: impl FnMut(DirEntry, Attr) -> bool,
     ) -> Result<(), FsError> {
         let st = self.read_state();
+        let owners = std::cell::RefCell::new(HashMap::new());
+        let owner = |c: usize| {
+            let mut owners = owners.borrow_mut();
+            *owners
+                .entry(c)
+                .or_insert_with(|| st.live(c).source().owner_now())
+        };
         self.list_dir(&st, ino, offset, |e| {
             // (Listed under the same lock: an entry has attributes, but for
             // a race with nothing; such an entry is left out, as if gone.)
-            match st.node(e.ino).and_then(|node| self.attr_of(&st, node)) {
+            match st
+                .node(e.ino)
+                .and_then(|node| self.attr_with(&st, node, &owner))
+            {
                 Ok(attr) => add(e, attr),
                 Err(_) => false,
             }

@@ -298,25 +298,30 @@ impl Fs {
     }
 
     /// After a commit or a discard: every name may be another file, and every
-    /// file's attributes other ones.
+    /// file's attributes other ones. The epoch makes every path be looked up
+    /// again (with fresh attributes); what is reached without a path is the
+    /// open files, and the folders.
     fn everything_changed(&self) {
         if !self.kernel.names_cached() {
             return;
         }
         self.kernel.names_changed();
-        let mut inos = Vec::new();
+        let mut inos: Vec<Ino> = self
+            .handles
+            .lock_anyway()
+            .open
+            .values()
+            .map(Handle::ino)
+            .collect();
         {
             let st = self.read_state();
             for (c, m) in st.checkpoints.iter().enumerate() {
                 inos.push(m.dir_ino);
                 inos.push(st.ino_of(Node::Metadata(c)));
-                for (id, e) in m.live.entries_from(0) {
-                    inos.extend(e.data.map(|data| st.ino(c, data, TensorFile::Data)));
-                    let meta = m.live.meta_file(id);
-                    inos.extend(meta.map(|f| st.ino(c, f.id, TensorFile::Meta)));
-                }
             }
         }
+        inos.sort_unstable();
+        inos.dedup();
         inos.into_iter()
             .for_each(|ino| self.kernel.attrs_changed(ino));
     }

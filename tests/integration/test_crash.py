@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from stfs_fixtures import assert_checkpoint, wait_for_exit
+from stfs_fixtures import assert_checkpoint, fsync_path, wait_for_exit
 
 MIB = 1 << 20
 
@@ -33,14 +33,6 @@ def kill_and_clean_up(m, run):
     assert p.returncode == 0 and "daemon was gone" in p.stdout, p.stdout + p.stderr
     assert not m.is_mounted()
     m.pid = None
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def random_edits(rng, mnt, tensors, metadata):

@@ -202,3 +202,18 @@ def test_data_created_under_a_meta_gives_it_its_time(ckpt):
     assert mtime(f"{p}/layer.2.meta.json") == 946684800
     subprocess.run(["touch", f"{p}/layer.2"], check=True)
     assert mtime(f"{p}/layer.2.meta.json") == mtime(f"{p}/layer.2") > 946684800
+
+
+def test_a_held_file_sees_the_time_a_commit_gives_it(ckpt, run):
+    p = ckpt.path
+    fd = os.open(f"{p}/layer.1", os.O_RDONLY)
+    try:
+        listed(p)
+        assert int(os.fstat(fd).st_mtime) == 946684800
+        with open(f"{p}/__metadata__.json", "w") as f:
+            json.dump({"format": "pt", "a": "b"}, f)
+        assert run("commit", p).returncode == 0
+        # The source was written now: so is every tensor file's time.
+        assert int(os.fstat(fd).st_mtime) == mtime(f"{p}/layer.1") > 946684800
+    finally:
+        os.close(fd)

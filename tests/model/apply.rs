@@ -166,19 +166,7 @@ fn apply_name_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let want = if !model.exists(f) {
                 libc::ENOENT
             } else {
-                match f.part {
-                    Part::Data => model.entry_mut(f.dir, n).data = None,
-                    Part::Meta => {
-                        let e = model.entry_mut(f.dir, n);
-                        e.meta = MMeta::None;
-                        e.hidden = false;
-                    }
-                    Part::Metadata => {
-                        model.dirs[f.dir].metadata = MMetadata::Removed;
-                        model.dirs[f.dir].metadata_touched = true;
-                    }
-                }
-                model.prune(f.dir, n);
+                model.remove_file(f.dir, n, f.part);
                 model.dirs[f.dir].dirty = true;
                 0
             };
@@ -633,19 +621,7 @@ pub(super) fn rename(
                 if !valid {
                     libc::EINVAL
                 } else {
-                    match from.part {
-                        Part::Data => model.entry_mut(from.dir, fname).data = None,
-                        Part::Meta => {
-                            let e = model.entry_mut(from.dir, fname);
-                            e.meta = MMeta::None;
-                            e.hidden = false;
-                        }
-                        Part::Metadata => {
-                            model.dirs[from.dir].metadata = MMetadata::Removed;
-                            model.dirs[from.dir].metadata_touched = true;
-                        }
-                    }
-                    model.prune(from.dir, fname);
+                    model.remove_file(from.dir, fname, from.part);
                     match to.part {
                         Part::Metadata => model.set_metadata(to.dir, &bytes, true),
                         _ => model.set_meta(to.dir, tname, &bytes, true),

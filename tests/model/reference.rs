@@ -279,6 +279,25 @@ impl Model {
         self.dirs[dir].entries.get_mut(name).unwrap()
     }
 
+    /// The file `part` of `name` removed (an unlink, or the source of a
+    /// rename that gives its content to a JSON file), then the entry if
+    /// nothing is left of it.
+    pub(super) fn remove_file(&mut self, dir: usize, name: &str, part: Part) {
+        match part {
+            Part::Data => self.entry_mut(dir, name).data = None,
+            Part::Meta => {
+                let e = self.entry_mut(dir, name);
+                e.meta = MMeta::None;
+                e.hidden = false;
+            }
+            Part::Metadata => {
+                self.dirs[dir].metadata = MMetadata::Removed;
+                self.dirs[dir].metadata_touched = true;
+            }
+        }
+        self.prune(dir, name);
+    }
+
     pub(super) fn prune(&mut self, dir: usize, name: &str) {
         if let Some(e) = self.dirs[dir].entries.get(name) {
             if e.data.is_none() && e.meta == MMeta::None {
