@@ -386,7 +386,7 @@ impl Filesystem for FuseAdapter {
         if self.fs.kernel_cache().start(config.kernel_abi().1) {
             let plus = InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO;
             if config.add_capabilities(plus).is_err() {
-                self.fs.kernel_cache().start(0);
+                self.fs.kernel_cache().stop();
             }
         }
         // Views that are a source file, served by the kernel from that file
