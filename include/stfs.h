@@ -15,6 +15,7 @@
 /* Commit flags. */
 #define STFS_COMMIT_FORCE   1u /* commit even if the source changed behind the mount */
 #define STFS_COMMIT_DISCARD 2u /* drop the staged edits instead */
+#define STFS_COMMIT_COMPACT 4u /* rewrite as the reference's save_file lays it out */
 
 /* STFS_IOC_COMMIT: on any file or directory of a mount: commits every
  * checkpoint of the mount (all shards of a folder mount, or none). Only the
@@ -45,7 +46,7 @@ struct stfs_commit {
  * request cannot be interrupted, so each one is kept short).
  * CUDA: the whole tensor; the buffer stays allocated until the file
  * descriptor the ioctl was made on is closed; open it with
- * cuIpcOpenMemHandle (scripts/stfs_cuda.py). */
+ * cuIpcOpenMemHandle (the Python package's stfs.cuda). */
 struct stfs_prefetch {
 	uint32_t size;        /* in: sizeof(struct stfs_prefetch) == 520 */
 	uint32_t target;      /* in: STFS_TARGET_* */
@@ -74,9 +75,10 @@ struct stfs_prefetch {
  * refuse); ask again with `offset` advanced by the text received until
  * `total` bytes were read. `refused` is 1 when a commit would be refused. */
 #define STFS_STATUS_TEXT_LEN 16344
+#define STFS_STATUS_JSON 1u /* flags: the report as JSON */
 struct stfs_status {
 	uint32_t size;        /* in: sizeof(struct stfs_status) == 16376 */
-	uint32_t flags;
+	uint32_t flags;       /* in: STFS_STATUS_JSON, or 0 for text */
 	uint64_t offset;      /* in */
 	uint64_t total;       /* out */
 	int32_t result;       /* out */
@@ -85,5 +87,20 @@ struct stfs_status {
 };
 
 #define STFS_IOC_STATUS _IOWR(STFS_IOC_TYPE, 3, struct stfs_status)
+
+/* STFS_IOC_PROGRESS: on any file or directory of a mount. Answered at once,
+ * while a commit runs (from another thread or process): `active` is 1 while a
+ * commit writes a new file, `done` of `total` bytes of tensor data written,
+ * `file` the path being written. In-place commits write little and show no
+ * progress. */
+struct stfs_progress {
+	uint32_t size;        /* in: sizeof(struct stfs_progress) == 4096 */
+	uint32_t active;      /* out */
+	uint64_t done;        /* out */
+	uint64_t total;       /* out */
+	char file[4072];      /* out: NUL-terminated */
+};
+
+#define STFS_IOC_PROGRESS _IOWR(STFS_IOC_TYPE, 4, struct stfs_progress)
 
 #endif

@@ -28,10 +28,10 @@ PY
 "$stfs" mount --log-file "$work/stfs.log" "$work/ckpt.safetensors" "$work/mnt"
 cat "$work/ckpt.safetensors" > /dev/null   # warm page cache
 "$stfs" prefetch --device cuda:0 "$work/mnt" | tail -3
-PYTHONPATH=scripts python3 - "$work/mnt" "$work/ckpt.safetensors" <<'PY'
+PYTHONPATH=python python3 - "$work/mnt" "$work/ckpt.safetensors" <<'PY'
 import ctypes, hashlib, os, sys, time
 import numpy as np
-import stfs_cuda
+from stfs import cuda as stfs_cuda
 mnt, src = sys.argv[1], sys.argv[2]
 from safetensors import safe_open
 cuda = ctypes.CDLL("libcuda.so.1")

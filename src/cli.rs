@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::format::Metadata;
 
@@ -124,6 +124,9 @@ enum Command {
     },
     /// List the staged edits of a mount and what a commit would refuse (exit 1 then).
     Status {
+        /// Print JSON (files, changes, problems, the way the next commit takes).
+        #[arg(long)]
+        json: bool,
         /// The mount point, or any path inside it.
         path: PathBuf,
     },
@@ -139,6 +142,11 @@ enum Command {
         /// The mount point, or a checkpoint directory or file inside it.
         path: PathBuf,
     },
+    /// Drop the staged edits of a mount; it stays mounted and shows its source again.
+    Discard {
+        /// The mount point, or a checkpoint directory or file inside it.
+        path: PathBuf,
+    },
     /// Bring tensors of a mount into the page cache (cpu) or into CUDA device memory.
     Prefetch {
         /// cpu (the page cache) or cuda:N.
@@ -147,6 +155,17 @@ enum Command {
         /// Tensor files, or directories of them.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
+    },
+    /// Print a shell's completion script (bash: save it as
+    /// ~/.local/share/bash-completion/completions/stfs).
+    Completions { shell: clap_complete::Shell },
+    /// Print the man page stfs(1), or write stfs.1 and a page per command
+    /// (stfs-mount.1, ...) into DIR.
+    Man {
+        /// Write the pages into this folder instead (for example
+        /// ~/.local/share/man/man1).
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
     },
     /// Write an empty, valid checkpoint.
     Create {
@@ -195,6 +214,32 @@ fn parse_key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+/// The man pages, from the same definitions as the command line: stfs(1) on
+/// `out`, or stfs.1 and stfs-COMMAND.1 written into `dir`.
+fn man_pages(dir: Option<&std::path::Path>, out: &mut dyn std::io::Write) -> Result<(), String> {
+    let cmd = Cli::command();
+    let Some(dir) = dir else {
+        return clap_mangen::Man::new(cmd)
+            .render(out)
+            .map_err(|e| format!("writing the man page: {e}"));
+    };
+    let write = |name: String, page: clap::Command| {
+        let path = dir.join(format!("{name}.1"));
+        let mut text = Vec::new();
+        clap_mangen::Man::new(page.name(name.clone()))
+            .render(&mut text)
+            .and_then(|()| std::fs::write(&path, text))
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for sub in cmd.get_subcommands() {
+        write(format!("stfs-{}", sub.get_name()), sub.clone())?;
+    }
+    write("stfs".into(), cmd)?;
+    println!("man pages written into {}", dir.display());
+    Ok(())
 }
 
 /// Paths in messages are absolute.
@@ -262,9 +307,12 @@ pub fn main() -> ExitCode {
             mountpoint,
         } => crate::client::umount(&absolute(mountpoint), lazy, discard)
             .map(|lines| lines.iter().for_each(|l| println!("{l}"))),
-        Command::Status { path } => match crate::client::status(&absolute(path)) {
+        Command::Status { json, path } => match crate::client::status(&absolute(path), json) {
             Ok((report, refused)) => {
-                print!("{report}");
+                match json {
+                    true => println!("{report}"),
+                    false => print!("{report}"),
+                }
                 if refused {
                     return ExitCode::FAILURE;
                 }
@@ -288,18 +336,35 @@ pub fn main() -> ExitCode {
                 .map(|message| println!("{message}"))
                 .map_err(|e| e.to_string())
         }
+        Command::Discard { path } => {
+            crate::client::commit(&absolute(path), crate::fs::ioctl::COMMIT_DISCARD)
+                .map(|message| println!("{message}"))
+                .map_err(|e| e.to_string())
+        }
         Command::Prefetch { device, paths } => {
             let mut failed = 0;
             let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
-            for path in crate::client::tensor_files(&paths) {
-                match crate::client::prefetch(&path, device).map_err(|e| e.to_string()) {
+            let files = crate::client::tensor_files(&paths);
+            let total = files
+                .iter()
+                .filter_map(|f| std::fs::metadata(f).ok())
+                .map(|m| m.len())
+                .sum();
+            let bar = crate::progress::bytes(total, "prefetching");
+            for path in files {
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                bar.set_message(format!("prefetching {name}"));
+                let result = crate::client::prefetch(&path, device, &|n| bar.inc(n));
+                // Lines go above the bar (printed as they are when no bar is drawn).
+                bar.suspend(|| match result {
                     Ok(line) => println!("{line}"),
                     Err(e) => {
                         eprintln!("stfs: {e}");
                         failed += 1;
                     }
-                }
+                });
             }
+            crate::progress::clear(bar);
             match failed {
                 0 => Ok(()),
                 n => Err(format!(
@@ -317,6 +382,11 @@ pub fn main() -> ExitCode {
                 (!metadata.is_empty()).then(|| metadata.into_iter().collect::<Metadata>());
             crate::create::create(&file, metadata, force)
         }
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "stfs", stdout);
+            Ok(())
+        }
+        Command::Man { out_dir } => man_pages(out_dir.as_deref(), stdout),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

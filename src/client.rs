@@ -6,8 +6,8 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::fs::ioctl::{
-    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS, PrefetchArgs, StatusArgs,
-    TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_PROGRESS, IOC_STATUS, PrefetchArgs,
+    ProgressArgs, STATUS_JSON, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 
 /// Why a request to a mount failed.
@@ -79,12 +79,14 @@ pub fn commit(path: &Path, flags: u32) -> Result<String, ClientError> {
     Ok(args.message())
 }
 
-/// `stfs status`: the report, and whether a commit would be refused.
-pub fn status(path: &Path) -> Result<(String, bool), ClientError> {
+/// `stfs status`: the report (as JSON with `json`), and whether a commit
+/// would be refused.
+pub fn status(path: &Path, json: bool) -> Result<(String, bool), ClientError> {
     let file = open(path)?;
     let mut report = String::new();
+    let flags = if json { STATUS_JSON } else { 0 };
     loop {
-        let mut args = StatusArgs::new(report.len() as u64);
+        let mut args = StatusArgs::new(report.len() as u64, flags);
         ioctl(&file, path, IOC_STATUS, &mut *args)?;
         if args.result != 0 {
             return Err(ClientError::Refused {
@@ -100,55 +102,38 @@ pub fn status(path: &Path) -> Result<(String, bool), ClientError> {
     }
 }
 
-/// On a terminal, shows how much of the new file the daemon has written: the
-/// commit's temp file sits beside the source that the mount table names.
+/// On a terminal, shows how much of the new file the daemon has written,
+/// asking the mount (STFS_IOC_PROGRESS) until `done` is set.
 fn show_progress(
     path: &Path,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> Option<std::thread::JoinHandle<()>> {
-    use std::io::IsTerminal;
     use std::sync::atomic::Ordering;
-    if !std::io::stderr().is_terminal() {
+    if !crate::progress::on_terminal() {
         return None;
     }
-    let source = crate::mountinfo::mount_holding(path)
-        .filter(|m| m.fstype == "fuse.stfs")
-        .map(|m| PathBuf::from(m.source))?;
-    let source = std::fs::canonicalize(source).ok()?;
-    if source.is_dir() {
-        return None;
-    }
-    let dir = source.parent()?.to_path_buf();
-    let prefix = format!(".{}.stfs-tmp-", source.file_name()?.to_string_lossy());
-    let total = std::fs::metadata(&source)
-        .map(|m| m.len())
-        .unwrap_or(0)
-        .max(1);
+    let file = open(path).ok()?;
+    let path = path.to_path_buf();
     std::thread::Builder::new()
         .spawn(move || {
-            let mut shown = false;
-            let start = std::time::Instant::now();
+            let mut bar: Option<indicatif::ProgressBar> = None;
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(std::time::Duration::from_millis(200));
-                let written: u64 = std::fs::read_dir(&dir)
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                    .filter_map(|e| e.metadata().ok().map(|m| m.len()))
-                    .sum();
-                if written > 0 && start.elapsed().as_millis() > 500 {
-                    eprint!(
-                        "\rstfs: committing {}: {} MiB written (~{}%)   ",
-                        source.display(),
-                        written >> 20,
-                        written * 100 / total
-                    );
-                    shown = true;
+                let mut args = ProgressArgs::default();
+                if ioctl(&file, &path, IOC_PROGRESS, &mut args).is_err() {
+                    break;
                 }
+                if args.active == 0 {
+                    continue;
+                }
+                let what = format!("committing {}", args.file());
+                let bar = bar.get_or_insert_with(|| crate::progress::bytes(args.total, &what));
+                bar.set_length(args.total);
+                bar.set_message(what);
+                bar.set_position(args.done);
             }
-            if shown {
-                eprintln!();
+            if let Some(bar) = bar {
+                crate::progress::clear(bar);
             }
         })
         .ok()
@@ -276,8 +261,13 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
 
 /// Prefetches one tensor file; returns a line saying what was done. Into the
 /// page cache it asks for a range at a time (each answer comes within a few
-/// seconds), so that the command can be interrupted.
-pub fn prefetch(path: &Path, device: Device) -> Result<String, ClientError> {
+/// seconds), so that the command can be interrupted; `advanced` is told the
+/// bytes of each range done.
+pub fn prefetch(
+    path: &Path,
+    device: Device,
+    advanced: &dyn Fn(u64),
+) -> Result<String, ClientError> {
     let file = open(path)?;
     let started = std::time::Instant::now();
     let (mut offset, mut resident, mut daemon_ns) = (0u64, 0u64, 0u64);
@@ -301,6 +291,10 @@ pub fn prefetch(path: &Path, device: Device) -> Result<String, ClientError> {
         }
         resident += args.bytes;
         daemon_ns += args.elapsed_ns;
+        advanced(match device {
+            Device::Cuda(_) => args.nbytes,
+            Device::Cpu => args.next.saturating_sub(offset),
+        });
         let secs = (daemon_ns as f64 / 1e9).max(1e-9);
         let what = match device {
             Device::Cuda(n) => format!("{} bytes copied to cuda:{n}", args.bytes),

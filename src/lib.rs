@@ -12,6 +12,7 @@ pub mod generation;
 pub mod inspect;
 pub mod mountinfo;
 pub mod prefetch;
+pub mod progress;
 pub mod source;
 pub mod sync;
 pub mod testpoint;

@@ -43,6 +43,14 @@ pub trait Shards {
     }
 }
 
+/// The bytes a commit has written of the new file it is writing.
+#[derive(Clone, Debug)]
+pub struct CommitProgress {
+    pub file: std::path::PathBuf,
+    pub done: u64,
+    pub total: u64,
+}
+
 pub struct Transactions {
     staging: Arc<Staging>,
     /// One commit or discard at a time (taken before the shards' lock).
@@ -58,6 +66,8 @@ pub struct Transactions {
     /// Why this mount does not commit any more (a request handler panicked,
     /// a commit failed half-way), if it does not.
     tainted: Mutex<Option<String>>,
+    /// How far the commit being written has gone, for `stfs commit`'s progress bar.
+    progress: Mutex<Option<CommitProgress>>,
 }
 
 fn read<S>(state: &RwLock<S>) -> RwLockReadGuard<'_, S> {
@@ -92,7 +102,13 @@ impl Transactions {
             landings: AtomicU64::new(0),
             unlanded: std::sync::atomic::AtomicBool::new(false),
             tainted: Mutex::new(None),
+            progress: Mutex::new(None),
         }
+    }
+
+    /// The file a commit is writing now and how far it has got, if one is.
+    pub fn progress(&self) -> Option<CommitProgress> {
+        self.progress.lock_anyway().clone()
     }
 
     /// No more commits from this mount: its edits stay on disk for the next one.
@@ -291,15 +307,22 @@ impl Transactions {
             armed: true,
         };
         for (_, plan) in &mut plans {
-            let path = plan.source.path().display().to_string();
+            let path = plan.source.path().to_path_buf();
             let mut last_report = std::time::Instant::now();
             let mut progress = |done: u64, total: u64| {
+                *self.progress.lock_anyway() = Some(CommitProgress {
+                    file: path.clone(),
+                    done,
+                    total,
+                });
                 if last_report.elapsed().as_secs() >= 2 {
-                    info!(file = %path, "commit: {done} of {total} bytes");
+                    info!(file = %path.display(), "commit: {done} of {total} bytes");
                     last_report = std::time::Instant::now();
                 }
             };
-            match plan.write(&mut progress) {
+            let written = plan.write(&mut progress);
+            *self.progress.lock_anyway() = None;
+            match written {
                 Ok(w) => pending.written.push(w),
                 Err(e) => {
                     warn!("commit failed: {e}");

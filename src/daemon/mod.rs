@@ -376,12 +376,19 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     }
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
-    let (fs, report) = open_local(
+    // (Cleared before the fork: its ticking thread is joined.)
+    let spinner = crate::progress::spinner(&format!(
+        "opening {} (and what earlier mounts left of it)",
+        req.source.display()
+    ));
+    let opened = open_local(
         &req.source,
         req.staging_dir.as_deref(),
         settings(&options),
         &req.resume,
-    )?;
+    );
+    crate::progress::clear(spinner);
+    let (fs, report) = opened?;
     launch(&req, options, move || Ok((fs, report)))
 }
 
@@ -529,10 +536,14 @@ fn daemonize(
             drop(write_end);
             // The parent only waits and exits: skip freeing a large state.
             std::mem::forget(prepare);
+            let spinner = crate::progress::spinner(&format!(
+                "mounting {} (waiting for the mount to answer)",
+                req.source.display()
+            ));
             let mut answer = String::new();
-            File::from(read_end)
-                .read_to_string(&mut answer)
-                .map_err(|e| format!("waiting for the daemon: {e}"))?;
+            let read = File::from(read_end).read_to_string(&mut answer);
+            crate::progress::clear(spinner);
+            read.map_err(|e| format!("waiting for the daemon: {e}"))?;
             match answer.strip_prefix("ok\n") {
                 Some(notes) => {
                     for line in notes.lines() {

@@ -25,8 +25,9 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_STATUS,
-    IoctlStruct, PrefetchArgs, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_PREFETCH,
+    IOC_PROGRESS, IOC_STATUS, IoctlStruct, PrefetchArgs, ProgressArgs, STATUS_JSON, StatusArgs,
+    TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::kernel_cache::NAME_TTL;
 use super::{
@@ -662,6 +663,20 @@ impl Filesystem for FuseAdapter {
         let uid = req.uid();
         match cmd {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
+            IOC_PROGRESS => {
+                let Some(mut args) = ProgressArgs::from_caller(in_data) else {
+                    refused(format_args!("STFS_IOC_PROGRESS with a bad struct size"));
+                    return reply.error(Errno::EINVAL);
+                };
+                // Only a count of bytes and the source's own path: no permission asked.
+                if let Some(p) = self.fs.commit_progress() {
+                    args.active = 1;
+                    args.done = p.done;
+                    args.total = p.total;
+                    args.set_file(&p.file);
+                }
+                reply.ioctl(0, args.as_bytes())
+            }
             IOC_STATUS => {
                 let Some(mut args) = StatusArgs::from_caller(in_data).map(Box::new) else {
                     refused(format_args!("STFS_IOC_STATUS with a bad struct size"));
@@ -675,9 +690,13 @@ impl Filesystem for FuseAdapter {
                     return reply.ioctl(0, args.as_bytes());
                 }
                 guarded_read(request, || {
-                    let (report, refused) = self.fs.status();
-                    args.refused = refused as u32;
-                    args.set_page(&report);
+                    let report = self.fs.status();
+                    args.refused = report.refused as u32;
+                    args.set_page(&if args.flags & STATUS_JSON != 0 {
+                        serde_json::to_string(&report).expect("plain data")
+                    } else {
+                        report.text()
+                    });
                     reply.ioctl(0, args.as_bytes())
                 })
             }

@@ -48,6 +48,7 @@ pub const STATUS_TEXT_LEN: usize = 16344;
 pub struct StatusArgs {
     /// In: size_of::<StatusArgs>() (16376).
     pub size: u32,
+    /// In: STATUS_JSON, or 0 for text.
     pub flags: u32,
     /// In: byte offset in the report of the page asked for.
     pub offset: u64,
@@ -61,14 +62,18 @@ pub struct StatusArgs {
     pub text: [u8; STATUS_TEXT_LEN],
 }
 
+/// In StatusArgs' flags: the report as JSON (`stfs status --json`).
+pub const STATUS_JSON: u32 = 1;
+
 /// `_IOWR('s', 3, struct stfs_status)`.
 pub const IOC_STATUS: u32 = iowr(3, std::mem::size_of::<StatusArgs>());
 
 impl StatusArgs {
-    pub fn new(offset: u64) -> Box<StatusArgs> {
+    pub fn new(offset: u64, flags: u32) -> Box<StatusArgs> {
         let mut a = Box::new(StatusArgs::new_zeroed());
         a.size = std::mem::size_of::<StatusArgs>() as u32;
         a.offset = offset;
+        a.flags = flags;
         a
     }
 
@@ -88,6 +93,45 @@ impl StatusArgs {
 
     pub fn page(&self) -> String {
         read_text(&self.text)
+    }
+}
+
+/// STFS_IOC_PROGRESS, on any file or directory of a mount: how far the
+/// commit being written has got (answered at once, while the commit runs).
+#[repr(C)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct ProgressArgs {
+    /// In: size_of::<ProgressArgs>() (4096).
+    pub size: u32,
+    /// Out: 1 while a commit writes a new file, else 0.
+    pub active: u32,
+    /// Out: bytes of tensor data written so far, of `total`.
+    pub done: u64,
+    pub total: u64,
+    /// Out: the file being written (its final path), NUL-terminated.
+    pub file: [u8; PROGRESS_FILE_LEN],
+}
+
+pub const PROGRESS_FILE_LEN: usize = 4072;
+
+/// `_IOWR('s', 4, struct stfs_progress)`.
+pub const IOC_PROGRESS: u32 = iowr(4, std::mem::size_of::<ProgressArgs>());
+
+impl Default for ProgressArgs {
+    fn default() -> ProgressArgs {
+        let mut a = ProgressArgs::new_zeroed();
+        a.size = std::mem::size_of::<ProgressArgs>() as u32;
+        a
+    }
+}
+
+impl ProgressArgs {
+    pub fn set_file(&mut self, path: &std::path::Path) {
+        write_text(&mut self.file, &path.display().to_string());
+    }
+
+    pub fn file(&self) -> String {
+        read_text(&self.file)
     }
 }
 
@@ -113,6 +157,7 @@ pub trait IoctlStruct: FromBytes + IntoBytes + Immutable + KnownLayout + Copy {
 impl IoctlStruct for CommitArgs {}
 impl IoctlStruct for StatusArgs {}
 impl IoctlStruct for PrefetchArgs {}
+impl IoctlStruct for ProgressArgs {}
 
 /// Writes NUL-terminated text into a fixed buffer, cut to fit.
 fn write_text(buf: &mut [u8], text: &str) {
@@ -165,13 +210,15 @@ mod tests {
         assert!(CommitArgs::from_caller(&[0; 10]).is_none());
         assert_eq!(std::mem::size_of::<StatusArgs>(), 16376);
         assert_eq!(IOC_STATUS, 0xfff8_7303);
-        let mut st = StatusArgs::new(3);
+        let mut st = StatusArgs::new(3, 0);
         st.set_page("héllo");
         assert_eq!((st.total, st.page()), (6, "llo".to_string()));
         // An offset inside a character starts at that character.
-        let mut st = StatusArgs::new(2);
+        let mut st = StatusArgs::new(2, 0);
         st.set_page("héllo");
         assert_eq!(st.page(), "éllo");
+        assert_eq!(std::mem::size_of::<ProgressArgs>(), 4096);
+        assert_eq!(IOC_PROGRESS, 0xd000_7304);
     }
 }
 

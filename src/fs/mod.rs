@@ -442,6 +442,12 @@ impl Fs {
         self.transactions.tainted()
     }
 
+    /// How far the commit being written has got, if one is (no lock of the
+    /// state taken: it is asked while the commit holds them).
+    pub fn commit_progress(&self) -> Option<crate::checkpoint::transaction::CommitProgress> {
+        self.transactions.progress()
+    }
+
     /// The unmount's policy: commit what is staged; if that cannot be done,
     /// keep the edits on disk (staging files and journal) for the next mount.
     /// Returns what happened, for the log.

@@ -7,22 +7,52 @@ pub(super) fn plural(n: usize) -> &'static str {
     if n == 1 { "" } else { "s" }
 }
 
-impl Fs {
-    /// `stfs status`: staged changes and problems, one line each; true when a
-    /// commit would be refused.
-    pub fn status(&self) -> (String, bool) {
-        let st = self.read_state();
-        let held = self.held_bytes(&st);
+/// What `stfs status` reports: shown as text, or as JSON (`stfs status --json`).
+#[derive(serde::Serialize)]
+pub struct StatusReport {
+    /// A commit would be refused.
+    pub refused: bool,
+    /// Why this mount commits no more, if it does not.
+    pub tainted: Option<String>,
+    pub files: Vec<FileStatus>,
+    /// A folder mount's problems between shards (a tensor in two shards).
+    pub across_shards: Vec<String>,
+    pub folder: Option<std::path::PathBuf>,
+    /// Reads of tensor bytes served since mounted, and their bytes.
+    pub reads: u64,
+    pub read_bytes: u64,
+    /// A remote source's connection and cache figures.
+    pub remote: Option<String>,
+}
+
+/// One checkpoint file of the mount.
+#[derive(serde::Serialize)]
+pub struct FileStatus {
+    pub file: std::path::PathBuf,
+    /// The remote object changed behind the mount.
+    pub replaced: bool,
+    pub changes: Vec<Change>,
+    pub problems: Vec<String>,
+    /// The way the next commit takes, and what it writes.
+    pub commit: Option<String>,
+}
+
+/// A staged change: its kind (renamed, added, removed, ...) and what it is.
+#[derive(serde::Serialize)]
+pub struct Change {
+    pub kind: String,
+    pub what: String,
+}
+
+impl StatusReport {
+    /// The text `stfs status` prints, a line per change or problem.
+    pub fn text(&self) -> String {
         let mut out = String::new();
-        let mut refused = false;
-        if let Some(why) = self.tainted() {
-            refused = true;
-            out.push_str(&format!("{}\n", CommitError::Tainted { why }));
+        if let Some(why) = &self.tainted {
+            out.push_str(&format!("{}\n", CommitError::Tainted { why: why.clone() }));
         }
-        for m in &st.checkpoints {
-            let s = m.live.status();
-            refused |= !s.problems.is_empty();
-            let head = match (s.changes.len(), s.problems.len()) {
+        for f in &self.files {
+            let head = match (f.changes.len(), f.problems.len()) {
                 (0, 0) => "no changes".to_string(),
                 (n, 0) => format!("{n} change{} staged", plural(n)),
                 (n, p) => format!(
@@ -31,58 +61,109 @@ impl Fs {
                     plural(p)
                 ),
             };
-            out.push_str(&format!("{}: {head}\n", s.file.display()));
-            if m.live
-                .source()
-                .remote_object()
-                .is_some_and(|r| r.replaced())
-            {
+            out.push_str(&format!("{}: {head}\n", f.file.display()));
+            if f.replaced {
                 out.push_str(
                     "  replaced   the object changed behind the mount: its reads fail (EIO); mount it again\n",
                 );
             }
-            for line in &s.changes {
-                out.push_str(&format!("  {line}\n"));
+            for c in &f.changes {
+                out.push_str(&format!("  {:<10} {}\n", c.kind, c.what));
             }
-            for p in &s.problems {
+            for p in &f.problems {
                 out.push_str(&format!("  problem    {p}\n"));
             }
-            if let Some(way) = m
-                .live
-                .commit_preview(&held)
-                .filter(|_| !s.changes.is_empty())
-            {
+            if let Some(way) = &f.commit {
                 out.push_str(&format!("  commit     {way}\n"));
             }
         }
-        let across = st.in_two_shards();
-        if let (Some((folder, _)), false) = (&st.folder, across.is_empty()) {
-            refused = true;
-            let n = across.len();
+        if let (Some(folder), false) = (&self.folder, self.across_shards.is_empty()) {
+            let n = self.across_shards.len();
             out.push_str(&format!(
                 "{}: {n} problem{} across shards (a commit would refuse)\n",
-                folder.path.display(),
+                folder.display(),
                 plural(n)
             ));
-            for p in across {
+            for p in &self.across_shards {
                 out.push_str(&format!("  problem    {p}\n"));
             }
         }
         out.push_str(&format!(
             "served {} read{} of tensor bytes ({} bytes) since mounted\n",
-            self.reads.load(Ordering::Relaxed),
-            plural(self.reads.load(Ordering::Relaxed) as usize),
-            self.read_bytes.load(Ordering::Relaxed)
+            self.reads,
+            plural(self.reads as usize),
+            self.read_bytes
         ));
+        if let Some(remote) = &self.remote {
+            out.push_str(&format!("{remote}\n"));
+        }
+        out
+    }
+}
+
+impl Fs {
+    /// `stfs status`: staged changes and problems, and whether a commit
+    /// would be refused.
+    pub fn status(&self) -> StatusReport {
+        let st = self.read_state();
+        let held = self.held_bytes(&st);
+        let tainted = self.tainted();
+        let mut refused = tainted.is_some();
+        let mut files = Vec::new();
+        for m in &st.checkpoints {
+            let s = m.live.status();
+            refused |= !s.problems.is_empty();
+            let commit = m
+                .live
+                .commit_preview(&held)
+                .filter(|_| !s.changes.is_empty())
+                .map(|way| way.to_string());
+            files.push(FileStatus {
+                file: s.file.clone(),
+                replaced: m
+                    .live
+                    .source()
+                    .remote_object()
+                    .is_some_and(|r| r.replaced()),
+                changes: s
+                    .changes
+                    .iter()
+                    .map(|line| {
+                        // "kind" padded to 10 columns, a space, then what (which
+                        // may itself start with a space: a tensor named "").
+                        let kind = line.split(' ').next().unwrap_or_default();
+                        let what = line.get(11..).filter(|_| kind.len() <= 10);
+                        Change {
+                            kind: kind.to_string(),
+                            what: what.unwrap_or(&line[kind.len()..]).to_string(),
+                        }
+                    })
+                    .collect(),
+                problems: s.problems.iter().map(|p| p.to_string()).collect(),
+                commit,
+            });
+        }
+        let across: Vec<String> = match &st.folder {
+            Some(_) => st.in_two_shards().iter().map(|p| p.to_string()).collect(),
+            None => Vec::new(),
+        };
+        refused |= !across.is_empty();
         // The shards of a remote folder share one connection and cache.
-        if let Some(remote) = st
+        let remote = st
             .checkpoints
             .first()
             .and_then(|m| m.live.source().remote_object())
-        {
-            out.push_str(&format!("{}\n", remote.remote().summary()));
+            .map(|r| r.remote().summary().to_string());
+        StatusReport {
+            refused,
+            tainted,
+            files,
+            across_shards: across,
+            folder: st.folder.as_ref().map(|(f, _)| f.path.clone()),
+            reads: self.reads.load(Ordering::Relaxed),
+            read_bytes: self.read_bytes.load(Ordering::Relaxed),
+            remote,
         }
-        (out, refused)
     }
 
     /// Prefetches the tensor of an open data file; a CUDA buffer lives until

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-import stfs_cuda  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+from stfs import cuda as stfs_cuda  # noqa: E402
 from stfs_fixtures import drop_from_cache, resident  # noqa: E402
 
 

@@ -7,6 +7,8 @@ second user made by the test. See "Who may do what" in docs/SEMANTICS.md."""
 import errno
 import json
 import os
+import pty
+import select
 import shutil
 import subprocess
 import time
@@ -775,3 +777,56 @@ def test_a_commit_that_outlives_its_lease_makes_the_next_commit_refuse(tmp_path,
     p = run("commit", m.path)
     assert p.returncode != 0 and "changed since it was mounted" in p.stderr, p.stdout + p.stderr
     assert run("commit", "--force", m.path).returncode == 0
+
+
+def read_pty(fd, until=None, timeout=30):
+    """What a terminal shows, up to `until` (or the end of the program)."""
+    out, deadline = b"", time.monotonic() + timeout
+    while until is None or until not in out:
+        assert time.monotonic() < deadline, f"{until!r} never shown; shown: {out!r}"
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the program and every holder of the terminal are gone
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_a_commit_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(tmp_path, mount, pauses, stfs):
+    src = tmp_path / "m.safetensors"
+    save_file({"big": np.zeros(4 << 20, np.uint8), "small": np.zeros(4096, np.uint8)}, str(src))
+    pause = pauses("rewrite:copying")
+    m = mount(src)
+    small = os.path.join(m.path, "small")
+    with open(small, "r+b") as f:
+        f.write(b"\x01" * 4096)
+    terminal, screen = pty.openpty()
+    commit = subprocess.Popen([stfs, "commit", "--compact", m.path], stdin=screen, stdout=screen, stderr=screen,
+                              env={**os.environ, "TERM": "xterm"})
+    os.close(screen)
+    try:
+        pause.wait("rewrite:copying", commit)  # "big" copied, "small" next
+        shown = read_pty(terminal, until=f"committing {src}".encode())
+        assert b"4.00 MiB" in shown, shown
+        pause.go("rewrite:copying")
+        shown += read_pty(terminal)
+        assert commit.wait(timeout=60) == 0, shown
+    finally:
+        os.close(terminal)
+    assert b"committed by a rewrite" in shown, shown
+    # Scripts see only the result. (A daemon pauses once at a step: a second mount.)
+    pause = pauses("rewrite:copying")
+    m = mount(src)
+    with open(os.path.join(m.path, "small"), "r+b") as f:
+        f.write(b"\x02" * 4096)
+    commit = background(stfs, "commit", "--compact", m.path)
+    pause.wait("rewrite:copying", commit)
+    time.sleep(1)  # (a bar would have asked for the progress 5 times by now)
+    pause.go("rewrite:copying")
+    rc, out, err = finished(commit)
+    assert (rc, err) == (0, "") and out.count("\n") == 1 and "committed by a rewrite" in out, out + err

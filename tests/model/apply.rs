@@ -401,7 +401,10 @@ fn apply_checkpoint_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             model.dirs[*dir].replaced = true;
         }
         Op::Status => {
-            let (report, refused) = fs.status();
+            let (report, refused) = {
+                let r = fs.status();
+                (r.text(), r.refused)
+            };
             assert_eq!(refused, model.problems(), "{report}");
             // One block per checkpoint: its head, then a line per change and problem.
             let blocks: Vec<&str> = report.split("\n").collect();

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Load tensors from a stfs mount straight into GPU memory.
 
-    import stfs_cuda
-    t = stfs_cuda.load("/mnt/w/lm_head.weight", device=0)   # a torch tensor on cuda:0
-    a = stfs_cuda.load_cupy("/mnt/w/lm_head.weight")        # or a CuPy array
+    from stfs import cuda
+    t = cuda.load("/mnt/w/lm_head.weight", device=0)   # a torch tensor on cuda:0
+    a = cuda.load_cupy("/mnt/w/lm_head.weight")        # or a CuPy array
 
 The daemon reads the tensor's bytes into pinned host slabs and copies them to a
 device buffer (STFS_IOC_PREFETCH, include/stfs.h); this module opens that
@@ -138,7 +137,7 @@ def load(path, device=0):
     return t
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m stfs.cuda PATH...: page-cache prefetch
     for path in sys.argv[1:]:
         p = prefetch(path, "cpu")
         print(f"{path}: {p.bytes} of {p.nbytes} bytes resident, {p.dtype} {p.shape}")
