@@ -134,6 +134,13 @@ impl Live {
         // an id whose object was ever used is never given to another one.
         let id = if made { entry } else { self.new_id() };
         let object = DataObject::new(Bytes::Empty, Some(SystemTime::now()));
+        // Appended at the end of the data, most likely (where a commit in
+        // place puts new tensors).
+        if self.source.file().is_some() {
+            let h = self.source.header();
+            let end = h.data_start() + h.data_len() + self.source.shift();
+            object.set_append_pad(end % crate::source::staged::STAGING_ALIGN);
+        }
         self.attach(entry, id, Some(object.clone()));
         self.mark(&[name]);
         Ok((id, object))

@@ -121,11 +121,11 @@ impl FileOps for Recorder {
         });
         Ok(())
     }
-    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()> {
+    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<u64> {
         let mut data = vec![0u8; len as usize];
         from.read_exact_at(&mut data, from_off)?;
         self.push(Op::Write { at, data });
-        Ok(())
+        Ok(0)
     }
     fn copy_within(&self, from: u64, at: u64, len: u64) -> std::io::Result<()> {
         let data = self.model.borrow().bytes[from as usize..(from + len) as usize].to_vec();

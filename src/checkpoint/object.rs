@@ -19,6 +19,9 @@ pub struct DataObject {
     /// The checkpoint (by `Live::serial`) and entry that list it, kept by
     /// the checkpoint: a write through a handle finds there whose edit it is.
     home: Mutex<(u64, Id)>,
+    /// Where a new tensor's bytes will likely go within a block (the end of
+    /// the checkpoint's data): its staging file is padded to match.
+    append_pad: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Clone)]
@@ -66,7 +69,15 @@ impl DataObject {
             state: RwLock::new(ObjectState::of(bytes, edited, generation)),
             writer: Mutex::new(()),
             home: Mutex::new((u64::MAX, Id::MAX)),
+            append_pad: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// A new tensor is likely to be appended at this offset within a block
+    /// (`STAGING_ALIGN`): its staging file starts with as many bytes.
+    pub fn set_append_pad(&self, pad: u64) {
+        self.append_pad
+            .store(pad, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn state(&self) -> ObjectState {
@@ -147,10 +158,18 @@ impl DataObject {
         staging: &Staging,
         keep: u64,
     ) -> Result<(Arc<crate::source::StagedFile>, bool), EditError> {
-        match self.bytes() {
-            Bytes::Staged(s) if !s.pinned() => Ok((s, false)),
-            other => Ok((staging.dir()?.copy_of(&other, keep)?, true)),
-        }
+        let state = self.state();
+        // The staged bytes lie where a commit will likely put them within a
+        // block: where they are (or were, before a truncation), or at the end.
+        let pad = match (&state.bytes, &state.origin) {
+            (Bytes::Staged(s), _) if !s.pinned() => return Ok((s.clone(), false)),
+            (Bytes::Empty, Some((src, i))) => Bytes::Source(src.clone(), *i).pad_in_block(),
+            (Bytes::Empty, None) => self
+                .append_pad
+                .load(std::sync::atomic::Ordering::Relaxed),
+            (other, _) => other.pad_in_block(),
+        };
+        Ok((staging.dir()?.copy_of(&state.bytes, keep, pad)?, true))
     }
 
     /// The bytes as a commit takes them: read under the writer's lock and, if

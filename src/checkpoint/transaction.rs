@@ -428,7 +428,11 @@ impl Transactions {
                 continue;
             }
             let (old, moved) = (plan.source.clone(), plan.moved.clone());
-            let described = plan.described.clone();
+            // (In place: the bytes shared as they were, not as planned.)
+            let described = match &w {
+                Landing::InPlace(job) => job.describe(),
+                _ => plan.described.clone(),
+            };
             match st.live_mut(c).finish(plan, &w) {
                 Ok(()) => {
                     info!(file = %path, "committed: {described}");

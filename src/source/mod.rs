@@ -166,20 +166,34 @@ impl Bytes {
                 s.check_unchanged()?;
                 s.copy_tensor(*i as usize, from, to, to_off, len)
             }
-            Bytes::Staged(s) => copy_range(&*s.file()?, from, to, to_off, len),
+            Bytes::Staged(s) => copy_range(&*s.file()?, s.pad() + from, to, to_off, len),
         }
     }
 
-    /// `copy_to`, sharing blocks where the tensor lies at the same place
-    /// modulo `block` in the source and in `to` (`copy_sharing`). Returns
-    /// the bytes shared.
+    /// `copy_to`, sharing blocks where the bytes lie at the same place
+    /// modulo `block` in their file (the source, or a staging file: its pad)
+    /// and in `to` (`copy_sharing`). Returns the bytes shared.
     pub fn copy_sharing_to(&self, to: &File, to_off: u64, block: u64) -> std::io::Result<u64> {
         match self {
             Bytes::Source(s, i) if s.file().is_some() => {
                 s.check_unchanged()?;
                 s.share_tensor(*i as usize, to, to_off, block)
             }
+            Bytes::Staged(s) => copy_sharing(&*s.file()?, s.pad(), to, to_off, s.len(), block),
             _ => self.copy_to(0, to, to_off, self.len()).map(|_| 0),
+        }
+    }
+
+    /// Where byte 0 of these bytes sits within a `STAGING_ALIGN` block of
+    /// their file: the pad a staging copy of them takes, so that a commit
+    /// that puts them back where they are shares its blocks.
+    pub fn pad_in_block(&self) -> u64 {
+        match self {
+            Bytes::Source(s, i) if s.file().is_some() => {
+                (s.tensor_range(*i as usize).start + s.shift()) % staged::STAGING_ALIGN
+            }
+            Bytes::Staged(s) => s.pad(),
+            _ => 0,
         }
     }
 
@@ -209,7 +223,7 @@ impl Bytes {
             }
             Bytes::Staged(s) => Some(Backing::File {
                 file: s.file()?,
-                offset: 0,
+                offset: s.pad(),
                 len: s.len(),
                 sparse: true,
                 moves_with: None,

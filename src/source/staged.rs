@@ -27,6 +27,13 @@ use super::local::Folder;
 /// Descriptors of staging files kept open at once.
 const OPEN_FILES: usize = 256;
 
+/// A staging file holds its tensor at the same offset within a block of
+/// this size as the tensor's place in the checkpoint (`StagedFile::pad`
+/// bytes come first), so that a commit on a filesystem that clones ranges
+/// (XFS, btrfs) shares the whole blocks instead of copying them. (Inserting
+/// blocks at a file's start moves its tensors by whole blocks: it keeps this.)
+pub const STAGING_ALIGN: u64 = 4096;
+
 /// Why a staging folder could not be made or used.
 #[derive(Debug, thiserror::Error)]
 pub enum StagingError {
@@ -162,7 +169,7 @@ impl StagingDir {
             .list()
             .map_err(io)?
             .iter()
-            .filter_map(|n| staged_number(n))
+            .filter_map(|n| parse_staged_name(n).map(|(number, _)| number))
             .max()
             .unwrap_or(0);
         staging.next_file.store(highest + 1, Ordering::Relaxed);
@@ -206,16 +213,20 @@ impl StagingDir {
         self.keep.store(keep, Ordering::Relaxed);
     }
 
-    /// A new, empty staging file.
-    pub fn new_file(self: &Arc<Self>) -> std::io::Result<Arc<StagedFile>> {
+    /// A new, empty staging file whose byte 0 sits `pad` bytes into it
+    /// (see `STAGING_ALIGN`).
+    pub fn new_file(self: &Arc<Self>, pad: u64) -> std::io::Result<Arc<StagedFile>> {
+        let pad = pad % STAGING_ALIGN;
         loop {
             let number = self.next_file.fetch_add(1, Ordering::Relaxed);
-            match self.open(number, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL) {
+            let name = staged_name(number, pad);
+            match self.open(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL) {
                 Ok(file) => {
                     self.open_files.lock_anyway().put(number, Arc::new(file));
                     return Ok(Arc::new(StagedFile {
                         dir: self.clone(),
                         number,
+                        pad,
                         len: AtomicU64::new(0),
                         pins: AtomicU32::new(0),
                     }));
@@ -226,44 +237,56 @@ impl StagingDir {
         }
     }
 
-    /// A staging file with a copy of the first `keep` bytes of `bytes`.
-    pub fn copy_of(self: &Arc<Self>, bytes: &Bytes, keep: u64) -> std::io::Result<Arc<StagedFile>> {
-        let staged = self.new_file()?;
+    /// A staging file with a copy of the first `keep` bytes of `bytes`, `pad`
+    /// bytes into it.
+    pub fn copy_of(
+        self: &Arc<Self>,
+        bytes: &Bytes,
+        keep: u64,
+        pad: u64,
+    ) -> std::io::Result<Arc<StagedFile>> {
+        let staged = self.new_file(pad)?;
         let len = keep.min(bytes.len());
         let file = staged.file()?;
-        bytes.copy_to(0, &file, 0, len)?;
+        match len == bytes.len() {
+            // Whole: where the filesystem clones ranges (XFS, btrfs), the
+            // blocks are shared, not copied (a 4-byte patch of a 2 GiB
+            // tensor then costs a block).
+            true => bytes.copy_sharing_to(&file, staged.pad, STAGING_ALIGN).map(|_| ())?,
+            false => bytes.copy_to(0, &file, staged.pad, len)?,
+        }
         staged.set_len(len)?;
         Ok(staged)
     }
 
     /// A staging file holding `data`.
     pub fn file_with(self: &Arc<Self>, data: &[u8]) -> std::io::Result<Arc<StagedFile>> {
-        let staged = self.new_file()?;
+        let staged = self.new_file(0)?;
         staged.write_at(data, 0)?;
         Ok(staged)
     }
 
     /// An existing staging file, by the name the journal gave it.
     pub fn existing(self: &Arc<Self>, name: &str) -> std::io::Result<Arc<StagedFile>> {
-        let number = staged_number(OsStr::new(name))
+        let (number, pad) = parse_staged_name(OsStr::new(name))
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-        let file = self.open(number, libc::O_RDWR)?;
+        let file = self.open(name, libc::O_RDWR)?;
         let st = rustix::fs::fstat(&file)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_uid != euid() {
             return Err(std::io::Error::from_raw_os_error(libc::EPERM));
         }
-        let len = st.st_size as u64;
+        let len = (st.st_size as u64).saturating_sub(pad);
         self.open_files.lock_anyway().put(number, Arc::new(file));
         Ok(Arc::new(StagedFile {
             dir: self.clone(),
             number,
+            pad,
             len: AtomicU64::new(len),
             pins: AtomicU32::new(0),
         }))
     }
 
-    fn open(&self, number: u64, flags: i32) -> std::io::Result<File> {
-        let name = format!("s{number}");
+    fn open(&self, name: &str, flags: i32) -> std::io::Result<File> {
         let flags = super::local::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
         let mode = rustix::fs::Mode::from_raw_mode(0o600);
         Ok(File::from(rustix::fs::openat(
@@ -271,11 +294,11 @@ impl StagingDir {
         )?))
     }
 
-    fn file(&self, number: u64) -> std::io::Result<Arc<File>> {
+    fn file(&self, number: u64, pad: u64) -> std::io::Result<Arc<File>> {
         if let Some(f) = self.open_files.lock_anyway().get(&number) {
             return Ok(f.clone());
         }
-        let file = Arc::new(self.open(number, libc::O_RDWR)?);
+        let file = Arc::new(self.open(&staged_name(number, pad), libc::O_RDWR)?);
         self.open_files.lock_anyway().put(number, file.clone());
         Ok(file)
     }
@@ -316,12 +339,30 @@ impl StagingDir {
     }
 }
 
-fn staged_number(name: &OsStr) -> Option<u64> {
+/// A staging file's name: `s<number>`, or `s<number>+<pad>` when its bytes
+/// start `pad` bytes into it.
+fn staged_name(number: u64, pad: u64) -> String {
+    match pad {
+        0 => format!("s{number}"),
+        _ => format!("s{number}+{pad}"),
+    }
+}
+
+/// The number and pad of a staging file's name (`staged_name`).
+fn parse_staged_name(name: &OsStr) -> Option<(u64, u64)> {
     let s = name.to_str()?.strip_prefix('s')?;
-    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+    let (number, pad) = s.split_once('+').unwrap_or((s, "0"));
+    let digits = |t: &str| !t.is_empty() && t.len() <= 19 && t.bytes().all(|b| b.is_ascii_digit());
+    if !digits(number) || !digits(pad) {
         return None;
     }
-    s.parse().ok()
+    let pad: u64 = pad.parse().ok()?;
+    (pad < STAGING_ALIGN).then_some((number.parse().ok()?, pad))
+}
+
+/// Where the bytes of the staging file so named start in it.
+pub fn staged_pad(name: &str) -> u64 {
+    parse_staged_name(OsStr::new(name)).map_or(0, |(_, pad)| pad)
 }
 
 fn random_suffix() -> String {
@@ -348,6 +389,8 @@ fn random_suffix() -> String {
 pub struct StagedFile {
     dir: Arc<StagingDir>,
     number: u64,
+    /// Bytes before the tensor's byte 0 in the file (see `STAGING_ALIGN`).
+    pad: u64,
     /// Its length: stfs is its only writer.
     len: AtomicU64,
     /// Commits copying from it right now: a write must not change it under them.
@@ -357,7 +400,12 @@ pub struct StagedFile {
 impl StagedFile {
     /// Its name in the staging folder.
     pub fn name(&self) -> String {
-        format!("s{}", self.number)
+        staged_name(self.number, self.pad)
+    }
+
+    /// Where the tensor's bytes start in `file()`.
+    pub fn pad(&self) -> u64 {
+        self.pad
     }
 
     pub fn dir(&self) -> &Arc<StagingDir> {
@@ -372,8 +420,9 @@ impl StagedFile {
         self.len() == 0
     }
 
+    /// The file, whose bytes start at `pad()`.
     pub fn file(&self) -> std::io::Result<Arc<File>> {
-        self.dir.file(self.number)
+        self.dir.file(self.number, self.pad)
     }
 
     /// Reads until `buf` is full or the file ends.
@@ -381,7 +430,7 @@ impl StagedFile {
         let file = self.file()?;
         let mut got = 0;
         while got < buf.len() {
-            match file.read_at(&mut buf[got..], offset + got as u64) {
+            match file.read_at(&mut buf[got..], self.pad + offset + got as u64) {
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -395,13 +444,13 @@ impl StagedFile {
         let end = offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFBIG))?;
-        self.file()?.write_all_at(data, offset)?;
+        self.file()?.write_all_at(data, self.pad + offset)?;
         self.len.fetch_max(end, Ordering::Relaxed);
         Ok(())
     }
 
     pub fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file()?.set_len(len)?;
+        self.file()?.set_len(self.pad + len)?;
         self.len.store(len, Ordering::Relaxed);
         Ok(())
     }
@@ -500,7 +549,7 @@ mod tests {
     fn existing_takes_only_staging_names() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = Arc::new(StagingDir::create(parent(tmp.path()), "m").unwrap());
-        for bad in ["/etc/passwd", "../s1", "s1/..", "x", "s", "s1x"] {
+        for bad in ["/etc/passwd", "../s1", "s1/..", "x", "s", "s1x", "s1+", "s1+4096", "s1+-1"] {
             assert!(dir.existing(bad).is_err(), "{bad}");
         }
         let f = dir.file_with(b"abc").unwrap();
@@ -509,5 +558,32 @@ mod tests {
         drop(f);
         let again = dir.existing(&name).unwrap();
         assert_eq!(again.len(), 3);
+    }
+
+    #[test]
+    fn a_padded_file_keeps_its_bytes_after_the_pad_and_says_so_in_its_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StagingDir::create(parent(tmp.path()), "m").unwrap());
+        let f = dir.new_file(4096 + 1000).unwrap();
+        assert_eq!((f.pad(), f.name()), (1000, format!("s{}+1000", f.number)));
+        f.write_at(b"hello", 2).unwrap();
+        assert_eq!(f.len(), 7);
+        let mut buf = [0u8; 7];
+        assert_eq!(f.read_at(&mut buf, 0).unwrap(), 7);
+        assert_eq!(&buf, b"\0\0hello");
+        assert_eq!(f.file().unwrap().metadata().unwrap().len(), 1007);
+        assert_eq!(staged_pad(&f.name()), 1000);
+        f.set_len(3).unwrap();
+        assert_eq!(f.file().unwrap().metadata().unwrap().len(), 1003);
+        dir.keep_files(true);
+        let name = f.name();
+        drop(f);
+        let again = dir.existing(&name).unwrap();
+        assert_eq!((again.len(), again.pad()), (3, 1000));
+        // A copy keeps the bytes, at the pad asked for.
+        let copy = dir.copy_of(&Bytes::Staged(again), u64::MAX, 7).unwrap();
+        let mut buf = [0u8; 3];
+        copy.read_at(&mut buf, 0).unwrap();
+        assert_eq!((&buf, copy.pad()), (b"\0\0h", 7));
     }
 }

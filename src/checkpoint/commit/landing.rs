@@ -241,6 +241,11 @@ pub struct InPlaceJob {
     pub(super) header: Vec<u8>,
     /// The staging files the writes copy from, by name.
     pub(super) staged: std::collections::HashMap<String, Arc<StagedFile>>,
+    /// What it changes in words, and the bytes it writes (`InPlaceLayout`).
+    pub(super) summary: String,
+    pub(super) bytes: u64,
+    /// The bytes it shared with staging files, once done.
+    pub(super) shared: std::sync::atomic::AtomicU64,
 }
 
 impl InPlaceJob {
@@ -283,7 +288,11 @@ impl InPlaceJob {
             fresh: true,
         };
         let result = self.record.apply(&*self.file, &self.header, &steps);
-        if let (Ok(()), Some((by, ranges))) = (&result, recache.lock_anyway().take()) {
+        if let Ok(shared) = &result {
+            self.shared
+                .store(*shared, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let (Ok(_), Some((by, ranges))) = (&result, recache.lock_anyway().take()) {
             let moved = ranges
                 .into_iter()
                 .map(|r| r.start + by..r.end + by)
@@ -321,7 +330,14 @@ impl InPlaceJob {
         drop(lease); // opens that waited go on, and see the new file
         // (A test pauses here to write as another program would.)
         let _ = crate::testpoint::point("in-place:unleased");
-        result
+        result.map(|_| ())
+    }
+
+    /// What it did, as `stfs commit` says it: the bytes it shared counted
+    /// as they were, not as planned.
+    pub fn describe(&self) -> String {
+        let shared = self.shared.load(std::sync::atomic::Ordering::Relaxed);
+        super::ways::in_place_words(&self.summary, self.bytes, shared)
     }
 
     pub(super) fn error(&self, e: in_place::ApplyError) -> CommitError {

@@ -560,6 +560,9 @@ impl CommitPlan {
                 header: self.layout.header.clone(),
                 record,
                 staged,
+                summary: layout.summary,
+                bytes: layout.bytes,
+                shared: std::sync::atomic::AtomicU64::new(0),
             })));
         }
         let mut written = Written::create(

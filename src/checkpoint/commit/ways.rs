@@ -35,9 +35,8 @@ impl Way {
     pub fn describe(&self, file_len: u64) -> String {
         match self {
             Way::InPlace { layout, lease, .. } => format!(
-                "in place ({}; {} written){}",
-                layout.summary,
-                human_bytes(layout.bytes),
+                "{}{}",
+                in_place_words(&layout.summary, layout.bytes, layout.shareable),
                 match lease {
                     Some(_) => "",
                     None => ", unless another program has the file open then",
@@ -53,6 +52,20 @@ impl Way {
                 human_bytes(file_len)
             ),
         }
+    }
+}
+
+/// "in place (header, 1 tensor overwritten; 12.0 KiB copied, 256.0 MiB
+/// shared with the staging files)": what an in-place commit writes, the
+/// bytes it shares (clones) counted apart from those it copies.
+pub fn in_place_words(summary: &str, bytes: u64, shared: u64) -> String {
+    match shared {
+        0 => format!("in place ({summary}; {} written)", human_bytes(bytes)),
+        _ => format!(
+            "in place ({summary}; {} copied, {} shared with the staging files)",
+            human_bytes(bytes.saturating_sub(shared)),
+            human_bytes(shared)
+        ),
     }
 }
 
@@ -193,6 +206,10 @@ impl CommitWay for InPlaceWay {
             &held,
             crate::source::local::inserts_blocks(&file),
         )?;
+        let mut layout = layout;
+        if crate::source::local::shares_extents(&file).is_some() {
+            layout.expect_sharing();
+        }
         let lease = match new.preview {
             true => None,
             false => Some(Lease::take(&file)?),

@@ -37,7 +37,8 @@ use crate::format::{
     Dtype, Header, IN_PLACE_MARKER, Layout, Metadata, PREFIX_LEN, Tensors, byte_len, header_bytes,
 };
 use crate::source::local::Folder;
-use crate::source::{Bytes, FileStat, SourceFile, copy_range};
+use crate::source::staged::{STAGING_ALIGN, staged_pad};
+use crate::source::{Bytes, FileStat, SourceFile, copy_range, copy_sharing};
 use crate::testpoint::point;
 
 /// The least room an insertion at the file's start leaves in the header.
@@ -78,8 +79,38 @@ pub struct InPlaceLayout {
     pub file_len: u64,
     /// Bytes written, header included.
     pub bytes: u64,
+    /// Of `bytes`, those a filesystem that clones ranges can share with the
+    /// staging files (whole blocks at the same place within a block): set by
+    /// the planner when the file's filesystem clones (`expect_sharing`).
+    pub shareable: u64,
     /// What changes, in words ("header, 1 tensor appended").
     pub summary: String,
+}
+
+impl InPlaceLayout {
+    /// The file's filesystem clones ranges: the bytes of staging files that
+    /// sit at the same place within a block as their target are expected
+    /// to be shared, not copied.
+    pub fn expect_sharing(&mut self) {
+        self.shareable = self
+            .writes
+            .iter()
+            .filter_map(|(w, _)| match &w.from {
+                WriteFrom::Staged { file } => Some(shareable_blocks(staged_pad(file), w.at, w.len)),
+                WriteFrom::Here { .. } => None,
+            })
+            .sum();
+    }
+}
+
+/// The whole blocks of `len` bytes at `from` copied to `to` that a clone can
+/// share (none unless both lie at the same place within a block).
+pub fn shareable_blocks(from: u64, to: u64, len: u64) -> u64 {
+    if from % STAGING_ALIGN != to % STAGING_ALIGN {
+        return 0;
+    }
+    let head = ((STAGING_ALIGN - to % STAGING_ALIGN) % STAGING_ALIGN).min(len);
+    (len - head) / STAGING_ALIGN * STAGING_ALIGN
 }
 
 /// Lays out the new state in the source's own file, or says why it cannot
@@ -338,6 +369,7 @@ pub fn layout<'a>(
         inserted,
         header_write,
         writes,
+        shareable: 0,
         file_len,
         bytes,
         summary: summary.join(", "),
@@ -388,8 +420,9 @@ pub struct InPlaceRecord {
 pub trait FileOps {
     fn size(&self) -> std::io::Result<u64>;
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()>;
-    /// Copies `len` bytes of `from` at `from_off` to `at` (a staging file's).
-    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()>;
+    /// Copies `len` bytes of `from` at `from_off` to `at` (a staging file's),
+    /// sharing whole blocks where the filesystem can; returns the bytes shared.
+    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<u64>;
     /// Copies `len` bytes of this file from `from` to `at`.
     fn copy_within(&self, from: u64, at: u64, len: u64) -> std::io::Result<()>;
     fn set_len(&self, len: u64) -> std::io::Result<()>;
@@ -411,8 +444,10 @@ impl FileOps for File {
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()> {
         self.write_all_at(buf, at)
     }
-    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<()> {
-        copy_range(from, from_off, self, at, len)
+    fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<u64> {
+        // (Where the filesystem cannot clone, or the offsets do not meet
+        // within a block, this copies.)
+        copy_sharing(from, from_off, self, at, len, STAGING_ALIGN)
     }
     fn copy_within(&self, from: u64, at: u64, len: u64) -> std::io::Result<()> {
         copy_range(self, from, self, at, len)
@@ -623,13 +658,14 @@ impl InPlaceRecord {
     }
 
     /// Does the whole commit to `file` (again, after a crash: every step may
-    /// be repeated; the insertion is done once).
+    /// be repeated; the insertion is done once). Returns the bytes it shared
+    /// with staging files instead of copying them.
     pub fn apply(
         &self,
         file: &dyn FileOps,
         header: &[u8],
         steps: &Steps,
-    ) -> Result<(), ApplyError> {
+    ) -> Result<u64, ApplyError> {
         let before = |error| ApplyError {
             marked: false,
             error,
@@ -725,12 +761,14 @@ impl InPlaceRecord {
             retired.push(self.after_len..len);
         }
         (steps.retire)(retired);
+        let mut shared = 0;
         for (n, w) in self.writes.iter().enumerate() {
             point("in-place:write").map_err(after)?;
             match &w.from {
                 WriteFrom::Staged { file: name } => {
                     let staged = (steps.open_staged)(name).map_err(after)?;
-                    file.copy_in(&staged, 0, w.at, w.len).map_err(after)?;
+                    let pad = staged_pad(name);
+                    shared += file.copy_in(&staged, pad, w.at, w.len).map_err(after)?;
                 }
                 WriteFrom::Here { offset } => {
                     file.copy_within(*offset, w.at, w.len).map_err(after)?
@@ -756,7 +794,8 @@ impl InPlaceRecord {
             .map_err(after)?;
         file.sync_data().map_err(after)?;
         point("in-place:prefix").map_err(after)?;
-        self.finish_time(file).map_err(after)
+        self.finish_time(file).map_err(after)?;
+        Ok(shared)
     }
 
     /// The modification time the journal expects, made durable.
@@ -892,7 +931,10 @@ impl InPlaceRecord {
         let staged_len = |name: &str| -> std::io::Result<u64> {
             match only_time {
                 true => Ok(u64::MAX),
-                false => Ok(open_staged(name)?.metadata()?.len()),
+                false => Ok(open_staged(name)?
+                    .metadata()?
+                    .len()
+                    .saturating_sub(staged_pad(name))),
             }
         };
         self.check(&header, st.len, &staged_len).map_err(|why| {
