@@ -27,11 +27,12 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[arg(value_hint = clap::ValueHint::FilePath)]
         file: PathBuf,
     },
     /// Validate checkpoints (files, or folders of shards with their index); exit 0 only if all are valid.
     Verify {
-        #[arg(required = true)]
+        #[arg(required = true, value_hint = clap::ValueHint::AnyPath)]
         paths: Vec<PathBuf>,
     },
     /// Mount a checkpoint file, or a folder of shards, as a directory of tensor files.
@@ -51,13 +52,13 @@ enum Command {
         threads: Option<usize>,
         /// Log file of the daemon (default: ~/.local/state/stfs/stfs.log, else
         /// $XDG_RUNTIME_DIR/stfs/stfs.log or /var/tmp/stfs-UID/stfs.log; stderr with -f).
-        #[arg(long)]
+        #[arg(long, value_hint = clap::ValueHint::FilePath)]
         log_file: Option<PathBuf>,
         /// Write the daemon's pid here while it runs.
-        #[arg(long)]
+        #[arg(long, value_hint = clap::ValueHint::FilePath)]
         pid_file: Option<PathBuf>,
         /// Where staging folders go (default: beside the source).
-        #[arg(long, value_name = "DIR", help_heading = "Local sources (edits)")]
+        #[arg(long, value_name = "DIR", value_hint = clap::ValueHint::DirPath, help_heading = "Local sources (edits)")]
         staging_dir: Option<PathBuf>,
         /// Take back the edits kept in this staging folder (by default the newest
         /// kept edits of the source that still apply are taken back).
@@ -93,7 +94,7 @@ enum Command {
         )]
         timeout: std::time::Duration,
         /// The local cache of fetched bytes (default: $XDG_CACHE_HOME/stfs, else ~/.cache/stfs).
-        #[arg(long, value_name = "DIR", help_heading = "Remote cache")]
+        #[arg(long, value_name = "DIR", value_hint = clap::ValueHint::DirPath, help_heading = "Remote cache")]
         cache_dir: Option<PathBuf>,
         /// The cache's size; least recently used chunks go past it (K, M, G, T suffixes).
         #[arg(
@@ -107,9 +108,11 @@ enum Command {
         /// A .safetensors file, a folder of them (with *.index.json), or a URL:
         /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
         /// https://host/path.safetensors, gs://, az://.
+        #[arg(value_hint = clap::ValueHint::AnyPath)]
         source: PathBuf,
         /// An empty folder: the checkpoint's directory (a folder of shards: one
         /// directory per shard in it).
+        #[arg(value_hint = clap::ValueHint::DirPath)]
         mountpoint: PathBuf,
     },
     /// Commit staged edits, then unmount.
@@ -120,6 +123,7 @@ enum Command {
         /// Drop the staged edits instead of committing them.
         #[arg(long)]
         discard: bool,
+        #[arg(value_hint = clap::ValueHint::DirPath)]
         mountpoint: PathBuf,
     },
     /// List the staged edits of a mount and what a commit would refuse (exit 1 then).
@@ -128,6 +132,7 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// The mount point, or any path inside it.
+        #[arg(value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
     /// Write the staged edits of a mount into its source file, atomically.
@@ -140,11 +145,13 @@ enum Command {
         #[arg(long)]
         compact: bool,
         /// The mount point, or a checkpoint directory or file inside it.
+        #[arg(value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
     /// Drop the staged edits of a mount; it stays mounted and shows its source again.
     Discard {
         /// The mount point, or a checkpoint directory or file inside it.
+        #[arg(value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
     /// Bring tensors of a mount into the page cache (cpu) or into CUDA device memory.
@@ -153,7 +160,7 @@ enum Command {
         #[arg(long, default_value = "cpu", value_parser = crate::client::parse_device)]
         device: crate::client::Device,
         /// Tensor files, or directories of them.
-        #[arg(required = true)]
+        #[arg(required = true, value_hint = clap::ValueHint::AnyPath)]
         paths: Vec<PathBuf>,
     },
     /// Print a shell's completion script (bash: save it as
@@ -164,11 +171,12 @@ enum Command {
     Man {
         /// Write the pages into this folder instead (for example
         /// ~/.local/share/man/man1).
-        #[arg(long, value_name = "DIR")]
+        #[arg(long, value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
         out_dir: Option<PathBuf>,
     },
     /// Write an empty, valid checkpoint.
     Create {
+        #[arg(value_hint = clap::ValueHint::FilePath)]
         file: PathBuf,
         /// A metadata entry; repeat for more.
         #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_key_value)]

@@ -126,7 +126,9 @@ fn show_progress(
                 if args.active == 0 {
                     continue;
                 }
-                let what = format!("committing {}", args.file());
+                let file = args.file();
+                let name = Path::new(&file).file_name().unwrap_or_default();
+                let what = format!("committing {}", name.to_string_lossy());
                 let bar = bar.get_or_insert_with(|| crate::progress::bytes(args.total, &what));
                 bar.set_length(args.total);
                 bar.set_message(what);
@@ -214,7 +216,19 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
             ));
         }
     }
-    unmount(&abs, lazy)?;
+    if let Err(e) = unmount(&abs, lazy) {
+        // (Busy, most likely: the commit or discard is done all the same.)
+        let done = match discard {
+            true => "the staged edits were dropped already",
+            false if lines.is_empty() => "nothing was staged",
+            false => "the edits above are committed already",
+        };
+        lines.push(format!(
+            "{e}\nstfs: {done}; {} stays mounted",
+            abs.display()
+        ));
+        return Err(lines.join("\n"));
+    }
     Ok(lines)
 }
 

@@ -20,7 +20,8 @@ pub fn bytes(total: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(total);
     bar.set_style(
         ProgressStyle::with_template(
-            "stfs: {msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            // (wide_msg: the message is cut to the terminal's width, never wrapped.)
+            "stfs: {wide_msg} [{bar:24}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {eta}",
         )
         .expect("a valid template")
         .progress_chars("=> "),
@@ -36,7 +37,7 @@ pub fn spinner(what: &str) -> ProgressBar {
     }
     let bar = ProgressBar::new_spinner();
     bar.set_style(
-        ProgressStyle::with_template("stfs: {spinner} {msg} ({elapsed})")
+        ProgressStyle::with_template("stfs: {spinner} {wide_msg} {elapsed}")
             .expect("a valid template"),
     );
     bar.set_message(what.to_string());

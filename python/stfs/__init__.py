@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -79,7 +80,7 @@ def binary() -> str:
 def run(*args: str | os.PathLike[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Runs `stfs ARGS...` and returns the finished process (text output).
     With `check`, a non-zero exit raises StfsError with stfs's message."""
-    command = [binary(), *map(os.fspath, args)]
+    command = [binary(), *(os.fspath(a) for a in args)]
     done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if check and done.returncode != 0:
         raise StfsError(_message(done), done.returncode, command)
@@ -161,7 +162,14 @@ class Status:
 
 class Mount:
     """A mounted checkpoint. Use it as a context manager (see `mount`), or
-    call `unmount` yourself."""
+    call `unmount` yourself.
+
+    Attributes:
+        path: the mount point (a pathlib.Path): the checkpoint's directory.
+        source: the checkpoint mounted (a path, or a URL).
+        mounted: False once unmounted; then its methods raise StfsError.
+        on_exit: what leaving the `with` block does: "commit" or "discard".
+    """
 
     def __init__(self, source: str | os.PathLike[str], path: Path, owns_path: bool, on_exit: OnExit):
         self.source = os.fspath(source)
@@ -185,6 +193,7 @@ class Mount:
     def tensors(self) -> list[str]:
         """The tensor files of the mount (file names; see docs/SEMANTICS.md
         for how tensor names map to file names)."""
+        self._check_mounted()
         return sorted(
             p.name
             for p in self.path.iterdir()
@@ -193,6 +202,7 @@ class Mount:
 
     def status(self) -> Status:
         """What is staged, what a commit would refuse, and the way it would take."""
+        self._check_mounted()
         done = run("status", "--json", self.path, check=False)
         if done.returncode not in (0, 1) or not done.stdout.strip():
             raise StfsError(_message(done), done.returncode, ["stfs", "status", "--json", str(self.path)])
@@ -203,22 +213,33 @@ class Mount:
         ("...: committed in place (...)"). `compact` writes exactly what the
         reference save_file writes; `force` overwrites a source changed behind
         the mount. Raises StfsError (the edits stay staged) if refused."""
+        self._check_mounted()
         args = ["commit", *(["--compact"] if compact else []), *(["--force"] if force else [])]
         return run(*args, self.path).stdout.strip()
 
     def discard(self) -> str:
         """Drops every staged edit; the mount stays and shows the source again."""
+        self._check_mounted()
         return run("discard", self.path).stdout.strip()
 
-    def unmount(self, discard: bool = False) -> str:
+    def unmount(self, discard: bool = False, lazy: bool = False) -> str:
         """Commits (or with `discard`, drops) the staged edits and unmounts.
         A refused commit raises StfsError and leaves the mount and its edits
-        in place (fix them, or unmount with discard=True)."""
-        done = run("umount", *(["--discard"] if discard else []), self.path)
+        in place (fix them, or unmount with discard=True). While files of the
+        mount are open (an np.memmap still referenced), unmounting fails
+        (busy) after the commit; `lazy` detaches the mount at once instead,
+        and they keep reading until closed."""
+        self._check_mounted()
+        args = ["umount", *(["--discard"] if discard else []), *(["--lazy"] if lazy else [])]
+        done = run(*args, self.path)
         self.mounted = False
         if self._owns_path:
             self.path.rmdir()
         return done.stdout.strip()
+
+    def _check_mounted(self) -> None:
+        if not self.mounted:
+            raise StfsError(f"{self.path}: not mounted any more (this Mount was unmounted)", 1, [])
 
     def __enter__(self) -> Mount:
         return self
@@ -232,7 +253,19 @@ class Mount:
         if not self.mounted:
             return
         # As a transaction: a block that raised commits nothing.
-        self.unmount(discard=self.on_exit == "discard" or kind is not None)
+        discard = self.on_exit == "discard" or kind is not None
+        try:
+            self.unmount(discard=discard)
+        except StfsError as e:
+            if "busy (files are open in it" not in e.message:
+                raise
+            # Committed (or dropped) already; what still holds a file of it
+            # (an np.memmap) keeps reading it until it lets go.
+            warnings.warn(
+                f"{self.path}: files of the mount are still open: detached lazily",
+                stacklevel=2,
+            )
+            self.unmount(discard=discard, lazy=True)
 
 
 def mount(
@@ -249,14 +282,18 @@ def mount(
     the block did not raise) or dropping them (`on_exit="discard"`, or the
     block raised). Without `mountpoint`, a private temporary folder is made
     and removed after. `options` are more `stfs mount` arguments (for example
-    `["--staging-dir", "/fast/disk"]` or `["-o", "cache=keep"]`)."""
+    `["--staging-dir", "/fast/disk"]` or `["-o", "cache=keep"]`).
+
+    Raises StfsError (with stfs's message) when the mount fails, and on
+    leaving the block when the commit is refused: the mount and its edits
+    then stay (fix them, or `m.unmount(discard=True)`)."""
     if on_exit not in ("commit", "discard"):
         raise ValueError(f"on_exit must be 'commit' or 'discard', not {on_exit!r}")
     source_arg = os.fspath(source)
     if "://" not in source_arg:
         source_arg = os.path.abspath(source_arg)
     owns = mountpoint is None
-    path = Path(tempfile.mkdtemp(prefix="stfs-")) if owns else Path(mountpoint).absolute()
+    path = Path(tempfile.mkdtemp(prefix="stfs-")) if mountpoint is None else Path(mountpoint).absolute()
     args = list(options) + (["-o", "ro"] if read_only else [])
     try:
         run("mount", *args, source_arg, path)

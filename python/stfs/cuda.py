@@ -14,11 +14,17 @@ tensor (or call .clone()) as long as you need it.
 (target "cpu" brings the tensor into the page cache).
 """
 
+from __future__ import annotations
+
+import builtins
 import ctypes
 import fcntl
 import os
 import struct
 import sys
+from typing import Any, Callable, Literal
+
+Target = Literal["cpu", "cuda"]
 
 SIZE = 520
 TARGET_PAGE_CACHE, TARGET_CUDA = 0, 1
@@ -37,7 +43,25 @@ TORCH_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "floa
 class Prefetched:
     """The daemon's answer. `fd` keeps a CUDA buffer alive until close()."""
 
-    def __init__(self, fd, fields):
+    size: int
+    target: int
+    device: int
+    result: int
+    bytes: int
+    nbytes: int
+    elapsed_ns: int
+    ipc_offset: int
+    alloc_size: int
+    ipc_handle: builtins.bytes
+    shape: list[int]
+    offset: int
+    length: int
+    next: int
+    dtype: str
+    message: str
+    fd: int | None
+
+    def __init__(self, fd: int, fields: tuple[Any, ...]) -> None:
         (self.size, self.target, self.device, self.result, self.bytes, self.nbytes, self.elapsed_ns,
          self.ipc_offset, self.alloc_size, self.ipc_handle, dtype, ndim, _, *rest) = fields
         self.shape = list(rest[:ndim])
@@ -46,23 +70,24 @@ class Prefetched:
         self.message = rest[19].split(b"\0")[0].decode()
         self.fd = fd
 
-    def close(self):
+    def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.close()
 
 
-def _ask(fd, target, device, offset, size):
+def _ask(fd: int, target: Target, device: int, offset: int, size: int) -> Prefetched:
     buf = bytearray(_LAYOUT.pack(size, TARGET_CUDA if target == "cuda" else TARGET_PAGE_CACHE, device, 0,
                                  0, 0, 0, 0, 0, b"", b"", 0, 0, *([0] * 16), offset, 0, 0, b""))
     fcntl.ioctl(fd, IOC_PREFETCH, buf, True)
     return Prefetched(fd, _LAYOUT.unpack(bytes(buf)))
 
 
-def prefetch(path, target="cpu", device=0, size=SIZE):
+def prefetch(path: str | os.PathLike[str], target: Target = "cpu", device: int = 0,
+             size: int = SIZE) -> Prefetched:
     """Sends STFS_IOC_PREFETCH on `path` (for the page cache, a range at a
     time until the whole tensor is in). Raises OSError with the daemon's errno
     and message on failure. `size` is for testing the daemon's size check."""
@@ -89,11 +114,11 @@ def prefetch(path, target="cpu", device=0, size=SIZE):
     return p
 
 
-def _open_ipc(p):
+def _open_ipc(p: Prefetched) -> tuple[int, Callable[[], Any]]:
     """Opens the IPC handle in this process; returns (device pointer, closer)."""
     cuda = ctypes.CDLL("libcuda.so.1")
 
-    def check(rc, what):
+    def check(rc: int, what: str) -> None:
         if rc != 0:
             raise OSError(f"{what} failed: CUresult {rc}")
 
@@ -112,9 +137,9 @@ def _open_ipc(p):
     return ptr.value + p.ipc_offset, lambda: cuda.cuIpcCloseMemHandle(ctypes.c_uint64(ptr.value))
 
 
-def load_cupy(path, device=0):
+def load_cupy(path: str | os.PathLike[str], device: int = 0) -> Any:
     """The tensor as a CuPy array on `device` (raw uint8 bytes for dtypes numpy lacks)."""
-    import cupy
+    import cupy  # type: ignore[import-not-found]
     p = prefetch(path, "cuda", device)
     ptr, close = _open_ipc(p)
     dtype = NUMPY_DTYPES.get(p.dtype)
@@ -125,9 +150,9 @@ def load_cupy(path, device=0):
     return arr
 
 
-def load(path, device=0):
+def load(path: str | os.PathLike[str], device: int = 0) -> Any:
     """The tensor as a torch tensor on cuda:`device`, with its dtype and shape."""
-    import torch
+    import torch  # type: ignore[import-not-found]
     arr = load_cupy(path, device)
     p = arr._stfs_keepalive[0]
     t = torch.utils.dlpack.from_dlpack(arr.toDlpack())

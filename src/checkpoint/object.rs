@@ -164,9 +164,7 @@ impl DataObject {
         let pad = match (&state.bytes, &state.origin) {
             (Bytes::Staged(s), _) if !s.pinned() => return Ok((s.clone(), false)),
             (Bytes::Empty, Some((src, i))) => Bytes::Source(src.clone(), *i).pad_in_block(),
-            (Bytes::Empty, None) => self
-                .append_pad
-                .load(std::sync::atomic::Ordering::Relaxed),
+            (Bytes::Empty, None) => self.append_pad.load(std::sync::atomic::Ordering::Relaxed),
             (other, _) => other.pad_in_block(),
         };
         Ok((staging.dir()?.copy_of(&state.bytes, keep, pad)?, true))

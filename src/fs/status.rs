@@ -112,7 +112,17 @@ impl Fs {
         let mut files = Vec::new();
         for m in &st.checkpoints {
             let s = m.live.status();
-            refused |= !s.problems.is_empty();
+            let mut problems: Vec<String> = s.problems.iter().map(|p| p.to_string()).collect();
+            // What the commit would refuse first, said as it would say it.
+            if !s.changes.is_empty() && m.live.source_changed() {
+                problems.push(
+                    CommitError::Conflict {
+                        file: s.file.clone(),
+                    }
+                    .to_string(),
+                );
+            }
+            refused |= !problems.is_empty();
             let commit = m
                 .live
                 .commit_preview(&held)
@@ -139,7 +149,7 @@ impl Fs {
                         }
                     })
                     .collect(),
-                problems: s.problems.iter().map(|p| p.to_string()).collect(),
+                problems,
                 commit,
             });
         }

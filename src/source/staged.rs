@@ -252,7 +252,9 @@ impl StagingDir {
             // Whole: where the filesystem clones ranges (XFS, btrfs), the
             // blocks are shared, not copied (a 4-byte patch of a 2 GiB
             // tensor then costs a block).
-            true => bytes.copy_sharing_to(&file, staged.pad, STAGING_ALIGN).map(|_| ())?,
+            true => bytes
+                .copy_sharing_to(&file, staged.pad, STAGING_ALIGN)
+                .map(|_| ())?,
             false => bytes.copy_to(0, &file, staged.pad, len)?,
         }
         staged.set_len(len)?;
@@ -549,7 +551,17 @@ mod tests {
     fn existing_takes_only_staging_names() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = Arc::new(StagingDir::create(parent(tmp.path()), "m").unwrap());
-        for bad in ["/etc/passwd", "../s1", "s1/..", "x", "s", "s1x", "s1+", "s1+4096", "s1+-1"] {
+        for bad in [
+            "/etc/passwd",
+            "../s1",
+            "s1/..",
+            "x",
+            "s",
+            "s1x",
+            "s1+",
+            "s1+4096",
+            "s1+-1",
+        ] {
             assert!(dir.existing(bad).is_err(), "{bad}");
         }
         let f = dir.file_with(b"abc").unwrap();

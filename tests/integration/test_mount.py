@@ -9,7 +9,7 @@ import subprocess
 import threading
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import stfs_fixtures as fx
 
@@ -384,9 +384,17 @@ def test_discard_with_the_mount_up_keeps_paths_working(tmp_path, mount, run):
     os.rename(a, os.path.join(m.path, "z"))
     p = run("umount", "--discard", m.path)
     assert p.returncode != 0 and "busy" in p.stderr, p.stderr
+    assert f"the staged edits were dropped already; {m.path} stays mounted" in p.stderr, p.stderr
     # At once, no sleep: every path of the source works again, a's inode is kept.
     assert os.stat(a).st_ino == ino_a
     assert open(a, "rb").read() == t["a"].tobytes() and open(b, "rb").read() == t["b"].tobytes()
     assert not os.path.exists(os.path.join(m.path, "z"))
+    # A commit that got done before the unmount found the mount busy says so.
+    with open(b, "r+b") as f:
+        f.write(b"\x07")
+    p = run("umount", m.path)
+    assert p.returncode != 0 and "busy" in p.stderr, p.stderr
+    assert f"{src}: committed" in p.stderr and "the edits above are committed already" in p.stderr, p.stderr
+    assert load_file(str(src))["b"][0] == 7
     held.close()
     assert run("umount", m.path).returncode == 0

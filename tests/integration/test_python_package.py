@@ -159,6 +159,24 @@ def test_a_refused_commit_raises_with_stfs_message_and_loses_nothing(tmp_path):
     assert digest(src) == before and not m.path.exists()
 
 
+def test_leaving_the_block_with_a_file_still_open_commits_and_detaches_lazily(tmp_path):
+    src = tmp_path / "m.safetensors"
+    tensors = demo_checkpoint(src)
+    with pytest.warns(UserWarning, match="still open: detached lazily"):
+        with stfs.mount(src) as m:
+            keep = np.memmap(m.path / "model.embed_tokens.weight", np.float16, mode="r", shape=(1000, 64))
+            (m.path / "lm_head.weight").rename(m.path / "output.weight")
+    assert "output.weight" in load_file(str(src))
+    assert not m.mounted and not m.path.exists()
+    assert np.array_equal(keep, tensors["model.embed_tokens.weight"]), "the open file stopped reading"
+    del keep
+    # A Mount that was unmounted says so.
+    with pytest.raises(stfs.StfsError, match="not mounted any more"):
+        m.status()
+    with pytest.raises(stfs.StfsError, match="not mounted any more"):
+        m.tensors()
+
+
 def test_views_and_a_compact_commit_match_the_reference_writer(tmp_path):
     src = tmp_path / "m.safetensors"
     tensors = demo_checkpoint(src)

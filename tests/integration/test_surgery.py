@@ -225,6 +225,10 @@ def test_conflict_with_a_source_changed_behind_the_mount(tmp_path, mount, run):
     os.unlink(os.path.join(m.path, "c"))
     replacement = {"x": np.ones(2, np.float32)}
     save_file(replacement, str(src))  # another program replaces the source
+    # stfs status says what the commit will say, and exits 1 as for any refusal.
+    st = run("status", m.path)
+    assert st.returncode == 1 and "1 problem (a commit would refuse)" in st.stdout, st.stdout
+    assert "problem    " + str(src) + ": the source changed since it was mounted" in st.stdout, st.stdout
     p = run("commit", m.path)
     assert p.returncode != 0 and "changed since it was mounted" in p.stderr
     assert_checkpoint(src, replacement)

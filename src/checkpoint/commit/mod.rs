@@ -258,10 +258,7 @@ impl Live {
         let metadata = self.metadata()?.cloned();
         let specs = self.commit_specs(&members);
         let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).ok()?;
-        let unchanged = self.source.folder().is_some_and(|f| {
-            f.stat_at(self.source.file_name())
-                .is_ok_and(|now| now.same_version(self.source.stat()))
-        });
+        let unchanged = !self.source_changed();
         let (layout, way) = choose(&NewState {
             source: &self.source,
             specs: &specs,
@@ -274,6 +271,16 @@ impl Live {
             preview: true,
         });
         Some(way.describe(layout.file_len()))
+    }
+
+    /// The file at the source's name is not the version this mount mapped
+    /// (another program or mount wrote, replaced or removed it): a commit
+    /// refuses it unless forced.
+    pub fn source_changed(&self) -> bool {
+        self.source.folder().is_some_and(|f| {
+            !f.stat_at(self.source.file_name())
+                .is_ok_and(|now| now.same_version(self.source.stat()))
+        })
     }
 
     /// The plan of this checkpoint did not go through.
