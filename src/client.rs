@@ -244,13 +244,23 @@ fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
         return Ok(());
     };
     let err = std::io::Error::from(err);
-    match err.raw_os_error() {
-        Some(libc::EPERM) => crate::daemon::fusermount_unmount(mountpoint, lazy)
-            .map_err(|e| format!("{}: fusermount3 -u: {e}", mountpoint.display())),
-        Some(libc::EBUSY) => Err(format!(
+    let busy = || {
+        format!(
             "{}: busy (files are open in it, or a shell is in it); close them, or unmount lazily with --lazy",
             mountpoint.display()
-        )),
+        )
+    };
+    match err.raw_os_error() {
+        // (fusermount3 says EBUSY only in words.)
+        Some(libc::EPERM) => {
+            crate::daemon::fusermount_unmount(mountpoint, lazy).map_err(|e| {
+                match e.to_string().ends_with(": Device or resource busy") {
+                    true => busy(),
+                    false => format!("{}: fusermount3 -u: {e}", mountpoint.display()),
+                }
+            })
+        }
+        Some(libc::EBUSY) => Err(busy()),
         _ => Err(format!("{}: {err}", mountpoint.display())),
     }
 }
