@@ -449,6 +449,23 @@ pub fn open_local(
         let names: Vec<&std::ffi::OsStr> = indexes.iter().map(|i| i.name.as_ref()).collect();
         notes.extend(recover::remove_dead_temps(folder, &names));
     }
+    // Said now rather than at the first edit, which could not be journaled.
+    let writable = |folder: &Folder| {
+        rustix::fs::accessat(
+            &folder.fd,
+            ".",
+            rustix::fs::Access::WRITE_OK,
+            rustix::fs::AtFlags::EACCESS,
+        )
+        .is_ok()
+    };
+    if !settings.read_only && !writable(&base) {
+        notes.push(format!(
+            "{}: not writable by you: edits cannot be journaled there, nor committed; mount \
+             with --staging-dir DIR (or -o ro)",
+            base.path.display()
+        ));
+    }
     let staging = Arc::new(Staging::new(base, stem));
     let fs = Fs::new(source, settings, staging.clone());
     notes.extend(

@@ -102,6 +102,39 @@ impl StatusReport {
 }
 
 impl Fs {
+    /// Why a commit of `live` cannot be done here whatever its edits (the
+    /// folders it needs cannot be written), given the way it would take.
+    fn cannot_commit(&self, live: &crate::checkpoint::Live, way: Option<&str>) -> Vec<String> {
+        let Some(folder) = live.source().folder() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        // (Made on the first edit: missing then, it could not be made.)
+        if self.staging.current().is_none() {
+            out.push(format!(
+                "the edits are not journaled: no staging folder could be made in {} (the log \
+                 says why); a commit needs one: unmount with --discard, and mount with \
+                 --staging-dir DIR",
+                self.staging.base().path.display()
+            ));
+        }
+        let rewrite = way.is_some_and(|w| w.starts_with("by a rewrite"));
+        let writable = rustix::fs::accessat(
+            &folder.fd,
+            ".",
+            rustix::fs::Access::WRITE_OK,
+            rustix::fs::AtFlags::EACCESS,
+        )
+        .is_ok();
+        if rewrite && !writable {
+            out.push(format!(
+                "a rewrite puts a new file in {}, which this mount's user cannot write",
+                folder.path.display()
+            ));
+        }
+        out
+    }
+
     /// `stfs status`: staged changes and problems, and whether a commit
     /// would be refused.
     pub fn status(&self) -> StatusReport {
@@ -112,7 +145,16 @@ impl Fs {
         let mut files = Vec::new();
         for m in &st.checkpoints {
             let s = m.live.status();
+            let commit = m
+                .live
+                .commit_preview(&held)
+                .filter(|_| !s.changes.is_empty())
+                .map(|way| way.to_string());
             let mut problems: Vec<String> = s.problems.iter().map(|p| p.to_string()).collect();
+            // What a commit would stop at, said before it is tried.
+            if !s.changes.is_empty() {
+                problems.extend(self.cannot_commit(&m.live, commit.as_deref()));
+            }
             // What the commit would refuse first, said as it would say it.
             if !s.changes.is_empty() && m.live.source_changed() {
                 problems.push(
@@ -123,11 +165,6 @@ impl Fs {
                 );
             }
             refused |= !problems.is_empty();
-            let commit = m
-                .live
-                .commit_preview(&held)
-                .filter(|_| !s.changes.is_empty())
-                .map(|way| way.to_string());
             files.push(FileStatus {
                 file: s.file.clone(),
                 replaced: m

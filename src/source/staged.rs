@@ -48,12 +48,24 @@ pub enum StagingError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The folder could not be made where staging folders go.
+    #[error(
+        "{}: making the staging folder of the edits in it: {source} (mount with --staging-dir DIR \
+         to keep them in a folder of yours)",
+        path.display()
+    )]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 impl crate::errno::ToErrno for StagingError {
     fn to_errno(&self) -> i32 {
         match self {
-            StagingError::Io { source, .. } => source.to_errno(),
+            StagingError::Io { source, .. } | StagingError::Create { source, .. } => {
+                source.to_errno()
+            }
             StagingError::Unsafe { .. } => libc::EACCES,
             StagingError::Busy { .. } => libc::EBUSY,
         }
@@ -80,7 +92,7 @@ fn euid() -> u32 {
 impl StagingDir {
     /// Creates a new private folder `.<stem>.stfs-XXXXXX` in `parent`.
     pub fn create(parent: Arc<Folder>, stem: &str) -> Result<StagingDir, StagingError> {
-        let io = |source| StagingError::Io {
+        let io = |source| StagingError::Create {
             path: parent.path.clone(),
             source,
         };

@@ -339,3 +339,41 @@ def test_shards_of_a_folder_mount_share_a_staging_dir(tmp_path, mount, run):
     assert run("umount", m.path).returncode == 0
     m.close()
     assert list(staging.iterdir()) == [], "a clean unmount leaves no staging folder"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes any folder: runs in the unprivileged pass")
+def test_a_folder_the_user_cannot_write_is_said_at_mount_and_status_not_at_commit(tmp_path, mount, run):
+    folder, staging = tmp_path / "ro", tmp_path / "staging"
+    folder.mkdir()
+    staging.mkdir(mode=0o700)
+    src = folder / "m.safetensors"
+    base(src)
+    before = src.read_bytes()
+    os.chmod(folder, 0o555)
+    try:
+        m = mount(src)
+        assert f"{folder}: not writable by you" in m.result.stderr, m.result.stderr
+        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+            f.write('{"x": "y"}')
+        st = run("status", m.path)
+        assert st.returncode == 1 and "no staging folder could be made in " + str(folder) in st.stdout, st.stdout
+        p = run("commit", m.path)
+        assert p.returncode == 1 and "making the staging folder of the edits in it" in p.stderr, p.stderr
+        assert "--staging-dir" in p.stderr and src.read_bytes() == before
+        assert run("umount", "--discard", m.path).returncode == 0
+        # With a staging folder of the user's: a header edit commits in place (the file is
+        # writable), a rewrite is refused by status before it is tried.
+        m = mount(src, "--staging-dir", staging)
+        os.unlink(os.path.join(m.path, "a"))
+        st = run("status", m.path)
+        assert st.returncode == 1 and f"a rewrite puts a new file in {folder}, which this mount's user cannot" \
+            in st.stdout, st.stdout
+        assert run("umount", "--discard", m.path).returncode == 0
+        m = mount(src, "--staging-dir", staging)
+        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+            f.write('{"x": "y"}')
+        assert run("status", m.path).returncode == 0
+        p = run("commit", m.path)
+        assert p.returncode == 0 and "committed in place" in p.stdout, p.stdout + p.stderr
+    finally:
+        os.chmod(folder, 0o755)
