@@ -101,6 +101,12 @@ impl Fs {
             };
         }
         let given = fh.and_then(|fh| handles.open.get(&fh));
+        // Without a handle (a stat by path of a file gone from the mount), the
+        // JSON file a new open of it got last, so that every stat agrees.
+        let latest_json = handles.json.get(&ino).and_then(std::sync::Weak::upgrade);
+        if let (None, Some(file)) = (given.filter(|h| h.ino() == ino), &latest_json) {
+            return Ok(file.attr(0));
+        }
         let handle = given
             .filter(|h| h.ino() == ino)
             .or_else(|| handles.open.values().find(|h| h.ino() == ino));

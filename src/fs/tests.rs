@@ -618,3 +618,27 @@ fn a_second_in_place_commit_after_an_insertion_writes_where_the_bytes_are() {
         Some(9000)
     );
 }
+
+#[test]
+fn two_descriptors_of_a_gone_meta_each_stat_their_own_file_and_a_stat_by_inode_is_stable() {
+    let (_dir, _path, fs) = small();
+    let ino = fs.lookup(ROOT_INO, "a.meta.json").unwrap().ino;
+    let first = fs.open(ino, true, false).unwrap();
+    let len = fs.getattr(ino, Some(first.fh)).unwrap().size;
+    assert!(len > 0);
+    // The data file goes: the meta's text changes (no offsets), so a second
+    // open gets a file of its own, which it truncates.
+    fs.unlink(ROOT_INO, "a").unwrap();
+    let second = fs.open(ino, true, true).unwrap();
+    fs.commit(Default::default(), 0).unwrap();
+    assert_eq!(errno(fs.lookup(ROOT_INO, "a.meta.json")), libc::ENOENT);
+    // fstat: each descriptor its own file.
+    assert_eq!(fs.getattr(ino, Some(first.fh)).unwrap().size, len);
+    assert_eq!(fs.getattr(ino, Some(second.fh)).unwrap().size, 0);
+    // Without a descriptor, always the file a new open got last.
+    for _ in 0..20 {
+        assert_eq!(fs.getattr(ino, None).unwrap().size, 0);
+    }
+    let _ = fs.release(first.fh);
+    let _ = fs.release(second.fh);
+}

@@ -309,6 +309,10 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let Some(h) = model.handles[*k].clone() else {
                 return;
             };
+            // (fstat: the kernel passes the descriptor's handle.)
+            let fh = match &h {
+                MHandle::Data { fh, .. } | MHandle::Json { fh, .. } => *fh,
+            };
             let (ino, size, nlink) = match h {
                 MHandle::Data { obj, ino, key, .. } => {
                     let current = model.holder(obj).is_some() && model.objects[&obj].ino_key == key;
@@ -328,7 +332,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                     }
                 }
             };
-            let a = fs.getattr(ino, None).unwrap();
+            let a = fs.getattr(ino, Some(fh)).unwrap();
             assert_eq!((a.size, a.nlink), (size as u64, nlink), "{op:?}: fstat");
             assert_eq!(
                 (a.perm, a.uid, a.gid),
