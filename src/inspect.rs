@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use crate::format::{Header, ShapeDisplay, index};
+use crate::format::{Header, ShapeDisplay, gguf, index};
 
 /// Reads and validates the header of one file; the error names the file.
 pub fn read_header(path: &Path) -> Result<Header, String> {
@@ -27,7 +27,134 @@ pub fn read_header(path: &Path) -> Result<Header, String> {
     }
 }
 
+/// A GGUF file, mapped and validated; the error names the file.
+fn read_gguf(path: &Path) -> Result<(memmap2::Mmap, gguf::GgufHeader), String> {
+    let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // SAFETY: read-only, private; a file cut short behind it could fault a
+    // read (as any mmap reader of a changing file), which a command that
+    // reads once accepts.
+    let map =
+        unsafe { memmap2::Mmap::map(&file) }.map_err(|e| format!("{}: {e}", path.display()))?;
+    let h = gguf::parse(&map).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((map, h))
+}
+
+/// Whether the file starts with the GGUF magic (else: safetensors).
+fn is_gguf(path: &Path) -> bool {
+    let mut start = [0u8; 4];
+    File::open(path)
+        .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut start, 0))
+        .is_ok_and(|()| gguf::is_gguf(&start))
+}
+
+fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
+    let (_map, h) = read_gguf(path)?;
+    let io = |e: std::io::Error| e.to_string();
+    if as_json {
+        let tensors: Vec<_> = h
+            .tensors
+            .iter()
+            .map(|t| {
+                json!({
+                    "name": t.name,
+                    "ggml_type": t.ggml_type.name,
+                    "ne": t.ne,
+                    "shape": t.shape(),
+                    "nbytes": t.nbytes,
+                    "offset": t.offset,
+                    "file_offset": h.data_start + t.offset,
+                })
+            })
+            .collect();
+        let kvs: serde_json::Map<String, serde_json::Value> = h
+            .kvs
+            .iter()
+            .map(|(k, v)| {
+                let value = match v {
+                    gguf::Value::Array(a) => json!({"item_type": a.item.name(), "len": a.len}),
+                    gguf::Value::F32(x) => json!(x),
+                    gguf::Value::F64(x) => json!(x),
+                    gguf::Value::Bool(x) => json!(*x != 0),
+                    gguf::Value::String(_) => json!(gguf::show_value(v)),
+                    _ => serde_json::from_str(&gguf::show_value(v)).unwrap_or(json!(null)),
+                };
+                (
+                    k.clone(),
+                    json!({"type": v.value_type().name(), "value": value}),
+                )
+            })
+            .collect();
+        let doc = json!({
+            "file": path.display().to_string(),
+            "format": "gguf",
+            "version": h.version,
+            "alignment": h.alignment,
+            "data_start": h.data_start,
+            "tensor_count": h.tensors.len(),
+            "total_bytes": h.data_len,
+            "metadata": kvs,
+            "tensors": tensors,
+        });
+        serde_json::to_writer_pretty(&mut *out, &doc).map_err(|e| e.to_string())?;
+        return writeln!(out).map_err(io);
+    }
+    writeln!(out, "{}", path.display()).map_err(io)?;
+    writeln!(
+        out,
+        "  GGUF v{}, {} tensors, {} bytes of tensor data from byte {} (alignment {}), {} keys",
+        h.version,
+        h.tensors.len(),
+        h.data_len,
+        h.data_start,
+        h.alignment,
+        h.kvs.len()
+    )
+    .map_err(io)?;
+    writeln!(out, "  metadata:").map_err(io)?;
+    for (k, v) in &h.kvs {
+        let mut shown = gguf::show_value(v);
+        if shown.chars().count() > 80 {
+            shown = format!(
+                "{}... ({} bytes)",
+                shown.chars().take(77).collect::<String>(),
+                shown.len()
+            );
+        }
+        writeln!(out, "    {k} ({}): {shown:?}", v.value_type().name()).map_err(io)?;
+    }
+    let width = h
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 63);
+    writeln!(
+        out,
+        "  {:width$}  {:<8} {:<20} {:>14}  offset",
+        "name", "type", "shape", "bytes"
+    )
+    .map_err(io)?;
+    for t in &h.tensors {
+        let shape = format!("{:?}", t.shape());
+        writeln!(
+            out,
+            "  {:width$}  {:<8} {:<20} {:>14}  {}",
+            crate::format::printable(&t.name),
+            t.ggml_type.name,
+            shape,
+            t.nbytes,
+            t.offset
+        )
+        .map_err(io)?;
+    }
+    Ok(())
+}
+
 pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
+    if is_gguf(path) {
+        return inspect_gguf(path, as_json, out);
+    }
     let h = read_header(path)?;
     let total: u64 = h.data_len();
     let io = |e: std::io::Error| e.to_string();
@@ -118,6 +245,22 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
     for path in paths {
         if path.is_dir() {
             verify_dir(path, &mut say);
+            continue;
+        }
+        if is_gguf(path) {
+            match read_gguf(path) {
+                Ok((_, h)) => say(
+                    format!(
+                        "{}: ok (GGUF v{}, {} tensors, {} bytes)",
+                        path.display(),
+                        h.version,
+                        h.tensors.len(),
+                        h.data_len
+                    ),
+                    false,
+                ),
+                Err(e) => say(e, true),
+            }
             continue;
         }
         match read_header(path) {

@@ -2,6 +2,7 @@
 
 mod dtype;
 mod error;
+pub mod gguf;
 mod header;
 pub mod index;
 mod serialize;

@@ -1,0 +1,744 @@
+//! GGUF, llama.cpp's checkpoint format: read and validated with the same
+//! accept/reject decisions as ggml's C reader (`gguf.cpp`), the reference
+//! here as the `safetensors` crate is for safetensors. Little-endian, v2 and
+//! v3 (identical): `"GGUF"`, u32 version, i64 tensor count, i64 key count,
+//! the keys and values, the tensor infos, padding to `general.alignment`,
+//! then the data, each tensor padded to the alignment. The rules are in
+//! docs/FORMAT.md ("GGUF").
+//!
+//! The key-value section is walked, not copied: a 150,000-entry tokenizer
+//! array is an offset and a length until someone asks for its items.
+
+/// A ggml tensor type: its id in the file, its name, and its blocks
+/// (`block` elements stored in `block_bytes` bytes; 1 for plain types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GgmlType {
+    pub id: u32,
+    pub name: &'static str,
+    pub block: u64,
+    pub block_bytes: u64,
+}
+
+const fn t(id: u32, name: &'static str, block: u64, block_bytes: u64) -> GgmlType {
+    GgmlType {
+        id,
+        name,
+        block,
+        block_bytes,
+    }
+}
+
+/// ggml's type table (`ggml.c`, as of llama.cpp in node-llama-cpp 3.21.1).
+/// Ids 4, 5, 31-33 and 36-38 were removed: files using them are refused.
+pub const GGML_TYPES: &[GgmlType] = &[
+    t(0, "F32", 1, 4),
+    t(1, "F16", 1, 2),
+    t(2, "Q4_0", 32, 18),
+    t(3, "Q4_1", 32, 20),
+    t(6, "Q5_0", 32, 22),
+    t(7, "Q5_1", 32, 24),
+    t(8, "Q8_0", 32, 34),
+    t(9, "Q8_1", 32, 36),
+    t(10, "Q2_K", 256, 84),
+    t(11, "Q3_K", 256, 110),
+    t(12, "Q4_K", 256, 144),
+    t(13, "Q5_K", 256, 176),
+    t(14, "Q6_K", 256, 210),
+    t(15, "Q8_K", 256, 292),
+    t(16, "IQ2_XXS", 256, 66),
+    t(17, "IQ2_XS", 256, 74),
+    t(18, "IQ3_XXS", 256, 98),
+    t(19, "IQ1_S", 256, 50),
+    t(20, "IQ4_NL", 32, 18),
+    t(21, "IQ3_S", 256, 110),
+    t(22, "IQ2_S", 256, 82),
+    t(23, "IQ4_XS", 256, 136),
+    t(24, "I8", 1, 1),
+    t(25, "I16", 1, 2),
+    t(26, "I32", 1, 4),
+    t(27, "I64", 1, 8),
+    t(28, "F64", 1, 8),
+    t(29, "IQ1_M", 256, 56),
+    t(30, "BF16", 1, 2),
+    t(34, "TQ1_0", 256, 54),
+    t(35, "TQ2_0", 256, 66),
+    t(39, "MXFP4", 32, 17),
+    t(40, "NVFP4", 64, 36),
+    t(41, "Q1_0", 128, 18),
+    t(42, "Q2_0", 64, 18),
+];
+
+/// The type of this id, if ggml has it (removed and unknown ids: None).
+pub fn ggml_type(id: u32) -> Option<&'static GgmlType> {
+    GGML_TYPES.iter().find(|t| t.id == id)
+}
+
+/// The type of a value of the key-value section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueType {
+    U8,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    F32,
+    Bool,
+    String,
+    Array,
+    U64,
+    I64,
+    F64,
+}
+
+impl ValueType {
+    fn from_id(id: i32) -> Option<ValueType> {
+        use ValueType::*;
+        Some(match id {
+            0 => U8,
+            1 => I8,
+            2 => U16,
+            3 => I16,
+            4 => U32,
+            5 => I32,
+            6 => F32,
+            7 => Bool,
+            8 => String,
+            9 => Array,
+            10 => U64,
+            11 => I64,
+            12 => F64,
+            _ => return None,
+        })
+    }
+
+    /// GGUF's name of the type, as gguf-py spells it.
+    pub fn name(self) -> &'static str {
+        use ValueType::*;
+        match self {
+            U8 => "UINT8",
+            I8 => "INT8",
+            U16 => "UINT16",
+            I16 => "INT16",
+            U32 => "UINT32",
+            I32 => "INT32",
+            F32 => "FLOAT32",
+            Bool => "BOOL",
+            String => "STRING",
+            Array => "ARRAY",
+            U64 => "UINT64",
+            I64 => "INT64",
+            F64 => "FLOAT64",
+        }
+    }
+
+    /// Bytes of one value of a fixed-size type.
+    fn size(self) -> Option<u64> {
+        use ValueType::*;
+        Some(match self {
+            U8 | I8 | Bool => 1,
+            U16 | I16 => 2,
+            U32 | I32 | F32 => 4,
+            U64 | I64 | F64 => 8,
+            String | Array => return None,
+        })
+    }
+}
+
+/// A value of the key-value section. Strings are bytes (ggml does not ask
+/// for UTF-8); an array is where its items are in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    /// Stored as one byte (ggml reads an int8).
+    Bool(u8),
+    String(Vec<u8>),
+    Array(Array),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+/// An array value: `len` items of `item` type, starting at byte `at` of the
+/// file and taking `bytes` bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Array {
+    pub item: ValueType,
+    pub len: u64,
+    pub at: u64,
+    pub bytes: u64,
+}
+
+impl Value {
+    pub fn value_type(&self) -> ValueType {
+        match self {
+            Value::U8(_) => ValueType::U8,
+            Value::I8(_) => ValueType::I8,
+            Value::U16(_) => ValueType::U16,
+            Value::I16(_) => ValueType::I16,
+            Value::U32(_) => ValueType::U32,
+            Value::I32(_) => ValueType::I32,
+            Value::F32(_) => ValueType::F32,
+            Value::Bool(_) => ValueType::Bool,
+            Value::String(_) => ValueType::String,
+            Value::Array(_) => ValueType::Array,
+            Value::U64(_) => ValueType::U64,
+            Value::I64(_) => ValueType::I64,
+            Value::F64(_) => ValueType::F64,
+        }
+    }
+}
+
+/// A tensor info: its name, dims as stored (`ne`, innermost first, 1 to 4 of
+/// them), type, offset from the data start, and bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub ne: Vec<u64>,
+    pub ggml_type: &'static GgmlType,
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+impl TensorInfo {
+    /// The shape in row-major order (outermost first), as numpy shows it.
+    pub fn shape(&self) -> Vec<u64> {
+        self.ne.iter().rev().copied().collect()
+    }
+}
+
+/// A validated GGUF file's header.
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
+    pub version: u32,
+    pub kvs: Vec<(String, Value)>,
+    pub tensors: Vec<TensorInfo>,
+    pub alignment: u64,
+    /// Where the data section starts in the file.
+    pub data_start: u64,
+    /// Bytes of the data section the tensors span (with their padding).
+    pub data_len: u64,
+}
+
+/// What a file breaks: the rule, and the tensor or key it is about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{rule}", match (tensor, key) {
+    (Some(t), _) => format!("tensor {t:?}: "),
+    (None, Some(k)) => format!("key {k:?}: "),
+    (None, None) => String::new(),
+})]
+pub struct GgufError {
+    pub tensor: Option<String>,
+    pub key: Option<String>,
+    pub rule: String,
+}
+
+fn refused(rule: impl Into<String>) -> GgufError {
+    GgufError {
+        tensor: None,
+        key: None,
+        rule: rule.into(),
+    }
+}
+
+/// The GGUF magic, at the file's start.
+pub const MAGIC: &[u8; 4] = b"GGUF";
+/// Longest tensor name: ggml's GGML_MAX_NAME (64) less its NUL.
+pub const MAX_NAME: usize = 63;
+/// Longest string ggml reads.
+const MAX_STRING: u64 = 1 << 30;
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// Reads little-endian values from the file, never past its end.
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
+        let end = usize::try_from(n)
+            .ok()
+            .and_then(|n| self.at.checked_add(n))
+            .filter(|&end| end <= self.buf.len())
+            .ok_or_else(|| refused(format!("the file ends inside {what} (at byte {})", self.at)))?;
+        let out = &self.buf[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
+        Ok(self.take(N as u64, what)?.try_into().expect("N bytes"))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn i32(&mut self, what: &str) -> Result<i32, GgufError> {
+        Ok(i32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn i64(&mut self, what: &str) -> Result<i64, GgufError> {
+        Ok(i64::from_le_bytes(self.array(what)?))
+    }
+
+    fn string(&mut self, what: &str) -> Result<&'a [u8], GgufError> {
+        let len = self.u64(what)?;
+        if len > MAX_STRING {
+            return Err(refused(format!(
+                "{what} is {len} bytes long, past ggml's limit of 1 GiB"
+            )));
+        }
+        self.take(len, what)
+    }
+
+    /// A value of `ty`; arrays are walked (their strings checked) but not kept.
+    fn value(&mut self, ty: ValueType, what: &str) -> Result<Value, GgufError> {
+        Ok(match ty {
+            ValueType::U8 => Value::U8(self.array::<1>(what)?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(what)?[0] as i8),
+            ValueType::Bool => Value::Bool(self.array::<1>(what)?[0]),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(what)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(what)?)),
+            ValueType::U32 => Value::U32(self.u32(what)?),
+            ValueType::I32 => Value::I32(self.i32(what)?),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(what)?)),
+            ValueType::U64 => Value::U64(self.u64(what)?),
+            ValueType::I64 => Value::I64(self.i64(what)?),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(what)?)),
+            ValueType::String => Value::String(self.string(what)?.to_vec()),
+            ValueType::Array => {
+                let id = self.i32(what)?;
+                let item = ValueType::from_id(id)
+                    .ok_or_else(|| refused(format!("{what}: an array of unknown type {id}")))?;
+                if item == ValueType::Array {
+                    return Err(refused(format!(
+                        "{what}: an array of arrays (ggml refuses nested arrays)"
+                    )));
+                }
+                let len = self.u64(what)?;
+                let at = self.at as u64;
+                match item.size() {
+                    Some(size) => {
+                        let bytes = len.checked_mul(size).ok_or_else(|| {
+                            refused(format!("{what}: an array of {len} items overflows"))
+                        })?;
+                        self.take(bytes, what)?;
+                    }
+                    None => {
+                        for _ in 0..len {
+                            self.string(what)?;
+                        }
+                    }
+                }
+                Value::Array(Array {
+                    item,
+                    len,
+                    at,
+                    bytes: self.at as u64 - at,
+                })
+            }
+        })
+    }
+}
+
+/// Parses and validates a GGUF file (`buf`: the whole file, as mapped).
+pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
+    let mut r = Reader { buf, at: 0 };
+    if r.take(4, "the magic").ok() != Some(MAGIC.as_slice()) {
+        return Err(refused("not a GGUF file (no \"GGUF\" magic at its start)"));
+    }
+    let version = r.u32("the version")?;
+    if version & 0xFFFF == 0 {
+        return Err(refused(format!(
+            "version {version:#x}: a big-endian file (stfs reads little-endian GGUF, as ggml does)"
+        )));
+    }
+    if !(2..=3).contains(&version) {
+        return Err(refused(format!(
+            "version {version}: ggml reads versions 2 and 3"
+        )));
+    }
+    let n_tensors = r.i64("the tensor count")?;
+    let n_kv = r.i64("the key count")?;
+    // Every key takes at least 13 bytes and every tensor info 24: counts the
+    // file cannot hold are refused before anything is allocated for them.
+    let left = (buf.len() - r.at) as i64;
+    if n_tensors < 0 || n_tensors > left / 24 {
+        return Err(refused(format!(
+            "a tensor count of {n_tensors}, which the file cannot hold"
+        )));
+    }
+    if n_kv < 0 || n_kv > left / 13 {
+        return Err(refused(format!(
+            "a key count of {n_kv}, which the file cannot hold"
+        )));
+    }
+    let mut kvs: Vec<(String, Value)> = Vec::with_capacity(n_kv as usize);
+    let mut keys = std::collections::HashSet::new();
+    for k in 0..n_kv {
+        let key = r.string(&format!("key {k}"))?;
+        let key = String::from_utf8_lossy(key).into_owned();
+        let in_key = |e: GgufError| GgufError {
+            key: Some(key.clone()),
+            ..e
+        };
+        if key.is_empty() {
+            return Err(refused(format!("key {k} is empty")));
+        }
+        if !keys.insert(key.clone()) {
+            return Err(in_key(refused("the key appears twice")));
+        }
+        let id = r.i32("a value's type").map_err(in_key)?;
+        let ty = ValueType::from_id(id)
+            .ok_or_else(|| in_key(refused(format!("unknown value type {id}"))))?;
+        let value = r.value(ty, "its value").map_err(in_key)?;
+        kvs.push((key, value));
+    }
+    let alignment = match kvs.iter().find(|(k, _)| k == "general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some((_, Value::U32(a))) if a.is_power_of_two() => *a as u64,
+        Some((k, v)) => {
+            return Err(GgufError {
+                key: Some(k.clone()),
+                ..refused(format!(
+                    "the alignment must be a UINT32 power of two, not {} {v:?}",
+                    v.value_type().name()
+                ))
+            });
+        }
+    };
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
+    let mut names = std::collections::HashSet::new();
+    for i in 0..n_tensors {
+        let raw = r.string(&format!("the name of tensor {i}"))?;
+        let name = String::from_utf8_lossy(raw).into_owned();
+        let bad = |rule: String| GgufError {
+            tensor: Some(name.clone()),
+            ..refused(rule)
+        };
+        if raw.len() > MAX_NAME {
+            return Err(bad(format!(
+                "a name of {} bytes (ggml's limit is {MAX_NAME})",
+                raw.len()
+            )));
+        }
+        if !names.insert(name.clone()) {
+            return Err(bad("the name appears twice".into()));
+        }
+        let n_dims = r.u32("its dimension count").map_err(|e| bad(e.rule))?;
+        if n_dims > 4 {
+            return Err(bad(format!("{n_dims} dimensions (ggml has at most 4)")));
+        }
+        let mut ne = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            let n = r.i64("its dimensions").map_err(|e| bad(e.rule))?;
+            if n < 0 {
+                return Err(bad(format!("a negative dimension ({n})")));
+            }
+            ne.push(n as u64);
+        }
+        let id = r.i32("its type").map_err(|e| bad(e.rule))?;
+        let ggml_type = u32::try_from(id)
+            .ok()
+            .and_then(ggml_type)
+            .ok_or_else(|| bad(format!("ggml type {id} is unknown or was removed")))?;
+        let offset = r.u64("its offset").map_err(|e| bad(e.rule))?;
+        // ggml's check: the element count must fit an int64.
+        let elements = ne
+            .iter()
+            .try_fold(1i64, |acc, &n| acc.checked_mul(n as i64))
+            .ok_or_else(|| bad(format!("{ne:?} elements overflow")))?;
+        let ne0 = ne.first().copied().unwrap_or(1);
+        if ne0 % ggml_type.block != 0 {
+            return Err(bad(format!(
+                "its innermost dimension {ne0} is not a multiple of {}'s block of {} elements",
+                ggml_type.name, ggml_type.block
+            )));
+        }
+        let rows = (elements as u64).checked_div(ne0).unwrap_or(0);
+        let nbytes = (ne0 / ggml_type.block)
+            .checked_mul(ggml_type.block_bytes)
+            .and_then(|b| b.checked_mul(rows))
+            .ok_or_else(|| bad("its byte size overflows".into()))?;
+        tensors.push(TensorInfo {
+            name,
+            ne,
+            ggml_type,
+            offset,
+            nbytes,
+        });
+    }
+    let data_start = (r.at as u64).div_ceil(alignment) * alignment;
+    // Offsets are exactly contiguous, each tensor padded to the alignment.
+    let mut size = 0u64;
+    for ti in &tensors {
+        let bad = |rule: String| GgufError {
+            tensor: Some(ti.name.clone()),
+            ..refused(rule)
+        };
+        if ti.offset != size {
+            return Err(bad(format!(
+                "its offset is {}, where the tensors before it end at {size} (ggml wants them \
+                 contiguous, each padded to {alignment} bytes)",
+                ti.offset
+            )));
+        }
+        let padded = ti
+            .nbytes
+            .checked_add(alignment - 1)
+            .map(|n| n / alignment * alignment)
+            .ok_or_else(|| bad("its byte size overflows".into()))?;
+        let end = data_start
+            .checked_add(ti.offset)
+            .and_then(|o| o.checked_add(ti.nbytes))
+            .ok_or_else(|| bad("its byte range overflows".into()))?;
+        if end > buf.len() as u64 {
+            return Err(bad(format!(
+                "its {} bytes end at byte {end}, past the end of the file ({} bytes)",
+                ti.nbytes,
+                buf.len()
+            )));
+        }
+        size = size
+            .checked_add(padded)
+            .ok_or_else(|| bad("the data section's size overflows".into()))?;
+    }
+    Ok(GgufHeader {
+        version,
+        kvs,
+        tensors,
+        alignment,
+        data_start,
+        data_len: size,
+    })
+}
+
+/// Whether the file starts with the GGUF magic.
+pub fn is_gguf(start: &[u8]) -> bool {
+    start.starts_with(MAGIC)
+}
+
+/// A value as a person reads it: numbers and bools as text, strings as
+/// they are (lossy UTF-8), arrays as their type and length.
+pub fn show_value(v: &Value) -> String {
+    match v {
+        Value::U8(x) => x.to_string(),
+        Value::I8(x) => x.to_string(),
+        Value::U16(x) => x.to_string(),
+        Value::I16(x) => x.to_string(),
+        Value::U32(x) => x.to_string(),
+        Value::I32(x) => x.to_string(),
+        Value::F32(x) => x.to_string(),
+        Value::Bool(x) => (*x != 0).to_string(),
+        Value::String(s) => String::from_utf8_lossy(s).into_owned(),
+        Value::Array(a) => format!("[{} x {}]", a.len, a.item.name()),
+        Value::U64(x) => x.to_string(),
+        Value::I64(x) => x.to_string(),
+        Value::F64(x) => x.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF file: keys (raw values given with their type id), then
+    /// tensors (name, ne, type id, offset), padded, then `data` bytes.
+    pub(crate) fn file(
+        version: u32,
+        kvs: &[(&str, i32, Vec<u8>)],
+        tensors: &[(&str, &[i64], i32, u64)],
+        alignment: u64,
+        data: usize,
+    ) -> Vec<u8> {
+        let mut f = b"GGUF".to_vec();
+        f.extend(version.to_le_bytes());
+        f.extend((tensors.len() as i64).to_le_bytes());
+        f.extend((kvs.len() as i64).to_le_bytes());
+        let string = |f: &mut Vec<u8>, s: &[u8]| {
+            f.extend((s.len() as u64).to_le_bytes());
+            f.extend(s);
+        };
+        for (k, ty, v) in kvs {
+            string(&mut f, k.as_bytes());
+            f.extend(ty.to_le_bytes());
+            f.extend(v);
+        }
+        for (name, ne, ty, offset) in tensors {
+            string(&mut f, name.as_bytes());
+            f.extend((ne.len() as u32).to_le_bytes());
+            for n in *ne {
+                f.extend(n.to_le_bytes());
+            }
+            f.extend(ty.to_le_bytes());
+            f.extend(offset.to_le_bytes());
+        }
+        f.resize(f.len().div_ceil(alignment as usize) * alignment as usize, 0);
+        f.resize(f.len() + data, 7);
+        f
+    }
+
+    fn str_value(s: &str) -> Vec<u8> {
+        let mut v = (s.len() as u64).to_le_bytes().to_vec();
+        v.extend(s.as_bytes());
+        v
+    }
+
+    #[test]
+    fn reads_keys_tensors_and_block_sizes() {
+        let mut tokens = 8i32.to_le_bytes().to_vec(); // an array of strings
+        tokens.extend(2u64.to_le_bytes());
+        tokens.extend(str_value("<s>"));
+        tokens.extend(str_value("</s>"));
+        let f = file(
+            3,
+            &[
+                ("general.name", 8, str_value("tiny")),
+                ("tokenizer.ggml.tokens", 9, tokens),
+                (
+                    "tokenizer.ggml.eos_token_id",
+                    4,
+                    2u32.to_le_bytes().to_vec(),
+                ),
+            ],
+            // Q4_K: 144 bytes per 256 elements; F32 [3] padded to 32.
+            &[("blk.0.w", &[512, 2], 12, 0), ("b", &[3], 0, 576)],
+            32,
+            576 + 12,
+        );
+        let h = parse(&f).unwrap();
+        assert_eq!((h.version, h.alignment, h.tensors.len()), (3, 32, 2));
+        assert_eq!(h.tensors[0].nbytes, 2 * 2 * 144);
+        assert_eq!(h.tensors[0].shape(), vec![2, 512]);
+        assert_eq!(h.tensors[0].ggml_type.name, "Q4_K");
+        assert_eq!(h.data_start % 32, 0);
+        assert_eq!(h.data_len, 576 + 32);
+        assert_eq!(show_value(&h.kvs[0].1), "tiny");
+        assert!(
+            matches!(&h.kvs[1].1, Value::Array(a) if a.len == 2 && a.item == ValueType::String)
+        );
+        assert_eq!(show_value(&h.kvs[2].1), "2");
+    }
+
+    #[test]
+    fn refuses_what_ggml_refuses() {
+        let ok = |kvs: &[(&str, i32, Vec<u8>)], tensors: &[(&str, &[i64], i32, u64)]| {
+            parse(&file(3, kvs, tensors, 32, 4096))
+        };
+        let rule = |r: Result<GgufHeader, GgufError>| r.unwrap_err().to_string();
+        assert!(ok(&[], &[("a", &[4], 0, 0)]).is_ok());
+        for v in [0u32, 1, 4, 0x0300_0000] {
+            assert!(parse(&file(v, &[], &[], 32, 0)).is_err(), "version {v}");
+        }
+        assert!(
+            rule(ok(
+                &[("k", 4, vec![1, 0, 0, 0]), ("k", 4, vec![1, 0, 0, 0])],
+                &[]
+            ))
+            .contains("twice")
+        );
+        assert!(rule(ok(&[("", 4, vec![1, 0, 0, 0])], &[])).contains("empty"));
+        let mut nested = 9i32.to_le_bytes().to_vec();
+        nested.extend(0u64.to_le_bytes());
+        assert!(rule(ok(&[("k", 9, nested)], &[])).contains("nested"));
+        assert!(
+            rule(ok(
+                &[("general.alignment", 4, 48u32.to_le_bytes().to_vec())],
+                &[]
+            ))
+            .contains("power of two")
+        );
+        assert!(
+            rule(ok(
+                &[("general.alignment", 10, 64u64.to_le_bytes().to_vec())],
+                &[]
+            ))
+            .contains("UINT32")
+        );
+        let long = "x".repeat(64);
+        assert!(rule(ok(&[], &[(&long, &[4], 0, 0)])).contains("64 bytes"));
+        assert!(ok(&[], &[(&long[..63], &[4], 0, 0)]).is_ok());
+        assert!(rule(ok(&[], &[("a", &[4], 0, 0), ("a", &[4], 0, 32)])).contains("twice"));
+        assert!(rule(ok(&[], &[("a", &[1, 1, 1, 1, 1], 0, 0)])).contains("5 dimensions"));
+        assert!(rule(ok(&[], &[("a", &[-1], 0, 0)])).contains("negative"));
+        assert!(rule(ok(&[], &[("a", &[i64::MAX, 2], 0, 0)])).contains("overflow"));
+        for removed in [4, 5, 31, 36, 99, -1] {
+            assert!(rule(ok(&[], &[("a", &[32], removed, 0)])).contains("unknown or was removed"));
+        }
+        assert!(rule(ok(&[], &[("a", &[100], 12, 0)])).contains("multiple of Q4_K's block of 256"));
+        // Offsets: contiguous, each padded to the alignment.
+        assert!(rule(ok(&[], &[("a", &[4], 0, 0), ("b", &[4], 0, 16)])).contains("contiguous"));
+        assert!(rule(ok(&[], &[("a", &[4], 0, 8)])).contains("contiguous"));
+        // Past the end of the file.
+        assert!(
+            rule(parse(&file(3, &[], &[("a", &[4096], 0, 0)], 32, 100))).contains("past the end")
+        );
+        // Strings past the end, and counts the file cannot hold.
+        let mut cut = file(3, &[("general.name", 8, str_value("tiny"))], &[], 32, 0);
+        cut.truncate(58); // inside the value "tiny"
+        assert!(rule(parse(&cut)).contains("ends inside"));
+        let mut huge = file(3, &[], &[], 32, 0);
+        huge[8..16].copy_from_slice(&i64::MAX.to_le_bytes());
+        assert!(rule(parse(&huge)).contains("cannot hold"));
+        assert!(rule(parse(b"GGML")).contains("not a GGUF file"));
+    }
+
+    /// Every truncation, and every byte of a valid file set to each of a
+    /// few values: Ok or Err, never a panic, and what is accepted holds
+    /// together. (The fuzz target `parse_gguf` does the same at random.)
+    #[test]
+    fn bent_files_never_panic() {
+        let mut tokens = 8i32.to_le_bytes().to_vec();
+        tokens.extend(1u64.to_le_bytes());
+        tokens.extend(str_value("a"));
+        let f = file(
+            3,
+            &[
+                ("general.alignment", 4, 64u32.to_le_bytes().to_vec()),
+                ("t", 9, tokens),
+            ],
+            &[("w", &[32, 2], 8, 0), ("b", &[3], 0, 128)],
+            64,
+            128 + 12,
+        );
+        assert!(parse(&f).is_ok());
+        for n in 0..f.len() {
+            let _ = parse(&f[..n]);
+        }
+        for i in 0..f.len() {
+            for v in [0u8, 1, 0x7f, 0x80, 0xff] {
+                let mut g = f.clone();
+                g[i] = v;
+                if let Ok(h) = parse(&g) {
+                    let mut next = 0;
+                    for t in &h.tensors {
+                        assert_eq!(t.offset, next);
+                        assert!(h.data_start + t.offset + t.nbytes <= g.len() as u64);
+                        next += t.nbytes.div_ceil(h.alignment) * h.alignment;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_type_has_a_block_and_removed_ids_have_none() {
+        for id in 0..64u32 {
+            let removed = [4, 5, 31, 32, 33, 36, 37, 38].contains(&id) || id > 42;
+            assert_eq!(ggml_type(id).is_none(), removed, "id {id}");
+        }
+        assert!(GGML_TYPES.iter().all(|t| t.block > 0 && t.block_bytes > 0));
+    }
+}
