@@ -85,6 +85,11 @@ pub fn status(path: &Path, json: bool) -> Result<(String, bool), ClientError> {
     let file = open(path)?;
     let mut report = String::new();
     let flags = if json { STATUS_JSON } else { 0 };
+    // Each page is cut from the report as it is then: one that changed
+    // length between pages is asked for again from its start, so that
+    // pages of two reports are never joined (a few times at most).
+    let mut length = None;
+    let mut restarts = 0;
     loop {
         let mut args = StatusArgs::new(report.len() as u64, flags);
         ioctl(&file, path, IOC_STATUS, &mut *args)?;
@@ -94,6 +99,11 @@ pub fn status(path: &Path, json: bool) -> Result<(String, bool), ClientError> {
                 message: args.page(),
             });
         }
+        if length.is_some_and(|n| n != args.total) && restarts < 5 {
+            (report, length, restarts) = (String::new(), None, restarts + 1);
+            continue;
+        }
+        length = Some(args.total);
         let page = args.page();
         report.push_str(&page);
         if page.is_empty() || report.len() as u64 >= args.total {

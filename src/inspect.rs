@@ -120,6 +120,7 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
                 shown.len()
             );
         }
+        let k = crate::format::printable(k);
         writeln!(out, "    {k} ({}): {shown:?}", v.value_type().name()).map_err(io)?;
     }
     let width = h

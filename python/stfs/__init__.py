@@ -15,6 +15,7 @@ carrying stfs's message. `stfs.cuda` loads tensors of a mount into GPU memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,8 +70,8 @@ def binary() -> str:
     found = shutil.which("stfs")
     if found is None:
         raise StfsError(
-            "the stfs executable was not found: install the stfs wheel (pip install stfs) "
-            "or set STFS_BIN",
+            "the stfs executable was not found: install the stfs wheel into this environment "
+            "(pip install stfs-*.whl, or pip install . from a clone) or set STFS_BIN",
             127,
             ["stfs"],
         )
@@ -258,7 +259,11 @@ class Mount:
             self.unmount(discard=discard)
         except StfsError as e:
             if "busy (files are open in it" not in e.message:
-                raise
+                if kind is None:
+                    raise
+                # The block's own exception is the one to see; this one is told.
+                warnings.warn(f"{self.path}: unmounting after the error failed: {e.message}", stacklevel=2)
+                return
             # Committed (or dropped) already; what still holds a file of it
             # (an np.memmap) keeps reading it until it lets go.
             warnings.warn(
@@ -299,6 +304,9 @@ def mount(
         run("mount", *args, source_arg, path)
     except BaseException:
         if owns:
-            path.rmdir()
+            # (Not in the way of the error being raised: a folder still
+            # mounted, after an interrupt, cannot be removed.)
+            with contextlib.suppress(OSError):
+                path.rmdir()
         raise
     return Mount(source_arg, path, owns, on_exit)

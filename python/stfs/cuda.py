@@ -61,7 +61,7 @@ class Prefetched:
     message: str
     fd: int | None
 
-    def __init__(self, fd: int, fields: tuple[Any, ...]) -> None:
+    def __init__(self, fd: int | None, fields: tuple[Any, ...]) -> None:
         (self.size, self.target, self.device, self.result, self.bytes, self.nbytes, self.elapsed_ns,
          self.ipc_offset, self.alloc_size, self.ipc_handle, dtype, ndim, _, *rest) = fields
         self.shape = list(rest[:ndim])
@@ -83,7 +83,8 @@ def _ask(fd: int, target: Target, device: int, offset: int, size: int) -> Prefet
     buf = bytearray(_LAYOUT.pack(size, TARGET_CUDA if target == "cuda" else TARGET_PAGE_CACHE, device, 0,
                                  0, 0, 0, 0, 0, b"", b"", 0, 0, *([0] * 16), offset, 0, 0, b""))
     fcntl.ioctl(fd, IOC_PREFETCH, buf, True)
-    return Prefetched(fd, _LAYOUT.unpack(bytes(buf)))
+    # (The descriptor is the caller's: an answer owns it only once returned.)
+    return Prefetched(None, _LAYOUT.unpack(bytes(buf)))
 
 
 def prefetch(path: str | os.PathLike[str], target: Target = "cpu", device: int = 0,
@@ -105,12 +106,12 @@ def prefetch(path: str | os.PathLike[str], target: Target = "cpu", device: int =
     except BaseException:
         os.close(fd)
         raise
-    if p.result != 0:
+    if p.result != 0 or target != "cuda":
         os.close(fd)
-        p.fd = None
-        raise OSError(p.result, f"{path}: {p.message}")
-    if target != "cuda":
-        p.close()
+        if p.result != 0:
+            raise OSError(p.result, f"{path}: {p.message}")
+        return p
+    p.fd = fd  # keeps the daemon's CUDA buffer alive until closed
     return p
 
 

@@ -51,6 +51,15 @@ pub struct CommitProgress {
     pub total: u64,
 }
 
+/// Clears the progress of the commit being written when dropped.
+struct ClearProgress<'a>(&'a Mutex<Option<CommitProgress>>);
+
+impl Drop for ClearProgress<'_> {
+    fn drop(&mut self) {
+        *self.0.lock_anyway() = None;
+    }
+}
+
 pub struct Transactions {
     staging: Arc<Staging>,
     /// One commit or discard at a time (taken before the shards' lock).
@@ -320,8 +329,9 @@ impl Transactions {
                     last_report = std::time::Instant::now();
                 }
             };
+            // (Cleared however the write ends, a panic included.)
+            let _clear = ClearProgress(&self.progress);
             let written = plan.write(&mut progress);
-            *self.progress.lock_anyway() = None;
             match written {
                 Ok(w) => pending.written.push(w),
                 Err(e) => {

@@ -385,11 +385,12 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
             "a key count of {n_kv}, which the file cannot hold"
         )));
     }
-    let mut kvs: Vec<(String, Value)> = Vec::with_capacity(n_kv as usize);
+    // (Reserved up to a bound: a sparse file may claim counts its size allows.)
+    let mut kvs: Vec<(String, Value)> = Vec::with_capacity((n_kv as usize).min(4096));
     let mut keys = std::collections::HashSet::new();
     for k in 0..n_kv {
-        let key = r.string(&format!("key {k}"))?;
-        let key = String::from_utf8_lossy(key).into_owned();
+        let raw_key = r.string(&format!("key {k}"))?;
+        let key = String::from_utf8_lossy(raw_key).into_owned();
         let in_key = |e: GgufError| GgufError {
             key: Some(key.clone()),
             ..e
@@ -397,7 +398,8 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
         if key.is_empty() {
             return Err(refused(format!("key {k} is empty")));
         }
-        if !keys.insert(key.clone()) {
+        // (As bytes: ggml does not ask for UTF-8, so neither does equality.)
+        if !keys.insert(raw_key) {
             return Err(in_key(refused("the key appears twice")));
         }
         let id = r.i32("a value's type").map_err(in_key)?;
@@ -419,7 +421,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
             });
         }
     };
-    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity((n_tensors as usize).min(4096));
     let mut names = std::collections::HashSet::new();
     for i in 0..n_tensors {
         let raw = r.string(&format!("the name of tensor {i}"))?;
@@ -434,7 +436,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
                 raw.len()
             )));
         }
-        if !names.insert(name.clone()) {
+        if !names.insert(raw) {
             return Err(bad("the name appears twice".into()));
         }
         let n_dims = r.u32("its dimension count").map_err(|e| bad(e.rule))?;

@@ -664,11 +664,16 @@ impl Filesystem for FuseAdapter {
         match cmd {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
             IOC_PROGRESS => {
-                let Some(mut args) = ProgressArgs::from_caller(in_data) else {
+                let Some(args) = ProgressArgs::from_caller(in_data) else {
                     refused(format_args!("STFS_IOC_PROGRESS with a bad struct size"));
                     return reply.error(Errno::EINVAL);
                 };
                 // Only a count of bytes and the source's own path: no permission asked.
+                // (Every output field answered: a caller may reuse its struct.)
+                let mut args = ProgressArgs {
+                    size: args.size,
+                    ..ProgressArgs::default()
+                };
                 if let Some(p) = self.fs.commit_progress() {
                     args.active = 1;
                     args.done = p.done;

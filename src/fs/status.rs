@@ -17,7 +17,8 @@ pub struct StatusReport {
     pub files: Vec<FileStatus>,
     /// A folder mount's problems between shards (a tensor in two shards).
     pub across_shards: Vec<String>,
-    pub folder: Option<std::path::PathBuf>,
+    /// (Paths as text, lossy: JSON has no other way for a name that is not UTF-8.)
+    pub folder: Option<String>,
     /// Reads of tensor bytes served since mounted, and their bytes.
     pub reads: u64,
     pub read_bytes: u64,
@@ -28,7 +29,7 @@ pub struct StatusReport {
 /// One checkpoint file of the mount.
 #[derive(serde::Serialize)]
 pub struct FileStatus {
-    pub file: std::path::PathBuf,
+    pub file: String,
     /// The remote object changed behind the mount.
     pub replaced: bool,
     pub changes: Vec<Change>,
@@ -61,7 +62,7 @@ impl StatusReport {
                     plural(p)
                 ),
             };
-            out.push_str(&format!("{}: {head}\n", f.file.display()));
+            out.push_str(&format!("{}: {head}\n", f.file));
             if f.replaced {
                 out.push_str(
                     "  replaced   the object changed behind the mount: its reads fail (EIO); mount it again\n",
@@ -81,7 +82,7 @@ impl StatusReport {
             let n = self.across_shards.len();
             out.push_str(&format!(
                 "{}: {n} problem{} across shards (a commit would refuse)\n",
-                folder.display(),
+                folder,
                 plural(n)
             ));
             for p in &self.across_shards {
@@ -166,7 +167,7 @@ impl Fs {
             }
             refused |= !problems.is_empty();
             files.push(FileStatus {
-                file: s.file.clone(),
+                file: s.file.display().to_string(),
                 replaced: m
                     .live
                     .source()
@@ -206,7 +207,10 @@ impl Fs {
             tainted,
             files,
             across_shards: across,
-            folder: st.folder.as_ref().map(|(f, _)| f.path.clone()),
+            folder: st
+                .folder
+                .as_ref()
+                .map(|(f, _)| f.path.display().to_string()),
             reads: self.reads.load(Ordering::Relaxed),
             read_bytes: self.read_bytes.load(Ordering::Relaxed),
             remote,

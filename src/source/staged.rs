@@ -370,8 +370,9 @@ fn parse_staged_name(name: &OsStr) -> Option<(u64, u64)> {
     if !digits(number) || !digits(pad) {
         return None;
     }
-    let pad: u64 = pad.parse().ok()?;
-    (pad < STAGING_ALIGN).then_some((number.parse().ok()?, pad))
+    let (number, pad): (u64, u64) = (number.parse().ok()?, pad.parse().ok()?);
+    // Only the name stfs gives (no "s01", no "s1+0"): one file per number.
+    (pad < STAGING_ALIGN && staged_name(number, pad) == name.to_str()?).then_some((number, pad))
 }
 
 /// Where the bytes of the staging file so named start in it.

@@ -830,3 +830,21 @@ def test_a_commit_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(tmp_pat
     pause.go("rewrite:copying")
     rc, out, err = finished(commit)
     assert (rc, err) == (0, "") and out.count("\n") == 1 and "committed by a rewrite" in out, out + err
+
+
+def test_progress_with_no_commit_running_answers_every_field(tmp_path, mount):
+    import fcntl
+    import struct
+    src = tmp_path / "m.safetensors"
+    base(src)
+    m = mount(src)
+    ioc_progress = (3 << 30) | (4096 << 16) | (ord("s") << 8) | 4  # include/stfs.h
+    # A caller that reuses its struct: what it put there must not come back.
+    buf = bytearray(struct.pack("<IIQQ", 4096, 1, 5, 7) + b"stale\0".ljust(4072, b"\0"))
+    fd = os.open(m.path, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, ioc_progress, buf, True)
+    finally:
+        os.close(fd)
+    size, active, done, total = struct.unpack_from("<IIQQ", buf)
+    assert (size, active, done, total, bytes(buf[24:29])) == (4096, 0, 0, 0, b"\0" * 5)
