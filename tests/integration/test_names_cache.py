@@ -32,10 +32,15 @@ def stat_size(path):
 
 
 def shown_and_read_agree(path):
-    """The size the kernel gives for `path` is the length of its content."""
+    """The size the kernel gives for `path` is the length of its content, both asked
+    while the file is open. (After the close, a JSON file written through a descriptor
+    may still show the writer's text until the daemon gets the close, which FUSE sends
+    without waiting; then its text as stfs writes it. A stat after the close may see
+    either: this asked it after, and failed now and then.)"""
     with open(path, "rb") as f:
         content = f.read()
-    assert stat_size(path) == len(content), (path, content)
+        size = stat_size(path)
+    assert size == len(content), (path, content)
     return content
 
 
