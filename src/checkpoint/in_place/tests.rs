@@ -100,6 +100,53 @@ fn a_commit_killed_before_its_marker_is_completed_and_a_changed_file_is_left_alo
 }
 
 #[test]
+fn recovery_reads_a_padded_staging_file_from_its_pad() {
+    let dir = tempfile::tempdir().unwrap();
+    if !can_insert(dir.path()) {
+        return;
+    }
+    std::fs::create_dir(dir.path().join("staging")).unwrap();
+    let (path, mut record, old, new) = setup(dir.path());
+    let header_len = new.len() - 4;
+    // The tensor's new bytes, 1234 bytes into their staging file (a hole before).
+    let mut padded = vec![0u8; 1234];
+    padded.extend_from_slice(b"NEWD");
+    std::fs::write(dir.path().join("staging").join("s1+1234"), &padded).unwrap();
+    // And one whose bytes past its pad are fewer than its write.
+    let mut short = vec![9u8; 1234];
+    short.extend_from_slice(b"NE");
+    std::fs::write(dir.path().join("staging").join("s2+1234"), &short).unwrap();
+    let header = std::fs::read(dir.path().join("staging").join(&record.header_file)).unwrap();
+    let staging = Folder::open(&dir.path().join("staging")).unwrap();
+    let mut short_record = record.clone();
+    short_record.writes = vec![RangeWrite {
+        at: header_len as u64,
+        len: 4,
+        from: WriteFrom::Staged {
+            file: "s2+1234".into(),
+        },
+    }];
+    short_record.seal(&header);
+    let e = short_record
+        .complete(&staging)
+        .expect_err("short past its pad");
+    assert!(e.0.to_string().contains("holds 2 bytes"), "{}", e.0);
+    assert_eq!(std::fs::read(&path).unwrap(), old);
+    record.writes = vec![RangeWrite {
+        at: header_len as u64,
+        len: 4,
+        from: WriteFrom::Staged {
+            file: "s1+1234".into(),
+        },
+    }];
+    record.seal(&header);
+    record.complete(&staging).unwrap();
+    let mut want = new[..header_len].to_vec();
+    want.extend_from_slice(b"NEWD");
+    assert_eq!(std::fs::read(&path).unwrap(), want);
+}
+
+#[test]
 fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("staging")).unwrap();
