@@ -123,13 +123,7 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
         let k = crate::format::printable(k);
         writeln!(out, "    {k} ({}): {shown:?}", v.value_type().name()).map_err(io)?;
     }
-    let width = h
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .clamp(4, 63);
+    let width = name_column(h.tensors.iter().map(|t| t.name.as_str()));
     writeln!(
         out,
         "  {:width$}  {:<8} {:<20} {:>14}  offset",
@@ -203,13 +197,7 @@ pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), St
             writeln!(out, "    {k:?}: {v:?}").map_err(io)?;
         }
     }
-    let width = h
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .clamp(4, 60);
+    let width = name_column(h.tensors.iter().map(|t| t.name));
     writeln!(
         out,
         "  {:width$}  {:<11} {:<20} {:>14}  offsets",
@@ -231,6 +219,11 @@ pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), St
         .map_err(io)?;
     }
     Ok(())
+}
+
+/// The width of a table's name column: the longest name, within 4..=60.
+fn name_column<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    names.map(str::len).max().unwrap_or(4).clamp(4, 60)
 }
 
 /// Verifies files and folders; prints one line per file or problem.

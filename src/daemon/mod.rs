@@ -450,16 +450,7 @@ pub fn open_local(
         notes.extend(recover::remove_dead_temps(folder, &names));
     }
     // Said now rather than at the first edit, which could not be journaled.
-    let writable = |folder: &Folder| {
-        rustix::fs::accessat(
-            &folder.fd,
-            ".",
-            rustix::fs::Access::WRITE_OK,
-            rustix::fs::AtFlags::EACCESS,
-        )
-        .is_ok()
-    };
-    if !settings.read_only && !writable(&base) {
+    if !settings.read_only && !base.writable() {
         notes.push(format!(
             "{}: not writable by you: edits cannot be journaled there, nor committed; mount \
              with --staging-dir DIR (or -o ro)",

@@ -105,7 +105,7 @@ impl StatusReport {
 impl Fs {
     /// Why a commit of `live` cannot be done here whatever its edits (the
     /// folders it needs cannot be written), given the way it would take.
-    fn cannot_commit(&self, live: &crate::checkpoint::Live, way: Option<&str>) -> Vec<String> {
+    fn cannot_commit(&self, live: &crate::checkpoint::Live, rewrite: bool) -> Vec<String> {
         let Some(folder) = live.source().folder() else {
             return Vec::new();
         };
@@ -119,15 +119,7 @@ impl Fs {
                 self.staging.base().path.display()
             ));
         }
-        let rewrite = way.is_some_and(|w| w.starts_with("by a rewrite"));
-        let writable = rustix::fs::accessat(
-            &folder.fd,
-            ".",
-            rustix::fs::Access::WRITE_OK,
-            rustix::fs::AtFlags::EACCESS,
-        )
-        .is_ok();
-        if rewrite && !writable {
+        if rewrite && !folder.writable() {
             out.push(format!(
                 "a rewrite puts a new file in {}, which this mount's user cannot write",
                 folder.path.display()
@@ -146,15 +138,16 @@ impl Fs {
         let mut files = Vec::new();
         for m in &st.checkpoints {
             let s = m.live.status();
-            let commit = m
+            let preview = m
                 .live
                 .commit_preview(&held)
-                .filter(|_| !s.changes.is_empty())
-                .map(|way| way.to_string());
+                .filter(|_| !s.changes.is_empty());
+            let rewrite = preview.as_ref().is_some_and(|(_, rewrite)| *rewrite);
+            let commit = preview.map(|(way, _)| way);
             let mut problems: Vec<String> = s.problems.iter().map(|p| p.to_string()).collect();
             // What a commit would stop at, said before it is tried.
             if !s.changes.is_empty() {
-                problems.extend(self.cannot_commit(&m.live, commit.as_deref()));
+                problems.extend(self.cannot_commit(&m.live, rewrite));
             }
             // What the commit would refuse first, said as it would say it.
             if !s.changes.is_empty() && m.live.source_changed() {

@@ -246,13 +246,14 @@ impl Live {
             .collect()
     }
 
-    /// What a commit would do now (for `stfs status`): its way, in words.
-    pub fn commit_preview(&self, held: &[Bytes]) -> Option<String> {
+    /// What a commit would do now (for `stfs status`): its way, in words,
+    /// and whether it writes a new file beside the source (a rewrite).
+    pub fn commit_preview(&self, held: &[Bytes]) -> Option<(String, bool)> {
         if !self.dirty || !self.problems().is_empty() {
             return None;
         }
         if self.committing.is_some() {
-            return Some("a commit of it is running".into());
+            return Some(("a commit of it is running".into(), false));
         }
         let (inputs, members) = self.commit_inputs(false);
         let metadata = self.metadata()?.cloned();
@@ -270,7 +271,8 @@ impl Live {
             reference,
             preview: true,
         });
-        Some(way.describe(layout.file_len()))
+        let rewrite = !matches!(way, Way::InPlace { .. });
+        Some((way.describe(layout.file_len()), rewrite))
     }
 
     /// The file at the source's name is not the version this mount mapped

@@ -221,6 +221,18 @@ impl Folder {
         Ok(rustix::fs::unlinkat(&self.fd, name, flags)?)
     }
 
+    /// Whether this process may create files in the folder (its effective
+    /// ids, as the kernel will judge a create).
+    pub fn writable(&self) -> bool {
+        rustix::fs::accessat(
+            &self.fd,
+            ".",
+            rustix::fs::Access::WRITE_OK,
+            rustix::fs::AtFlags::EACCESS,
+        )
+        .is_ok()
+    }
+
     /// lstat of a name in this folder.
     pub fn stat_at(&self, name: &OsStr) -> std::io::Result<FileStat> {
         let flags = rustix::fs::AtFlags::SYMLINK_NOFOLLOW;
