@@ -14,10 +14,16 @@
 4. where nginx is installed: the first read again from an https-style source
    served by nginx (a server that is not the bottleneck, as moto is: it reads
    the whole object for each ranged GET), against the same parallel ranged
-   GETs scripted in Python (16 threads x 8 MiB, keep-alive connections).
+   GETs scripted in Python (16 threads x 8 MiB, keep-alive connections);
+5. commits to S3 (`--only commits` runs these alone): a metadata edit of a
+   2 GiB object, bytes sent by stfs (counted at a proxy) against the object's
+   size and time against boto3 downloading it, rewriting it with the edit
+   (safetensors) and uploading it; a same-size overwrite of one 128 MiB
+   tensor, bytes sent against the tensor's.
 
 Usage: scripts/bench_remote.py [--stfs target/release/stfs] [--dir DIR] [--runs 3]
                                [--concurrency 4,8,16,32] [--moto-concurrency 16] [--moto-runs 1]
+                               [--only reads|commits]
 Needs root (or fusermount3), numpy, safetensors, boto3 and moto[server].
 """
 
@@ -150,6 +156,64 @@ http {{ access_log off; sendfile on; tcp_nopush on;
     return proc, port
 
 
+def bench_commits(stfs, work, moto, client):
+    """Section 5: commits to S3, one run each."""
+    import json
+    from safetensors import safe_open
+    rng = np.random.default_rng(1)
+    src = os.path.join(work, "edit.safetensors")
+    tensors = {f"layers.{i}.weight": np.frombuffer(rng.bytes(128 << 20), dtype=np.uint8) for i in range(16)}
+    tensors.update({f"layers.{i}.norm": rng.standard_normal(4096).astype(np.float32) for i in range(16)})
+    save_file(tensors, src, metadata={"format": "pt"})
+    del tensors
+    size = os.path.getsize(src)
+    client.upload_file(src, BUCKET, "edit.safetensors")
+    proxy = FaultProxy(moto.port)
+    try:
+        m = mounted(stfs, f"s3://{BUCKET}/edit.safetensors", os.path.join(work, "mnt-edit"),
+                    os.path.join(work, "stfs-edit.log"),
+                    ["--endpoint", proxy.url, "--cache-dir", os.path.join(work, "cache-edit")])
+        try:
+            with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+                json.dump({"format": "pt", "chat_template": "{{ messages }}"}, f)
+            proxy.reset()
+            took = timed(lambda: subprocess.run([stfs, "commit", m.path], check=True, stdout=subprocess.DEVNULL))
+            sent = sum(r["length"] for r in proxy.requests if r["method"] in ("PUT", "POST"))
+            # A 128 MiB tensor overwritten, same size.
+            new = os.path.join(work, "new.bin")
+            with open(new, "wb") as f:
+                f.write(rng.bytes(128 << 20))
+            subprocess.run(["dd", f"if={new}", f"of={m.path}/layers.7.weight", "bs=8M", "conv=notrunc",
+                            "status=none"], check=True)
+            proxy.reset()
+            took_overwrite = timed(lambda: subprocess.run([stfs, "commit", m.path], check=True,
+                                                          stdout=subprocess.DEVNULL))
+            sent_overwrite = sum(r["length"] for r in proxy.requests if r["method"] in ("PUT", "POST"))
+        finally:
+            m.close(check=True)
+    finally:
+        proxy.stop()
+
+    def by_hand():
+        got = os.path.join(work, "downloaded.safetensors")
+        client.download_file(BUCKET, "edit.safetensors", got)
+        with safe_open(got, framework="np") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        out = os.path.join(work, "edited.safetensors")
+        save_file(t, out, metadata={"format": "pt", "chat_template": "{{ messages }}", "by": "hand"})
+        del t
+        client.upload_file(out, BUCKET, "edit.safetensors")
+        os.unlink(got)
+        os.unlink(out)
+
+    base = timed(by_hand)
+    print(f"commits to a local S3 server (moto), a {size / 2**30:.1f} GiB object, one run")
+    print(f"  metadata edit: stfs sent {sent / 2**20:.1f} MiB = {sent / size:.4f}x the object; "
+          f"{took:.2f} s = {took / base:.3f}x of boto3 download + edit + upload ({base:.1f} s)")
+    print(f"  same-size overwrite of a 128 MiB tensor: stfs sent {sent_overwrite / 2**20:.1f} MiB = "
+          f"{sent_overwrite / (128 << 20):.2f}x the tensor, {took_overwrite:.2f} s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     add_stfs_option(ap)
@@ -159,6 +223,7 @@ def main():
     ap.add_argument("--moto-concurrency", default="16", help="settings tried against moto (slow: it reads "
                     "the whole object for each ranged GET)")
     ap.add_argument("--moto-runs", type=int, default=1)
+    ap.add_argument("--only", choices=["reads", "commits"], default=None)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="stfs-bench-remote-", dir=args.dir)
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1",
@@ -168,6 +233,10 @@ def main():
     try:
         client = moto.client()
         client.create_bucket(Bucket=BUCKET)
+        if args.only != "reads":
+            bench_commits(args.stfs, work, moto, client)
+        if args.only == "commits":
+            return
         src = os.path.join(work, "model.safetensors")
         rng = np.random.default_rng(0)
         # 1 GiB: 60 "layers" of 16 MiB and 64 small tensors, like a model's.

@@ -282,6 +282,9 @@ impl Live {
             restored += 1;
         }
         if let Some(doc) = folded.metadata {
+            // (The metadata document is a change too: "no staged change
+            // was left" would hide it.)
+            restored += usize::from(doc != MetadataDoc::Unchanged);
             self.metadata = doc;
             self.metadata_gen = next_gen();
         }

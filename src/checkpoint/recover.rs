@@ -138,7 +138,8 @@ pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
 }
 
 /// Gone, or a zombie waiting to be reaped.
-fn process_gone(pid: u32) -> bool {
+/// Whether a process is gone (or a zombie: dead, not yet reaped).
+pub(crate) fn process_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
             .rsplit_once(')')

@@ -183,6 +183,31 @@ fn shard_folder(
     )
 }
 
+/// Why a remote source is mounted read-only (None: it can be committed to).
+fn remote_read_only(url: &str) -> Option<&'static str> {
+    if !(url.starts_with("s3://") || url.starts_with("s3a://")) {
+        return Some(
+            "stfs commits to S3 and S3-compatible stores only: HTTP, GCS and Azure have no ranged \
+             server-side copy",
+        );
+    }
+    if url.ends_with('/') {
+        return Some("commits of folders of shards to S3 are not supported yet");
+    }
+    None
+}
+
+/// The name under which a remote object's edits are staged: a digest of
+/// its URL (the same at every mount of it).
+fn remote_stem(url: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, url.as_bytes());
+    let hex: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("remote-{hex}")
+}
+
 /// Connects to a remote source and validates it as `open_source` does a
 /// local one: an object, or a folder (a URL ending in `/`) of shards with
 /// their indexes. Returns the source, warnings, and the cache folder.
@@ -356,11 +381,14 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         check_mountpoint(&req.mountpoint, options.nonempty)?;
         let mut notes = Vec::new();
         if !options.read_only {
-            notes.push(format!("{url}: mounted read-only (remote sources are)"));
-            options.read_only = true;
+            if let Some(why) = remote_read_only(&url) {
+                notes.push(format!("{url}: mounted read-only ({why})"));
+                options.read_only = true;
+            }
         }
         let remote = req.remote.clone();
         let settings = settings(&options);
+        let resume = req.resume.clone();
         // A read may wait on the network for up to --timeout: enough request
         // threads that waiting reads do not hold up listings and cached reads.
         req.threads = req.threads.or(Some(16));
@@ -368,9 +396,33 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         // daemon connects, and says through the readiness pipe what it found.
         return launch(&req, options, move || {
             let (source, warnings, cache) = open_remote(&url, &remote)?;
-            // Never made: a read-only mount stages nothing.
-            let staging = Arc::new(Staging::new(cache, "remote".to_string()));
-            let fs = Fs::new(source, settings, staging);
+            let read_only = settings.read_only;
+            let Source::File(file) = &source else {
+                // Never made: a read-only mount stages nothing.
+                let staging = Arc::new(Staging::new(cache, "remote".to_string()));
+                let fs = Fs::new(source, settings, staging);
+                return Ok((fs, warnings.into_iter().chain(notes).collect()));
+            };
+            let object = file.remote_object().expect("a remote source");
+            let store = object.remote().clone();
+            // Edits are staged (and journaled, and taken back by the next
+            // mount) in the cache's private `edits` folder, under a name
+            // of the URL's.
+            let base = Arc::new(store.edits_folder().map_err(|e| e.to_string())?);
+            let stem = remote_stem(&url);
+            if let Some(writer) = store.writer() {
+                notes.extend(crate::checkpoint::commit::remote::abort_interrupted(
+                    &base, &stem, writer, &store,
+                ));
+            }
+            let staging = Arc::new(Staging::new(base, stem));
+            let fs = Fs::new(source, settings, staging.clone());
+            if !read_only {
+                notes.extend(
+                    fs.with_lives(|lives| recover::resume(lives, &staging, &resume))
+                        .map_err(|e| e.to_string())?,
+                );
+            }
             Ok((fs, warnings.into_iter().chain(notes).collect()))
         });
     }

@@ -275,16 +275,6 @@ fn fopen_flags(o: &Opened) -> FopenFlags {
     f
 }
 
-/// Whether a process is still there (not gone, not a zombie).
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => false,
-    }
-}
-
 impl FuseAdapter {
     fn prefetch(
         &self,
@@ -322,7 +312,7 @@ impl FuseAdapter {
             // (A caller in another pid namespace shows as pid 0: only the
             // time limit applies to it.)
             let keep_going = || {
-                (pid == 0 || alive(pid))
+                (pid == 0 || !crate::checkpoint::recover::process_gone(pid))
                     && (target != PrefetchTarget::PageCache || started.elapsed() < PREFETCH_SLICE)
             };
             let req = PrefetchRequest {

@@ -45,12 +45,13 @@ def wait_for_port(port, seconds=30, proc=None):
 class Moto:
     """moto's S3 server as a child process of the test."""
 
-    def __init__(self, log_path):
+    def __init__(self, log_path, env=None):
         self.port = free_port()
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})})
         wait_for_port(self.port, proc=self.proc)
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
@@ -185,7 +186,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         request = {"method": self.command, "path": self.path, "range": self.headers.get("Range"),
-                   "authorization": self.headers.get("Authorization") or ""}
+                   "authorization": self.headers.get("Authorization") or "",
+                   "headers": {k.lower(): v for k, v in self.headers.items()}, "length": length}
         action = proxy.decide(request)
         if action == "drop":
             # Close without an answer: the client sees a broken connection.
@@ -204,6 +206,14 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.send_response(action)
             self.send_header("Content-Length", str(len(payload)))
             self.send_header("Content-Type", "application/xml")
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        if action == "error_200":
+            # What S3 may answer to a copy or a completion that failed late.
+            payload = b"<Error><Code>InternalError</Code><Message>injected after a 200</Message></Error>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
             return
@@ -255,10 +265,11 @@ class FaultProxy:
     """Forwards to 127.0.0.1:upstream_port. `rule(request) -> action` decides
     each request: None (forward), an HTTP status to answer instead, "drop",
     "hang" (until `release` is set, then drop), "hold" (until `release` is
-    set, then forward), "stall_body" (forward the headers and half the body,
+    set, then forward), "error_200" (a 200 whose body is an S3 error), "stall_body" (forward the headers and half the body,
     then nothing until `release`), "trickle_body" (the headers, then a byte a
     second), or ("delay", seconds) then forward.
-    `requests` lists every request seen: {method, path, range}."""
+    `requests` lists every request seen: {method, path, range, headers
+    (lower-case names), length (of the body)}."""
 
     def __init__(self, upstream_port):
         self.upstream_port = upstream_port

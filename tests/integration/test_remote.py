@@ -146,9 +146,12 @@ def test_s3_object_reads_like_a_local_file(tmp_path, s3, mount, run):
     m2 = mount(s3.upload(big, "models/big.safetensors"), *s3.options)
     check_listing_bytes_and_metas(m2.path, big, {k: v.tobytes() for k, v in tensors.items()})
     check_big(m2, tensors)
-    # Read-only, owned by the user who mounted it.
+    # Owned by the user who mounted it, writable by them (an S3 object is
+    # committed to), read-only on a read-only mount.
     st = os.stat(os.path.join(m2.path, "big.a"))
-    assert (st.st_mode & 0o777, st.st_uid) == (0o444, os.getuid())
+    assert (st.st_mode & 0o777, st.st_uid) == (0o644, os.getuid())
+    m3 = mount(f"s3://{BUCKET}/models/big.safetensors", *s3.options, "-o", "ro")
+    assert os.stat(os.path.join(m3.path, "big.a")).st_mode & 0o777 == 0o444
     status = run("status", m2.path, check=True).stdout
     assert f"s3://{BUCKET}/models/big.safetensors: no changes" in status and "remote:" in status
 
@@ -238,11 +241,10 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
     assert not any(x.is_mounted() for x in [m])
 
 
-def test_writes_are_erofs(tmp_path, s3, mount):
-    src = tmp_path / "w.safetensors"
-    fx.base(src)
-    m = mount(s3.upload(src, "w.safetensors"), *s3.options)
-    assert "read-only" in m.result.stderr
+def test_writes_to_an_http_source_are_erofs(tmp_path, web, mount):
+    fx.base(web.root / "w.safetensors")
+    m = mount(f"{web.url}/w.safetensors", *web.options)
+    assert "mounted read-only (stfs commits to S3 and S3-compatible stores only" in m.result.stderr
     for action in [lambda: open(os.path.join(m.path, "a"), "r+b"),
                    lambda: open(os.path.join(m.path, "new"), "wb"),
                    lambda: os.unlink(os.path.join(m.path, "a")),

@@ -62,12 +62,21 @@ pub enum CommitError {
     /// The staging folder (for the journal and the record of renames).
     #[error("{0}")]
     Staging(#[source] StagingError),
-    /// The source cannot be written (a remote object) (EROFS).
+    /// The source cannot be written (a remote object of a store stfs does
+    /// not commit to) (EROFS).
     #[error(
-        "{}: a remote source is read-only (stfs does not write to object stores yet)",
+        "{}: read-only (stfs commits to S3 and S3-compatible stores; HTTP, GCS and Azure \
+         sources are read-only)",
         file.display()
     )]
     ReadOnly { file: PathBuf },
+    /// A request of a remote commit failed; the object is as it was, the
+    /// upload aborted, the edits staged (EIO; EACCES when refused access).
+    #[error("{}: commit failed, the object is unchanged and the edits are staged: {source}", file.display())]
+    Remote {
+        file: PathBuf,
+        source: crate::source::remote::s3::S3Error,
+    },
     /// The commit failed after a file of it began to change: `landed` of
     /// its `total` files landed; `file` is refused by every reader until the
     /// next mount completes the commit from its record (the errno of `source`).
@@ -117,6 +126,11 @@ impl crate::errno::ToErrno for CommitError {
             CommitError::Io { source, .. } => source.to_errno(),
             CommitError::Staging(e) => e.to_errno(),
             CommitError::ReadOnly { .. } => libc::EROFS,
+            CommitError::Remote { source, .. } => match source {
+                crate::source::remote::s3::S3Error::Status { status: 403, .. } => libc::EACCES,
+                crate::source::remote::s3::S3Error::Precondition { .. } => libc::ESTALE,
+                _ => libc::EIO,
+            },
             CommitError::NotLanded { source, .. } => source.to_errno(),
             CommitError::Discarded | CommitError::CommittedFirst => libc::ECANCELED,
         }

@@ -197,6 +197,8 @@ pub(super) fn create_temp(
 pub enum Landing {
     Renamed(Written),
     InPlace(Box<InPlaceJob>),
+    /// A remote object: its parts sent, its upload completed by `land`.
+    Remote(Box<remote::RemoteJob>),
 }
 
 impl Landing {
@@ -209,6 +211,12 @@ impl Landing {
                 mtime: j.record.after_mtime,
                 ..j.record.before
             },
+            // The store names the new version only once it is made: no
+            // version seen later is taken for it.
+            Landing::Remote(j) => FileStat {
+                ino: 0,
+                ..*j.source.stat()
+            },
         }
     }
 
@@ -216,13 +224,17 @@ impl Landing {
         match self {
             Landing::Renamed(w) => w.target(),
             Landing::InPlace(j) => j.source.path().to_path_buf(),
+            Landing::Remote(j) => j.source.path().to_path_buf(),
         }
     }
 
-    /// Forgets a landing that will not happen (its temp file, its lease).
+    /// Forgets a landing that will not happen (its temp file, its lease,
+    /// its upload).
     pub fn remove(&self) {
-        if let Landing::Renamed(w) = self {
-            w.remove()
+        match self {
+            Landing::Renamed(w) => w.remove(),
+            Landing::Remote(j) => j.remove(),
+            Landing::InPlace(_) => {}
         }
     }
 }
@@ -396,6 +408,8 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                     .map_err(before)?;
                 renames.in_place.push(j.record.clone());
             }
+            // (Recorded in the cache folder when its upload began.)
+            Landing::Remote(_) => {}
         }
     }
     // The new files' names must be on disk before the record that names
@@ -453,6 +467,10 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
                     continue;
                 }
                 Err(e) => (k > 0 || e.marked, e.marked, j.error(e)),
+            },
+            Landing::Remote(j) => match j.land() {
+                Ok(()) => continue,
+                Err(e) => (k > 0, false, e),
             },
         };
         if !changed {

@@ -22,6 +22,7 @@
 mod error;
 mod landing;
 mod lock;
+pub mod remote;
 mod ways;
 
 pub use error::*;
@@ -43,6 +44,7 @@ use super::in_place::{self, InPlaceLayout, InPlaceRecord, Lease};
 use super::journal::Record;
 use super::staging::{PendingRename, Renames, Staging};
 use super::{DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot, next_gen};
+use crate::checkpoint::Declined;
 use crate::format::{FormatError, Header, Layout, layout_of};
 use crate::source::local::Folder;
 use crate::source::staged::StagingError;
@@ -139,21 +141,23 @@ impl Live {
             .metadata()
             .expect("problems() refuses invalid metadata")
             .cloned();
-        // The file now at the source's name (gone: changed too).
+        // The file now at the source's name (gone: changed too). A remote
+        // object is asked right before its commit completes, not here (no
+        // network under the state's lock): here, only what reads found.
         let mapped = self.source.stat();
-        let folder = self
-            .source
-            .folder()
-            .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
-        let same = match folder.stat_at(self.source.file_name()) {
-            Ok(now) => now.same_version(mapped),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
-            Err(e) => return Err(io_err(file.display().to_string())(e)),
+        let same = match (self.source.folder(), self.source.remote_object()) {
+            (Some(folder), _) => match folder.stat_at(self.source.file_name()) {
+                Ok(now) => now.same_version(mapped),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
+                Err(e) => return Err(io_err(file.display().to_string())(e)),
+            },
+            (None, Some(object)) if object.remote().writer().is_some() => !object.replaced(),
+            _ => return Err(CommitError::ReadOnly { file: file.clone() }),
         };
         if !same && !options.force {
             return Err(CommitError::Conflict { file });
         }
-        let (layout, way) = {
+        let (layout, mut way) = {
             let specs = self.commit_specs(&members);
             let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(
                 |e: FormatError| {
@@ -174,7 +178,19 @@ impl Live {
                 reference,
                 preview: false,
             })
+            .map_err(|Declined(why)| {
+                refused(vec![Problem {
+                    tensor: None,
+                    rule: why,
+                }])
+            })?
         };
+        if let Way::Remote { record, .. } = &mut way {
+            *record = Some((
+                self.staging.base().clone(),
+                remote::record_name(self.staging.stem(), commit),
+            ));
+        }
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
         for (j, &k) in layout.source_index.iter().enumerate() {
             if let Bytes::Source(src, i) = &inputs[k] {
@@ -270,8 +286,9 @@ impl Live {
             options: CommitOptions::default(),
             reference,
             preview: true,
-        });
-        let rewrite = !matches!(way, Way::InPlace { .. });
+        })
+        .ok()?;
+        let rewrite = matches!(way, Way::SharedExtents { .. } | Way::Rewrite { .. });
         Some((way.describe(layout.file_len()), rewrite))
     }
 
@@ -279,10 +296,12 @@ impl Live {
     /// (another program or mount wrote, replaced or removed it): a commit
     /// refuses it unless forced.
     pub fn source_changed(&self) -> bool {
-        self.source.folder().is_some_and(|f| {
-            !f.stat_at(self.source.file_name())
-                .is_ok_and(|now| now.same_version(self.source.stat()))
-        })
+        // (A remote object: as far as reads found.)
+        self.source.remote_object().is_some_and(|o| o.replaced())
+            || self.source.folder().is_some_and(|f| {
+                !f.stat_at(self.source.file_name())
+                    .is_ok_and(|now| now.same_version(self.source.stat()))
+            })
     }
 
     /// The plan of this checkpoint did not go through.
@@ -318,6 +337,14 @@ impl Live {
                     source: std::io::Error::other("the in-place commit left no version"),
                 })?;
                 self.source.rewritten_in_place(header, landed)
+            }
+            Landing::Remote(job) => {
+                let object = job.landed.lock_anyway().take();
+                let object = object.ok_or_else(|| CommitError::Io {
+                    what: what(),
+                    source: std::io::Error::other("the remote commit left no object"),
+                })?;
+                Ok(SourceFile::remote(object, header))
             }
         };
         let fresh = Arc::new(fresh.map_err(io_err(what()))?);
@@ -489,10 +516,32 @@ impl CommitPlan {
     /// gets an in-place commit ready (its staging files durable).
     pub fn write(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Landing, CommitError> {
         let started = std::time::Instant::now();
+        let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
+        if let Way::Remote {
+            parts,
+            if_match,
+            record,
+        } = way
+        {
+            let job = remote::RemoteJob::new(
+                self.source.clone(),
+                self.layout.header.clone(),
+                self.inputs.clone(),
+                parts,
+                if_match,
+                record.expect("a commit's remote plan has its record"),
+            );
+            job.send_parts(progress)?;
+            info!(
+                file = %self.source.path().display(),
+                elapsed = ?started.elapsed(),
+                "commit: parts sent"
+            );
+            return Ok(Landing::Remote(Box::new(job)));
+        }
         let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
             file: self.source.path().to_path_buf(),
         })?;
-        let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
         let share = match way {
             Way::SharedExtents { block, .. } => Some(block),
             _ => None,

@@ -28,6 +28,15 @@ pub enum Way {
     },
     /// A new file renamed over the source; `why`: why not in place.
     Rewrite { why: String },
+    /// A new object at a remote source's key, made of uploaded parts and
+    /// server-side copies of the old one (`remote`), conditional on the
+    /// ETag mounted (None: `--force`); `record`: where the upload's id is
+    /// recorded (set by the plan).
+    Remote {
+        parts: super::remote::PartPlan,
+        if_match: Option<String>,
+        record: Option<(Arc<Folder>, String)>,
+    },
 }
 
 impl Way {
@@ -51,6 +60,7 @@ impl Way {
                 "by a rewrite (not in place: {why}; {} written)",
                 human_bytes(file_len)
             ),
+            Way::Remote { parts, .. } => super::remote::describe(parts),
         }
     }
 }
@@ -146,20 +156,25 @@ pub trait CommitWay: Sync {
 pub(super) const WAYS: [&dyn CommitWay; 3] = [&InPlaceWay, &SharedExtentsWay, &RewriteWay];
 
 /// The plan of the first way that can commit `new`; a rewrite says why the
-/// cheaper ways could not.
-pub(super) fn choose(new: &NewState) -> (Layout, Way) {
+/// cheaper ways could not. (Only a remote commit can fail to plan: an
+/// object S3 cannot hold.)
+pub(super) fn choose(new: &NewState) -> Result<(Layout, Way), Declined> {
+    // A remote object has one way.
+    if new.source.remote_object().is_some() {
+        return super::remote::plan(new);
+    }
     let mut why_not = Vec::new();
     for way in WAYS {
         match way.plan(new) {
             Ok((layout, Way::Rewrite { .. })) => {
                 let why = why_not.join("; ");
-                return (layout, Way::Rewrite { why });
+                return Ok((layout, Way::Rewrite { why }));
             }
             Ok((layout, Way::SharedExtents { block, shared, .. })) => {
                 let why = why_not.join("; ");
-                return (layout, Way::SharedExtents { why, block, shared });
+                return Ok((layout, Way::SharedExtents { why, block, shared }));
             }
-            Ok(plan) => return plan,
+            Ok(plan) => return Ok(plan),
             Err(Declined(why)) if why_not.contains(&why) => {}
             Err(Declined(why)) => why_not.push(why),
         }
@@ -241,34 +256,9 @@ impl CommitWay for SharedExtentsWay {
         let file = source.file().ok_or("a remote source")?;
         let block = crate::source::local::shares_extents(file)
             .ok_or("this filesystem cannot share blocks between files (XFS and btrfs can)")?;
-        let old = source.header();
-        let data_start_now = old.data_start() + source.shift();
-        // The source's own tensors in their order, then the others by name.
-        let mut claimed = vec![false; old.tensors.len()];
-        let mut kept = Vec::new();
-        let mut rest = Vec::new();
-        for (k, input) in new.inputs.iter().enumerate() {
-            match input {
-                Bytes::Source(src, i) if Arc::ptr_eq(src, source) && !claimed[*i as usize] => {
-                    claimed[*i as usize] = true;
-                    kept.push((old.tensors.get(*i as usize).data_offsets.0, k));
-                }
-                _ => rest.push(k),
-            }
-        }
-        kept.sort_unstable();
-        rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
-        let order: Vec<usize> = kept.iter().map(|&(_, k)| k).chain(rest).collect();
-        let mut tensors = crate::format::Tensors::with_capacity(order.len());
-        let mut offset = 0;
-        for &k in &order {
-            let (name, dtype, shape) = new.specs[k];
-            let n = new.inputs[k].len();
-            tensors
-                .push(name, dtype, shape, (offset, offset + n))
-                .map_err(|_| "the header is too large".to_string())?;
-            offset += n;
-        }
+        let data_start_now = source.header().data_start() + source.shift();
+        let (kept, order) = source_order(new);
+        let tensors = tensors_in_order(new, &order)?;
         let mut header =
             crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
         // Room, and the data section at the old one's place within a block.
@@ -311,6 +301,47 @@ impl CommitWay for SharedExtentsWay {
             },
         ))
     }
+}
+
+/// The order of a new file that keeps the source's bytes in their order:
+/// the source's own tensors by their offset in it (with that offset), then
+/// the others by name.
+pub(super) fn source_order(new: &NewState) -> (Vec<(u64, usize)>, Vec<usize>) {
+    let old = new.source.header();
+    let mut claimed = vec![false; old.tensors.len()];
+    let mut kept = Vec::new();
+    let mut rest = Vec::new();
+    for (k, input) in new.inputs.iter().enumerate() {
+        match input {
+            Bytes::Source(src, i) if Arc::ptr_eq(src, new.source) && !claimed[*i as usize] => {
+                claimed[*i as usize] = true;
+                kept.push((old.tensors.get(*i as usize).data_offsets.0, k));
+            }
+            _ => rest.push(k),
+        }
+    }
+    kept.sort_unstable();
+    rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
+    let order = kept.iter().map(|&(_, k)| k).chain(rest).collect();
+    (kept, order)
+}
+
+/// The tensor table of the new state laid out back to back in `order`.
+pub(super) fn tensors_in_order(
+    new: &NewState,
+    order: &[usize],
+) -> Result<crate::format::Tensors, Declined> {
+    let mut tensors = crate::format::Tensors::with_capacity(order.len());
+    let mut offset = 0;
+    for &k in order {
+        let (name, dtype, shape) = new.specs[k];
+        let n = new.inputs[k].len();
+        tensors
+            .push(name, dtype, shape, (offset, offset + n))
+            .map_err(|_| "the header is too large".to_string())?;
+        offset += n;
+    }
+    Ok(tensors)
 }
 
 /// A new file renamed over the source: the reference's layout, with room

@@ -465,8 +465,9 @@ impl SourceFile {
         }
     }
 
-    /// A remote object, its header validated: read-only, shown as a file of
-    /// the user who mounted it, modified when the store says it was.
+    /// A remote object, its header validated: shown as a file of the user
+    /// who mounted it (0644: a read-only mount takes the write bits off),
+    /// modified when the store says it was.
     pub fn remote(object: RemoteObject, header: Header) -> SourceFile {
         let id = object.cache_key();
         let stat = FileStat {
@@ -479,7 +480,7 @@ impl SourceFile {
                 Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i64),
                 Err(_) => (0, 0),
             },
-            ..FileStat::of_mounting_user(libc::S_IFREG | 0o444)
+            ..FileStat::of_mounting_user(libc::S_IFREG | 0o644)
         };
         SourceFile {
             path: PathBuf::from(object.url()),

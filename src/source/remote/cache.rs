@@ -88,7 +88,8 @@ pub(super) fn foreign_entry(folder: &Folder, euid: u32) -> Option<String> {
         };
         let kind = st.mode & libc::S_IFMT;
         let shown = name.to_string_lossy();
-        let fresh_folder = shown.starts_with(FRESH_PREFIX) && kind == libc::S_IFDIR;
+        let fresh_folder =
+            (shown.starts_with(FRESH_PREFIX) || shown == EDITS_FOLDER) && kind == libc::S_IFDIR;
         if st.uid != euid {
             return Some(format!("{shown:?} of uid {}", st.uid));
         }
@@ -101,6 +102,9 @@ pub(super) fn foreign_entry(folder: &Folder, euid: u32) -> Option<String> {
 
 /// The private folders a cache moves to inside its folder.
 pub(super) const FRESH_PREFIX: &str = "private.";
+/// The folder in the cache folder where the edits of writable remote
+/// mounts are staged and their uploads recorded.
+pub const EDITS_FOLDER: &str = "edits";
 
 /// The first `<dir>/private.N` that is (or is made) a folder of this user's
 /// closed to others.
@@ -157,6 +161,27 @@ pub(super) struct CacheState {
 }
 
 impl DiskCache {
+    /// The folder where edits of remote sources are staged (`edits` in the
+    /// cache folder, made 0700, refused if another user's or a link).
+    pub fn edits_folder(&self) -> Result<Folder, FolderError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let path = self.folder.path.join(EDITS_FOLDER);
+        match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(FolderError::io(&path)(e)),
+        }
+        let folder = Folder::open_private(&path).map_err(FolderError::io(&path))?;
+        let st = folder.stat().map_err(FolderError::io(&path))?;
+        if st.uid != rustix::process::geteuid().as_raw() || st.mode & 0o077 != 0 {
+            return Err(FolderError::refused(
+                &path,
+                "not a private folder of this user's (0700): refused for staging edits",
+            ));
+        }
+        Ok(folder)
+    }
+
     /// Opens (making it 0700 if needed) a cache folder of this user's.
     pub fn open(dir: &Path, limit: u64) -> Result<DiskCache, FolderError> {
         use std::os::unix::fs::DirBuilderExt;

@@ -21,6 +21,7 @@
 
 mod cache;
 mod fetch;
+pub mod s3;
 use crate::errno::{ToErrno, with_causes};
 use crate::sync::LockAnyway;
 pub use cache::*;
@@ -136,6 +137,8 @@ pub struct Remote {
     max_ahead: usize,
     /// `scheme://bucket` (or the HTTP origin), to show object paths as URLs.
     origin: String,
+    /// What commits to an S3 store (None: the store is read-only to stfs).
+    writer: Option<s3::S3Writer>,
 }
 
 impl Drop for Remote {
@@ -203,11 +206,12 @@ impl Remote {
         }
         // `s3://bucket` is the bucket's top folder.
         let folder = parsed.path().ends_with('/') || parsed.path().is_empty();
+        let mut writer = None;
         let (store, path, origin): (Arc<dyn ObjectStore>, String, String) = match parsed.scheme() {
             "s3" | "s3a" => {
                 let mut b = object_store::aws::AmazonS3Builder::from_env()
                     .with_url(url)
-                    .with_client_options(client)
+                    .with_client_options(client.clone())
                     .with_retry(retry);
                 // The shared files fill in what the environment does not say.
                 let profile = super::aws_profile::load();
@@ -232,16 +236,32 @@ impl Remote {
                     .clone()
                     .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
                     .or(profile.endpoint_url);
-                if let Some(ep) = endpoint {
+                if let Some(ep) = &endpoint {
                     b = b
                         .with_allow_http(ep.starts_with("http://"))
                         .with_endpoint(ep)
                         .with_virtual_hosted_style_request(false);
                 }
+                let region = b
+                    .get_config_value(&object_store::aws::AmazonS3ConfigKey::Region)
+                    .unwrap_or_else(|| "us-east-1".to_string());
                 let store = b
                     .build()
                     .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 let bucket = parsed.host_str().unwrap_or_default();
+                writer = Some(
+                    s3::S3Writer::new(
+                        store.credentials().clone(),
+                        &client.clone().with_allow_http(
+                            endpoint.as_ref().is_some_and(|e| e.starts_with("http://")),
+                        ),
+                        region,
+                        bucket.to_string(),
+                        endpoint,
+                        opts.timeout,
+                    )
+                    .map_err(|e| RemoteError::url(url, e))?,
+                );
                 (
                     Arc::new(store),
                     parsed.path().to_string(),
@@ -321,6 +341,7 @@ impl Remote {
                 // At least one GET slot is left to readers (none ahead with one slot).
                 max_ahead: concurrency - (concurrency / 4).max(1),
                 origin,
+                writer,
             }),
             path,
             folder,
@@ -330,6 +351,22 @@ impl Remote {
     /// The URL of an object of this store.
     pub fn url(&self, path: &ObjectPath) -> String {
         format!("{}/{path}", self.origin)
+    }
+
+    /// What commits to this store: None where stfs cannot write to it
+    /// (HTTP, GCS and Azure: no ranged server-side copy).
+    pub fn writer(&self) -> Option<&s3::S3Writer> {
+        self.writer.as_ref()
+    }
+
+    /// Runs a request of the writer's on this store's runtime.
+    pub fn run<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.block_on(f)
+    }
+
+    /// The folder where edits of this store's objects are staged.
+    pub fn edits_folder(&self) -> Result<Folder, crate::source::local::FolderError> {
+        self.cache.edits_folder()
     }
 
     /// The cache folder.
@@ -531,6 +568,16 @@ impl RemoteObject {
 
     pub fn remote(&self) -> &Arc<Remote> {
         &self.remote
+    }
+
+    /// The object's path in its store.
+    pub fn path(&self) -> &ObjectPath {
+        &self.path
+    }
+
+    /// The ETag of the version this mount reads (None: the server gives none).
+    pub fn etag(&self) -> Option<&str> {
+        self.version.etag.as_deref()
     }
 
     /// The object's file name (the last part of its path).

@@ -1,0 +1,810 @@
+//! Commits to an object in S3 or an S3-compatible store (docs/SEMANTICS.md,
+//! "Remote commits"): a multipart upload builds the new object from the new
+//! header, server-side copies of the runs of the old object that stay
+//! (UploadPartCopy with a range) and uploaded bytes of what is new, and is
+//! completed only over the version the mount read. An edit of a 100 GB
+//! object sends what changed, plus what tops a part up to S3's minimum.
+//!
+//! The upload's id is recorded in the cache folder before any part is sent,
+//! so that a crash leaves no parts to pay for: the next mount aborts it.
+//! Until the completion nothing of the object changed; any failure aborts
+//! the upload and keeps the edits staged.
+
+use super::*;
+use crate::checkpoint::Declined;
+use crate::source::remote::RemoteObject;
+use crate::source::remote::s3::{DonePart, S3Error, S3Writer};
+use std::ffi::OsStr;
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// S3's limits: a part is at least 5 MiB (but the last) and at most 5 GiB;
+/// an upload has at most 10,000 parts.
+pub const MIN_PART: u64 = 5 << 20;
+const MAX_PART: u64 = 5 << 30;
+const MAX_PARTS: usize = 10_000;
+/// Uploaded parts are built in memory, each at most this large (more, only
+/// where 10,000 parts would not hold the upload otherwise).
+const UPLOAD_PART: u64 = 64 << 20;
+/// Server-side copies in flight at once.
+const COPIES_AT_ONCE: usize = 8;
+
+/// The smallest part the store takes: 5 MiB, or `STFS_S3_MIN_PART` (a
+/// store or a test server configured with a lower minimum).
+pub fn min_part() -> u64 {
+    std::env::var("STFS_S3_MIN_PART")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(MIN_PART)
+}
+
+/// Where bytes of an uploaded part come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// Of the new header.
+    Header(Range<u64>),
+    /// Of the old object (a run too short to be a part of its own, or the
+    /// bytes that top a part up to the minimum).
+    Old(Range<u64>),
+    /// Of input `k` (a staged or new tensor).
+    Input { k: usize, range: Range<u64> },
+}
+
+impl Piece {
+    fn range(&self) -> &Range<u64> {
+        match self {
+            Piece::Header(r) | Piece::Old(r) | Piece::Input { range: r, .. } => r,
+        }
+    }
+
+    fn len(&self) -> u64 {
+        self.range().end - self.range().start
+    }
+
+    /// The first `n` bytes, and the rest.
+    fn split(self, n: u64) -> (Piece, Piece) {
+        let r = self.range().clone();
+        let cut = r.start + n.min(r.end - r.start);
+        match self {
+            Piece::Header(_) => (Piece::Header(r.start..cut), Piece::Header(cut..r.end)),
+            Piece::Old(_) => (Piece::Old(r.start..cut), Piece::Old(cut..r.end)),
+            Piece::Input { k, .. } => (
+                Piece::Input {
+                    k,
+                    range: r.start..cut,
+                },
+                Piece::Input {
+                    k,
+                    range: cut..r.end,
+                },
+            ),
+        }
+    }
+
+    /// `next` continues this piece: one piece.
+    fn join(&mut self, next: &Piece) -> bool {
+        match (self, next) {
+            (Piece::Old(a), Piece::Old(b)) | (Piece::Header(a), Piece::Header(b))
+                if a.end == b.start =>
+            {
+                a.end = b.end;
+                true
+            }
+            (Piece::Input { k: a, range: ra }, Piece::Input { k: b, range: rb })
+                if a == b && ra.end == rb.start =>
+            {
+                ra.end = rb.end;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A part of the new object, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    /// Bytes of the old object, copied by the server.
+    Copy(Range<u64>),
+    /// Bytes sent.
+    Upload(Vec<Piece>),
+}
+
+impl Part {
+    fn len(&self) -> u64 {
+        match self {
+            Part::Copy(r) => r.end - r.start,
+            Part::Upload(pieces) => pieces.iter().map(Piece::len).sum(),
+        }
+    }
+}
+
+/// The parts of a new object.
+#[derive(Debug, Clone, Default)]
+pub struct PartPlan {
+    pub parts: Vec<Part>,
+    /// Bytes sent, and bytes the server copies.
+    pub uploaded: u64,
+    pub copied: u64,
+}
+
+impl PartPlan {
+    /// One part: the object goes up by one PutObject.
+    pub fn single_put(&self) -> bool {
+        self.parts.len() <= 1
+    }
+}
+
+/// Cuts the new object, given as pieces in order (runs of the old object
+/// as `Old`), into parts: each old run of at least `min` bytes is copied by
+/// the server (in parts of at most 5 GiB), everything else is uploaded in
+/// parts of at most `max_upload` bytes, and an uploaded part shorter than
+/// `min` is topped up with the bytes that follow it, whatever they are.
+pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
+    let max_upload = max_upload.max(min);
+    let mut plan = PartPlan::default();
+    let mut open: Vec<Piece> = Vec::new();
+    let mut open_len = 0;
+    fn add(open: &mut Vec<Piece>, open_len: &mut u64, piece: Piece) {
+        if piece.len() == 0 {
+            return;
+        }
+        *open_len += piece.len();
+        if let Some(last) = open.last_mut() {
+            if last.join(&piece) {
+                return;
+            }
+        }
+        open.push(piece);
+    }
+    let flush = |plan: &mut PartPlan, open: &mut Vec<Piece>, open_len: &mut u64| {
+        if *open_len > 0 {
+            plan.uploaded += *open_len;
+            plan.parts.push(Part::Upload(std::mem::take(open)));
+            *open_len = 0;
+        }
+    };
+    for piece in pieces {
+        match piece {
+            Piece::Old(mut run) => {
+                if open_len > 0 && open_len < min {
+                    let take = (min - open_len).min(run.end - run.start);
+                    add(
+                        &mut open,
+                        &mut open_len,
+                        Piece::Old(run.start..run.start + take),
+                    );
+                    run.start += take;
+                }
+                let len = run.end - run.start;
+                if len == 0 {
+                    continue;
+                }
+                if len >= min {
+                    flush(&mut plan, &mut open, &mut open_len);
+                    // Equal parts of at most 5 GiB (so none is under the minimum).
+                    let n = len.div_ceil(MAX_PART);
+                    let each = len.div_ceil(n);
+                    let mut at = run.start;
+                    while at < run.end {
+                        let end = (at + each).min(run.end);
+                        plan.parts.push(Part::Copy(at..end));
+                        plan.copied += end - at;
+                        at = end;
+                    }
+                } else {
+                    add(&mut open, &mut open_len, Piece::Old(run));
+                    if open_len >= max_upload {
+                        flush(&mut plan, &mut open, &mut open_len);
+                    }
+                }
+            }
+            mut piece => {
+                while piece.len() > 0 {
+                    let (head, rest) = piece.split(max_upload - open_len);
+                    add(&mut open, &mut open_len, head);
+                    if open_len >= max_upload {
+                        flush(&mut plan, &mut open, &mut open_len);
+                    }
+                    piece = rest;
+                }
+            }
+        }
+    }
+    flush(&mut plan, &mut open, &mut open_len);
+    plan
+}
+
+/// The new object's layout and parts: its tensors in the old object's
+/// order (runs of it stay whole, so the server copies them), the header
+/// padded to the old one's length where it fits (every kept tensor stays
+/// at its offset, and so do its cached chunks), else with room to grow.
+pub(super) fn plan(new: &NewState) -> Result<(Layout, Way), Declined> {
+    let source = new.source;
+    let object = source.remote_object().ok_or("a local file")?;
+    let (layout, pieces) = if new.options.compact {
+        let layout = new.reference.clone();
+        let pieces = pieces_of(new, &layout);
+        (layout, pieces)
+    } else {
+        let (_, order) = source_order(new);
+        let tensors = tensors_in_order(new, &order)?;
+        let header =
+            crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
+        let mut layout = Layout {
+            header,
+            tensors,
+            source_index: order,
+        };
+        let old_len = source.header().data_start();
+        let new_len = layout.header.len() as u64;
+        if new_len <= old_len {
+            layout.header.resize(old_len as usize, b' ');
+            let room = old_len - crate::format::PREFIX_LEN;
+            layout.header[..8].copy_from_slice(&room.to_le_bytes());
+        } else {
+            leave_room(&mut layout);
+        }
+        let pieces = pieces_of(new, &layout);
+        (layout, pieces)
+    };
+    let min = min_part();
+    let mut max_upload = UPLOAD_PART;
+    let mut parts = plan_parts(pieces.clone(), min, max_upload);
+    while parts.parts.len() > MAX_PARTS && max_upload < MAX_PART {
+        max_upload = (max_upload * 2).min(MAX_PART);
+        parts = plan_parts(pieces.clone(), min, max_upload);
+    }
+    if parts.parts.len() > MAX_PARTS {
+        return Err(format!(
+            "the new object would take {} parts (S3 allows {MAX_PARTS})",
+            parts.parts.len()
+        )
+        .into());
+    }
+    let if_match = match new.options.force {
+        true => None,
+        false => object.etag().map(str::to_string),
+    };
+    Ok((
+        layout,
+        Way::Remote {
+            parts,
+            if_match,
+            record: None,
+        },
+    ))
+}
+
+/// The new object as pieces: the header, then each tensor's bytes (the old
+/// object's runs as `Old`, joined where they follow each other).
+fn pieces_of(new: &NewState, layout: &Layout) -> Vec<Piece> {
+    let source = new.source;
+    let data_start = source.header().data_start();
+    let mut pieces = vec![Piece::Header(0..layout.header.len() as u64)];
+    for (placed, &k) in layout.tensors.iter().zip(&layout.source_index) {
+        let len = placed.nbytes();
+        let piece = match &new.inputs[k] {
+            Bytes::Source(src, i) if Arc::ptr_eq(src, source) => {
+                let at = data_start + source.header().tensors.get(*i as usize).data_offsets.0;
+                Piece::Old(at..at + len)
+            }
+            _ => Piece::Input { k, range: 0..len },
+        };
+        let last = pieces.last_mut().expect("the header");
+        if !last.join(&piece) {
+            pieces.push(piece);
+        }
+    }
+    pieces
+}
+
+/// What `stfs status` and `stfs commit` say of a remote commit.
+pub fn describe(parts: &PartPlan) -> String {
+    match parts.single_put() {
+        true => format!(
+            "remote PutObject ({} uploaded, conditional on the version mounted)",
+            human_bytes(parts.uploaded)
+        ),
+        false => format!(
+            "remote multipart ({} uploaded, {} copied by the server, {} parts)",
+            human_bytes(parts.uploaded),
+            human_bytes(parts.copied),
+            parts.parts.len()
+        ),
+    }
+}
+
+/// A remote commit under way: its parts sent by `send_parts`, completed
+/// by `land`, aborted by `remove`.
+pub struct RemoteJob {
+    pub source: Arc<SourceFile>,
+    header: Vec<u8>,
+    inputs: Vec<Bytes>,
+    parts: PartPlan,
+    /// The ETag the completion is conditional on (None: `--force`).
+    if_match: Option<String>,
+    /// Where the upload's id is recorded (the folder, the file's name).
+    record: (Arc<Folder>, String),
+    upload: Mutex<Option<String>>,
+    done: Mutex<Vec<DonePart>>,
+    /// The new object, once completed and opened.
+    pub landed: Mutex<Option<RemoteObject>>,
+}
+
+fn remote_err(file: &std::path::Path) -> impl Fn(S3Error) -> CommitError + '_ {
+    move |e| match e {
+        S3Error::Precondition { .. } => CommitError::Conflict {
+            file: file.to_path_buf(),
+        },
+        e => CommitError::Remote {
+            file: file.to_path_buf(),
+            source: e,
+        },
+    }
+}
+
+impl RemoteJob {
+    pub(super) fn new(
+        source: Arc<SourceFile>,
+        header: Vec<u8>,
+        inputs: Vec<Bytes>,
+        parts: PartPlan,
+        if_match: Option<String>,
+        record: (Arc<Folder>, String),
+    ) -> RemoteJob {
+        RemoteJob {
+            source,
+            header,
+            inputs,
+            parts,
+            if_match,
+            record,
+            upload: Mutex::new(None),
+            done: Mutex::new(Vec::new()),
+            landed: Mutex::new(None),
+        }
+    }
+
+    fn object(&self) -> &RemoteObject {
+        self.source.remote_object().expect("a remote source")
+    }
+
+    fn writer(&self) -> Result<&S3Writer, CommitError> {
+        self.object()
+            .remote()
+            .writer()
+            .ok_or_else(|| CommitError::ReadOnly {
+                file: self.source.path().to_path_buf(),
+            })
+    }
+
+    fn file(&self) -> &std::path::Path {
+        self.source.path()
+    }
+
+    /// What the commit sent, in words (after it).
+    pub fn describe(&self) -> String {
+        describe(&self.parts)
+    }
+
+    /// A read of the bytes a part keeps failed: if because the version
+    /// mounted is gone (replaced: only `--force` gets here), its bytes
+    /// cannot be had any more, and the error says so.
+    fn read_err(&self, e: std::io::Error) -> CommitError {
+        let what = match self.object().replaced() {
+            true => format!(
+                "{}: the version this mount read is no longer in the store, so the bytes the \
+                 commit keeps cannot be read from it (--force cannot rebuild it); unmount with \
+                 --discard, or copy the tensors you need out of the mount first",
+                self.file().display()
+            ),
+            false => format!("{}: reading the bytes of a part", self.file().display()),
+        };
+        CommitError::Io { what, source: e }
+    }
+
+    /// The bytes of an uploaded part.
+    fn body(&self, pieces: &[Piece]) -> Result<bytes::Bytes, CommitError> {
+        let len: u64 = pieces.iter().map(Piece::len).sum();
+        let mut out = Vec::with_capacity(len as usize);
+        for piece in pieces {
+            match piece {
+                Piece::Header(r) => {
+                    out.extend_from_slice(&self.header[r.start as usize..r.end as usize])
+                }
+                Piece::Old(r) => {
+                    let got = self
+                        .object()
+                        .read(r.clone())
+                        .map_err(|e| self.read_err(e))?;
+                    out.extend_from_slice(&got);
+                }
+                Piece::Input { k, range } => {
+                    let at = out.len();
+                    out.resize(at + (range.end - range.start) as usize, 0);
+                    self.inputs[*k]
+                        .read_exact_at(range.start, &mut out[at..])
+                        .map_err(|e| self.read_err(e))?;
+                }
+            }
+        }
+        Ok(bytes::Bytes::from(out))
+    }
+
+    /// Step 2: the upload's parts, sent (nothing for a PutObject, which is
+    /// sent whole by `land`). On failure the upload is aborted.
+    pub(super) fn send_parts(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), CommitError> {
+        if self.parts.single_put() {
+            return Ok(());
+        }
+        let done = self.send_parts_or_fail(progress);
+        if done.is_err() {
+            self.remove();
+        }
+        done
+    }
+
+    fn send_parts_or_fail(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), CommitError> {
+        let writer = self.writer()?;
+        let object = self.object();
+        let key = object.path();
+        let err = remote_err(self.file());
+        let remote = object.remote();
+        // A key that holds another version already: refused before
+        // anything is sent.
+        if let Some(want) = &self.if_match {
+            let now = remote.run(writer.etag_now(key)).map_err(&err)?;
+            if now.as_deref() != Some(want) {
+                return Err(CommitError::Conflict {
+                    file: self.file().to_path_buf(),
+                });
+            }
+        }
+        self.write_record(None)?;
+        let upload = remote.run(writer.create_upload(key)).map_err(&err)?;
+        *self.upload.lock_anyway() = Some(upload.clone());
+        self.write_record(Some(&upload))?;
+        let total = self.parts.uploaded + self.parts.copied;
+        let mut sent = 0;
+        // Uploaded parts one by one (each built in memory), then the copies,
+        // several at once (a copy of gigabytes takes the server a while).
+        let mut copies = Vec::new();
+        for (n, part) in self.parts.parts.iter().enumerate() {
+            let number = n as u32 + 1;
+            match part {
+                Part::Copy(range) => copies.push((number, range.clone())),
+                Part::Upload(pieces) => {
+                    crate::testpoint::point("remote:part").map_err(io_err("sending a part"))?;
+                    let body = self.body(pieces)?;
+                    let done = remote
+                        .run(writer.upload_part(key, &upload, number, body))
+                        .map_err(&err)?;
+                    self.done.lock_anyway().push(done);
+                    sent += part.len();
+                    progress(sent, total);
+                }
+            }
+        }
+        if !copies.is_empty() {
+            crate::testpoint::point("remote:copy").map_err(io_err("copying parts"))?;
+        }
+        let etag = object.etag();
+        let copied =
+            remote.run(async {
+                use futures::StreamExt;
+                futures::stream::iter(copies.into_iter().map(|(number, range)| {
+                    writer.copy_part(key, &upload, number, key, etag, range)
+                }))
+                .buffer_unordered(COPIES_AT_ONCE)
+                .collect::<Vec<_>>()
+                .await
+            });
+        for done in copied {
+            self.done.lock_anyway().push(done.map_err(&err)?);
+        }
+        progress(total, total);
+        Ok(())
+    }
+
+    /// Step 3: the new object, made the one at the key, only if the key
+    /// still holds the version mounted (unless forced): a HEAD right before
+    /// completing, and `If-Match` on the completion (or the PutObject) for
+    /// the stores that honour it. Then the new object is opened.
+    pub(super) fn land(&self) -> Result<(), CommitError> {
+        let writer = self.writer()?;
+        let object = self.object();
+        let key = object.path();
+        let remote = object.remote();
+        let err = remote_err(self.file());
+        crate::testpoint::point("remote:complete").map_err(io_err("completing the upload"))?;
+        if let Some(want) = &self.if_match {
+            let now = remote.run(writer.etag_now(key)).map_err(&err)?;
+            if now.as_deref() != Some(want) {
+                return Err(CommitError::Conflict {
+                    file: self.file().to_path_buf(),
+                });
+            }
+        }
+        let if_match = self.if_match.as_deref();
+        let etag = match self.upload.lock_anyway().clone() {
+            None => {
+                let body = self.body(match self.parts.parts.first() {
+                    Some(Part::Upload(pieces)) => pieces,
+                    _ => &[],
+                })?;
+                remote.run(writer.put(key, body, if_match)).map_err(&err)?
+            }
+            Some(upload) => {
+                let mut parts = self.done.lock_anyway().clone();
+                parts.sort_by_key(|p| p.number);
+                remote
+                    .run(writer.complete(key, &upload, &parts, if_match))
+                    .map_err(&err)?
+            }
+        };
+        *self.upload.lock_anyway() = None;
+        self.remove_record();
+        info!(file = %self.file().display(), etag, "committed to the store");
+        let (fresh, _) = remote.open(key).map_err(|e| CommitError::Io {
+            what: format!("{}: opening the committed object", self.file().display()),
+            source: std::io::Error::other(match e {
+                crate::source::remote::OpenError::Fetch(e) => e,
+                crate::source::remote::OpenError::Format(e) => e.to_string(),
+            }),
+        })?;
+        if !etag.is_empty() && fresh.etag() != Some(etag.as_str()) {
+            return Err(CommitError::Io {
+                what: format!("{}: opening the committed object", self.file().display()),
+                source: std::io::Error::other("another writer replaced it right after the commit"),
+            });
+        }
+        *self.landed.lock_anyway() = Some(fresh);
+        Ok(())
+    }
+
+    /// Forgets a commit that will not land: its upload aborted (the parts
+    /// sent are freed), its record removed.
+    pub fn remove(&self) {
+        if let Some(upload) = self.upload.lock_anyway().take() {
+            let object = self.object();
+            match self
+                .writer()
+                .map(|w| object.remote().run(w.abort(object.path(), &upload)))
+            {
+                Ok(Ok(())) => info!(file = %self.file().display(), "upload aborted"),
+                Ok(Err(e)) => {
+                    // The record stays: the next mount aborts it.
+                    warn!(file = %self.file().display(), "aborting the upload: {e}");
+                    return;
+                }
+                Err(_) => return,
+            }
+        }
+        self.remove_record();
+    }
+
+    /// Records the upload (its id once known) in the cache folder, durably.
+    fn write_record(&self, upload: Option<&str>) -> Result<(), CommitError> {
+        let (folder, name) = &self.record;
+        let object = self.object();
+        let text = format!(
+            "{}\n{}\n{}\n",
+            object.url(),
+            object.path(),
+            upload.unwrap_or("")
+        );
+        let tmp = format!("{name}.tmp");
+        let path = folder.path.join(name);
+        let what = |e| io_err(format!("{}: recording the upload", path.display()))(e);
+        let _ = folder.unlink(OsStr::new(&tmp));
+        let f = folder
+            .open_file(
+                OsStr::new(&tmp),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+                0o600,
+            )
+            .map_err(&what)?;
+        f.write_all_at(text.as_bytes(), 0).map_err(&what)?;
+        f.sync_all().map_err(&what)?;
+        folder
+            .rename(OsStr::new(&tmp), OsStr::new(name))
+            .map_err(&what)?;
+        folder.sync().map_err(&what)
+    }
+
+    fn remove_record(&self) {
+        let (folder, name) = &self.record;
+        let _ = folder.unlink(OsStr::new(name));
+        let _ = folder.sync();
+    }
+}
+
+/// The name of an upload record of this mount (`stem`: the object's staging stem).
+pub fn record_name(stem: &str, commit: u64) -> String {
+    format!("{stem}.upload-{}-{commit}", std::process::id())
+}
+
+/// At mount: the uploads of commits a crash interrupted (recorded in
+/// `folder` under `stem`), aborted, so that no parts stay to be paid for.
+/// Records of a daemon still running are left alone.
+pub fn abort_interrupted(
+    folder: &Folder,
+    stem: &str,
+    writer: &S3Writer,
+    remote: &crate::source::remote::Remote,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    let prefix = format!("{stem}.upload-");
+    for name in folder.entries() {
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let name = name.to_string_lossy().into_owned();
+        if rest.ends_with(".tmp") {
+            let _ = folder.unlink(OsStr::new(&name));
+            continue;
+        }
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let alive = pid.is_some_and(|p| !crate::checkpoint::recover::process_gone(p));
+        if alive && pid != Some(std::process::id()) {
+            continue;
+        }
+        let text = folder
+            .open_file(OsStr::new(&name), libc::O_RDONLY, 0)
+            .and_then(|f| {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut &f, &mut s).map(|_| s)
+            })
+            .unwrap_or_default();
+        let mut lines = text.lines();
+        let (url, key, upload) = (
+            lines.next().unwrap_or(""),
+            lines.next().unwrap_or(""),
+            lines.next().unwrap_or(""),
+        );
+        if upload.is_empty() {
+            // Interrupted before the store named the upload: it holds no parts.
+            let _ = folder.unlink(OsStr::new(&name));
+            continue;
+        }
+        let key = object_store::path::Path::from(key);
+        match remote.run(writer.abort(&key, upload)) {
+            Ok(()) => {
+                let _ = folder.unlink(OsStr::new(&name));
+                notes.push(format!(
+                    "{url}: the upload of a commit that was interrupted was aborted (its parts \
+                     are freed; the object is as it was, and the edits are staged again)"
+                ));
+            }
+            Err(e) => notes.push(format!(
+                "{url}: the upload {upload} of an interrupted commit could not be aborted ({e}); \
+                 the next mount tries again"
+            )),
+        }
+    }
+    let _ = folder.sync();
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn old(r: Range<u64>) -> Piece {
+        Piece::Old(r)
+    }
+
+    #[test]
+    fn a_header_edit_uploads_the_header_topped_up_and_copies_the_rest() {
+        let plan = plan_parts(
+            vec![Piece::Header(0..4096), old(4096..100 * MIB)],
+            5 * MIB,
+            64 * MIB,
+        );
+        assert_eq!(
+            plan.parts,
+            vec![
+                Part::Upload(vec![Piece::Header(0..4096), old(4096..5 * MIB)]),
+                Part::Copy(5 * MIB..100 * MIB)
+            ]
+        );
+        assert_eq!((plan.uploaded, plan.copied), (5 * MIB, 95 * MIB));
+    }
+
+    #[test]
+    fn short_runs_are_uploaded_long_ones_copied_in_parts_under_5_gib() {
+        let plan = plan_parts(
+            vec![
+                Piece::Header(0..10 * MIB),
+                old(10 * MIB..11 * MIB),
+                Piece::Input {
+                    k: 3,
+                    range: 0..MIB,
+                },
+                old(20 * MIB..(20 << 10) * MIB),
+            ],
+            5 * MIB,
+            64 * MIB,
+        );
+        let len = |p: &Part| p.len();
+        assert!(matches!(&plan.parts[0], Part::Upload(p) if p.len() == 3));
+        assert_eq!(len(&plan.parts[0]), 12 * MIB);
+        let copies: Vec<_> = plan.parts[1..].iter().map(len).collect();
+        assert!(
+            copies.iter().all(|&n| (5 * MIB..=5 << 30).contains(&n)),
+            "{copies:?}"
+        );
+        assert_eq!(copies.len(), 4);
+        assert_eq!(
+            plan.uploaded + plan.copied,
+            12 * MIB + (20 << 10) * MIB - 20 * MIB
+        );
+    }
+
+    #[test]
+    fn a_run_that_tops_up_a_part_and_is_left_short_is_uploaded() {
+        let plan = plan_parts(
+            vec![
+                Piece::Header(0..MIB),
+                old(MIB..7 * MIB),
+                Piece::Input {
+                    k: 0,
+                    range: 0..MIB,
+                },
+            ],
+            5 * MIB,
+            64 * MIB,
+        );
+        assert_eq!(plan.parts.len(), 1);
+        assert!(plan.single_put());
+        assert_eq!(plan.copied, 0);
+    }
+
+    #[test]
+    fn large_new_tensors_go_up_in_parts_of_the_upload_size() {
+        let plan = plan_parts(
+            vec![
+                Piece::Header(0..MIB),
+                Piece::Input {
+                    k: 0,
+                    range: 0..200 * MIB,
+                },
+            ],
+            5 * MIB,
+            64 * MIB,
+        );
+        let lens: Vec<_> = plan.parts.iter().map(Part::len).collect();
+        assert_eq!(lens, [64 * MIB, 64 * MIB, 64 * MIB, 9 * MIB]);
+        // Every part but the last is at least the minimum.
+        let plan = plan_parts(
+            vec![
+                Piece::Header(0..MIB),
+                old(MIB..30 * MIB),
+                Piece::Input {
+                    k: 1,
+                    range: 0..MIB,
+                },
+                old(31 * MIB..33 * MIB),
+                Piece::Input {
+                    k: 2,
+                    range: 0..MIB,
+                },
+            ],
+            5 * MIB,
+            64 * MIB,
+        );
+        let lens: Vec<_> = plan.parts.iter().map(Part::len).collect();
+        assert!(
+            lens[..lens.len() - 1].iter().all(|&n| n >= 5 * MIB),
+            "{lens:?}"
+        );
+        assert_eq!(
+            lens.iter().sum::<u64>(),
+            MIB + 29 * MIB + MIB + 2 * MIB + MIB
+        );
+    }
+}

@@ -1,0 +1,415 @@
+"""Commits to S3 (a local moto server, behind the counting, fault-injecting
+proxy): every edit kind committed as a multipart upload of the new header and
+server-side copies of the old object, judged by downloading the object and
+reading it with the official `safetensors`; the lost-update refusal; faults
+at every step; a daemon killed mid-upload. Nothing reaches beyond 127.0.0.1.
+
+moto takes parts under 5 MiB when S3_UPLOAD_PART_MIN_SIZE says so, and
+stfs when STFS_S3_MIN_PART does: most tests use 64 KiB parts to stay small;
+one uses S3's real 5 MiB rule on a larger object."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load, save_file
+
+import stfs_fixtures as fx
+from remote_servers import FaultProxy, Moto
+from stfs_fixtures import wait_for_exit
+from test_threats import background, finished, pauses  # noqa: F401 (a fixture)
+
+BUCKET = "stfs-commit"
+MIN = 64 << 10
+MIB = 1 << 20
+
+
+def start_moto(tmp_path_factory, env):
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = Moto(log, env=env)
+    server.client().create_bucket(Bucket=BUCKET)
+    return server
+
+
+@pytest.fixture(scope="module")
+def aws_env():
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                            "AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def moto_small(aws_env, tmp_path_factory):
+    server = start_moto(tmp_path_factory, {"S3_UPLOAD_PART_MIN_SIZE": str(MIN)})
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_small, tmp_path, monkeypatch):
+    """The proxy in front of moto, with `put(local, key) -> url`, `get(key) ->
+    bytes`, `uploads()` (the multipart uploads open), `options` for a mount."""
+    monkeypatch.setenv("STFS_S3_MIN_PART", str(MIN))
+    proxy = FaultProxy(moto_small.port)
+    client = moto_small.client()
+    proxy.client = client
+    proxy.put = lambda local, key: (client.upload_file(str(local), BUCKET, key), f"s3://{BUCKET}/{key}")[1]
+    proxy.get = lambda key: client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    proxy.etag = lambda key: client.head_object(Bucket=BUCKET, Key=key)["ETag"]
+    proxy.uploads = lambda: client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+    proxy.options = ["--endpoint", proxy.url, "--cache-dir", str(tmp_path / "cache")]
+    yield proxy
+    proxy.stop()
+    for u in proxy.uploads():
+        client.abort_multipart_upload(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"])
+
+
+def checkpoint(path, seed=0):
+    """Twelve tensors of 96-400 KiB (each more than a part) and a few small ones."""
+    rng = np.random.default_rng(seed)
+    t = {f"layer.{i:02}": rng.standard_normal(((i % 4 + 1) * 24 << 10) // 4).astype(np.float32)
+         for i in range(12)}
+    t.update({f"norm.{i}": rng.standard_normal(64).astype(np.float32) for i in range(3)})
+    meta = {"format": "pt"}
+    save_file(t, str(path), metadata=meta)
+    return t, meta
+
+
+def file_order(path):
+    """Tensor names in the order of their bytes in the file."""
+    h, _, _ = fx.header_of(path)
+    return sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+
+
+def judged(data, t, meta, tmp_path):
+    """The downloaded object, read by the official package, is `t` and `meta`."""
+    got_path = tmp_path / "downloaded.safetensors"
+    got_path.write_bytes(data)
+    got = load(data)
+    assert sorted(got) == sorted(t)
+    for k, v in t.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
+    with safe_open(str(got_path), framework="np") as f:
+        assert (f.metadata() or {}) == meta
+
+
+def sent_by_stfs(s3):
+    """(bytes of request bodies sent, the copy requests) since the last reset."""
+    reqs = list(s3.requests)
+    body = sum(r["length"] for r in reqs if r["method"] in ("PUT", "POST"))
+    copies = [r for r in reqs if "x-amz-copy-source" in r["headers"]]
+    return body, copies
+
+
+def edit(kind, path, t, meta, order, tmp_path):
+    t, meta = dict(t), dict(meta)
+    if kind == "metadata":
+        meta["chat_template"] = "{{ messages }}"
+        with open(os.path.join(path, "__metadata__.json"), "w") as f:
+            json.dump(meta, f)
+    elif kind == "rename":
+        fx.sh(f"mv {path}/layer.03 {path}/model.layers.3.weight")
+        t["model.layers.3.weight"] = t.pop("layer.03")
+    elif kind == "overwrite":
+        name = order[5]
+        new = np.full(t[name].shape, 0.25, t[name].dtype)
+        (tmp_path / "new.bin").write_bytes(new.tobytes())
+        fx.sh(f"dd if={tmp_path}/new.bin of={path}/{name} bs=64K conv=notrunc status=none")
+        t[name] = new
+    elif kind == "drop_middle":
+        name = order[len(order) // 2]
+        os.unlink(os.path.join(path, name))
+        del t[name]
+    elif kind == "drop_tail":
+        name = order[-1]
+        os.unlink(os.path.join(path, name))
+        del t[name]
+    elif kind in ("new_tensor", "append"):
+        name = "lora.A" if kind == "new_tensor" else "zz.appended"
+        new = np.arange(300 << 10, dtype=np.uint8)
+        (tmp_path / "extra.bin").write_bytes(new.tobytes())
+        fx.sh(f"cp {tmp_path}/extra.bin {path}/{name} && "
+              f"echo '{{\"dtype\":\"U8\",\"shape\":[{new.size}]}}' > {path}/{name}.meta.json")
+        t[name] = new
+    return t, meta
+
+
+@pytest.mark.parametrize("kind", ["metadata", "rename", "overwrite", "drop_middle", "drop_tail", "new_tensor",
+                                  "append"])
+def test_every_edit_kind_commits_to_s3_moving_only_the_edit(tmp_path, s3, mount, run, kind):
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, f"{kind}/m.safetensors")
+    m = mount(url, *s3.options)
+    assert "read-only" not in m.result.stderr
+    t2, meta2 = edit(kind, m.path, t, meta, file_order(src), tmp_path)
+    status = run("status", m.path).stdout
+    assert "commit     remote multipart (" in status and "copied by the server" in status, status
+    s3.reset()
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    assert f"{url}: committed remote multipart (" in p.stdout, p.stdout
+    judged(s3.get(f"{kind}/m.safetensors"), t2, meta2, tmp_path)
+    assert s3.uploads() == []
+    # Only the edit moved: the new header topped up to a part, what the
+    # edit wrote, and the small runs between; the rest copied by the server.
+    body, copies = sent_by_stfs(s3)
+    new_bytes = sum(v.nbytes for k, v in t2.items() if k not in t or t[k].tobytes() != v.tobytes())
+    assert copies, "no server-side copy"
+    assert all(c["headers"]["x-amz-copy-source-range"].startswith("bytes=") for c in copies)
+    assert all(c["headers"].get("x-amz-copy-source-if-match") for c in copies)
+    assert body <= new_bytes + 4 * MIN + 8192, (body, new_bytes)
+    assert body - new_bytes < os.path.getsize(src) / 2
+    # The completion was conditional on the version mounted.
+    completes = [r for r in s3.requests if r["method"] == "POST" and "uploadId=" in r["path"]]
+    assert len(completes) == 1 and completes[0]["headers"].get("if-match"), completes
+    # The mount serves the new object at once, and commits again over it.
+    assert sorted(f for f in os.listdir(m.path) if not f.endswith(".meta.json") and not f.startswith("__")) \
+        == sorted(t2)
+    name = sorted(t2)[0]
+    assert fx.sh(f"cat {m.path}/{name} | sha256sum").stdout.split()[0] == \
+        __import__("hashlib").sha256(t2[name].tobytes()).hexdigest()
+    meta2["second"] = "commit"
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(meta2, f)
+    fx.committed(run, m)
+    judged(s3.get(f"{kind}/m.safetensors"), t2, meta2, tmp_path)
+    m.close(check=True)
+    # A fresh mount reads the committed object; nothing is left staged.
+    m = mount(url, *s3.options)
+    assert "nothing" in run("status", m.path).stdout or "no changes" in run("status", m.path).stdout
+
+
+def test_a_small_object_goes_up_by_one_conditional_put(tmp_path, s3, mount, run):
+    src = tmp_path / "s.safetensors"
+    t = {"a": np.arange(8, dtype=np.float32), "b": np.ones((4, 4), np.float16)}
+    save_file(t, str(src))
+    url = s3.put(src, "small/s.safetensors")
+    m = mount(url, *s3.options)
+    fx.sh(f"mv {m.path}/a {m.path}/alpha")
+    assert "commit     remote PutObject (" in run("status", m.path).stdout
+    s3.reset()
+    fx.committed(run, m)
+    puts = [r for r in s3.requests if r["method"] == "PUT"]
+    assert len(puts) == 1 and puts[0]["headers"].get("if-match"), puts
+    judged(s3.get("small/s.safetensors"), {"alpha": t["a"], "b": t["b"]}, {}, tmp_path)
+
+
+def test_an_object_replaced_behind_the_mount_is_refused_and_nothing_is_lost(tmp_path, s3, mount, run):
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, "replaced/m.safetensors")
+    m = mount(url, *s3.options)
+    fx.sh(f"mv {m.path}/layer.00 {m.path}/renamed")
+    other = tmp_path / "other.safetensors"
+    t_other, _ = checkpoint(other, seed=7)
+    s3.put(other, "replaced/m.safetensors")
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    assert "the source changed since it was mounted" in p.stderr, p.stderr
+    # The other writer's object stands, no upload is open, the edit is staged.
+    assert s3.get("replaced/m.safetensors") == other.read_bytes()
+    assert s3.uploads() == []
+    assert "renamed    layer.00 -> renamed" in run("status", m.path).stdout
+    # --force cannot rebuild what the other writer's object no longer holds.
+    p = run("commit", "--force", m.path)
+    assert p.returncode != 0
+    assert "no longer in the store" in p.stderr or "changed since it was mounted" in p.stderr, p.stderr
+    assert s3.get("replaced/m.safetensors") == other.read_bytes()
+    assert s3.uploads() == []
+
+
+def test_a_replacement_between_the_check_and_the_put_is_refused_by_if_match(tmp_path, s3, mount, run):
+    src = tmp_path / "s.safetensors"
+    save_file({"a": np.arange(8, dtype=np.float32)}, str(src))
+    url = s3.put(src, "race/s.safetensors")
+    m = mount(url, *s3.options)
+    fx.sh(f"mv {m.path}/a {m.path}/b")
+    other = tmp_path / "other.safetensors"
+    save_file({"x": np.zeros(3, np.float32)}, str(other))
+
+    def replace_before_put(r):
+        # The object changes after stfs's HEAD, just before its PutObject lands.
+        if r["method"] == "PUT" and r["headers"].get("if-match"):
+            s3.client.upload_file(str(other), BUCKET, "race/s.safetensors")
+        return None
+
+    s3.rule = replace_before_put
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    assert "the source changed since it was mounted" in p.stderr, p.stderr
+    assert s3.get("race/s.safetensors") == other.read_bytes()
+    assert "renamed    a -> b" in run("status", m.path).stdout
+
+
+def test_a_replacement_while_the_parts_go_up_is_refused_before_completing(tmp_path, s3, mount, run, pauses,
+                                                                          stfs):
+    """moto ignores If-Match on CompleteMultipartUpload (AWS honours it): the
+    HEAD right before completing is what refuses here."""
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, "late/m.safetensors")
+    p = pauses("remote:complete")
+    m = mount(url, *s3.options)
+    fx.sh(f"mv {m.path}/layer.01 {m.path}/one")
+    commit = background(stfs, "commit", m.path)
+    p.wait("remote:complete", commit)
+    other = tmp_path / "other.safetensors"
+    checkpoint(other, seed=9)
+    s3.put(other, "late/m.safetensors")
+    p.go("remote:complete")
+    code, out, err = finished(commit)
+    assert code != 0 and "the source changed since it was mounted" in err, (out, err)
+    assert s3.get("late/m.safetensors") == other.read_bytes()
+    assert s3.uploads() == []
+    assert "renamed    layer.01 -> one" in run("status", m.path).stdout
+
+
+def step_of(r):
+    """Which request of a commit this is."""
+    path, method, h = r["path"], r["method"], r["headers"]
+    if method == "POST" and path.endswith("uploads="):
+        return "create"
+    if method == "PUT" and "x-amz-copy-source" in h:
+        return "copy"
+    if method == "PUT" and "partNumber=" in path:
+        return "part"
+    if method == "POST" and "uploadId=" in path:
+        return "complete"
+    if method == "HEAD":
+        return "head"
+    return None
+
+
+@pytest.mark.parametrize("step", ["create", "part", "copy", "head", "complete"])
+@pytest.mark.parametrize("action", [500, "drop", "error_200"])
+def test_a_fault_at_every_step_leaves_the_old_object_or_the_new_never_a_mix(tmp_path, s3, mount, run,
+                                                                             step, action):
+    if action == "error_200" and step not in ("copy", "complete"):
+        pytest.skip("S3 answers 200 with an error body only to copies and completions")
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    key = f"faults/{step}-{action}/m.safetensors"
+    url = s3.put(src, key)
+    old = s3.get(key)
+    m = mount(url, *s3.options, "--timeout", "5")
+    t2, meta2 = edit("rename", m.path, t, meta, file_order(src), tmp_path)
+    # Every request of that step fails: the commit fails; once: it is retried.
+    for times in ("always", "once"):
+        seen = [0]
+
+        def rule(r):
+            if step_of(r) == step and (times == "always" or seen[0] == 0):
+                seen[0] += 1
+                return action
+            return None
+
+        s3.reset()
+        s3.rule = rule
+        p = run("commit", m.path, timeout=120)
+        s3.rule = None
+        assert seen[0] > 0, f"no {step} request"
+        assert s3.uploads() == [], (step, action, times)
+        data = s3.get(key)
+        if p.returncode != 0:
+            assert data == old, (step, action, times)
+            assert "the object is unchanged and the edits are staged" in p.stderr, p.stderr
+            assert "model.layers.3.weight" in run("status", m.path).stdout
+        else:
+            assert times == "once", f"{step} failing {action} every time, and the commit succeeded"
+            judged(data, t2, meta2, tmp_path)
+
+
+def test_a_daemon_killed_mid_upload_leaves_no_parts_and_the_edits_come_back(tmp_path, s3, mount, run,
+                                                                            monkeypatch):
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, "killed/m.safetensors")
+    old = s3.get("killed/m.safetensors")
+    monkeypatch.setenv("STFS_CRASH_AT", "remote:copy")
+    m = mount(url, *s3.options)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    t2, meta2 = edit("metadata", m.path, t, meta, [], tmp_path)
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    wait_for_exit(m.pid, 20)
+    # The upload was begun and the daemon died with it open.
+    assert len(s3.uploads()) == 1
+    assert s3.get("killed/m.safetensors") == old
+    subprocess.run(["umount", "-l", m.path], check=False)
+    m2 = mount(url, *s3.options)
+    assert "upload of a commit that was interrupted was aborted" in m2.result.stderr, m2.result.stderr
+    assert s3.uploads() == []
+    assert "took back 1 staged change of an earlier mount" in m2.result.stderr, m2.result.stderr
+    assert "chat_template" in run("status", m2.path).stdout
+    fx.committed(run, m2)
+    judged(s3.get("killed/m.safetensors"), t, meta2, tmp_path)
+
+
+def test_http_sources_and_s3_folders_stay_read_only(tmp_path, s3, mount, run):
+    src = tmp_path / "a.safetensors"
+    fx.base(src)
+    s3.put(src, "folder/a.safetensors")
+    m = mount(f"s3://{BUCKET}/folder/", *s3.options)
+    assert "mounted read-only (commits of folders of shards to S3 are not supported yet)" in m.result.stderr
+    shard = os.path.join(m.path, "a")
+    assert "a" in os.listdir(shard)
+    with pytest.raises(OSError) as e:
+        os.unlink(os.path.join(shard, "a"))
+    assert e.value.errno == errno.EROFS
+    m = mount(f"s3://{BUCKET}/folder/a.safetensors", *s3.options, "-o", "ro")
+    with pytest.raises(OSError) as e:
+        os.unlink(os.path.join(m.path, "a"))
+    assert e.value.errno == errno.EROFS
+
+
+@pytest.fixture(scope="module")
+def moto_strict(aws_env, tmp_path_factory):
+    server = start_moto(tmp_path_factory, {})
+    yield server
+    server.stop()
+
+
+def test_the_real_5_mib_part_rule_on_a_larger_object(tmp_path, moto_strict, mount, run, monkeypatch):
+    """S3's own minimum (moto's default): a header edit of a 40 MiB object
+    sends one 5 MiB part (the header topped up) and copies the rest."""
+    monkeypatch.delenv("STFS_S3_MIN_PART", raising=False)
+    proxy = FaultProxy(moto_strict.port)
+    try:
+        rng = np.random.default_rng(3)
+        t = {f"w.{i}": rng.integers(0, 255, size=8 * MIB, dtype=np.uint8) for i in range(5)}
+        t["tiny"] = np.arange(10, dtype=np.float32)
+        src = tmp_path / "big.safetensors"
+        save_file(t, str(src))
+        client = moto_strict.client()
+        client.upload_file(str(src), BUCKET, "big.safetensors")
+        m = mount(f"s3://{BUCKET}/big.safetensors", "--endpoint", proxy.url, "--cache-dir",
+                  str(tmp_path / "cache"))
+        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+            json.dump({"edited": "yes"}, f)
+        fx.sh(f"mv {m.path}/w.2 {m.path}/renamed")
+        proxy.reset()
+        p = fx.committed(run, m)
+        assert "5.0 MiB uploaded" in p.stdout, p.stdout
+        body = sum(r["length"] for r in proxy.requests if r["method"] in ("PUT", "POST"))
+        assert body <= 5 * MIB + 4096, body
+        data = client.get_object(Bucket=BUCKET, Key="big.safetensors")["Body"].read()
+        t["renamed"] = t.pop("w.2")
+        judged(data, t, {"edited": "yes"}, tmp_path)
+        assert client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+        m.close(check=True)
+    finally:
+        proxy.stop()
