@@ -193,6 +193,41 @@ def test_every_edit_kind_commits_to_s3_moving_only_the_edit(tmp_path, s3, mount,
     assert "nothing" in run("status", m.path).stdout or "no changes" in run("status", m.path).stdout
 
 
+def test_after_a_commit_the_cached_chunks_that_did_not_move_serve_without_a_request(tmp_path, s3, mount, run):
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, "cached/m.safetensors")
+    m = mount(url, *s3.options)
+    # A first commit gives the header room (save_file leaves none): the data moves.
+    meta["edited"] = "yes"
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(meta, f)
+    fx.committed(run, m)
+    for name in t:
+        fx.sh(f"cat {m.path}/{name} > /dev/null")
+    # The next header edits fit the room: no byte of data moves.
+    meta["edited"] = "twice"
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump(meta, f)
+    fx.committed(run, m)
+    s3.reset()
+    for name, v in t.items():
+        with open(os.path.join(m.path, name), "rb") as f:
+            assert f.read() == v.tobytes(), name
+    assert s3.count("GET") == 0, [r["range"] for r in s3.requests]
+    # A rename moves no bytes either; a tensor dropped from the middle moves
+    # those after it: those are fetched again, from the new object.
+    order = file_order(src)
+    os.unlink(os.path.join(m.path, order[3]))
+    del t[order[3]]
+    fx.committed(run, m)
+    s3.reset()
+    for name, v in t.items():
+        with open(os.path.join(m.path, name), "rb") as f:
+            assert f.read() == v.tobytes(), name
+    assert s3.count("GET") > 0
+
+
 def test_a_small_object_goes_up_by_one_conditional_put(tmp_path, s3, mount, run):
     src = tmp_path / "s.safetensors"
     t = {"a": np.arange(8, dtype=np.float32), "b": np.ones((4, 4), np.float16)}

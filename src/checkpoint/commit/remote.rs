@@ -560,8 +560,43 @@ impl RemoteJob {
                 source: std::io::Error::other("another writer replaced it right after the commit"),
             });
         }
+        let adopted = fresh.adopt_chunks(object, &self.kept_in_place());
+        if adopted > 0 {
+            info!(file = %self.file().display(), adopted, "cached chunks kept for the new object");
+        }
         *self.landed.lock_anyway() = Some(fresh);
         Ok(())
+    }
+
+    /// The ranges of the new object that hold the old object's bytes at
+    /// their old offsets (their cached chunks stay good).
+    fn kept_in_place(&self) -> Vec<Range<u64>> {
+        let mut kept: Vec<Range<u64>> = Vec::new();
+        let mut at = 0;
+        let mut keep = |from: &Range<u64>, at: u64| {
+            if from.start == at {
+                match kept.last_mut() {
+                    Some(last) if last.end == from.start => last.end = from.end,
+                    _ => kept.push(from.clone()),
+                }
+            }
+        };
+        for part in &self.parts.parts {
+            match part {
+                Part::Copy(r) => keep(r, at),
+                Part::Upload(pieces) => {
+                    let mut within = at;
+                    for piece in pieces {
+                        if let Piece::Old(r) = piece {
+                            keep(r, within);
+                        }
+                        within += piece.len();
+                    }
+                }
+            }
+            at += part.len();
+        }
+        kept
     }
 
     /// Forgets a commit that will not land: its upload aborted (the parts

@@ -389,7 +389,6 @@ impl DiskCache {
     }
 
     /// Stores a whole chunk.
-    #[cfg(test)]
     pub(super) fn put(self: &Arc<Self>, name: &str, data: &[u8]) -> std::io::Result<()> {
         let mut w = self.begin(name)?;
         w.write(data)?;

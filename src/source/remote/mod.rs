@@ -634,6 +634,43 @@ impl RemoteObject {
         format!("{}.{}.chunk", self.cache_key, self.chunks[k])
     }
 
+    /// After a commit that made this object from `old`: the cached chunks of
+    /// `old` whose bytes are at the same offsets here (`same`: ranges of this
+    /// object that hold `old`'s bytes at their old place) are kept as chunks
+    /// of this version, so that reads after the commit need no request.
+    /// Returns how many.
+    pub fn adopt_chunks(&self, old: &RemoteObject, same: &[std::ops::Range<u64>]) -> usize {
+        let cache = &self.remote.cache;
+        let mut adopted = 0;
+        for k in 0..self.chunks.len().saturating_sub(1) {
+            let range = self.chunk_range(k);
+            if !same
+                .iter()
+                .any(|s| s.start <= range.start && range.end <= s.end)
+            {
+                continue;
+            }
+            let Ok(j) = old.chunks.binary_search(&range.start) else {
+                continue;
+            };
+            if old.chunks.get(j + 1) != Some(&range.end) {
+                continue;
+            }
+            let from = old.chunk_name(j);
+            if !cache.has(&from, range.clone()) {
+                continue;
+            }
+            let Some(map) = cache.get(&from, range.clone()) else {
+                continue;
+            };
+            let len = (range.end - range.start) as usize;
+            if cache.put(&self.chunk_name(k), &map[..len]).is_ok() {
+                adopted += 1;
+            }
+        }
+        adopted
+    }
+
     /// Whether a read found the object replaced behind the mount.
     pub fn replaced(&self) -> bool {
         self.stale.load(Ordering::Relaxed)
