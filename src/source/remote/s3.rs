@@ -149,6 +149,8 @@ impl S3Writer {
             .map_err(|e| e.to_string())?;
         let base = match endpoint {
             Some(ep) => format!("{}/{}", ep.trim_end_matches('/'), encode(&bucket, false)),
+            // (A bucket name with dots fails TLS as a host name: path style.)
+            None if bucket.contains('.') => format!("https://s3.{region}.amazonaws.com/{bucket}"),
             None => format!("https://{bucket}.s3.{region}.amazonaws.com"),
         };
         Ok(S3Writer {
@@ -239,9 +241,12 @@ impl S3Writer {
                 .map_err(|e| transport(crate::errno::with_causes(&e)))?;
             Ok::<_, S3Error>((parts, body))
         };
-        let (parts, body) = tokio::time::timeout(self.timeout.saturating_mul(4), answer)
+        // (A copy of a 1 GiB part, or the completion of a large object, may
+        // take the server minutes: ten times --timeout, the client's own
+        // limit; its limit on silence applies too.)
+        let (parts, body) = tokio::time::timeout(self.timeout.saturating_mul(10), answer)
             .await
-            .map_err(|_| transport(format!("no answer in {} s", self.timeout.as_secs() * 4)))??;
+            .map_err(|_| transport(format!("no answer in {} s", self.timeout.as_secs() * 10)))??;
         let status = parts.status.as_u16();
         let text = String::from_utf8_lossy(&body);
         if status == 412 {
