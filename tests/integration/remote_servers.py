@@ -229,6 +229,14 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             data = resp.read()
         finally:
             conn.close()
+        if action == "lose_answer":
+            # The server did it; its answer never arrives.
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         self.send_response(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "keep-alive"):
@@ -265,7 +273,8 @@ class FaultProxy:
     """Forwards to 127.0.0.1:upstream_port. `rule(request) -> action` decides
     each request: None (forward), an HTTP status to answer instead, "drop",
     "hang" (until `release` is set, then drop), "hold" (until `release` is
-    set, then forward), "error_200" (a 200 whose body is an S3 error), "stall_body" (forward the headers and half the body,
+    set, then forward), "error_200" (a 200 whose body is an S3 error), "lose_answer"
+    (forward, then drop the server's answer), "stall_body" (forward the headers and half the body,
     then nothing until `release`), "trickle_body" (the headers, then a byte a
     second), or ("delay", seconds) then forward.
     `requests` lists every request seen: {method, path, range, headers

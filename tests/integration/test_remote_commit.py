@@ -313,6 +313,43 @@ def test_a_replacement_while_the_parts_go_up_is_refused_before_completing(tmp_pa
     assert "renamed    layer.01 -> one" in run("status", m.path).stdout
 
 
+@pytest.mark.parametrize("size", ["multipart", "put"])
+def test_a_completion_whose_answer_is_lost_is_recognised_as_landed(tmp_path, s3, mount, run, size):
+    """The store completes the upload (or the PutObject) but no answer ever
+    arrives: stfs recognises the new object at the key by its ETag, which it
+    computes (S3's MD5 of the parts' MD5s, or of the body), instead of
+    reporting a commit that landed as failed."""
+    src = tmp_path / "m.safetensors"
+    if size == "put":
+        t, meta = {"a": np.arange(8, dtype=np.float32)}, {}
+        save_file(t, str(src))
+    else:
+        t, meta = checkpoint(src)
+    url = s3.put(src, f"lost-{size}/m.safetensors")
+    m = mount(url, *s3.options)
+    t2, meta2 = edit("metadata", m.path, t, meta, [], tmp_path)
+    lost = [0]
+
+    def rule(r):
+        last = (r["method"] == "POST" and "uploadId=" in r["path"]) or \
+            (r["method"] == "PUT" and r["headers"].get("if-match"))
+        if last:
+            # Every time: the request sent again may land too (a second
+            # completion of an upload is accepted), its answer is lost all the same.
+            lost[0] += 1
+            return "lose_answer"
+        return None
+
+    s3.rule = rule
+    p = run("commit", m.path, timeout=120)
+    assert lost[0] > 1
+    assert p.returncode == 0, p.stderr
+    judged(s3.get(f"lost-{size}/m.safetensors"), t2, meta2, tmp_path)
+    assert s3.uploads() == []
+    assert "but the key holds the new object: committed" in open(m.log).read()
+    assert "chat_template" in fx.sh(f"cat {m.path}/__metadata__.json").stdout
+
+
 def step_of(r):
     """Which request of a commit this is."""
     path, method, h = r["path"], r["method"], r["headers"]

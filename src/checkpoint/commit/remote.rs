@@ -13,7 +13,7 @@
 use super::*;
 use crate::checkpoint::Declined;
 use crate::source::remote::RemoteObject;
-use crate::source::remote::s3::{DonePart, S3Error, S3Writer};
+use crate::source::remote::s3::{self, DonePart, S3Error, S3Writer};
 use std::ffi::OsStr;
 use std::ops::Range;
 use std::sync::Mutex;
@@ -531,21 +531,37 @@ impl RemoteJob {
             }
         }
         let if_match = self.if_match.as_deref();
-        let etag = match self.upload.lock_anyway().clone() {
+        // The ETag the new object will have (S3's: an MD5 of the body, or of
+        // the parts' MD5s), to recognise it if the answer is lost.
+        let (done, expected) = match self.upload.lock_anyway().clone() {
             None => {
                 let body = self.body(match self.parts.parts.first() {
                     Some(Part::Upload(pieces)) => pieces,
                     _ => &[],
                 })?;
-                remote.run(writer.put(key, body, if_match)).map_err(&err)?
+                let expected = s3::put_etag(&body);
+                (remote.run(writer.put(key, body, if_match)), Some(expected))
             }
             Some(upload) => {
                 let mut parts = self.done.lock_anyway().clone();
                 parts.sort_by_key(|p| p.number);
-                remote
-                    .run(writer.complete(key, &upload, &parts, if_match))
-                    .map_err(&err)?
+                let expected = s3::multipart_etag(&parts);
+                let done = remote.run(writer.complete(key, &upload, &parts, if_match));
+                (done, expected)
             }
+        };
+        let etag = match done {
+            Ok(etag) => etag,
+            // The store may have completed it and the answer been lost (a
+            // time-out, a dropped connection; the request sent again then
+            // finds no upload, or a changed ETag): the key says which.
+            Err(e) => match (expected, remote.run(writer.etag_now(key))) {
+                (Some(want), Ok(Some(now))) if now == want => {
+                    warn!(file = %self.file().display(), "{e}; but the key holds the new object: committed");
+                    want
+                }
+                _ => return Err(err(e)),
+            },
         };
         *self.upload.lock_anyway() = None;
         self.remove_record();

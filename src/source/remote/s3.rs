@@ -451,6 +451,38 @@ impl S3Writer {
     }
 }
 
+/// The ETag S3 gives an object put whole: the MD5 of its bytes, quoted.
+pub fn put_etag(body: &[u8]) -> String {
+    use md5::Digest;
+    format!("\"{}\"", hex(&md5::Md5::digest(body)))
+}
+
+/// The ETag S3 gives a completed multipart upload: the MD5 of its parts'
+/// MD5s, then `-` and the number of parts, quoted (None: a part's ETag is
+/// not an MD5, as with encryption by KMS).
+pub fn multipart_etag(parts: &[DonePart]) -> Option<String> {
+    use md5::Digest;
+    let mut all = Vec::with_capacity(16 * parts.len());
+    for p in parts {
+        let text = p.etag.trim_matches('"');
+        if text.len() != 32 {
+            return None;
+        }
+        for k in 0..16 {
+            all.push(u8::from_str_radix(text.get(2 * k..2 * k + 2)?, 16).ok()?);
+        }
+    }
+    Some(format!(
+        "\"{}-{}\"",
+        hex(&md5::Md5::digest(&all)),
+        parts.len()
+    ))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,6 +491,25 @@ mod tests {
     fn keys_are_encoded_as_s3_signs_them() {
         assert_eq!(encode("a b/c+d~é", true), "a%20b/c%2Bd~%C3%A9");
         assert_eq!(encode("a/b", false), "a%2Fb");
+    }
+
+    #[test]
+    fn etags_are_s3s() {
+        // (Values as S3 and moto give them.)
+        assert_eq!(put_etag(b""), "\"d41d8cd98f00b204e9800998ecf8427e\"");
+        let parts = [DonePart {
+            number: 1,
+            etag: "\"d41d8cd98f00b204e9800998ecf8427e\"".into(),
+        }];
+        assert_eq!(
+            multipart_etag(&parts).as_deref(),
+            Some("\"59adb24ef3cdbe0297f05b395827453f-1\"")
+        );
+        let kms = [DonePart {
+            number: 1,
+            etag: "\"not-an-md5\"".into(),
+        }];
+        assert_eq!(multipart_etag(&kms), None);
     }
 
     #[test]
