@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::in_place::{FileOps, InPlaceRecord, RangeWrite, Steps, WriteFrom};
 use crate::format::{Header, PREFIX_LEN};
 use crate::source::FileStat;
-use crate::source::local::Folder;
+use crate::source::Folder;
 
 const BLOCK: u64 = 4096;
 /// The time a write gives the file (the kernel's "now").

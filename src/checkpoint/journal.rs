@@ -124,7 +124,7 @@ impl Journal {
     /// a rewrite (`Live::snapshot`) mends it.
     pub fn append(
         &mut self,
-        folder: &crate::source::local::Folder,
+        folder: &crate::source::Folder,
         begin: impl FnOnce() -> Record,
         records: &[Record],
     ) -> std::io::Result<()> {

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use super::Live;
 use super::journal;
 use super::staging::{Renames, Staging, kept};
-use crate::source::local::Folder;
+use crate::source::Folder;
 use crate::source::{SourceFile, StagingDir};
 
 /// Why kept edits cannot be taken back, or the record of an interrupted

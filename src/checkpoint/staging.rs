@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::source::local::Folder;
+use crate::source::Folder;
 use crate::source::staged::StagingError;
 use crate::source::{FileStat, StagingDir};
 

@@ -15,7 +15,7 @@ use tracing::{error, info, warn};
 use super::commit::{CommitLock, CommitOptions, LandError, Landing, Written, land};
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
-use crate::source::local::Folder;
+use crate::source::Folder;
 use crate::source::{Bytes, FileStat, SourceFile};
 
 /// A `*.index.json` of a folder mount, as read at mount time (and rewritten by commits).
@@ -357,7 +357,7 @@ impl Transactions {
                 )
                 .ok();
             match Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill) {
-                Ok(w) => pending.written.push(Landing::Renamed(w)),
+                Ok(w) => pending.written.push(Box::new(w)),
                 Err(e) => {
                     warn!("commit failed: {e}");
                     return Err(e);
@@ -438,12 +438,10 @@ impl Transactions {
                 continue;
             }
             let (old, moved) = (plan.source.clone(), plan.moved.clone());
-            // (In place: the bytes shared as they were, not as planned.)
-            let described = match &w {
-                Landing::InPlace(job) => job.describe(),
-                _ => plan.described.clone(),
-            };
-            match st.live_mut(c).finish(plan, &w) {
+            // (What it did, where that differs from the plan: in place, the
+            // bytes shared as they were.)
+            let described = w.landed_words().unwrap_or_else(|| plan.described.clone());
+            match st.live_mut(c).finish(plan, &*w) {
                 Ok(()) => {
                     info!(file = %path, "committed: {described}");
                     lines.push(format!("{path}: committed {described}"));
@@ -501,13 +499,13 @@ type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
 struct Pending<'a, S: Shards> {
     state: &'a RwLock<S>,
     planned: Vec<usize>,
-    written: Vec<Landing>,
+    written: Vec<Box<dyn Landing>>,
     armed: bool,
 }
 
 impl<S: Shards> Pending<'_, S> {
     /// Once a file has landed: nothing is undone any more.
-    fn disarm(mut self) -> Vec<Landing> {
+    fn disarm(mut self) -> Vec<Box<dyn Landing>> {
         self.armed = false;
         std::mem::take(&mut self.written)
     }
@@ -516,7 +514,7 @@ impl<S: Shards> Pending<'_, S> {
 impl<S: Shards> Drop for Pending<'_, S> {
     fn drop(&mut self) {
         if self.armed {
-            self.written.iter().for_each(Landing::remove);
+            self.written.iter().for_each(|l| l.remove());
             let mut st = write(self.state);
             self.planned.iter().for_each(|c| st.live_mut(*c).abandon());
         }

@@ -512,7 +512,7 @@ mod tests {
     fn npy_headers_say_the_shape_as_numpy_does() {
         let dir = tempfile::tempdir().unwrap();
         let staging = crate::source::StagingDir::create(
-            Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+            Arc::new(crate::source::Folder::open(dir.path()).unwrap()),
             "n",
         )
         .unwrap();
@@ -551,7 +551,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let staging = Arc::new(
             crate::source::StagingDir::create(
-                Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+                Arc::new(crate::source::Folder::open(dir.path()).unwrap()),
                 "v",
             )
             .unwrap(),

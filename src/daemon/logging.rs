@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use tracing::error;
 
-use crate::source::local::Folder;
+use crate::source::Folder;
 
 fn euid() -> u32 {
     rustix::process::geteuid().as_raw()

@@ -21,7 +21,7 @@ use crate::format::{Header, index};
 use crate::fs::fuse::FuseAdapter;
 use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
 use crate::inspect::list_dir;
-use crate::source::local::Folder;
+use crate::source::Folder;
 use crate::source::remote::{CHUNK, OpenError, Remote, RemoteOptions, is_url};
 use crate::source::{FileStat, SourceError, SourceFile};
 

@@ -137,7 +137,7 @@ pub use crate::checkpoint::transaction::IndexFile;
 pub enum Source {
     File(SourceFile),
     Folder {
-        folder: Arc<crate::source::local::Folder>,
+        folder: Arc<crate::source::Folder>,
         stat: FileStat,
         /// (directory name, checkpoint), sorted by name.
         checkpoints: Vec<(String, SourceFile)>,

@@ -73,7 +73,7 @@ pub(super) struct State {
     pub(super) fixed: Vec<Node>,
     pub(super) first_ino: Ino,
     /// The folder of a folder mount.
-    pub(super) folder: Option<(Arc<crate::source::local::Folder>, FileStat)>,
+    pub(super) folder: Option<(Arc<crate::source::Folder>, FileStat)>,
     /// Per checkpoint: its hashed file names, and the `Live::names_gen`
     /// they were made at.
     pub(super) hashed: Mutex<HashMap<usize, (u64, HashedNames)>>,
@@ -407,7 +407,7 @@ impl Shards for State {
         &self.checkpoints[c].dir_name
     }
 
-    fn folder(&self) -> Option<&Arc<crate::source::local::Folder>> {
+    fn folder(&self) -> Option<&Arc<crate::source::Folder>> {
         self.folder.as_ref().map(|(f, _)| f)
     }
 

@@ -47,7 +47,7 @@ fn mount(path: &Path, settings: Settings) -> Fs {
 fn staging_beside(path: &Path) -> Arc<Staging> {
     let dir = path.parent().unwrap();
     Arc::new(Staging::new(
-        Arc::new(crate::source::local::Folder::open(dir).unwrap()),
+        Arc::new(crate::source::Folder::open(dir).unwrap()),
         path.file_name().unwrap().to_string_lossy(),
     ))
 }
@@ -222,7 +222,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
     let open = |n: &str| SourceFile::open(&dir.path().join(n)).unwrap();
     let stat = |p: &Path| crate::source::FileStat::of(&std::fs::File::open(p).unwrap()).unwrap();
     let source = Source::Folder {
-        folder: Arc::new(crate::source::local::Folder::open(dir.path()).unwrap()),
+        folder: Arc::new(crate::source::Folder::open(dir.path()).unwrap()),
         stat: stat(dir.path()),
         checkpoints: vec![
             ("s1".into(), open("s1.safetensors")),

@@ -6,7 +6,7 @@
 use std::ffi::CString;
 use std::fs::File;
 
-use super::local::FileStat;
+use crate::source::FileStat;
 
 const ACL_XATTR: &str = "system.posix_acl_access";
 

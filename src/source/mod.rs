@@ -6,6 +6,7 @@
 
 pub mod access;
 mod aws_profile;
+pub mod folder;
 pub mod local;
 pub mod remote;
 pub mod staged;
@@ -13,7 +14,8 @@ pub mod staged;
 use std::fs::File;
 use std::sync::Arc;
 
-pub use local::{FileStat, SourceError, SourceFile};
+pub use folder::{FileStat, Folder, FolderError};
+pub use local::{SourceError, SourceFile};
 pub use staged::{StagedFile, StagingDir};
 
 /// A tensor's bytes, wherever they are now. Cheap to clone.

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use lru::LruCache;
 
 use super::Bytes;
-use super::local::Folder;
+use crate::source::Folder;
 
 /// Descriptors of staging files kept open at once.
 const OPEN_FILES: usize = 256;
@@ -301,7 +301,7 @@ impl StagingDir {
     }
 
     fn open(&self, name: &str, flags: i32) -> std::io::Result<File> {
-        let flags = super::local::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        let flags = super::folder::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
         let mode = rustix::fs::Mode::from_raw_mode(0o600);
         Ok(File::from(rustix::fs::openat(
             &self.dir, name, flags, mode,

@@ -81,7 +81,7 @@ use reference::*;
 use stfs::checkpoint::recover::{self, Resume};
 use stfs::checkpoint::staging::Staging;
 use stfs::fs::{Fs, IndexFile, Ino, ROOT_INO, Settings, Source, TensorFile};
-use stfs::source::local::Folder;
+use stfs::source::Folder;
 use stfs::source::{FileStat, SourceFile};
 
 const NAMES: [&str; 5] = ["a", "b", "c/d", "x.meta.json", ""];

@@ -192,50 +192,160 @@ pub(super) fn create_temp(
     ))(e))
 }
 
-/// A file a commit changes: a new file renamed over its target, or a
-/// source written in place.
-pub enum Landing {
-    Renamed(Written),
-    InPlace(Box<InPlaceJob>),
-    /// A remote object: its parts sent, its upload completed by `land`.
-    Remote(Box<remote::RemoteJob>),
+/// What a commit puts in place, from written to landed: a new file renamed
+/// over its target (`Written`), a source written in place (`InPlaceJob`), a
+/// remote object (`remote::RemoteJob`). Each owns its whole life, so `land`
+/// and the transaction call them without knowing which they are.
+pub trait Landing: Send + Sync {
+    /// The file as it will be once landed (the journal's `Landing` note).
+    fn stat(&self) -> FileStat;
+    /// What it lands on.
+    fn target(&self) -> PathBuf;
+    /// Its part of the commit's record (written before anything changes,
+    /// so that the next mount finishes what a crash interrupted).
+    fn record(&self, renames: &mut Renames, dir: &StagingDir) -> Result<(), CommitError>;
+    /// The folder whose new names must be durable before the record is,
+    /// and synced again once everything landed.
+    fn folder(&self) -> Option<&Arc<Folder>> {
+        None
+    }
+    /// Puts it in place.
+    fn land(&self, dir: &StagingDir) -> Result<(), Unlanded>;
+    /// Forgets a landing that will not happen (its temp file, its upload).
+    fn remove(&self);
+    /// What it did, in words, once landed (None: what the plan said).
+    fn landed_words(&self) -> Option<String> {
+        None
+    }
+    /// The source once landed (`old`: the one it replaces), with `header`.
+    fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError>;
 }
 
-impl Landing {
-    /// The file as it will be once landed.
-    pub fn stat(&self) -> FileStat {
-        match self {
-            Landing::Renamed(w) => w.stat,
-            Landing::InPlace(j) => FileStat {
-                len: j.record.after_len,
-                mtime: j.record.after_mtime,
-                ..j.record.before
-            },
-            // The store names the new version only once it is made: no
-            // version seen later is taken for it.
-            Landing::Remote(j) => FileStat {
-                ino: 0,
-                ..*j.source.stat()
-            },
+/// Why a landing did not land: whether its target changed all the same
+/// (and is left refused by every reader).
+pub struct Unlanded {
+    pub changed: bool,
+    pub refused: bool,
+    pub error: CommitError,
+}
+
+impl Unlanded {
+    fn unchanged(error: CommitError) -> Unlanded {
+        Unlanded {
+            changed: false,
+            refused: false,
+            error,
+        }
+    }
+}
+
+impl Landing for Written {
+    fn stat(&self) -> FileStat {
+        self.stat
+    }
+
+    fn target(&self) -> PathBuf {
+        Written::target(self)
+    }
+
+    fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+        renames.files.push(PendingRename {
+            folder: self.folder.path.clone(),
+            tmp: self.tmp.to_string_lossy().into_owned(),
+            target: self.target.to_string_lossy().into_owned(),
+            stat: self.stat,
+            replaces: self.replaces,
+        });
+        Ok(())
+    }
+
+    fn folder(&self) -> Option<&Arc<Folder>> {
+        Some(&self.folder)
+    }
+
+    fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
+        Written::land(self).map_err(Unlanded::unchanged)?;
+        let _ = crate::testpoint::point("land:renamed");
+        Ok(())
+    }
+
+    fn remove(&self) {
+        Written::remove(self)
+    }
+
+    fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError> {
+        let target = self.target().display().to_string();
+        let what = |e| io_err(target.clone())(e);
+        // The very file written (not whatever has the name now): open for
+        // writing too if the source was, read-only if not.
+        let writable = old.writable_file().is_some();
+        let file = match writable {
+            true => self.file.try_clone(),
+            false => File::open(format!("/proc/self/fd/{}", self.file.as_raw_fd())),
+        }
+        .map_err(&what)?;
+        SourceFile::committed(old, file, writable, header, self.stat).map_err(what)
+    }
+}
+
+impl Landing for InPlaceJob {
+    fn stat(&self) -> FileStat {
+        FileStat {
+            len: self.record.after_len,
+            mtime: self.record.after_mtime,
+            ..self.record.before
         }
     }
 
-    pub fn target(&self) -> PathBuf {
-        match self {
-            Landing::Renamed(w) => w.target(),
-            Landing::InPlace(j) => j.source.path().to_path_buf(),
-            Landing::Remote(j) => j.source.path().to_path_buf(),
+    fn target(&self) -> PathBuf {
+        self.source.path().to_path_buf()
+    }
+
+    fn record(&self, renames: &mut Renames, dir: &StagingDir) -> Result<(), CommitError> {
+        let name = &self.record.header_file;
+        dir.write_atomic(name, &self.header)
+            .map_err(io_err(format!("{}/{name}", dir.path().display())))?;
+        renames.in_place.push(self.record.clone());
+        Ok(())
+    }
+
+    fn land(&self, dir: &StagingDir) -> Result<(), Unlanded> {
+        let ran = dir
+            .folder()
+            .map_err(|e| in_place::ApplyError {
+                marked: false,
+                error: e,
+            })
+            .and_then(|d| self.run(&d));
+        match ran {
+            Ok(()) => {
+                info!(file = %self.source.path().display(), "committed in place");
+                Ok(())
+            }
+            Err(e) => Err(Unlanded {
+                changed: e.marked,
+                refused: e.marked,
+                error: self.error(e),
+            }),
         }
     }
 
-    /// Forgets a landing that will not happen (its temp file, its lease,
-    /// its upload).
-    pub fn remove(&self) {
-        match self {
-            Landing::Renamed(w) => w.remove(),
-            Landing::Remote(j) => j.remove(),
-            Landing::InPlace(_) => {}
-        }
+    /// (Its lease goes with it.)
+    fn remove(&self) {}
+
+    fn landed_words(&self) -> Option<String> {
+        Some(self.describe())
+    }
+
+    fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError> {
+        let what = || self.source.path().display().to_string();
+        let landed = self.landed.lock_anyway().take();
+        let landed = landed.ok_or_else(|| CommitError::Io {
+            what: what(),
+            source: std::io::Error::other("the in-place commit left no version"),
+        })?;
+        old.rewritten_in_place(header, landed)
+            .map_err(io_err(what()))
     }
 }
 
@@ -379,7 +489,11 @@ pub struct LandError {
 /// record of the in-place ones, the renames), done in order, then forgotten.
 /// Once a file changed there is no going back: a crash is finished by the
 /// next mount (`staging::Renames`).
-pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), LandError> {
+pub fn land(
+    commit: u64,
+    landings: &[Box<dyn Landing>],
+    staging: &Staging,
+) -> Result<(), LandError> {
     let before = |error| LandError {
         done: 0,
         changed: false,
@@ -387,50 +501,33 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
         error,
     };
     let dir = staging.dir().map_err(|e| before(CommitError::Staging(e)))?;
-    let record_err = |name: &str| io_err(format!("{}/{name}", dir.path().display()));
     let mut renames = Renames {
         commit,
         files: Vec::new(),
         in_place: Vec::new(),
     };
     for l in landings {
-        match l {
-            Landing::Renamed(w) => renames.files.push(PendingRename {
-                folder: w.folder.path.clone(),
-                tmp: w.tmp.to_string_lossy().into_owned(),
-                target: w.target.to_string_lossy().into_owned(),
-                stat: w.stat,
-                replaces: w.replaces,
-            }),
-            Landing::InPlace(j) => {
-                dir.write_atomic(&j.record.header_file, &j.header)
-                    .map_err(record_err(&j.record.header_file))
-                    .map_err(before)?;
-                renames.in_place.push(j.record.clone());
-            }
-            // (Recorded in the cache folder when its upload began.)
-            Landing::Remote(_) => {}
-        }
+        l.record(&mut renames, &dir).map_err(before)?;
     }
     // The new files' names must be on disk before the record that names
     // them: a record whose temp file is missing reads as renamed already
     // (the crash explorer found an index update lost so).
     let mut synced: Vec<&std::path::Path> = Vec::new();
-    for l in landings {
-        if let Landing::Renamed(w) = l {
-            if !synced.contains(&w.folder.path.as_path()) {
-                w.folder
-                    .sync()
-                    .map_err(io_err(w.folder.path.display().to_string()))
-                    .map_err(before)?;
-                synced.push(&w.folder.path);
-            }
+    for folder in landings.iter().filter_map(|l| l.folder()) {
+        if !synced.contains(&folder.path.as_path()) {
+            folder
+                .sync()
+                .map_err(io_err(folder.path.display().to_string()))
+                .map_err(before)?;
+            synced.push(&folder.path);
         }
     }
-    renames
-        .write(&dir)
-        .map_err(record_err(crate::checkpoint::staging::RENAMES))
-        .map_err(before)?;
+    let record_err = io_err(format!(
+        "{}/{}",
+        dir.path().display(),
+        crate::checkpoint::staging::RENAMES
+    ));
+    renames.write(&dir).map_err(record_err).map_err(before)?;
     if let Err(e) = crate::testpoint::point("land:recorded") {
         Renames::clear(&dir);
         return Err(before(io_err("recording the commit")(e)));
@@ -441,40 +538,19 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
             return Err(before(io_err("recording the commit")(e)));
         }
     }
-    let forget = || {
-        Renames::clear(&dir);
-        landings.iter().for_each(Landing::remove);
-    };
     for (k, l) in landings.iter().enumerate() {
-        let (changed, refused, error) = match l {
-            Landing::Renamed(w) => match w.land() {
-                Ok(()) => {
-                    let _ = crate::testpoint::point("land:renamed");
-                    continue;
-                }
-                Err(e) => (k > 0, false, e),
-            },
-            Landing::InPlace(j) => match dir
-                .folder()
-                .map_err(|e| in_place::ApplyError {
-                    marked: false,
-                    error: e,
-                })
-                .and_then(|d| j.run(&d))
-            {
-                Ok(()) => {
-                    info!(file = %j.source.path().display(), "committed in place");
-                    continue;
-                }
-                Err(e) => (k > 0 || e.marked, e.marked, j.error(e)),
-            },
-            Landing::Remote(j) => match j.land() {
-                Ok(()) => continue,
-                Err(e) => (k > 0, false, e),
-            },
+        let Err(Unlanded {
+            changed,
+            refused,
+            error,
+        }) = l.land(&dir)
+        else {
+            continue;
         };
+        let changed = k > 0 || changed;
         if !changed {
-            forget();
+            Renames::clear(&dir);
+            landings.iter().for_each(|l| l.remove());
         }
         return Err(LandError {
             done: k,
@@ -483,11 +559,9 @@ pub fn land(commit: u64, landings: &[Landing], staging: &Staging) -> Result<(), 
             error,
         });
     }
-    for l in landings {
-        if let Landing::Renamed(w) = l {
-            if let Err(e) = w.folder.sync() {
-                warn!("fsync of {} after the commit: {e}", w.folder.path.display());
-            }
+    for folder in landings.iter().filter_map(|l| l.folder()) {
+        if let Err(e) = folder.sync() {
+            warn!("fsync of {} after the commit: {e}", folder.path.display());
         }
     }
     let _ = crate::testpoint::point("in-place:landed");

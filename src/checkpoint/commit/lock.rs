@@ -2,7 +2,7 @@
 //! one source commit one at a time.
 
 use super::*;
-use crate::source::local::FolderError;
+use crate::source::FolderError;
 
 /// How long a commit waits for another commit of the same files.
 pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);

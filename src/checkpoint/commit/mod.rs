@@ -46,7 +46,8 @@ use super::staging::{PendingRename, Renames, Staging};
 use super::{DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot, next_gen};
 use crate::checkpoint::Declined;
 use crate::format::{FormatError, Header, Layout, layout_of};
-use crate::source::local::Folder;
+use crate::source::Folder;
+use crate::source::StagingDir;
 use crate::source::staged::StagingError;
 use crate::source::{Bytes, FileStat, SourceFile, StagedFile};
 
@@ -74,11 +75,11 @@ pub struct CommitOptions {
 pub struct CommitPlan {
     pub commit: u64,
     pub source: Arc<SourceFile>,
-    /// The new file's layout (the in-place one for `Way::InPlace`).
+    /// The new file's layout (the in-place one for an in-place commit).
     pub layout: Layout,
     /// Taken by `write`.
-    way: Way,
-    /// What the commit does, in words (`Way::describe`).
+    way: Option<Box<dyn PlannedWay>>,
+    /// What the commit does, in words (`PlannedWay::describe`).
     pub described: String,
     metadata: Option<crate::format::Metadata>,
     metadata_gen: u64,
@@ -157,7 +158,11 @@ impl Live {
         if !same && !options.force {
             return Err(CommitError::Conflict { file });
         }
-        let (layout, mut way) = {
+        let upload_record = Some((
+            self.staging.base().clone(),
+            remote::record_name(self.staging.stem(), commit),
+        ));
+        let (layout, way) = {
             let specs = self.commit_specs(&members);
             let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(
                 |e: FormatError| {
@@ -177,6 +182,7 @@ impl Live {
                 options,
                 reference,
                 preview: false,
+                upload_record,
             })
             .map_err(|Declined(why)| {
                 refused(vec![Problem {
@@ -185,12 +191,6 @@ impl Live {
                 }])
             })?
         };
-        if let Way::Remote { record, .. } = &mut way {
-            *record = Some((
-                self.staging.base().clone(),
-                remote::record_name(self.staging.stem(), commit),
-            ));
-        }
         let mut moved = vec![u32::MAX; self.source.header().tensors.len()];
         for (j, &k) in layout.source_index.iter().enumerate() {
             if let Bytes::Source(src, i) = &inputs[k] {
@@ -207,7 +207,7 @@ impl Live {
             commit,
             source: self.source.clone(),
             layout,
-            way,
+            way: Some(way),
             described,
             metadata,
             metadata_gen: self.metadata_gen,
@@ -286,9 +286,10 @@ impl Live {
             options: CommitOptions::default(),
             reference,
             preview: true,
+            upload_record: None,
         })
         .ok()?;
-        let rewrite = matches!(way, Way::SharedExtents { .. } | Way::Rewrite { .. });
+        let rewrite = way.rewrites();
         Some((way.describe(layout.file_len()), rewrite))
     }
 
@@ -310,44 +311,18 @@ impl Live {
     }
 
     /// Step 3: the new file is in place; `landed` is it.
-    pub fn finish(&mut self, mut plan: CommitPlan, landed: &Landing) -> Result<(), CommitError> {
-        let what = || landed.target().display().to_string();
+    pub fn finish(
+        &mut self,
+        mut plan: CommitPlan,
+        landed: &dyn Landing,
+    ) -> Result<(), CommitError> {
         self.committing = None;
         self.version += 1;
         let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
         plan.layout.header = Vec::new();
         let tensors = std::mem::take(&mut plan.layout.tensors);
         let header = Header::from_parts(header_len, tensors, plan.metadata.clone());
-        let fresh = match landed {
-            Landing::Renamed(written) => {
-                // The very file written (not whatever has the name now):
-                // open for writing too if the source was, read-only if not.
-                let file = match self.source.writable_file() {
-                    Some(_) => written.file.try_clone(),
-                    None => File::open(format!("/proc/self/fd/{}", written.file.as_raw_fd())),
-                }
-                .map_err(io_err(what()))?;
-                let writable = self.source.writable_file().is_some();
-                SourceFile::committed(&self.source, file, writable, header, written.stat)
-            }
-            Landing::InPlace(job) => {
-                let landed = job.landed.lock_anyway().take();
-                let landed = landed.ok_or_else(|| CommitError::Io {
-                    what: what(),
-                    source: std::io::Error::other("the in-place commit left no version"),
-                })?;
-                self.source.rewritten_in_place(header, landed)
-            }
-            Landing::Remote(job) => {
-                let object = job.landed.lock_anyway().take();
-                let object = object.ok_or_else(|| CommitError::Io {
-                    what: what(),
-                    source: std::io::Error::other("the remote commit left no object"),
-                })?;
-                Ok(SourceFile::remote(object, header))
-            }
-        };
-        let fresh = Arc::new(fresh.map_err(io_err(what()))?);
+        let fresh = Arc::new(landed.fresh(&self.source, header)?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
         // New index of each member: layout.source_index maps file order -> input order.
         let mut new_index = vec![0u32; plan.members.len()];
@@ -512,117 +487,28 @@ impl CommitPlan {
         std::mem::forget(pins);
     }
 
-    /// Step 2, touching no state: writes the new file beside the source, or
-    /// gets an in-place commit ready (its staging files durable).
-    pub fn write(&mut self, progress: &mut dyn FnMut(u64, u64)) -> Result<Landing, CommitError> {
+    /// Step 2, touching no state: what the plan's way writes (a new file
+    /// beside the source, an in-place commit made ready, a remote upload's
+    /// parts), ready to land.
+    pub fn write(
+        &mut self,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
+        let way = self.way.take().expect("a plan is written once");
+        way.write(self, progress)
+    }
+
+    /// A new file beside the source (`share`: its blocks shared with the
+    /// source's where they can be), to be renamed over it.
+    fn rewrite(
+        &self,
+        share: Option<u64>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
         let started = std::time::Instant::now();
-        let way = std::mem::replace(&mut self.way, Way::Rewrite { why: String::new() });
-        if let Way::Remote {
-            parts,
-            if_match,
-            record,
-        } = way
-        {
-            let job = remote::RemoteJob::new(
-                self.source.clone(),
-                self.layout.header.clone(),
-                self.inputs.clone(),
-                parts,
-                if_match,
-                record.expect("a commit's remote plan has its record"),
-            );
-            job.send_parts(progress)?;
-            info!(
-                file = %self.source.path().display(),
-                elapsed = ?started.elapsed(),
-                "commit: parts sent"
-            );
-            return Ok(Landing::Remote(Box::new(job)));
-        }
         let folder = self.source.folder().ok_or_else(|| CommitError::ReadOnly {
             file: self.source.path().to_path_buf(),
         })?;
-        let share = match way {
-            Way::SharedExtents { block, .. } => Some(block),
-            _ => None,
-        };
-        if let Way::InPlace {
-            layout,
-            lease,
-            file,
-            mtime,
-        } = way
-        {
-            // The staging files the redo record names must be durable first:
-            // one by one, or (many small ones) the whole filesystem at once.
-            let mut staged = std::collections::HashMap::new();
-            for (_, k) in &layout.writes {
-                if let Bytes::Staged(s) = &self.inputs[*k] {
-                    staged.insert(s.name(), s.clone());
-                }
-            }
-            let what = |source| CommitError::Io {
-                what: format!(
-                    "{}: syncing the staging files",
-                    self.source.path().display()
-                ),
-                source,
-            };
-            if staged.len() > 64 {
-                let any = staged
-                    .values()
-                    .next()
-                    .expect("many")
-                    .file()
-                    .map_err(&what)?;
-                rustix::fs::syncfs(&*any).map_err(|e| what(e.into()))?;
-            } else {
-                for s in staged.values() {
-                    s.sync().map_err(&what)?;
-                }
-            }
-            let old_prefix = self.source.header().header_len;
-            // The file as mapped, with its owner and mode as they are now
-            // (set-id bits a write clears are put back from them).
-            let now =
-                FileStat::of(&file).map_err(io_err(self.source.path().display().to_string()))?;
-            let stat = FileStat {
-                mode: now.mode,
-                uid: now.uid,
-                gid: now.gid,
-                ..*self.source.stat()
-            };
-            let mut old_header = vec![0u8; (crate::format::PREFIX_LEN + old_prefix) as usize];
-            file.read_exact_at(&mut old_header, 0)
-                .map_err(io_err(self.source.path().display().to_string()))?;
-            let mut record = InPlaceRecord {
-                folder: folder.path.clone(),
-                name: self.source.file_name().to_string_lossy().into_owned(),
-                before: stat,
-                old_prefix,
-                after_len: layout.file_len,
-                after_mtime: mtime,
-                header_file: format!("in-place-{}-{}-{}.header", self.commit, stat.dev, stat.ino),
-                inserted: layout.inserted,
-                header_write: layout.header_write,
-                writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
-                old_header_sum: in_place::sha256_hex(&[&old_header]),
-                sum: String::new(),
-            };
-            record.seal(&self.layout.header);
-            return Ok(Landing::InPlace(Box::new(InPlaceJob {
-                source: self.source.clone(),
-                landed: std::sync::Mutex::new(None),
-                file,
-                lease: std::sync::Mutex::new(lease),
-                header: self.layout.header.clone(),
-                record,
-                staged,
-                summary: layout.summary,
-                bytes: layout.bytes,
-                shared: std::sync::atomic::AtomicU64::new(0),
-            })));
-        }
         let mut written = Written::create(
             folder,
             self.source.file_name(),
@@ -638,7 +524,7 @@ impl CommitPlan {
             elapsed = ?started.elapsed(),
             "commit written"
         );
-        Ok(Landing::Renamed(written))
+        Ok(Box::new(written))
     }
 
     /// The new file: header, then every tensor's bytes (with `share`, the

@@ -16,6 +16,7 @@ use crate::source::remote::RemoteObject;
 use crate::source::remote::s3::{self, DonePart, S3Error, S3Writer};
 use std::ffi::OsStr;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 /// S3's limits: a part is at least 5 MiB (but the last) and at most 5 GiB;
@@ -223,7 +224,19 @@ pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
 /// order (runs of it stay whole, so the server copies them), the header
 /// padded to the old one's length where it fits (every kept tensor stays
 /// at its offset, and so do its cached chunks), else with room to grow.
-pub(super) fn plan(new: &NewState) -> Result<(Layout, Way), Declined> {
+pub(super) struct RemoteWay;
+
+impl CommitWay for RemoteWay {
+    fn plan(
+        &self,
+        new: &NewState,
+        _why_not: &str,
+    ) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
+        plan(new)
+    }
+}
+
+fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
     let source = new.source;
     let object = source.remote_object().ok_or("a local file")?;
     let (layout, pieces) = if new.options.compact {
@@ -272,12 +285,58 @@ pub(super) fn plan(new: &NewState) -> Result<(Layout, Way), Declined> {
     };
     Ok((
         layout,
-        Way::Remote {
+        Box::new(RemotePlan {
             parts,
             if_match,
-            record: None,
-        },
+            record: new.upload_record.clone(),
+        }),
     ))
+}
+
+/// A new object at a remote source's key, made of uploaded parts and
+/// server-side copies of the old one, conditional on the ETag mounted
+/// (None: `--force`); `record`: where the upload's id is recorded.
+struct RemotePlan {
+    parts: PartPlan,
+    if_match: Option<String>,
+    record: Option<(Arc<Folder>, String)>,
+}
+
+impl PlannedWay for RemotePlan {
+    fn describe(&self, _file_len: u64) -> String {
+        describe(&self.parts)
+    }
+
+    fn write(
+        self: Box<Self>,
+        plan: &CommitPlan,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
+        let started = std::time::Instant::now();
+        let RemotePlan {
+            parts,
+            if_match,
+            record,
+        } = *self;
+        let record = record.ok_or_else(|| CommitError::ReadOnly {
+            file: plan.source.path().to_path_buf(),
+        })?;
+        let job = RemoteJob::new(
+            plan.source.clone(),
+            plan.layout.header.clone(),
+            plan.inputs.clone(),
+            parts,
+            if_match,
+            record,
+        );
+        job.send_parts(progress)?;
+        info!(
+            file = %plan.source.path().display(),
+            elapsed = ?started.elapsed(),
+            "commit: parts sent"
+        );
+        Ok(Box::new(job))
+    }
 }
 
 /// The new object as pieces: the header, then each tensor's bytes (the old
@@ -444,7 +503,7 @@ impl RemoteJob {
         }
         let done = self.send_parts_or_fail(progress);
         if done.is_err() {
-            self.remove();
+            self.abort();
         }
         done
     }
@@ -515,7 +574,7 @@ impl RemoteJob {
     /// still holds the version mounted (unless forced): a HEAD right before
     /// completing, and `If-Match` on the completion (or the PutObject) for
     /// the stores that honour it. Then the new object is opened.
-    pub(super) fn land(&self) -> Result<(), CommitError> {
+    fn complete(&self) -> Result<(), CommitError> {
         let writer = self.writer()?;
         let object = self.object();
         let key = object.path();
@@ -625,7 +684,7 @@ impl RemoteJob {
 
     /// Forgets a commit that will not land: its upload aborted (the parts
     /// sent are freed), its record removed.
-    pub fn remove(&self) {
+    fn abort(&self) {
         if let Some(upload) = self.upload.lock_anyway().take() {
             let object = self.object();
             match self
@@ -677,6 +736,51 @@ impl RemoteJob {
         let (folder, name) = &self.record;
         let _ = folder.unlink(OsStr::new(name));
         let _ = folder.sync();
+    }
+}
+
+impl Landing for RemoteJob {
+    /// The store names the new version only once it is made: no version
+    /// seen later is taken for it (ino 0).
+    fn stat(&self) -> FileStat {
+        FileStat {
+            ino: 0,
+            ..*self.source.stat()
+        }
+    }
+
+    fn target(&self) -> PathBuf {
+        self.source.path().to_path_buf()
+    }
+
+    /// (Recorded in the cache folder when its upload began.)
+    fn record(&self, _renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+        Ok(())
+    }
+
+    fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
+        self.complete().map_err(|error| Unlanded {
+            changed: false,
+            refused: false,
+            error,
+        })
+    }
+
+    fn remove(&self) {
+        self.abort()
+    }
+
+    fn landed_words(&self) -> Option<String> {
+        Some(self.describe())
+    }
+
+    fn fresh(&self, _old: &SourceFile, header: Header) -> Result<SourceFile, CommitError> {
+        let object = self.landed.lock_anyway().take();
+        let object = object.ok_or_else(|| CommitError::Io {
+            what: self.source.path().display().to_string(),
+            source: std::io::Error::other("the remote commit left no object"),
+        })?;
+        Ok(SourceFile::remote(object, header))
     }
 }
 

@@ -4,64 +4,194 @@
 use super::*;
 use crate::checkpoint::Declined;
 
-/// How a plan writes its file: one of the ways (docs/SEMANTICS.md, "The ways").
-// One per plan: the size of a variant does not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Way {
-    /// The source's own file, changed where it is, under a write lease
-    /// (none in a preview: `stfs status` changes nothing).
-    InPlace {
-        layout: InPlaceLayout,
-        lease: Option<Lease>,
-        file: Arc<File>,
-        /// The modification time the file gets when done.
-        mtime: (i64, i64),
-    },
-    /// A new file renamed over the source, its tensors in the source's
-    /// order and at the same places within their blocks, so that their
-    /// blocks are shared with the source's (XFS, btrfs); `shared`: the bytes
-    /// it expects to share.
-    SharedExtents {
-        why: String,
-        block: u64,
-        shared: u64,
-    },
-    /// A new file renamed over the source; `why`: why not in place.
-    Rewrite { why: String },
-    /// A new object at a remote source's key, made of uploaded parts and
-    /// server-side copies of the old one (`remote`), conditional on the
-    /// ETag mounted (None: `--force`); `record`: where the upload's id is
-    /// recorded (set by the plan).
-    Remote {
-        parts: super::remote::PartPlan,
-        if_match: Option<String>,
-        record: Option<(Arc<Folder>, String)>,
-    },
+/// A way's plan for one commit (docs/SEMANTICS.md, "The ways"): it says
+/// what it will do, and writes what lands. Each way is one implementation;
+/// nothing outside it knows which it is.
+pub trait PlannedWay: Send {
+    /// What `stfs status` and `stfs commit` say of it.
+    fn describe(&self, file_len: u64) -> String;
+    /// Whether it writes a new file beside the source (a rewrite, which
+    /// `stfs status` checks the folder's room and rights for).
+    fn rewrites(&self) -> bool {
+        false
+    }
+    /// Step 2, touching no state: writes what `land` puts in place.
+    fn write(
+        self: Box<Self>,
+        plan: &CommitPlan,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError>;
 }
 
-impl Way {
-    /// What `stfs status` and `stfs commit` say of it.
-    pub fn describe(&self, file_len: u64) -> String {
-        match self {
-            Way::InPlace { layout, lease, .. } => format!(
-                "{}{}",
-                in_place_words(&layout.summary, layout.bytes, layout.shareable),
-                match lease {
-                    Some(_) => "",
-                    None => ", unless another program has the file open then",
-                }
+/// The source's own file, changed where it is, under a write lease (none
+/// in a preview: `stfs status` changes nothing).
+pub(super) struct InPlacePlan {
+    layout: InPlaceLayout,
+    lease: Option<Lease>,
+    file: Arc<File>,
+    /// The modification time the file gets when done.
+    mtime: (i64, i64),
+}
+
+impl PlannedWay for InPlacePlan {
+    fn describe(&self, _file_len: u64) -> String {
+        format!(
+            "{}{}",
+            in_place_words(
+                &self.layout.summary,
+                self.layout.bytes,
+                self.layout.shareable
             ),
-            Way::SharedExtents { why, shared, .. } => format!(
-                "by a rewrite that shares extents (not in place: {why}; {} written, {} shared with the old file)",
-                human_bytes(file_len - shared),
-                human_bytes(*shared)
-            ),
-            Way::Rewrite { why } => format!(
-                "by a rewrite (not in place: {why}; {} written)",
-                human_bytes(file_len)
-            ),
-            Way::Remote { parts, .. } => super::remote::describe(parts),
+            match self.lease {
+                Some(_) => "",
+                None => ", unless another program has the file open then",
+            }
+        )
+    }
+
+    fn write(
+        self: Box<Self>,
+        plan: &CommitPlan,
+        _progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
+        let InPlacePlan {
+            layout,
+            lease,
+            file,
+            mtime,
+        } = *self;
+        let source = &plan.source;
+        let folder = source.folder().ok_or_else(|| CommitError::ReadOnly {
+            file: source.path().to_path_buf(),
+        })?;
+        // The staging files the redo record names must be durable first:
+        // one by one, or (many small ones) the whole filesystem at once.
+        let mut staged = std::collections::HashMap::new();
+        for (_, k) in &layout.writes {
+            if let Bytes::Staged(s) = &plan.inputs[*k] {
+                staged.insert(s.name(), s.clone());
+            }
         }
+        let what = |source| CommitError::Io {
+            what: format!(
+                "{}: syncing the staging files",
+                plan.source.path().display()
+            ),
+            source,
+        };
+        if staged.len() > 64 {
+            let any = staged
+                .values()
+                .next()
+                .expect("many")
+                .file()
+                .map_err(&what)?;
+            rustix::fs::syncfs(&*any).map_err(|e| what(e.into()))?;
+        } else {
+            for s in staged.values() {
+                s.sync().map_err(&what)?;
+            }
+        }
+        let old_prefix = source.header().header_len;
+        // The file as mapped, with its owner and mode as they are now
+        // (set-id bits a write clears are put back from them).
+        let now = FileStat::of(&file).map_err(io_err(source.path().display().to_string()))?;
+        let stat = FileStat {
+            mode: now.mode,
+            uid: now.uid,
+            gid: now.gid,
+            ..*source.stat()
+        };
+        let mut old_header = vec![0u8; (crate::format::PREFIX_LEN + old_prefix) as usize];
+        file.read_exact_at(&mut old_header, 0)
+            .map_err(io_err(source.path().display().to_string()))?;
+        let mut record = InPlaceRecord {
+            folder: folder.path.clone(),
+            name: source.file_name().to_string_lossy().into_owned(),
+            before: stat,
+            old_prefix,
+            after_len: layout.file_len,
+            after_mtime: mtime,
+            header_file: format!("in-place-{}-{}-{}.header", plan.commit, stat.dev, stat.ino),
+            inserted: layout.inserted,
+            header_write: layout.header_write,
+            writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
+            old_header_sum: in_place::sha256_hex(&[&old_header]),
+            sum: String::new(),
+        };
+        record.seal(&plan.layout.header);
+        Ok(Box::new(InPlaceJob {
+            source: source.clone(),
+            landed: std::sync::Mutex::new(None),
+            file,
+            lease: std::sync::Mutex::new(lease),
+            header: plan.layout.header.clone(),
+            record,
+            staged,
+            summary: layout.summary,
+            bytes: layout.bytes,
+            shared: std::sync::atomic::AtomicU64::new(0),
+        }))
+    }
+}
+
+/// A new file renamed over the source, its tensors in the source's order
+/// and at the same places within their blocks, so that their blocks are
+/// shared with the source's (XFS, btrfs); `shared`: the bytes it expects to
+/// share; `why`: why not in place.
+pub(super) struct SharedExtentsPlan {
+    why: String,
+    block: u64,
+    shared: u64,
+}
+
+impl PlannedWay for SharedExtentsPlan {
+    fn describe(&self, file_len: u64) -> String {
+        format!(
+            "by a rewrite that shares extents (not in place: {}; {} written, {} shared with the old file)",
+            self.why,
+            human_bytes(file_len - self.shared),
+            human_bytes(self.shared)
+        )
+    }
+
+    fn rewrites(&self) -> bool {
+        true
+    }
+
+    fn write(
+        self: Box<Self>,
+        plan: &CommitPlan,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
+        plan.rewrite(Some(self.block), progress)
+    }
+}
+
+/// A new file renamed over the source; `why`: why not in place.
+pub(super) struct RewritePlan {
+    why: String,
+}
+
+impl PlannedWay for RewritePlan {
+    fn describe(&self, file_len: u64) -> String {
+        format!(
+            "by a rewrite (not in place: {}; {} written)",
+            self.why,
+            human_bytes(file_len)
+        )
+    }
+
+    fn rewrites(&self) -> bool {
+        true
+    }
+
+    fn write(
+        self: Box<Self>,
+        plan: &CommitPlan,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Box<dyn Landing>, CommitError> {
+        plan.rewrite(None, progress)
     }
 }
 
@@ -144,12 +274,20 @@ pub struct NewState<'a> {
     /// A plan only to say what a commit would do (`stfs status`): it takes no
     /// lease and changes nothing.
     pub preview: bool,
+    /// Where a remote commit records its upload (the staging folder's base,
+    /// and the record's name); None in a preview.
+    pub upload_record: Option<(Arc<Folder>, String)>,
 }
 
 /// A way of committing a checkpoint (docs/ARCHITECTURE.md, "The seams"): its plan for a new state
 /// (the new file's layout, and what landing it takes), or why it cannot.
+/// `why_not`: why the cheaper ways could not (a rewrite says so).
 pub trait CommitWay: Sync {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined>;
+    fn plan(
+        &self,
+        new: &NewState,
+        why_not: &str,
+    ) -> Result<(Layout, Box<dyn PlannedWay>), Declined>;
 }
 
 /// The ways, cheapest first: the planner takes the first that can.
@@ -158,22 +296,14 @@ pub(super) const WAYS: [&dyn CommitWay; 3] = [&InPlaceWay, &SharedExtentsWay, &R
 /// The plan of the first way that can commit `new`; a rewrite says why the
 /// cheaper ways could not. (Only a remote commit can fail to plan: an
 /// object S3 cannot hold.)
-pub(super) fn choose(new: &NewState) -> Result<(Layout, Way), Declined> {
+pub(super) fn choose(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
     // A remote object has one way.
     if new.source.remote_object().is_some() {
-        return super::remote::plan(new);
+        return super::remote::RemoteWay.plan(new, "");
     }
-    let mut why_not = Vec::new();
+    let mut why_not: Vec<String> = Vec::new();
     for way in WAYS {
-        match way.plan(new) {
-            Ok((layout, Way::Rewrite { .. })) => {
-                let why = why_not.join("; ");
-                return Ok((layout, Way::Rewrite { why }));
-            }
-            Ok((layout, Way::SharedExtents { block, shared, .. })) => {
-                let why = why_not.join("; ");
-                return Ok((layout, Way::SharedExtents { why, block, shared }));
-            }
+        match way.plan(new, &why_not.join("; ")) {
             Ok(plan) => return Ok(plan),
             Err(Declined(why)) if why_not.contains(&why) => {}
             Err(Declined(why)) => why_not.push(why),
@@ -186,7 +316,11 @@ pub(super) fn choose(new: &NewState) -> Result<(Layout, Way), Declined> {
 pub(super) struct InPlaceWay;
 
 impl CommitWay for InPlaceWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
+    fn plan(
+        &self,
+        new: &NewState,
+        _why_not: &str,
+    ) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         if new.options.compact {
             return Err("--compact".into());
         }
@@ -232,12 +366,12 @@ impl CommitWay for InPlaceWay {
         let mtime = new_mtime(source.stat().mtime);
         Ok((
             layout.layout.clone(),
-            Way::InPlace {
+            Box::new(InPlacePlan {
                 layout,
                 lease,
                 file,
                 mtime,
-            },
+            }),
         ))
     }
 }
@@ -248,7 +382,11 @@ impl CommitWay for InPlaceWay {
 pub(super) struct SharedExtentsWay;
 
 impl CommitWay for SharedExtentsWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
+    fn plan(
+        &self,
+        new: &NewState,
+        why_not: &str,
+    ) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         if new.options.compact {
             return Err("--compact".into());
         }
@@ -294,11 +432,11 @@ impl CommitWay for SharedExtentsWay {
                 tensors,
                 source_index: order,
             },
-            Way::SharedExtents {
-                why: String::new(),
+            Box::new(SharedExtentsPlan {
+                why: why_not.to_string(),
                 block,
                 shared,
-            },
+            }),
         ))
     }
 }
@@ -349,11 +487,20 @@ pub(super) fn tensors_in_order(
 pub(super) struct RewriteWay;
 
 impl CommitWay for RewriteWay {
-    fn plan(&self, new: &NewState) -> Result<(Layout, Way), Declined> {
+    fn plan(
+        &self,
+        new: &NewState,
+        why_not: &str,
+    ) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         let mut layout = new.reference.clone();
         if !new.options.compact {
             leave_room(&mut layout);
         }
-        Ok((layout, Way::Rewrite { why: String::new() }))
+        Ok((
+            layout,
+            Box::new(RewritePlan {
+                why: why_not.to_string(),
+            }),
+        ))
     }
 }

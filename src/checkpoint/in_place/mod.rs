@@ -36,7 +36,7 @@ use crate::checkpoint::recover::RecoveryError;
 use crate::format::{
     Dtype, Header, IN_PLACE_MARKER, Layout, Metadata, PREFIX_LEN, Tensors, byte_len, header_bytes,
 };
-use crate::source::local::Folder;
+use crate::source::Folder;
 use crate::source::staged::{STAGING_ALIGN, staged_pad};
 use crate::source::{Bytes, FileStat, SourceFile, copy_range, copy_sharing};
 use crate::testpoint::point;

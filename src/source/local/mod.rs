@@ -5,16 +5,13 @@
 //! (`remote`), read-only.
 
 mod extents;
-mod folder;
+use crate::source::folder::*;
 pub use extents::*;
-pub use folder::*;
 
 use crate::sync::{LockAnyway, RwLockAnyway};
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::ops::Range;
-use std::os::fd::OwnedFd;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
@@ -25,7 +22,6 @@ use tracing::warn;
 
 use super::remote::RemoteObject;
 use crate::format::{FormatError, Header};
-use crate::testpoint::FsEvent;
 
 /// Why a source could not be opened.
 #[derive(Debug, thiserror::Error)]

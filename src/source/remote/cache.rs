@@ -3,7 +3,7 @@
 //! checked again before every use.
 
 use super::*;
-use crate::source::local::FolderError;
+use crate::source::FolderError;
 use crate::sync::LockAnyway;
 
 /// Bytes after a chunk's payload: HMAC-SHA256 (32) of its name and payload

@@ -45,8 +45,8 @@ use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStore
 use ring::hmac;
 use tracing::{info, warn};
 
-use super::local::{FileStat, Folder};
 use crate::format::{FormatError, Header, MAX_HEADER_LEN, PREFIX_LEN};
+use crate::source::{FileStat, Folder};
 
 /// Bytes fetched at once, at most.
 pub const CHUNK: u64 = 8 << 20;
@@ -107,7 +107,7 @@ pub enum RemoteError {
     Runtime(#[source] std::io::Error),
     /// The local disk cache.
     #[error(transparent)]
-    Cache(#[from] crate::source::local::FolderError),
+    Cache(#[from] crate::source::FolderError),
 }
 
 impl RemoteError {
@@ -365,7 +365,7 @@ impl Remote {
     }
 
     /// The folder where edits of this store's objects are staged.
-    pub fn edits_folder(&self) -> Result<Folder, crate::source::local::FolderError> {
+    pub fn edits_folder(&self) -> Result<Folder, crate::source::FolderError> {
         self.cache.edits_folder()
     }
 

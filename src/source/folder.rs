@@ -1,8 +1,15 @@
-//! A folder opened by descriptor (`Folder`): the one way stfs creates,
+//! Where stfs keeps files, whatever the source: a folder opened by descriptor (`Folder`): the one way stfs creates,
 //! renames and removes files in a user's folder, without following a link
 //! in a path; and a file's identity and version (`FileStat`).
 
-use super::*;
+use std::ffi::{CString, OsStr, OsString};
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use crate::testpoint::FsEvent;
 
 /// What `stat` said of a file: identity, size, times, owner and mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
