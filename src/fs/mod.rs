@@ -379,6 +379,10 @@ impl Fs {
     /// (`checkpoint::transaction`). Returns a line per file.
     pub fn commit(&self, options: CommitOptions, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
+        // (`--compact` would rewrite even with nothing staged.)
+        if self.settings.read_only {
+            return Err(FsError::Commit(CommitError::MountReadOnly));
+        }
         let held = |st: &State| self.held_bytes(st);
         let done = self.transactions.commit(&self.state, &held, options);
         self.everything_changed();

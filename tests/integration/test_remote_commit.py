@@ -446,6 +446,27 @@ def test_http_sources_and_s3_folders_stay_read_only(tmp_path, s3, mount, run):
     with pytest.raises(OSError) as e:
         os.unlink(os.path.join(m.path, "a"))
     assert e.value.errno == errno.EROFS
+    # Nor does it commit (--compact would rewrite with nothing staged).
+    etag = s3.etag("folder/a.safetensors")
+    p = run("commit", "--compact", m.path)
+    assert p.returncode != 0 and "the mount is read-only (-o ro): it commits nothing" in p.stderr, p.stderr
+    assert s3.etag("folder/a.safetensors") == etag
+
+
+def test_edits_that_undo_each_other_send_nothing(tmp_path, s3, mount, run):
+    src = tmp_path / "m.safetensors"
+    checkpoint(src)
+    url = s3.put(src, "undone/m.safetensors")
+    etag = s3.etag("undone/m.safetensors")
+    m = mount(url, *s3.options)
+    fx.sh(f"mv {m.path}/layer.00 {m.path}/tmp && mv {m.path}/tmp {m.path}/layer.00 && "
+          f"touch {m.path}/zz && rm {m.path}/zz")
+    assert "no changes" in run("status", m.path).stdout
+    s3.reset()
+    p = fx.committed(run, m)
+    assert "nothing to commit" in p.stdout, p.stdout
+    assert [r for r in s3.requests if r["method"] in ("PUT", "POST")] == []
+    assert s3.etag("undone/m.safetensors") == etag
 
 
 @pytest.fixture(scope="module")

@@ -369,21 +369,30 @@ pub(super) fn run_with(folder: bool, read_only: bool, ops: &[Op]) {
     for k in 0..MAX_HANDLES {
         apply(&mut m, &mut model, &Op::Close(k));
     }
-    // The unmount's policy: commit what is valid; keep edits it cannot commit.
-    let dirty = model.dirs.iter().any(|d| d.dirty);
-    let unreadable = model.dirs.iter().any(|d| {
-        d.dirty
-            && d.entries.values().any(
+    // The unmount's policy: commit what is valid; keep edits it cannot
+    // commit. (Edits that undid each other leave nothing to commit.)
+    let changed: Vec<bool> = (0..model.dirs.len())
+        .map(|k| model.dirs[k].dirty && model.net_changed(k))
+        .collect();
+    let dirty = changed.iter().any(|&c| c);
+    let unreadable = model.dirs.iter().zip(&changed).any(|(d, &c)| {
+        c && d.entries.values().any(
                 |e| matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o)),
             )
     });
     let refused = dirty
-        && (model.problems() || model.dirs.iter().any(|d| d.dirty && d.replaced) || unreadable);
+        && (model.problems()
+            || model
+                .dirs
+                .iter()
+                .zip(&changed)
+                .any(|(d, &c)| c && d.replaced)
+            || unreadable);
     let result = m.fs().unmount();
     assert_eq!(result.is_err(), refused, "unmount: {result:?}");
-    for dir in 0..model.dirs.len() {
+    for (dir, &changed) in changed.iter().enumerate() {
         let got = std::fs::read(&model.dirs[dir].path).unwrap();
-        if model.dirs[dir].dirty && !refused {
+        if changed && !refused {
             assert_same_checkpoint(&got, &model.serialized(dir), dir);
         } else {
             assert_eq!(got, model.dirs[dir].disk, "shard {dir} after unmount");

@@ -28,8 +28,11 @@ pub(super) fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bo
     let caller = if other_user { OTHER_USER } else { 0 };
     let options = stfs::checkpoint::commit::CommitOptions { force, compact };
     let got = m.fs().commit(options, caller);
-    // (`--compact` rewrites a clean shard too.)
-    let dirty: Vec<bool> = model.dirs.iter().map(|d| d.dirty || compact).collect();
+    // (`--compact` rewrites a clean shard too; edits that undid each other
+    // leave nothing to commit.)
+    let dirty: Vec<bool> = (0..model.dirs.len())
+        .map(|k| (model.dirs[k].dirty && model.net_changed(k)) || compact)
+        .collect();
     // Bytes a commit must read from a source rewritten in place.
     let unreadable = model.dirs.iter().enumerate().any(|(k, d)| {
         dirty[k] && d.entries.values().any(|e| {
@@ -38,6 +41,8 @@ pub(super) fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bo
     });
     let want = if other_user {
         libc::EACCES
+    } else if m.read_only {
+        libc::EROFS
     } else if !dirty.iter().any(|&d| d) {
         0
     } else if model.problems() {

@@ -70,6 +70,9 @@ pub enum CommitError {
         file.display()
     )]
     ReadOnly { file: PathBuf },
+    /// A commit asked of a read-only mount (`-o ro`) (EROFS).
+    #[error("the mount is read-only (-o ro): it commits nothing")]
+    MountReadOnly,
     /// A request of a remote commit failed; the object is as it was, the
     /// upload aborted, the edits staged (EIO; EACCES when refused access).
     #[error("{}: commit failed, the object is unchanged and the edits are staged: {source}", file.display())]
@@ -125,7 +128,7 @@ impl crate::errno::ToErrno for CommitError {
             CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,
             CommitError::Io { source, .. } => source.to_errno(),
             CommitError::Staging(e) => e.to_errno(),
-            CommitError::ReadOnly { .. } => libc::EROFS,
+            CommitError::ReadOnly { .. } | CommitError::MountReadOnly => libc::EROFS,
             CommitError::Remote { source, .. } => match source {
                 crate::source::remote::s3::S3Error::Status { status: 403, .. } => libc::EACCES,
                 crate::source::remote::s3::S3Error::Precondition { .. } => libc::ESTALE,

@@ -113,7 +113,12 @@ impl Live {
         options: CommitOptions,
         held: &[Bytes],
     ) -> Result<Option<CommitPlan>, CommitError> {
-        // (`--compact` rewrites a file with nothing staged too: its layout is the edit.)
+        // (`--compact` rewrites a file with nothing staged too: its layout
+        // is the edit. Edits that undid each other, `mv a b; mv b a`, leave
+        // nothing to commit, as `stfs status` says.)
+        if self.dirty && self.status().changes.is_empty() {
+            self.dirty = false;
+        }
         if !self.dirty && !options.compact {
             return Ok(None);
         }

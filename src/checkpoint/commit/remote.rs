@@ -146,7 +146,8 @@ impl PartPlan {
 /// parts of at most `max_upload` bytes, and an uploaded part shorter than
 /// `min` is topped up with the bytes that follow it, whatever they are.
 pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
-    let max_upload = max_upload.max(min);
+    // (Room for a short run after a full part: no part passes 5 GiB.)
+    let max_upload = max_upload.max(min).min(MAX_PART - min);
     let mut plan = PartPlan::default();
     let mut open: Vec<Piece> = Vec::new();
     let mut open_len = 0;
@@ -931,6 +932,26 @@ mod tests {
         assert_eq!(plan.parts.len(), 1);
         assert!(plan.single_put());
         assert_eq!(plan.copied, 0);
+    }
+
+    #[test]
+    fn no_uploaded_part_passes_5_gib() {
+        let gib = 1u64 << 30;
+        let plan = plan_parts(
+            vec![
+                Piece::Input {
+                    k: 0,
+                    range: 0..5 * gib - MIB,
+                },
+                old(10 * gib..10 * gib + 4 * MIB),
+                Piece::Input { k: 1, range: 0..1 },
+            ],
+            5 * MIB,
+            5 * gib,
+        );
+        let lens: Vec<_> = plan.parts.iter().map(Part::len).collect();
+        assert!(lens.iter().all(|&n| n <= 5 * gib), "{lens:?}");
+        assert_eq!(lens.iter().sum::<u64>(), 5 * gib + 3 * MIB + 1);
     }
 
     #[test]

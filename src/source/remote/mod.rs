@@ -377,9 +377,19 @@ impl Remote {
     /// What `stfs status` says of the network and the cache.
     pub fn summary(&self) -> String {
         let (used, limit, dir) = self.cache.usage();
+        let n = self.fetcher.requests.load(Ordering::Relaxed);
+        let commits = match &self.writer {
+            Some(w) if w.sent.requests.load(Ordering::Relaxed) > 0 => format!(
+                "; commits: {} requests, {} bytes uploaded, {} bytes copied by the server",
+                w.sent.requests.load(Ordering::Relaxed),
+                w.sent.uploaded.load(Ordering::Relaxed),
+                w.sent.copied.load(Ordering::Relaxed)
+            ),
+            _ => String::new(),
+        };
         format!(
-            "remote: {} requests, {} bytes of tensor data fetched; cache {} of {} bytes used in {}",
-            self.fetcher.requests.load(Ordering::Relaxed),
+            "remote: {n} request{}, {} bytes of tensor data fetched; cache {} of {} bytes used in {}{commits}",
+            if n == 1 { "" } else { "s" },
             self.fetcher.fetched.load(Ordering::Relaxed),
             used,
             limit,

@@ -111,6 +111,14 @@ fn encode(key: &str, keep_slash: bool) -> String {
     out
 }
 
+/// AWS's domain for a region (China's regions have their own).
+fn aws_domain(region: &str) -> &'static str {
+    match region.starts_with("cn-") {
+        true => "amazonaws.com.cn",
+        false => "amazonaws.com",
+    }
+}
+
 /// The text of the first `<name>` element of an XML answer, unescaped.
 pub fn xml_tag(xml: &str, name: &str) -> Option<String> {
     let open = format!("<{name}>");
@@ -150,8 +158,10 @@ impl S3Writer {
         let base = match endpoint {
             Some(ep) => format!("{}/{}", ep.trim_end_matches('/'), encode(&bucket, false)),
             // (A bucket name with dots fails TLS as a host name: path style.)
-            None if bucket.contains('.') => format!("https://s3.{region}.amazonaws.com/{bucket}"),
-            None => format!("https://{bucket}.s3.{region}.amazonaws.com"),
+            None if bucket.contains('.') => {
+                format!("https://s3.{region}.{}/{bucket}", aws_domain(&region))
+            }
+            None => format!("https://{bucket}.s3.{region}.{}", aws_domain(&region)),
         };
         Ok(S3Writer {
             credentials,
