@@ -178,8 +178,13 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
         // Nothing can be served any more: a program that still holds a file
         // of it must not keep the dead mount in place.
         unmount(&abs, true)?;
+        // (A remote source's edits are in the cache folder, not beside it.)
+        let kept = match crate::source::remote::is_url(&m.source) {
+            true => "in the cache folder's edits/",
+            false => "beside it (or in its --staging-dir)",
+        };
         lines.push(format!(
-            "{}: its daemon was gone; unmounted. Staged edits of {}, if any, are kept beside it \
+            "{}: its daemon was gone; unmounted. Staged edits of {}, if any, are kept {kept} \
              and taken back by the next `stfs mount`",
             abs.display(),
             m.source

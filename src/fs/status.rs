@@ -151,9 +151,11 @@ impl Fs {
             }
             // What the commit would refuse first, said as it would say it.
             if !s.changes.is_empty() && m.live.source_changed() {
+                let file = s.file.clone();
                 problems.push(
-                    CommitError::Conflict {
-                        file: s.file.clone(),
+                    match m.live.source().remote_object() {
+                        Some(_) => CommitError::RemoteConflict { file },
+                        None => CommitError::Conflict { file },
                     }
                     .to_string(),
                 );

@@ -255,6 +255,8 @@ def test_an_object_replaced_behind_the_mount_is_refused_and_nothing_is_lost(tmp_
     p = run("commit", m.path)
     assert p.returncode != 0
     assert "the source changed since it was mounted" in p.stderr, p.stderr
+    # The advice is one that works for an object (not --force).
+    assert "unmount with --discard and mount again" in p.stderr, p.stderr
     # The other writer's object stands, no upload is open, the edit is staged.
     assert s3.get("replaced/m.safetensors") == other.read_bytes()
     assert s3.uploads() == []

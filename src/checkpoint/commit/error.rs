@@ -30,6 +30,16 @@ pub enum CommitError {
         file.display()
     )]
     Conflict { file: PathBuf },
+    /// A remote object changed since it was mounted (ESTALE): `--force` can
+    /// not help there, the bytes it would keep are of the version gone.
+    #[error(
+        "{}: the source changed since it was mounted (another writer replaced the object); \
+         commit refused, the edits are staged: unmount with --discard and mount again to edit \
+         the new version (--force cannot rebuild the version mounted, whose bytes the commit \
+         would copy)",
+        file.display()
+    )]
+    RemoteConflict { file: PathBuf },
     /// Another commit of the same files did not end in time (EBUSY).
     #[error(
         "{}: another commit of this file (by another mount) has not ended in {} s; try again",
@@ -122,7 +132,7 @@ impl crate::errno::ToErrno for CommitError {
     fn to_errno(&self) -> i32 {
         match self {
             CommitError::Refused { .. } => libc::EINVAL,
-            CommitError::Conflict { .. } => libc::ESTALE,
+            CommitError::Conflict { .. } | CommitError::RemoteConflict { .. } => libc::ESTALE,
             CommitError::Busy { .. } => libc::EBUSY,
             CommitError::Opened { .. } => libc::EAGAIN,
             CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,

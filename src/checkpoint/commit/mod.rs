@@ -161,7 +161,10 @@ impl Live {
             _ => return Err(CommitError::ReadOnly { file: file.clone() }),
         };
         if !same && !options.force {
-            return Err(CommitError::Conflict { file });
+            return Err(match self.source.remote_object() {
+                Some(_) => CommitError::RemoteConflict { file },
+                None => CommitError::Conflict { file },
+            });
         }
         let upload_record = Some((
             self.staging.base().clone(),

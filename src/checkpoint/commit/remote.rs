@@ -398,7 +398,7 @@ pub struct RemoteJob {
 
 fn remote_err(file: &std::path::Path) -> impl Fn(S3Error) -> CommitError + '_ {
     move |e| match e {
-        S3Error::Precondition { .. } => CommitError::Conflict {
+        S3Error::Precondition { .. } => CommitError::RemoteConflict {
             file: file.to_path_buf(),
         },
         e => CommitError::Remote {
@@ -520,7 +520,7 @@ impl RemoteJob {
         if let Some(want) = &self.if_match {
             let now = remote.run(writer.etag_now(key)).map_err(&err)?;
             if now.as_deref() != Some(want) {
-                return Err(CommitError::Conflict {
+                return Err(CommitError::RemoteConflict {
                     file: self.file().to_path_buf(),
                 });
             }
@@ -585,7 +585,7 @@ impl RemoteJob {
         if let Some(want) = &self.if_match {
             let now = remote.run(writer.etag_now(key)).map_err(&err)?;
             if now.as_deref() != Some(want) {
-                return Err(CommitError::Conflict {
+                return Err(CommitError::RemoteConflict {
                     file: self.file().to_path_buf(),
                 });
             }
