@@ -131,6 +131,22 @@ impl Fs {
     /// `stfs status`: staged changes and problems, and whether a commit
     /// would be refused.
     pub fn status(&self) -> StatusReport {
+        // Edited remote objects are asked whether they are still the
+        // version mounted (a commit would be refused), outside the state's
+        // lock: one HEAD each.
+        let remote: Vec<_> = {
+            let st = self.read_state();
+            st.checkpoints
+                .iter()
+                .filter(|m| m.live.is_dirty() && m.live.source().remote_object().is_some())
+                .map(|m| m.live.source().clone())
+                .collect()
+        };
+        for source in remote {
+            if let Some(object) = source.remote_object() {
+                object.look_again();
+            }
+        }
         let st = self.read_state();
         let held = self.held_bytes(&st);
         let tainted = self.tainted();

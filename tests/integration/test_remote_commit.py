@@ -252,6 +252,9 @@ def test_an_object_replaced_behind_the_mount_is_refused_and_nothing_is_lost(tmp_
     other = tmp_path / "other.safetensors"
     t_other, _ = checkpoint(other, seed=7)
     s3.put(other, "replaced/m.safetensors")
+    # stfs status asks the store (no read has found it yet) and says so.
+    st = run("status", m.path)
+    assert st.returncode != 0 and "the source changed since it was mounted" in st.stdout, st.stdout
     p = run("commit", m.path)
     assert p.returncode != 0
     assert "the source changed since it was mounted" in p.stderr, p.stderr

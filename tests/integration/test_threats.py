@@ -228,6 +228,27 @@ def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_p
     assert_checkpoint(src, t, {"note": "y" * 9000})
 
 
+def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount, run, monkeypatch):
+    """A fault after the new file is written and before it lands (recording
+    the commit): the old file stays, the edits stay, and no temp file is left
+    beside the source."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    before = src.read_bytes()
+    monkeypatch.setenv("STFS_FAULT_AT", "land:recorded:EIO")
+    m = mount(src)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    os.unlink(os.path.join(m.path, "a"))  # a hole: a rewrite
+    del t["a"]
+    p = run("commit", "--compact", m.path)
+    assert p.returncode != 0, p.stdout
+    assert src.read_bytes() == before
+    assert [f for f in os.listdir(tmp_path) if ".stfs-tmp-" in f] == []
+    p = run("commit", "--compact", m.path)
+    assert p.returncode == 0, p.stderr
+    assert_checkpoint(src, t, compact=True)
+
+
 def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(tmp_path, mount, run, monkeypatch):
     src = tmp_path / "m.safetensors"
     t = base(src)

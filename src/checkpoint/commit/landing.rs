@@ -494,11 +494,16 @@ pub fn land(
     landings: &[Box<dyn Landing>],
     staging: &Staging,
 ) -> Result<(), LandError> {
-    let before = |error| LandError {
-        done: 0,
-        changed: false,
-        refused: false,
-        error,
+    // Failing before anything changed: what was written goes (the caller
+    // takes it that `land` removed it: temp files, uploads).
+    let before = |error| {
+        landings.iter().for_each(|l| l.remove());
+        LandError {
+            done: 0,
+            changed: false,
+            refused: false,
+            error,
+        }
     };
     let dir = staging.dir().map_err(|e| before(CommitError::Staging(e)))?;
     let mut renames = Renames {

@@ -686,6 +686,30 @@ impl RemoteObject {
         self.stale.load(Ordering::Relaxed)
     }
 
+    /// Asks the store (one HEAD, bounded by --timeout) whether the object
+    /// is still the version mounted; a replaced one is then refused as a
+    /// read that found it would refuse it. A store that does not answer
+    /// tells nothing (false). Never called under a lock of the state.
+    pub fn look_again(&self) -> bool {
+        if self.replaced() {
+            return true;
+        }
+        let f = &self.remote.fetcher;
+        let head = self.remote.block_on(async {
+            f.requests.fetch_add(1, Ordering::Relaxed);
+            tokio::time::timeout(f.timeout, f.store.head(&self.path)).await
+        });
+        let replaced = match head {
+            Ok(Ok(meta)) => !self.version.sent(&meta),
+            Ok(Err(object_store::Error::NotFound { .. })) => true,
+            _ => false,
+        };
+        if replaced && !self.stale.swap(true, Ordering::Relaxed) {
+            warn!(url = self.url, "{}", FetchError::Replaced);
+        }
+        replaced
+    }
+
     /// EIO once a read found the object replaced behind the mount.
     pub fn check_unchanged(&self) -> std::io::Result<()> {
         self.check().map_err(|e| self.failed("read", e))
