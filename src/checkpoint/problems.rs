@@ -98,7 +98,7 @@ impl Live {
                 let pairs: Vec<String> = m
                     .iter()
                     .flatten()
-                    .map(|(k, v)| format!("{k:?}: {v:?}"))
+                    .map(|(k, v)| format!("{k:?}: {}", shown_value(v)))
                     .collect();
                 changes.push(format!("metadata   {{{}}}", pairs.join(", ")))
             }
@@ -155,5 +155,15 @@ impl Live {
             });
         }
         problems
+    }
+}
+
+/// A metadata value as `stfs status` shows it: quoted, and cut after 60
+/// characters (a chat template is kilobytes), saying how long it is.
+fn shown_value(v: &str) -> String {
+    const SHOWN: usize = 60;
+    match v.char_indices().nth(SHOWN) {
+        None => format!("{v:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes)", &v[..cut], v.len()),
     }
 }

@@ -93,6 +93,19 @@ def test_create_rm_mv_reshape_retype_metadata(tmp_path, mount, run):
     assert_checkpoint(src, expected, metadata={"format": "pt"})
 
 
+def test_status_shows_a_long_metadata_value_cut_with_its_length(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    base(src)
+    m = mount(src)
+    template = "{% for m in messages %}" + "x" * 20000 + "{% endfor %}"
+    with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+        json.dump({"chat_template": template, "format": "pt"}, f)
+    line = [l for l in run("status", m.path).stdout.splitlines() if l.strip().startswith("metadata")][0]
+    assert len(line) < 200, line
+    assert f'"chat_template": "{{% for m in messages %}}xx' in line and f"... ({len(template)} bytes)" in line, line
+    assert '"format": "pt"' in line, line
+
+
 def test_cp_between_checkpoints_and_mounts(tmp_path, mount, run):
     folder = tmp_path / "f"
     folder.mkdir()

@@ -630,7 +630,13 @@ impl Model {
                     let pairs: Vec<String> = m
                         .iter()
                         .flatten()
-                        .map(|(k, v)| format!("{k:?}: {v:?}"))
+                        .map(|(k, v)| match v.chars().count() > 60 {
+                            false => format!("{k:?}: {v:?}"),
+                            true => {
+                                let head: String = v.chars().take(60).collect();
+                                format!("{k:?}: {head:?}... ({} bytes)", v.len())
+                            }
+                        })
                         .collect();
                     lines.push(format!("metadata   {{{}}}", pairs.join(", ")));
                 }
