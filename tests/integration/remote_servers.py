@@ -181,6 +181,13 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def _hang_up(self):
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _forward(self):
         proxy = self.server.proxy
         length = int(self.headers.get("Content-Length") or 0)
@@ -191,11 +198,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         action = proxy.decide(request)
         if action == "drop":
             # Close without an answer: the client sees a broken connection.
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._hang_up()
             return
         if action == "hang":
             proxy.release.wait(120)
@@ -231,17 +234,15 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             conn.close()
         if action == "lose_answer":
             # The server did it; its answer never arrives.
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._hang_up()
             return
         self.send_response(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "keep-alive"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        # (A HEAD's answer has no body but the length of the object.)
+        length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
         self.end_headers()
         if self.command == "HEAD":
             return

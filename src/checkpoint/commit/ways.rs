@@ -135,51 +135,30 @@ impl PlannedWay for InPlacePlan {
     }
 }
 
-/// A new file renamed over the source, its tensors in the source's order
-/// and at the same places within their blocks, so that their blocks are
-/// shared with the source's (XFS, btrfs); `shared`: the bytes it expects to
-/// share; `why`: why not in place.
-pub(super) struct SharedExtentsPlan {
-    why: String,
-    block: u64,
-    shared: u64,
-}
-
-impl PlannedWay for SharedExtentsPlan {
-    fn describe(&self, file_len: u64) -> String {
-        format!(
-            "by a rewrite that shares extents (not in place: {}; {} written, {} shared with the old file)",
-            self.why,
-            human_bytes(file_len - self.shared),
-            human_bytes(self.shared)
-        )
-    }
-
-    fn rewrites(&self) -> bool {
-        true
-    }
-
-    fn write(
-        self: Box<Self>,
-        plan: &CommitPlan,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<Box<dyn Landing>, CommitError> {
-        plan.rewrite(Some(self.block), progress)
-    }
-}
-
-/// A new file renamed over the source; `why`: why not in place.
+/// A new file renamed over the source; `why`: why not in place. With
+/// `sharing` (the block size, the bytes it expects to share): its tensors
+/// in the source's order and at the same places within their blocks, so
+/// that their blocks are shared with the source's (XFS, btrfs).
 pub(super) struct RewritePlan {
     why: String,
+    sharing: Option<(u64, u64)>,
 }
 
 impl PlannedWay for RewritePlan {
     fn describe(&self, file_len: u64) -> String {
-        format!(
-            "by a rewrite (not in place: {}; {} written)",
-            self.why,
-            human_bytes(file_len)
-        )
+        match self.sharing {
+            Some((_, shared)) => format!(
+                "by a rewrite that shares extents (not in place: {}; {} written, {} shared with the old file)",
+                self.why,
+                human_bytes(file_len - shared),
+                human_bytes(shared)
+            ),
+            None => format!(
+                "by a rewrite (not in place: {}; {} written)",
+                self.why,
+                human_bytes(file_len)
+            ),
+        }
     }
 
     fn rewrites(&self) -> bool {
@@ -191,7 +170,7 @@ impl PlannedWay for RewritePlan {
         plan: &CommitPlan,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Box<dyn Landing>, CommitError> {
-        plan.rewrite(None, progress)
+        plan.rewrite(self.sharing.map(|(block, _)| block), progress)
     }
 }
 
@@ -432,10 +411,9 @@ impl CommitWay for SharedExtentsWay {
                 tensors,
                 source_index: order,
             },
-            Box::new(SharedExtentsPlan {
+            Box::new(RewritePlan {
                 why: why_not.to_string(),
-                block,
-                shared,
+                sharing: Some((block, shared)),
             }),
         ))
     }
@@ -500,6 +478,7 @@ impl CommitWay for RewriteWay {
             layout,
             Box::new(RewritePlan {
                 why: why_not.to_string(),
+                sharing: None,
             }),
         ))
     }
