@@ -410,6 +410,54 @@ def test_a_fault_at_every_step_leaves_the_old_object_or_the_new_never_a_mix(tmp_
             judged(data, t2, meta2, tmp_path)
 
 
+def overwrite_every_other(path, t, order, tmp_path):
+    """Overwrites every other tensor, in file order: each is an uploaded
+    part of its own between copied runs."""
+    t = dict(t)
+    for name in order[::2]:
+        new = np.full(t[name].shape, 0.5, t[name].dtype)
+        (tmp_path / "new.bin").write_bytes(new.tobytes())
+        fx.sh(f"dd if={tmp_path}/new.bin of={path}/{name} bs=64K conv=notrunc status=none")
+        t[name] = new
+    return t
+
+
+def test_uploaded_parts_go_up_several_at_once_and_a_failed_one_aborts_them_all(tmp_path, s3, mount, run):
+    src = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(5)
+    t = {f"w.{i:02}": rng.standard_normal(32 << 10).astype(np.float32) for i in range(16)}  # 128 KiB each
+    meta = {"format": "pt"}
+    save_file(t, str(src), metadata=meta)
+    url = s3.put(src, "parallel/m.safetensors")
+    old = s3.get("parallel/m.safetensors")
+    m = mount(url, *s3.options)
+    t2 = overwrite_every_other(m.path, t, file_order(src), tmp_path)
+    # The fifth part fails every time: the commit fails, every part sent is
+    # answered, the upload aborted, nothing left open.
+    parts = []
+
+    def rule(r):
+        if step_of(r) == "part":
+            parts.append(r)
+            if len(parts) >= 5:
+                return 500
+        return None
+
+    s3.rule = rule
+    p = run("commit", m.path, timeout=120)
+    s3.rule = None
+    assert p.returncode != 0 and "the object is unchanged" in p.stderr, p.stderr
+    assert s3.get("parallel/m.safetensors") == old
+    assert s3.uploads() == []
+    # Then all of them go up and land.
+    s3.reset()
+    p = fx.committed(run, m)
+    uploaded = [r for r in s3.requests if step_of(r) == "part"]
+    assert len(uploaded) >= 8, p.stdout
+    judged(s3.get("parallel/m.safetensors"), t2, meta, tmp_path)
+    assert s3.uploads() == []
+
+
 def test_a_daemon_killed_mid_upload_leaves_no_parts_and_the_edits_come_back(tmp_path, s3, mount, run,
                                                                             monkeypatch):
     src = tmp_path / "m.safetensors"

@@ -32,6 +32,8 @@ const MAX_PARTS: usize = 10_000;
 const UPLOAD_PART: u64 = 64 << 20;
 /// Server-side copies in flight at once.
 const COPIES_AT_ONCE: usize = 8;
+/// Uploaded parts in flight at once (each up to 64 MiB in memory).
+const UPLOADS_AT_ONCE: usize = 4;
 
 /// The smallest part the store takes: 5 MiB, or `STFS_S3_MIN_PART` (a
 /// store or a test server configured with a lower minimum).
@@ -222,7 +224,7 @@ pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
 }
 
 /// The new object's layout and parts: its tensors in the old object's
-/// order (runs of it stay whole, so the server copies them), the header
+/// order (`remote_order`: runs of it stay whole, so the server copies them), the header
 /// padded to the old one's length where it fits (every kept tensor stays
 /// at its offset, and so do its cached chunks), else with room to grow.
 pub(super) struct RemoteWay;
@@ -245,7 +247,7 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         let pieces = pieces_of(new, &layout);
         (layout, pieces)
     } else {
-        let (_, order) = source_order(new);
+        let order = remote_order(new);
         let tensors = tensors_in_order(new, &order)?;
         let header =
             crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
@@ -338,6 +340,43 @@ impl PlannedWay for RemotePlan {
         );
         Ok(Box::new(job))
     }
+}
+
+/// The new object's order: each tensor at its place in the old object,
+/// by its old offset, where its bytes are the old tensor's or are new bytes
+/// of the same length under the same name (a same-size overwrite, which
+/// then moves nothing else); the others after, by name. Every tensor kept
+/// in place keeps its offset when the header fits its old room.
+fn remote_order(new: &NewState) -> Vec<usize> {
+    let old = new.source.header();
+    let mut claimed = vec![false; old.tensors.len()];
+    let mut placed = Vec::new();
+    let mut others = Vec::new();
+    for (k, input) in new.inputs.iter().enumerate() {
+        match input {
+            Bytes::Source(src, i) if Arc::ptr_eq(src, new.source) && !claimed[*i as usize] => {
+                claimed[*i as usize] = true;
+                placed.push((old.tensors.get(*i as usize).data_offsets.0, k));
+            }
+            _ => others.push(k),
+        }
+    }
+    let by_name: std::collections::HashMap<&str, usize> = (0..old.tensors.len())
+        .map(|i| (old.tensors.name(i), i))
+        .collect();
+    let mut rest = Vec::new();
+    for k in others {
+        match by_name.get(new.specs[k].0) {
+            Some(&i) if !claimed[i] && old.tensors.nbytes(i) == new.inputs[k].len() => {
+                claimed[i] = true;
+                placed.push((old.tensors.get(i).data_offsets.0, k));
+            }
+            _ => rest.push(k),
+        }
+    }
+    placed.sort_unstable();
+    rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
+    placed.into_iter().map(|(_, k)| k).chain(rest).collect()
 }
 
 /// The new object as pieces: the header, then each tensor's bytes (the old
@@ -434,7 +473,7 @@ impl RemoteJob {
         self.source.remote_object().expect("a remote source")
     }
 
-    fn writer(&self) -> Result<&S3Writer, CommitError> {
+    fn writer(&self) -> Result<&Arc<S3Writer>, CommitError> {
         self.object()
             .remote()
             .writer()
@@ -531,24 +570,79 @@ impl RemoteJob {
         self.write_record(Some(&upload))?;
         let total = self.parts.uploaded + self.parts.copied;
         let mut sent = 0;
-        // Uploaded parts one by one (each built in memory), then the copies,
-        // several at once (a copy of gigabytes takes the server a while).
+        // Uploaded parts built here one by one (in memory) and sent a few
+        // at once; then the copies, more at once (a copy of gigabytes takes
+        // the server a while).
         let mut copies = Vec::new();
+        let mut sending = std::collections::VecDeque::new();
+        let wait = |handle: tokio::task::JoinHandle<Result<DonePart, S3Error>>| {
+            remote.run(handle).unwrap_or_else(|e| {
+                Err(S3Error::Transport {
+                    op: "UploadPart",
+                    why: e.to_string(),
+                })
+            })
+        };
+        let mut failed = None;
         for (n, part) in self.parts.parts.iter().enumerate() {
             let number = n as u32 + 1;
-            match part {
-                Part::Copy(range) => copies.push((number, range.clone())),
-                Part::Upload(pieces) => {
-                    crate::testpoint::point("remote:part").map_err(io_err("sending a part"))?;
-                    let body = self.body(pieces)?;
-                    let done = remote
-                        .run(writer.upload_part(key, &upload, number, body))
-                        .map_err(&err)?;
-                    self.done.lock_anyway().push(done);
-                    sent += part.len();
-                    progress(sent, total);
+            let pieces = match part {
+                Part::Copy(range) => {
+                    copies.push((number, range.clone()));
+                    continue;
+                }
+                Part::Upload(pieces) => pieces,
+            };
+            let body = crate::testpoint::point("remote:part")
+                .map_err(io_err("sending a part"))
+                .and_then(|()| self.body(pieces));
+            let body = match body {
+                Ok(body) => body,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
+            let (w, k, u) = (writer.clone(), key.clone(), upload.clone());
+            sending.push_back((
+                part.len(),
+                remote.spawn(async move { w.upload_part(&k, &u, number, body).await }),
+            ));
+            while sending.len() >= UPLOADS_AT_ONCE {
+                let (len, handle) = sending.pop_front().expect("one in flight");
+                match wait(handle) {
+                    Ok(done) => {
+                        self.done.lock_anyway().push(done);
+                        sent += len;
+                        progress(sent, total);
+                    }
+                    Err(e) => {
+                        failed = Some(err(e));
+                        break;
+                    }
                 }
             }
+            if failed.is_some() {
+                break;
+            }
+        }
+        // Every part sent is answered before anything else (an abort must
+        // not race a part still going up).
+        for (len, handle) in sending {
+            match wait(handle) {
+                Ok(done) if failed.is_none() => {
+                    self.done.lock_anyway().push(done);
+                    sent += len;
+                    progress(sent, total);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    failed.get_or_insert(err(e));
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         if !copies.is_empty() {
             crate::testpoint::point("remote:copy").map_err(io_err("copying parts"))?;

@@ -138,7 +138,7 @@ pub struct Remote {
     /// `scheme://bucket` (or the HTTP origin), to show object paths as URLs.
     origin: String,
     /// What commits to an S3 store (None: the store is read-only to stfs).
-    writer: Option<s3::S3Writer>,
+    writer: Option<Arc<s3::S3Writer>>,
 }
 
 impl Drop for Remote {
@@ -249,7 +249,7 @@ impl Remote {
                     .build()
                     .map_err(|e| RemoteError::url(url, e.to_string()))?;
                 let bucket = parsed.host_str().unwrap_or_default();
-                writer = Some(
+                writer = Some(Arc::new(
                     s3::S3Writer::new(
                         store.credentials().clone(),
                         &client.clone().with_allow_http(
@@ -261,7 +261,7 @@ impl Remote {
                         opts.timeout,
                     )
                     .map_err(|e| RemoteError::url(url, e))?,
-                );
+                ));
                 (
                     Arc::new(store),
                     parsed.path().to_string(),
@@ -355,8 +355,18 @@ impl Remote {
 
     /// What commits to this store: None where stfs cannot write to it
     /// (HTTP, GCS and Azure: no ranged server-side copy).
-    pub fn writer(&self) -> Option<&s3::S3Writer> {
+    pub fn writer(&self) -> Option<&Arc<s3::S3Writer>> {
         self.writer.as_ref()
+    }
+
+    /// Starts a request of the writer's on this store's runtime, to be
+    /// waited for later (`run` the handle).
+    pub fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.runtime().spawn(f)
     }
 
     /// Runs a request of the writer's on this store's runtime.
