@@ -224,9 +224,10 @@ pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
 }
 
 /// The new object's layout and parts: its tensors in the old object's
-/// order (`remote_order`: runs of it stay whole, so the server copies them), the header
-/// padded to the old one's length where it fits (every kept tensor stays
-/// at its offset, and so do its cached chunks), else with room to grow.
+/// order, a same-size overwrite in its place (`source_order`: runs of it
+/// stay whole, so the server copies them), the header padded to the old
+/// one's length where it fits (every kept tensor stays at its offset, and
+/// so do its cached chunks), else with room to grow.
 pub(super) struct RemoteWay;
 
 impl CommitWay for RemoteWay {
@@ -247,7 +248,8 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         let pieces = pieces_of(new, &layout);
         (layout, pieces)
     } else {
-        let order = remote_order(new);
+        // (A same-size overwrite keeps its place: nothing after it moves.)
+        let (_, order) = source_order(new, true);
         let tensors = tensors_in_order(new, &order)?;
         let header =
             crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
@@ -340,43 +342,6 @@ impl PlannedWay for RemotePlan {
         );
         Ok(Box::new(job))
     }
-}
-
-/// The new object's order: each tensor at its place in the old object,
-/// by its old offset, where its bytes are the old tensor's or are new bytes
-/// of the same length under the same name (a same-size overwrite, which
-/// then moves nothing else); the others after, by name. Every tensor kept
-/// in place keeps its offset when the header fits its old room.
-fn remote_order(new: &NewState) -> Vec<usize> {
-    let old = new.source.header();
-    let mut claimed = vec![false; old.tensors.len()];
-    let mut placed = Vec::new();
-    let mut others = Vec::new();
-    for (k, input) in new.inputs.iter().enumerate() {
-        match input {
-            Bytes::Source(src, i) if Arc::ptr_eq(src, new.source) && !claimed[*i as usize] => {
-                claimed[*i as usize] = true;
-                placed.push((old.tensors.get(*i as usize).data_offsets.0, k));
-            }
-            _ => others.push(k),
-        }
-    }
-    let by_name: std::collections::HashMap<&str, usize> = (0..old.tensors.len())
-        .map(|i| (old.tensors.name(i), i))
-        .collect();
-    let mut rest = Vec::new();
-    for k in others {
-        match by_name.get(new.specs[k].0) {
-            Some(&i) if !claimed[i] && old.tensors.nbytes(i) == new.inputs[k].len() => {
-                claimed[i] = true;
-                placed.push((old.tensors.get(i).data_offsets.0, k));
-            }
-            _ => rest.push(k),
-        }
-    }
-    placed.sort_unstable();
-    rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
-    placed.into_iter().map(|(_, k)| k).chain(rest).collect()
 }
 
 /// The new object as pieces: the header, then each tensor's bytes (the old

@@ -374,7 +374,7 @@ impl CommitWay for SharedExtentsWay {
         let block = crate::source::local::shares_extents(file)
             .ok_or("this filesystem cannot share blocks between files (XFS and btrfs can)")?;
         let data_start_now = source.header().data_start() + source.shift();
-        let (kept, order) = source_order(new);
+        let (kept, order) = source_order(new, false);
         let tensors = tensors_in_order(new, &order)?;
         let mut header =
             crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
@@ -420,25 +420,49 @@ impl CommitWay for SharedExtentsWay {
 }
 
 /// The order of a new file that keeps the source's bytes in their order:
-/// the source's own tensors by their offset in it (with that offset), then
-/// the others by name.
-pub(super) fn source_order(new: &NewState) -> (Vec<(u64, usize)>, Vec<usize>) {
+/// the source's own tensors by their offset in it, then the others by name.
+/// With `same_size_names`, a tensor of new bytes under a name the source
+/// had, of that tensor's length (a same-size overwrite), takes its place
+/// too. Returns the source's own tensors (their offset, their input) and
+/// the order.
+pub(super) fn source_order(
+    new: &NewState,
+    same_size_names: bool,
+) -> (Vec<(u64, usize)>, Vec<usize>) {
     let old = new.source.header();
     let mut claimed = vec![false; old.tensors.len()];
     let mut kept = Vec::new();
-    let mut rest = Vec::new();
+    let mut others = Vec::new();
     for (k, input) in new.inputs.iter().enumerate() {
         match input {
             Bytes::Source(src, i) if Arc::ptr_eq(src, new.source) && !claimed[*i as usize] => {
                 claimed[*i as usize] = true;
                 kept.push((old.tensors.get(*i as usize).data_offsets.0, k));
             }
-            _ => rest.push(k),
+            _ => others.push(k),
         }
     }
     kept.sort_unstable();
+    let mut placed = kept.clone();
+    let mut rest = Vec::new();
+    let by_name: std::collections::HashMap<&str, usize> = match same_size_names {
+        true => (0..old.tensors.len())
+            .map(|i| (old.tensors.name(i), i))
+            .collect(),
+        false => Default::default(),
+    };
+    for k in others {
+        match by_name.get(new.specs[k].0) {
+            Some(&i) if !claimed[i] && old.tensors.nbytes(i) == new.inputs[k].len() => {
+                claimed[i] = true;
+                placed.push((old.tensors.get(i).data_offsets.0, k));
+            }
+            _ => rest.push(k),
+        }
+    }
+    placed.sort_unstable();
     rest.sort_by(|&a, &b| new.specs[a].0.cmp(new.specs[b].0));
-    let order = kept.iter().map(|&(_, k)| k).chain(rest).collect();
+    let order = placed.into_iter().map(|(_, k)| k).chain(rest).collect();
     (kept, order)
 }
 
