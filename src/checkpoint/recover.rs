@@ -324,6 +324,7 @@ mod tests {
             Renames {
                 commit: 7,
                 in_place: Vec::new(),
+                remote: Vec::new(),
                 files: vec![
                     PendingRename {
                         folder: dir_path.clone(),
@@ -377,6 +378,7 @@ mod tests {
             Renames {
                 commit: 7,
                 in_place: Vec::new(),
+                remote: Vec::new(),
                 files: vec![PendingRename {
                     folder: std::fs::canonicalize(dir.path()).unwrap(),
                     tmp: ".a.safetensors.stfs-tmp-1-1".into(),
@@ -432,6 +434,7 @@ mod tests {
             Renames {
                 commit: 7,
                 in_place: Vec::new(),
+                remote: Vec::new(),
                 files: vec![PendingRename {
                     folder: std::fs::canonicalize(dir.path()).unwrap(),
                     tmp: ".a.safetensors.stfs-tmp-1-1".into(),

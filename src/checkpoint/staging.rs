@@ -99,6 +99,30 @@ pub struct Renames {
     /// Files written in place: their redo records (done before the renames).
     #[serde(default)]
     pub in_place: Vec<super::in_place::InPlaceRecord>,
+    /// Objects of a remote store (shards, then indexes): the next mount
+    /// completes them if one had landed, so that a folder is never left
+    /// half committed (`commit::remote::finish_interrupted`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote: Vec<RemoteLanding>,
+}
+
+/// An object of a remote commit, as recorded before the first completes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RemoteLanding {
+    pub url: String,
+    pub key: String,
+    /// The ETag the key must still have to be replaced (None: `--force`).
+    pub if_match: Option<String>,
+    /// The ETag the key has once this object landed.
+    pub expected: Option<String>,
+    /// A multipart upload to complete: its id, and its parts (number, ETag).
+    #[serde(default)]
+    pub upload: Option<String>,
+    #[serde(default)]
+    pub parts: Vec<(u32, String)>,
+    /// An object put whole that the next mount can put again (an index): its text.
+    #[serde(default)]
+    pub text: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

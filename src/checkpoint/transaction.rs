@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tracing::{error, info, warn};
 
+use super::commit::remote::{IndexPut, RemoteIndex};
 use super::commit::{CommitLock, CommitOptions, LandError, Landing, Written, land};
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
@@ -24,6 +25,9 @@ pub struct IndexFile {
     pub name: String,
     pub bytes: Vec<u8>,
     pub stat: FileStat,
+    /// An object of a folder of shards in a store (None: a file in the
+    /// mount's folder).
+    pub remote: Option<RemoteIndex>,
 }
 
 /// What a commit needs of the checkpoints of a mount.
@@ -131,6 +135,11 @@ impl Transactions {
         }
     }
 
+    /// A commit did not land: the staging folder holds its record.
+    pub fn unlanded(&self) -> bool {
+        self.unlanded.load(Ordering::SeqCst)
+    }
+
     pub fn tainted(&self) -> Option<String> {
         self.tainted.lock_anyway().clone()
     }
@@ -227,6 +236,7 @@ impl Transactions {
             if let Some(folder) = st.folder() {
                 targets.extend(
                     st.indexes()
+                        .filter(|ix| ix.remote.is_none())
                         .map(|ix| (folder.clone(), ix.name.clone().into(), None)),
                 );
             }
@@ -340,7 +350,12 @@ impl Transactions {
                 }
             }
         }
-        for (folder, name, stat, bytes) in &index_updates {
+        for (folder, name, stat, bytes, remote) in &index_updates {
+            if let Some(remote) = remote {
+                let put = IndexPut::new(remote.clone(), bytes.clone(), *stat, options.force);
+                pending.written.push(Box::new(put));
+                continue;
+            }
             let fill = |f: &std::fs::File| {
                 use std::os::unix::fs::FileExt;
                 f.write_all_at(bytes, 0).map_err(|source| CommitError::Io {
@@ -465,7 +480,7 @@ impl Transactions {
                 }
             }
         }
-        for (k, ((_, name, _, bytes), w)) in index_updates.into_iter().zip(written).enumerate() {
+        for (k, ((_, name, _, bytes, _), w)) in index_updates.into_iter().zip(written).enumerate() {
             if n_plans + k >= landed {
                 continue; // not renamed: the next mount does it
             }
@@ -491,7 +506,8 @@ impl Transactions {
     }
 }
 
-type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>);
+/// An index rewritten: (folder, name, as read, new bytes, its object in a store).
+type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>, Option<RemoteIndex>);
 
 /// A commit's files written but not landed: while armed, dropping it (an
 /// error, a panic) removes them and abandons the shards' plans (their
@@ -630,7 +646,13 @@ fn index_updates<S: Shards>(
             continue;
         }
         match rewrite_index(&ix.bytes, &weight_map, total) {
-            Ok(Some(bytes)) => out.push((folder.clone(), ix.name.clone(), ix.stat, bytes)),
+            Ok(Some(bytes)) => out.push((
+                folder.clone(),
+                ix.name.clone(),
+                ix.stat,
+                bytes,
+                ix.remote.clone(),
+            )),
             Ok(None) => {}
             Err(why) => warn!(file = ix.name, "{why}: left as it is"),
         }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use fuser::{Config, MountOption, SessionACL};
 use tracing::{error, info, warn};
 
+use crate::checkpoint::commit::remote::RemoteIndex;
 use crate::checkpoint::recover::{self, Resume};
 use crate::checkpoint::staging::Staging;
 use crate::format::{Header, index};
@@ -137,7 +138,13 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
             .to_string_lossy()
             .into_owned();
         let stat = FileStat::of(&f).map_err(|e| format!("{}: {e}", ix.display()))?;
-        indexes.push((ix.display().to_string(), IndexFile { name, bytes, stat }));
+        let index = IndexFile {
+            name,
+            bytes,
+            stat,
+            remote: None,
+        };
+        indexes.push((ix.display().to_string(), index));
     }
     Ok(shard_folder(folder, stat, shards, indexes))
 }
@@ -191,9 +198,6 @@ fn remote_read_only(url: &str) -> Option<&'static str> {
              server-side copy",
         );
     }
-    if url.ends_with('/') {
-        return Some("commits of folders of shards to S3 are not supported yet");
-    }
     None
 }
 
@@ -208,15 +212,33 @@ fn remote_stem(url: &str) -> String {
     format!("remote-{hex}")
 }
 
+/// A remote source as opened: what it is, the notes for the user, the
+/// cache folder, and the store.
+struct OpenedRemote {
+    source: Source,
+    notes: Vec<String>,
+    cache: Arc<Folder>,
+    store: Arc<Remote>,
+}
+
 /// Connects to a remote source and validates it as `open_source` does a
 /// local one: an object, or a folder (a URL ending in `/`) of shards with
-/// their indexes. Returns the source, warnings, and the cache folder.
+/// their indexes. `stem` (a writable mount): the name its edits are staged
+/// under; the commits a crash interrupted are finished or aborted first.
 fn open_remote(
     url: &str,
     opts: &RemoteOptions,
-) -> Result<(Source, Vec<String>, Arc<Folder>), String> {
+    stem: Option<&str>,
+) -> Result<OpenedRemote, String> {
     let at = Remote::connect(url, opts).map_err(|e| e.to_string())?;
     let mut notes = Vec::new();
+    if let (Some(stem), Some(writer)) = (stem, at.remote.writer()) {
+        use crate::checkpoint::commit::remote::{abort_interrupted, finish_interrupted};
+        let base = Arc::new(at.remote.edits_folder().map_err(|e| e.to_string())?);
+        let (finished, done) = finish_interrupted(&base, stem, writer, &at.remote)?;
+        notes.extend(finished);
+        notes.extend(abort_interrupted(&base, stem, writer, &at.remote, &done));
+    }
     // Read-ahead of all GET slots at once must fit, with the chunks being read.
     let room = 2 * opts.concurrency as u64 * CHUNK;
     if opts.cache_size < room {
@@ -249,7 +271,12 @@ fn open_remote(
         }
     };
     if !at.folder {
-        return Ok((Source::File(open(&at.path)?), notes, cache));
+        return Ok(OpenedRemote {
+            source: Source::File(open(&at.path)?),
+            notes,
+            cache,
+            store: at.remote,
+        });
     }
     if url.starts_with("http://") || url.starts_with("https://") {
         return Err(format!(
@@ -264,12 +291,23 @@ fn open_remote(
         if name.ends_with(".safetensors") {
             shards.push((name, open(&path)?));
         } else if name.ends_with(".index.json") {
-            let bytes = at.remote.get_all(&path).map_err(|e| e.to_string())?;
+            let (bytes, etag) = at.remote.get_all(&path).map_err(|e| e.to_string())?;
             let stat = FileStat {
                 len: bytes.len() as u64,
                 ..FileStat::of_mounting_user(0o100444)
             };
-            indexes.push((at.remote.url(&path), IndexFile { name, bytes, stat }));
+            let remote = Some(RemoteIndex {
+                remote: at.remote.clone(),
+                path: path.clone(),
+                etag: Arc::new(std::sync::Mutex::new(etag)),
+            });
+            let index = IndexFile {
+                name,
+                bytes,
+                stat,
+                remote,
+            };
+            indexes.push((at.remote.url(&path), index));
         }
     }
     if shards.is_empty() {
@@ -282,7 +320,7 @@ fn open_remote(
         .unwrap_or((0, 0));
     let stat = FileStat {
         mtime: newest,
-        ..FileStat::of_mounting_user(0o040555)
+        ..FileStat::of_mounting_user(if stem.is_some() { 0o040755 } else { 0o040555 })
     };
     for (_, ix) in &mut indexes {
         ix.stat.mtime = newest;
@@ -290,7 +328,12 @@ fn open_remote(
     // The cache folder stands in for the folder: a read-only mount never
     // writes there through it, and statfs shows the disk the cache is on.
     let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
-    Ok((source, warnings.into_iter().chain(notes).collect(), cache))
+    Ok(OpenedRemote {
+        source,
+        notes: warnings.into_iter().chain(notes).collect(),
+        cache,
+        store: at.remote,
+    })
 }
 
 /// What is at the mount point, as far as mounting there goes.
@@ -395,35 +438,31 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         // The network runtime's threads would not survive the fork: the
         // daemon connects, and says through the readiness pipe what it found.
         return launch(&req, options, move || {
-            let (source, warnings, cache) = open_remote(&url, &remote)?;
             let read_only = settings.read_only;
-            let Source::File(file) = &source else {
-                // Never made: a read-only mount stages nothing.
-                let staging = Arc::new(Staging::new(cache, "remote".to_string()));
-                let fs = Fs::new(source, settings, staging);
-                return Ok((fs, warnings.into_iter().chain(notes).collect()));
-            };
-            let object = file.remote_object().expect("a remote source");
-            let store = object.remote().clone();
             // Edits are staged (and journaled, and taken back by the next
             // mount) in the cache's private `edits` folder, under a name
             // of the URL's.
-            let base = Arc::new(store.edits_folder().map_err(|e| e.to_string())?);
             let stem = remote_stem(&url);
-            if let Some(writer) = store.writer() {
-                notes.extend(crate::checkpoint::commit::remote::abort_interrupted(
-                    &base, &stem, writer, &store,
-                ));
+            let OpenedRemote {
+                source,
+                notes: warnings,
+                cache,
+                store,
+            } = open_remote(&url, &remote, (!read_only).then_some(stem.as_str()))?;
+            let notes = warnings.into_iter().chain(notes);
+            if read_only {
+                // Never made: a read-only mount stages nothing.
+                let staging = Arc::new(Staging::new(cache, "remote".to_string()));
+                let fs = Fs::new(source, settings, staging);
+                return Ok((fs, notes.collect()));
             }
+            let base = Arc::new(store.edits_folder().map_err(|e| e.to_string())?);
             let staging = Arc::new(Staging::new(base, stem));
             let fs = Fs::new(source, settings, staging.clone());
-            if !read_only {
-                notes.extend(
-                    fs.with_lives(|lives| recover::resume(lives, &staging, &resume))
-                        .map_err(|e| e.to_string())?,
-                );
-            }
-            Ok((fs, warnings.into_iter().chain(notes).collect()))
+            let resumed = fs
+                .with_lives(|lives| recover::resume(lives, &staging, &resume))
+                .map_err(|e| e.to_string())?;
+            Ok((fs, notes.chain(resumed).collect()))
         });
     }
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;

@@ -465,7 +465,9 @@ impl Fs {
                 .map(|lines| lines.iter().for_each(|l| info!("at unmount: {l}")))
         };
         match &result {
-            Ok(()) if !self.is_dirty() => self.staging.remove(),
+            // (A commit that did not land leaves its record there, even
+            // with nothing staged: the next mount finishes it.)
+            Ok(()) if !self.is_dirty() && !self.transactions.unlanded() => self.staging.remove(),
             _ => self.keep_edits(),
         }
         result.map_err(|source| UnmountError {

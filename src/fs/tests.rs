@@ -232,6 +232,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
             name: "m.index.json".into(),
             bytes: b"{}".to_vec(),
             stat: stat(&dir.path().join("s1.safetensors")),
+            remote: None,
         }],
     };
     let fs = Fs::new(

@@ -484,26 +484,178 @@ def test_a_daemon_killed_mid_upload_leaves_no_parts_and_the_edits_come_back(tmp_
     judged(s3.get("killed/m.safetensors"), t, meta2, tmp_path)
 
 
-def test_http_sources_and_s3_folders_stay_read_only(tmp_path, s3, mount, run):
+def test_a_read_only_mount_refuses_edits_and_commits(tmp_path, s3, mount, run):
     src = tmp_path / "a.safetensors"
     fx.base(src)
-    s3.put(src, "folder/a.safetensors")
-    m = mount(f"s3://{BUCKET}/folder/", *s3.options)
-    assert "mounted read-only (commits of folders of shards to S3 are not supported yet)" in m.result.stderr
-    shard = os.path.join(m.path, "a")
-    assert "a" in os.listdir(shard)
-    with pytest.raises(OSError) as e:
-        os.unlink(os.path.join(shard, "a"))
-    assert e.value.errno == errno.EROFS
-    m = mount(f"s3://{BUCKET}/folder/a.safetensors", *s3.options, "-o", "ro")
+    url = s3.put(src, "ro/a.safetensors")
+    m = mount(url, *s3.options, "-o", "ro")
     with pytest.raises(OSError) as e:
         os.unlink(os.path.join(m.path, "a"))
     assert e.value.errno == errno.EROFS
     # Nor does it commit (--compact would rewrite with nothing staged).
-    etag = s3.etag("folder/a.safetensors")
+    etag = s3.etag("ro/a.safetensors")
     p = run("commit", "--compact", m.path)
     assert p.returncode != 0 and "the mount is read-only (-o ro): it commits nothing" in p.stderr, p.stderr
-    assert s3.etag("folder/a.safetensors") == etag
+    assert s3.etag("ro/a.safetensors") == etag
+
+
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+INDEX = "model.safetensors.index.json"
+
+
+def shard_folder(s3, tmp_path, prefix):
+    """Three shards of `checkpoint`'s tensors (four layers each, the norms in
+    the last) and their index as transformers writes it, put under `prefix`.
+    Returns {shard: tensors}."""
+    t, _ = checkpoint(tmp_path / "whole.safetensors")
+    names = sorted(t)
+    split = {SHARDS[0]: names[0:4], SHARDS[1]: names[4:8], SHARDS[2]: names[8:]}
+    shards = {}
+    for shard, keys in split.items():
+        shards[shard] = {k: t[k] for k in keys}
+        save_file(shards[shard], str(tmp_path / shard), metadata={"format": "pt"})
+        s3.put(tmp_path / shard, f"{prefix}/{shard}")
+    write_index(tmp_path / INDEX, shards)
+    s3.put(tmp_path / INDEX, f"{prefix}/{INDEX}")
+    return shards
+
+
+def write_index(path, shards):
+    weight_map = {k: shard for shard, ts in shards.items() for k in ts}
+    total = sum(v.nbytes for ts in shards.values() for v in ts.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def edit_folder(path, shards):
+    """A rename within the first shard and a move of a tensor from it to the
+    second: both shards and the index change, the third shard does not."""
+    s1, s2 = (os.path.join(path, s.removesuffix(".safetensors")) for s in SHARDS[:2])
+    want = {k: dict(v) for k, v in shards.items()}
+    fx.sh(f"mv {s1}/layer.01 {s1}/model.layers.1.weight && mv {s1}/layer.02 {s2}/")
+    want[SHARDS[0]]["model.layers.1.weight"] = want[SHARDS[0]].pop("layer.01")
+    want[SHARDS[1]]["layer.02"] = want[SHARDS[0]].pop("layer.02")
+    return want
+
+
+def folder_judged(s3, prefix, want, tmp_path):
+    """Every shard in the store is `want`'s, and the index names exactly their tensors."""
+    for shard, t in want.items():
+        judged(s3.get(f"{prefix}/{shard}"), t, {"format": "pt"}, tmp_path)
+    index = json.loads(s3.get(f"{prefix}/{INDEX}"))
+    assert index["weight_map"] == {k: shard for shard, ts in want.items() for k in ts}
+    assert index["metadata"]["total_size"] == sum(v.nbytes for ts in want.values() for v in ts.values())
+
+
+def test_a_folder_of_shards_commits_its_changed_shards_then_the_index(tmp_path, s3, mount, run):
+    shards = shard_folder(s3, tmp_path, "folder")
+    untouched = s3.etag(f"folder/{SHARDS[2]}")
+    url = f"s3://{BUCKET}/folder/"
+    m = mount(url, *s3.options)
+    assert "read-only" not in m.result.stderr, m.result.stderr
+    want = edit_folder(m.path, shards)
+    status = run("status", m.path).stdout
+    assert status.count("commit     remote multipart (") == 2, status
+    s3.reset()
+    p = fx.committed(run, m)
+    for shard in SHARDS[:2]:
+        assert f"{url}{shard}: committed remote multipart (" in p.stdout, p.stdout
+    assert f"{url}{INDEX}: rewritten" in p.stdout, p.stdout
+    folder_judged(s3, "folder", want, tmp_path)
+    assert s3.etag(f"folder/{SHARDS[2]}") == untouched
+    assert s3.uploads() == []
+    # The shards landed first, each conditional on the version mounted; the
+    # index last, conditional too; the third shard was not written.
+    writes = [(i, r) for i, r in enumerate(s3.requests)
+              if (r["method"] == "POST" and "uploadId=" in r["path"]) or
+              (r["method"] == "PUT" and r["path"].endswith(INDEX))]
+    assert [r["method"] for _, r in writes] == ["POST", "POST", "PUT"], writes
+    assert all(r["headers"].get("if-match") for _, r in writes), writes
+    assert not [r for r in s3.requests if r["method"] in ("PUT", "POST") and SHARDS[2] in r["path"]]
+    # The mount shows the committed folder, and commits again over it.
+    index_view = json.loads(open(os.path.join(m.path, INDEX)).read())
+    assert index_view["weight_map"]["layer.02"] == SHARDS[1]
+    s2 = os.path.join(m.path, SHARDS[1].removesuffix(".safetensors"))
+    fx.sh(f"mv {s2}/layer.02 {s2}/layer.02.moved")
+    want[SHARDS[1]]["layer.02.moved"] = want[SHARDS[1]].pop("layer.02")
+    fx.committed(run, m)
+    folder_judged(s3, "folder", want, tmp_path)
+    m.close(check=True)
+    m = mount(url, *s3.options)
+    assert "weight_map" not in m.result.stderr, m.result.stderr
+    assert "no changes" in run("status", m.path).stdout
+
+
+def test_a_changed_index_stops_the_whole_folder_commit_before_any_shard_lands(tmp_path, s3, mount, run):
+    shards = shard_folder(s3, tmp_path, "raced")
+    etags = {s: s3.etag(f"raced/{s}") for s in SHARDS}
+    m = mount(f"s3://{BUCKET}/raced/", *s3.options)
+    edit_folder(m.path, shards)
+    s3.client.put_object(Bucket=BUCKET, Key=f"raced/{INDEX}", Body=b'{"weight_map": {}}\n')
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    assert f"{INDEX}" in p.stderr and "changed" in p.stderr, p.stderr
+    assert {s: s3.etag(f"raced/{s}") for s in SHARDS} == etags
+    assert s3.uploads() == []
+    assert "model.layers.1.weight" in run("status", m.path).stdout
+
+
+@pytest.mark.parametrize("fault, landed", [("remote:complete:EIO", 0), ("remote:complete:EIO:2", 1),
+                                           ("remote:index:EIO", 2)])
+def test_a_folder_commit_that_fails_is_nothing_or_finished_by_the_next_mount(tmp_path, s3, mount, run,
+                                                                              monkeypatch, fault, landed):
+    prefix = f"fault{landed}"
+    shards = shard_folder(s3, tmp_path, prefix)
+    etags = {s: s3.etag(f"{prefix}/{s}") for s in [*SHARDS, INDEX]}
+    url = f"s3://{BUCKET}/{prefix}/"
+    monkeypatch.setenv("STFS_FAULT_AT", fault)
+    m = mount(url, *s3.options)
+    monkeypatch.delenv("STFS_FAULT_AT")
+    want = edit_folder(m.path, shards)
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    changed = [s for s in SHARDS[:2] if s3.etag(f"{prefix}/{s}") != etags[s]]
+    assert len(changed) == landed, (changed, p.stderr)
+    assert s3.etag(f"{prefix}/{INDEX}") == etags[INDEX]
+    if landed == 0:
+        # Nothing changed: the uploads are aborted, the edits stay, a commit goes on.
+        assert s3.uploads() == []
+        fx.committed(run, m)
+        folder_judged(s3, prefix, want, tmp_path)
+        return
+    assert f"{landed} of its 3 files landed" in p.stderr, p.stderr
+    m.close()
+    m2 = mount(url, *s3.options)
+    assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
+    folder_judged(s3, prefix, want, tmp_path)
+    assert s3.uploads() == []
+
+
+def test_a_daemon_killed_between_two_shards_leaves_a_folder_the_next_mount_finishes(tmp_path, s3, mount, run,
+                                                                                    monkeypatch):
+    shards = shard_folder(s3, tmp_path, "killed2")
+    etags = {s: s3.etag(f"killed2/{s}") for s in [*SHARDS, INDEX]}
+    url = f"s3://{BUCKET}/killed2/"
+    monkeypatch.setenv("STFS_CRASH_AT", "remote:completed")
+    m = mount(url, *s3.options)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    want = edit_folder(m.path, shards)
+    p = run("commit", m.path)
+    assert p.returncode != 0
+    wait_for_exit(m.pid, 20)
+    # One shard is new, the other's upload open, the index old.
+    changed = [s for s in SHARDS if s3.etag(f"killed2/{s}") != etags[s]]
+    assert len(changed) == 1, changed
+    assert len(s3.uploads()) == 1
+    assert s3.etag(f"killed2/{INDEX}") == etags[INDEX]
+    subprocess.run(["umount", "-l", m.path], check=False)
+    m2 = mount(url, *s3.options)
+    assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
+    folder_judged(s3, "killed2", want, tmp_path)
+    assert s3.uploads() == []
+    assert "weight_map" not in m2.result.stderr, m2.result.stderr
+    names = os.listdir(os.path.join(m2.path, SHARDS[0].removesuffix(".safetensors")))
+    assert "model.layers.1.weight" in names and "layer.02" not in names
 
 
 def test_edits_that_undo_each_other_send_nothing(tmp_path, s3, mount, run):

@@ -112,6 +112,7 @@ pub(super) fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
                 name: INDEX.into(),
                 bytes,
                 stat: FileStat::of(&file).unwrap(),
+                remote: None,
             }],
         }
     } else {

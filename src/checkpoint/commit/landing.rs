@@ -510,6 +510,7 @@ pub fn land(
         commit,
         files: Vec::new(),
         in_place: Vec::new(),
+        remote: Vec::new(),
     };
     for l in landings {
         l.record(&mut renames, &dir).map_err(before)?;

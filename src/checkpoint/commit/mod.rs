@@ -42,7 +42,7 @@ use tracing::{info, warn};
 
 use super::in_place::{self, InPlaceLayout, InPlaceRecord, Lease};
 use super::journal::Record;
-use super::staging::{PendingRename, Renames, Staging};
+use super::staging::{PendingRename, RemoteLanding, Renames, Staging};
 use super::{DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot, next_gen};
 use crate::checkpoint::Declined;
 use crate::format::{FormatError, Header, Layout, layout_of};
@@ -168,7 +168,7 @@ impl Live {
         }
         let upload_record = Some((
             self.staging.base().clone(),
-            remote::record_name(self.staging.stem(), commit),
+            remote::record_name(self.staging.stem(), commit, self.source.file_name()),
         ));
         let (layout, way) = {
             let specs = self.commit_specs(&members);

@@ -396,6 +396,9 @@ pub struct RemoteJob {
     record: (Arc<Folder>, String),
     upload: Mutex<Option<String>>,
     done: Mutex<Vec<DonePart>>,
+    /// The whole body of a new object put whole (built once: its ETag is
+    /// recorded before it is sent).
+    single: std::sync::OnceLock<bytes::Bytes>,
     /// The new object, once completed and opened.
     pub landed: Mutex<Option<RemoteObject>>,
 }
@@ -430,6 +433,7 @@ impl RemoteJob {
             record,
             upload: Mutex::new(None),
             done: Mutex::new(Vec::new()),
+            single: std::sync::OnceLock::new(),
             landed: Mutex::new(None),
         }
     }
@@ -641,32 +645,16 @@ impl RemoteJob {
         let remote = object.remote();
         let err = remote_err(self.file());
         crate::testpoint::point("remote:complete").map_err(io_err("completing the upload"))?;
-        if let Some(want) = &self.if_match {
-            let now = remote.run(writer.etag_now(key)).map_err(&err)?;
-            if now.as_deref() != Some(want) {
-                return Err(CommitError::RemoteConflict {
-                    file: self.file().to_path_buf(),
-                });
-            }
-        }
+        still_mounted(remote, key, self.if_match.as_deref(), self.file())?;
         let if_match = self.if_match.as_deref();
         // The ETag the new object will have (S3's: an MD5 of the body, or of
         // the parts' MD5s), to recognise it if the answer is lost.
-        let (done, expected) = match self.upload.lock_anyway().clone() {
-            None => {
-                let body = self.body(match self.parts.parts.first() {
-                    Some(Part::Upload(pieces)) => pieces,
-                    _ => &[],
-                })?;
-                let expected = s3::put_etag(&body);
-                (remote.run(writer.put(key, body, if_match)), Some(expected))
-            }
+        let expected = self.expected_etag()?;
+        let done = match self.upload.lock_anyway().clone() {
+            None => remote.run(writer.put(key, self.single_body()?.clone(), if_match)),
             Some(upload) => {
-                let mut parts = self.done.lock_anyway().clone();
-                parts.sort_by_key(|p| p.number);
-                let expected = s3::multipart_etag(&parts);
-                let done = remote.run(writer.complete(key, &upload, &parts, if_match));
-                (done, expected)
+                let parts = self.parts_done();
+                remote.run(writer.complete(key, &upload, &parts, if_match))
             }
         };
         let etag = match done {
@@ -685,6 +673,8 @@ impl RemoteJob {
         *self.upload.lock_anyway() = None;
         self.remove_record();
         info!(file = %self.file().display(), etag, "committed to the store");
+        // (A test stops here: one shard of a folder landed, the next not yet.)
+        let _ = crate::testpoint::point("remote:completed");
         // The object changed: whatever fails from here, the commit landed
         // (left without an object, `finish` says it was committed but not
         // mapped, and the mount commits no more).
@@ -709,6 +699,34 @@ impl RemoteJob {
         }
         *self.landed.lock_anyway() = Some(fresh);
         Ok(())
+    }
+
+    /// The body of a new object put whole.
+    fn single_body(&self) -> Result<&bytes::Bytes, CommitError> {
+        if let Some(body) = self.single.get() {
+            return Ok(body);
+        }
+        let body = self.body(match self.parts.parts.first() {
+            Some(Part::Upload(pieces)) => pieces,
+            _ => &[],
+        })?;
+        Ok(self.single.get_or_init(|| body))
+    }
+
+    /// The parts sent, in order.
+    fn parts_done(&self) -> Vec<DonePart> {
+        let mut parts = self.done.lock_anyway().clone();
+        parts.sort_by_key(|p| p.number);
+        parts
+    }
+
+    /// The ETag the new object will have (S3's: an MD5 of the body, or of
+    /// the parts' MD5s), to recognise it once landed.
+    fn expected_etag(&self) -> Result<Option<String>, CommitError> {
+        Ok(match self.upload.lock_anyway().is_some() {
+            false => Some(s3::put_etag(self.single_body()?)),
+            true => s3::multipart_etag(&self.parts_done()),
+        })
     }
 
     /// The ranges of the new object that hold the old object's bytes at
@@ -813,8 +831,32 @@ impl Landing for RemoteJob {
         self.source.path().to_path_buf()
     }
 
-    /// (Recorded in the cache folder when its upload began.)
-    fn record(&self, _renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+    /// (Its upload was recorded in the cache folder when it began: a crash
+    /// before any object of the commit landed aborts it.) Once one lands,
+    /// the next mount completes the others from this record.
+    fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+        let object = self.object();
+        // Every object of the commit is asked before the first lands: a
+        // shard or index replaced behind the mount stops it all.
+        still_mounted(
+            object.remote(),
+            object.path(),
+            self.if_match.as_deref(),
+            self.file(),
+        )?;
+        renames.remote.push(RemoteLanding {
+            url: object.url().to_string(),
+            key: object.path().to_string(),
+            if_match: self.if_match.clone(),
+            expected: self.expected_etag()?,
+            upload: self.upload.lock_anyway().clone(),
+            parts: self
+                .parts_done()
+                .into_iter()
+                .map(|p| (p.number, p.etag))
+                .collect(),
+            text: None,
+        });
         Ok(())
     }
 
@@ -844,9 +886,288 @@ impl Landing for RemoteJob {
     }
 }
 
-/// The name of an upload record of this mount (`stem`: the object's staging stem).
-pub fn record_name(stem: &str, commit: u64) -> String {
-    format!("{stem}.upload-{}-{commit}", std::process::id())
+/// The key still holds the version mounted (`want`; None: forced), as a
+/// HEAD says: else the lost-update refusal.
+fn still_mounted(
+    remote: &crate::source::remote::Remote,
+    key: &object_store::path::Path,
+    want: Option<&str>,
+    file: &std::path::Path,
+) -> Result<(), CommitError> {
+    let (Some(want), Some(writer)) = (want, remote.writer()) else {
+        return Ok(());
+    };
+    let now = remote.run(writer.etag_now(key)).map_err(remote_err(file))?;
+    match now.as_deref() == Some(want) {
+        true => Ok(()),
+        false => Err(CommitError::RemoteConflict {
+            file: file.to_path_buf(),
+        }),
+    }
+}
+
+/// A `*.index.json` object of a folder of shards in a store: where it is,
+/// and the ETag of the version shown (a commit's PUT of it is conditional
+/// on that ETag, and sets it to the new one).
+#[derive(Clone)]
+pub struct RemoteIndex {
+    pub remote: Arc<crate::source::remote::Remote>,
+    pub path: object_store::path::Path,
+    pub etag: Arc<Mutex<Option<String>>>,
+}
+
+/// An index object of a commit of a folder of shards, put whole after every
+/// shard landed, only over the version shown (unless forced).
+pub struct IndexPut {
+    index: RemoteIndex,
+    bytes: bytes::Bytes,
+    if_match: Option<String>,
+    stat: FileStat,
+}
+
+impl IndexPut {
+    pub fn new(index: RemoteIndex, bytes: Vec<u8>, stat: FileStat, force: bool) -> IndexPut {
+        let if_match = match force {
+            true => None,
+            false => index.etag.lock_anyway().clone(),
+        };
+        IndexPut {
+            index,
+            bytes: bytes::Bytes::from(bytes),
+            if_match,
+            stat,
+        }
+    }
+
+    fn url(&self) -> String {
+        self.index.remote.url(&self.index.path)
+    }
+
+    fn put(&self) -> Result<(), CommitError> {
+        let remote = &self.index.remote;
+        let file = PathBuf::from(self.url());
+        let err = remote_err(&file);
+        let writer = remote
+            .writer()
+            .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
+        let key = &self.index.path;
+        crate::testpoint::point("remote:index").map_err(io_err("putting the index"))?;
+        still_mounted(remote, key, self.if_match.as_deref(), &file)?;
+        let expected = s3::put_etag(&self.bytes);
+        let put = remote.run(writer.put(key, self.bytes.clone(), self.if_match.as_deref()));
+        let etag = match put {
+            Ok(etag) => etag,
+            // The answer may be lost after the store took it: the key says.
+            Err(e) => match remote.run(writer.etag_now(key)) {
+                Ok(Some(now)) if now == expected => now,
+                _ => return Err(err(e)),
+            },
+        };
+        *self.index.etag.lock_anyway() = Some(etag);
+        info!(file = %file.display(), "index put to the store");
+        Ok(())
+    }
+}
+
+impl Landing for IndexPut {
+    fn stat(&self) -> FileStat {
+        FileStat {
+            len: self.bytes.len() as u64,
+            ..self.stat
+        }
+    }
+
+    fn target(&self) -> PathBuf {
+        PathBuf::from(self.url())
+    }
+
+    fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+        let file = PathBuf::from(self.url());
+        let remote = &self.index.remote;
+        still_mounted(remote, &self.index.path, self.if_match.as_deref(), &file)?;
+        renames.remote.push(RemoteLanding {
+            url: self.url(),
+            key: self.index.path.to_string(),
+            if_match: self.if_match.clone(),
+            expected: Some(s3::put_etag(&self.bytes)),
+            upload: None,
+            parts: Vec::new(),
+            // (An index is JSON text that stfs wrote.)
+            text: Some(String::from_utf8_lossy(&self.bytes).into_owned()),
+        });
+        Ok(())
+    }
+
+    fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
+        self.put().map_err(|error| Unlanded {
+            changed: false,
+            refused: false,
+            error,
+        })
+    }
+
+    /// (Nothing was sent before `land`.)
+    fn remove(&self) {}
+
+    fn fresh(&self, _old: &SourceFile, _header: Header) -> Result<SourceFile, CommitError> {
+        Err(CommitError::Io {
+            what: self.url(),
+            source: std::io::Error::other("an index is not a checkpoint"),
+        })
+    }
+}
+
+/// At mount, before the objects are read: the commits that a crash (or a
+/// failure) interrupted after one of their objects landed, finished from
+/// their records (`Renames::remote`) in the staging folders of dead
+/// daemons: the other shards' uploads completed, each only over the
+/// version the commit replaced, then the indexes put, only once every
+/// shard is new. A commit none of whose objects landed is left to
+/// `abort_interrupted` (the object stays the old one). Returns notes and
+/// the uploads now complete; an error if the store could not be asked (a
+/// writable mount then waits: its edits would be taken back over objects
+/// that the record may still change).
+pub fn finish_interrupted(
+    base: &Arc<Folder>,
+    stem: &str,
+    writer: &S3Writer,
+    remote: &crate::source::remote::Remote,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let (mut notes, mut done) = (Vec::new(), Vec::new());
+    let (dirs, _) = crate::checkpoint::staging::kept(base, stem);
+    for dir in dirs {
+        let record = match Renames::read(&dir) {
+            Ok(Some(r)) if !r.remote.is_empty() => r,
+            Ok(_) => continue,
+            Err(why) => {
+                notes.push(format!(
+                    "the record of an interrupted commit cannot be used, {why}: nothing was \
+                     completed from it and it is kept"
+                ));
+                continue;
+            }
+        };
+        match finish_record(&record.remote, writer, remote) {
+            Ok((finished, uploads)) => {
+                notes.extend(finished);
+                done.extend(uploads);
+                Renames::clear(&dir);
+            }
+            Err(why) => {
+                return Err(format!(
+                    "{why}; mount again to finish it (a read-only mount, -o ro, does not need it)"
+                ));
+            }
+        }
+    }
+    Ok((notes, done))
+}
+
+/// One commit's objects finished (see `finish_interrupted`): its notes and
+/// the uploads that are complete now, or why the store could not be asked
+/// (the record stays for the next mount).
+fn finish_record(
+    objects: &[RemoteLanding],
+    writer: &S3Writer,
+    remote: &crate::source::remote::Remote,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let key_of = |o: &RemoteLanding| {
+        object_store::path::Path::parse(&o.key)
+            .map_err(|_| format!("{}: a commit record names a bad key {:?}", o.url, o.key))
+    };
+    let mut now = Vec::new();
+    for o in objects {
+        let etag = remote.run(writer.etag_now(&key_of(o)?)).map_err(|e| {
+            format!(
+                "{}: an interrupted commit could not be finished ({e})",
+                o.url
+            )
+        })?;
+        now.push(etag);
+    }
+    let landed =
+        |o: &RemoteLanding, now: &Option<String>| o.expected.is_some() && *now == o.expected;
+    if !objects.iter().zip(&now).any(|(o, n)| landed(o, n)) {
+        // Nothing changed: the uploads are aborted.
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let mut notes = Vec::new();
+    let mut complete = Vec::new();
+    let mut all_shards = true;
+    for (o, n) in objects.iter().zip(&now) {
+        if landed(o, n) {
+            complete.extend(o.upload.clone());
+            continue;
+        }
+        let key = key_of(o)?;
+        let over_old = o.if_match.is_none() || *n == o.if_match;
+        let done = match (&o.upload, &o.text) {
+            (_, _) if !over_old => Err(format!(
+                "{}: not finished: the object changed since the commit began (the commit's \
+                 other objects are new)",
+                o.url
+            )),
+            (Some(upload), _) => {
+                let parts: Vec<DonePart> = o
+                    .parts
+                    .iter()
+                    .map(|(number, etag)| DonePart {
+                        number: *number,
+                        etag: etag.clone(),
+                    })
+                    .collect();
+                remote
+                    .run(writer.complete(&key, upload, &parts, o.if_match.as_deref()))
+                    .map(|_| ())
+                    .map_err(|e| format!("{}: its upload could not be completed ({e})", o.url))
+            }
+            (None, Some(text)) if all_shards => remote
+                .run(writer.put(
+                    &key,
+                    bytes::Bytes::from(text.clone()),
+                    o.if_match.as_deref(),
+                ))
+                .map(|_| ())
+                .map_err(|e| format!("{}: could not be put ({e})", o.url)),
+            (None, Some(_)) => Err(format!(
+                "{}: left as it was: a shard of the commit could not be finished, and this \
+                 index would name its new tensors",
+                o.url
+            )),
+            (None, None) => Err(format!(
+                "{}: its new version was put whole and is not in the record (it stays as it is)",
+                o.url
+            )),
+        };
+        match done {
+            Ok(()) => {
+                complete.extend(o.upload.clone());
+                notes.push(format!(
+                    "{}: finished a commit that was interrupted after another of its objects \
+                     landed",
+                    o.url
+                ))
+            }
+            Err(why) => {
+                all_shards &= o.text.is_some();
+                warn!("{why}");
+                notes.push(why);
+            }
+        }
+    }
+    Ok((notes, complete))
+}
+
+/// The name of an upload record of this mount (`stem`: the staging stem
+/// of the mount; `object`: the object's name, several shards of a folder
+/// being committed at once).
+pub fn record_name(stem: &str, commit: u64, object: &OsStr) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, object.as_encoded_bytes());
+    let tag: String = digest.as_ref()[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("{stem}.upload-{}-{commit}-{tag}", std::process::id())
 }
 
 /// At mount: the uploads of commits a crash interrupted (recorded in
@@ -857,6 +1178,7 @@ pub fn abort_interrupted(
     stem: &str,
     writer: &S3Writer,
     remote: &crate::source::remote::Remote,
+    complete: &[String],
 ) -> Vec<String> {
     let mut notes = Vec::new();
     let prefix = format!("{stem}.upload-");
@@ -887,8 +1209,9 @@ pub fn abort_interrupted(
             lines.next().unwrap_or(""),
             lines.next().unwrap_or(""),
         );
-        if upload.is_empty() {
-            // Interrupted before the store named the upload: it holds no parts.
+        if upload.is_empty() || complete.iter().any(|c| c == upload) {
+            // Interrupted before the store named the upload (it holds no
+            // parts), or completed since (`finish_interrupted`).
             let _ = folder.unlink(OsStr::new(&name));
             continue;
         }

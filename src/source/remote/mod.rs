@@ -435,18 +435,21 @@ impl Remote {
         })
     }
 
-    /// A whole (small) object: an index file.
-    pub fn get_all(&self, path: &ObjectPath) -> Result<Vec<u8>, RemoteError> {
+    /// A whole (small) object, an index file: its bytes and ETag.
+    pub fn get_all(&self, path: &ObjectPath) -> Result<(Vec<u8>, Option<String>), RemoteError> {
         let url = self.url(path);
         let f = &self.fetcher;
         self.block_on(async {
             f.requests.fetch_add(1, Ordering::Relaxed);
-            let got =
-                tokio::time::timeout(f.timeout, async { f.store.get(path).await?.bytes().await })
-                    .await
-                    .map_err(|_| RemoteError::Request(format!("{url}: {}", FetchError::TimedOut)))?
-                    .map_err(|e| RemoteError::Request(store_error(&url, e)))?;
-            Ok(got.to_vec())
+            let got = tokio::time::timeout(f.timeout, async {
+                let got = f.store.get(path).await?;
+                let etag = got.meta.e_tag.clone();
+                Ok::<_, object_store::Error>((got.bytes().await?, etag))
+            })
+            .await
+            .map_err(|_| RemoteError::Request(format!("{url}: {}", FetchError::TimedOut)))?
+            .map_err(|e| RemoteError::Request(store_error(&url, e)))?;
+            Ok((got.0.to_vec(), got.1))
         })
     }
 
