@@ -10,6 +10,7 @@ pub mod folder;
 pub mod local;
 pub mod remote;
 pub mod staged;
+pub mod store;
 
 use std::fs::File;
 use std::sync::Arc;

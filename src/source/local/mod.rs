@@ -1,8 +1,9 @@
-//! A checkpoint file as mounted: a local one is opened once through its
-//! folder's descriptor, validated and mapped read-only (reads are served from
-//! the mapping; commits write beside it through the same folder descriptor and
-//! rename over it); a remote one is an object read through the local cache
-//! (`remote`), read-only.
+//! A checkpoint file as mounted (`SourceFile`): its validated header over
+//! the `Store` that holds its bytes. A local one (`LocalFile`) is opened
+//! once through its folder's descriptor, validated and mapped read-only
+//! (reads are served from the mapping; commits write beside it through the
+//! same folder descriptor and rename over it, or write it in place); a
+//! remote one is an object read through the local cache (`remote`).
 
 mod extents;
 use crate::source::folder::*;
@@ -21,6 +22,7 @@ use memmap2::{Advice, Mmap, UncheckedAdvice};
 use tracing::warn;
 
 use super::remote::RemoteObject;
+use super::store::Store;
 use crate::format::{FormatError, Header};
 
 /// Why a source could not be opened.
@@ -83,33 +85,33 @@ pub struct SourceFile {
     /// owned by the user who mounted it).
     stat: FileStat,
     header: Header,
-    origin: Origin,
-    /// The file changed behind the mount: said once in the log.
-    warned_stale: AtomicBool,
+    /// Where its bytes are.
+    store: Box<dyn Store>,
 }
 
-/// Where a source's bytes are.
-enum Origin {
-    Local {
-        /// The folder holding the file itself.
-        folder: Arc<Folder>,
-        /// Kept open: commits copy unchanged bytes from it with copy_file_range.
-        file: Arc<File>,
-        /// Bytes inserted at the file's start (by in-place commits that grew
-        /// the header) before this `SourceFile` was made: its offsets are
-        /// the file's now minus the inserts since (`OpenFile::view`).
-        shift_base: u64,
-        /// Its number among the `SourceFile`s of this open file (`OpenFile::retired`).
-        made: u64,
-        /// Drop the daemon's page-table references after each read.
-        release_after_read: AtomicBool,
-        /// `file` is open for writing too: commits may write it in place.
-        writable: bool,
-        /// The version of the file reads accept, shared with the
-        /// `SourceFile`s that in-place commits make of the same open file.
-        shared: Arc<OpenFile>,
-    },
-    Remote(Box<RemoteObject>),
+/// A local file as a `Store`: mapped read-only, its version checked by
+/// length and modification time before each read, written in place by
+/// commits (clones, block insertion at its start).
+pub struct LocalFile {
+    /// The folder holding the file itself.
+    folder: Arc<Folder>,
+    /// Kept open: commits copy unchanged bytes from it with copy_file_range.
+    file: Arc<File>,
+    /// Bytes inserted at the file's start (by in-place commits that grew
+    /// the header) before this `SourceFile` was made: its offsets are
+    /// the file's now minus the inserts since (`OpenFile::view`).
+    shift_base: u64,
+    /// Its number among the `SourceFile`s of this open file (`OpenFile::retired`).
+    made: u64,
+    /// Drop the daemon's page-table references after each read.
+    release_after_read: AtomicBool,
+    /// `file` is open for writing too: commits may write it in place.
+    writable: bool,
+    /// The version of the file reads accept, shared with the
+    /// `SourceFile`s that in-place commits make of the same open file.
+    shared: Arc<OpenFile>,
+    /// The file changed behind the mount: said once in the log.
+    warned_stale: AtomicBool,
 }
 
 /// The length and modification time a local source is expected to have: the
@@ -281,12 +283,12 @@ impl SourceFile {
         header: Header,
         stat: FileStat,
     ) -> std::io::Result<SourceFile> {
-        let Origin::Local {
+        let Some(LocalFile {
             file,
             writable,
             shared,
             ..
-        } = &self.origin
+        }) = self.store.local()
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
@@ -309,7 +311,7 @@ impl SourceFile {
     /// offsets now): reads of them through the `SourceFile`s made so far fail
     /// from now on (the commit made sure none of them is supposed to read them).
     pub fn retire(&self, ranges: Vec<Range<u64>>) {
-        if let Origin::Local { shared, .. } = &self.origin {
+        if let Some(LocalFile { shared, .. }) = self.store.local() {
             // Taken alone: no read is between its check and its copy.
             let _mapping = shared.mapping.write_anyway();
             let made = shared.made.load(Ordering::SeqCst);
@@ -338,7 +340,7 @@ impl SourceFile {
         shift: impl FnOnce(&File) -> std::io::Result<()>,
         by: i64,
     ) -> std::io::Result<()> {
-        let Origin::Local { file, shared, .. } = &self.origin else {
+        let Some(LocalFile { file, shared, .. }) = self.store.local() else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
         let mut mapping = shared.mapping.write_anyway();
@@ -363,11 +365,11 @@ impl SourceFile {
         header: Header,
         stat: FileStat,
     ) -> std::io::Result<SourceFile> {
-        let Origin::Local {
+        let Some(LocalFile {
             folder,
             release_after_read,
             ..
-        } = &self.origin
+        }) = self.store.local()
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
@@ -388,12 +390,12 @@ impl SourceFile {
     /// writing (a read-only mount, a file the daemon may not write, a remote
     /// object).
     pub fn writable_file(&self) -> Option<&Arc<File>> {
-        match &self.origin {
-            Origin::Local {
+        match self.store.local() {
+            Some(LocalFile {
                 file,
                 writable: true,
                 ..
-            } => Some(file),
+            }) => Some(file),
             _ => None,
         }
     }
@@ -401,7 +403,7 @@ impl SourceFile {
     /// An in-place commit starts writing the file: reads go on (they are of
     /// ranges it leaves alone) although the file changes.
     pub fn begin_in_place(&self) {
-        if let Origin::Local { shared, .. } = &self.origin {
+        if let Some(LocalFile { shared, .. }) = self.store.local() {
             shared.writing.store(true, Ordering::SeqCst);
         }
     }
@@ -409,7 +411,7 @@ impl SourceFile {
     /// The in-place commit ended: `now` is the version reads accept from now on
     /// (the file as the commit left it, or as it was if it did not start).
     pub fn end_in_place(&self, now: Option<&FileStat>) {
-        if let Origin::Local { shared, .. } = &self.origin {
+        if let Some(LocalFile { shared, .. }) = self.store.local() {
             if let Some(now) = now {
                 *shared.accepted.lock_anyway() = (now.len, now.mtime);
             }
@@ -448,7 +450,7 @@ impl SourceFile {
             name,
             stat,
             header,
-            origin: Origin::Local {
+            store: Box::new(LocalFile {
                 folder,
                 file,
                 shift_base,
@@ -456,8 +458,8 @@ impl SourceFile {
                 release_after_read: AtomicBool::new(false),
                 writable,
                 shared,
-            },
-            warned_stale: AtomicBool::new(false),
+                warned_stale: AtomicBool::new(false),
+            }),
         }
     }
 
@@ -483,8 +485,7 @@ impl SourceFile {
             name: OsString::from(object.file_name()),
             stat,
             header,
-            origin: Origin::Remote(Box::new(object)),
-            warned_stale: AtomicBool::new(false),
+            store: Box::new(object),
         }
     }
 
@@ -495,26 +496,17 @@ impl SourceFile {
 
     /// The folder holding a local file (None for a remote object).
     pub fn folder(&self) -> Option<&Arc<Folder>> {
-        match &self.origin {
-            Origin::Local { folder, .. } => Some(folder),
-            Origin::Remote(_) => None,
-        }
+        self.store.local().map(|l| &l.folder)
     }
 
     /// The open local file (None for a remote object).
     pub fn file(&self) -> Option<&Arc<File>> {
-        match &self.origin {
-            Origin::Local { file, .. } => Some(file),
-            Origin::Remote(_) => None,
-        }
+        self.store.local().map(|l| &l.file)
     }
 
     /// The remote object this is (None for a local file).
     pub fn remote_object(&self) -> Option<&RemoteObject> {
-        match &self.origin {
-            Origin::Local { .. } => None,
-            Origin::Remote(r) => Some(r),
-        }
+        self.store.remote()
     }
 
     /// The file's own name in its folder (the link's target for a linked source).
@@ -531,10 +523,7 @@ impl SourceFile {
     /// (narrowed by an ACL, `access::owner_now`): what the mount shows and
     /// the kernel enforces, so that a chmod behind the mount applies at once.
     pub fn owner_now(&self) -> FileStat {
-        match &self.origin {
-            Origin::Local { file, .. } => super::access::owner_now(file, &self.stat),
-            Origin::Remote(_) => self.stat,
-        }
+        self.store.owner_now(&self.stat)
     }
 
     pub fn modified(&self) -> SystemTime {
@@ -547,9 +536,9 @@ impl SourceFile {
 
     /// Whether reads drop the daemon's page-table references after each reply.
     pub fn set_release_after_read(&self, release: bool) {
-        if let Origin::Local {
+        if let Some(LocalFile {
             release_after_read, ..
-        } = &self.origin
+        }) = self.store.local()
         {
             release_after_read.store(release, Ordering::Relaxed);
         }
@@ -566,10 +555,10 @@ impl SourceFile {
         len: u64,
     ) -> std::io::Result<()> {
         let start = self.tensor_range(index).start + from;
-        match self.in_local_file(start, 0, len, |file, at| {
-            super::copy_range(file, at, to, to_off, len)
-        }) {
-            Some(done) => done,
+        match self.store.local() {
+            Some(local) => local.in_file(start, 0, len, &self.path, |file, at| {
+                super::copy_range(file, at, to, to_off, len)
+            }),
             None => super::copy_through(|b, p| self.read_at(b, p), start, to, to_off, len),
         }
     }
@@ -585,19 +574,22 @@ impl SourceFile {
     ) -> std::io::Result<u64> {
         let range = self.tensor_range(index);
         let len = range.end - range.start;
-        self.in_local_file(range.start, 0, len, |file, start| {
+        let local = self
+            .store
+            .local()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EROFS))?;
+        local.in_file(range.start, 0, len, &self.path, |file, start| {
             super::copy_sharing(file, start, to, to_off, len, block)
         })
-        .unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EROFS)))
     }
 
     /// Where the header's JSON ends in the file (its last byte that is not
     /// a space, plus one): what follows up to the data is padding.
     pub fn header_json_end(&self) -> u64 {
         let end = self.header.data_start();
-        let Origin::Local {
+        let Some(LocalFile {
             shared, shift_base, ..
-        } = &self.origin
+        }) = self.store.local()
         else {
             return end;
         };
@@ -626,9 +618,9 @@ impl SourceFile {
 
     /// Whether the local file starts with `bytes` (as this `SourceFile` knows it).
     pub fn starts_with(&self, bytes: &[u8]) -> bool {
-        let Origin::Local {
+        let Some(LocalFile {
             shared, shift_base, ..
-        } = &self.origin
+        }) = self.store.local()
         else {
             return false;
         };
@@ -650,7 +642,7 @@ impl SourceFile {
     /// `len` bytes with `header` at its start: nothing inserted since, not
     /// changed behind the mount, not being written by a commit.
     pub fn is_now(&self, header: &[u8], len: u64) -> bool {
-        let Origin::Local { shared, made, .. } = &self.origin else {
+        let Some(LocalFile { shared, made, .. }) = self.store.local() else {
             return false;
         };
         let accepted = *shared.accepted.lock_anyway();
@@ -666,12 +658,7 @@ impl SourceFile {
     /// Bytes inserted at the file's start since this `SourceFile` was made:
     /// its offsets plus this are the file's now.
     pub fn shift(&self) -> u64 {
-        match &self.origin {
-            Origin::Local {
-                shared, shift_base, ..
-            } => shared.mapping().shift - shift_base,
-            Origin::Remote(_) => 0,
-        }
+        self.store.shift()
     }
 
     /// Byte range of tensor `index` in the file (as this `SourceFile` knows it: see `shift`).
@@ -685,37 +672,11 @@ impl SourceFile {
     /// rewrote the file since it was validated (for a remote object: if a
     /// read found it replaced).
     pub fn check_unchanged(&self) -> std::io::Result<()> {
-        let (file, shared) = match &self.origin {
-            Origin::Local { file, shared, .. } => (file, shared),
-            Origin::Remote(r) => return r.check_unchanged(),
-        };
-        if shared.broken.load(Ordering::SeqCst) {
-            return Err(std::io::Error::from_raw_os_error(libc::EIO));
-        }
-        if shared.writing.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        let now = FileStat::of(file)?;
-        let accepted = *shared.accepted.lock_anyway();
-        if (now.len, now.mtime) == accepted {
-            return Ok(());
-        }
-        if !self.warned_stale.swap(true, Ordering::Relaxed) {
-            warn!(
-                file = %self.path.display(),
-                "the source was {} behind the mount: its reads now fail with EIO (staged edits are kept; \
-                 unmount with --discard or commit --force)",
-                if now.len < accepted.0 { "truncated" } else { "rewritten" }
-            );
-        }
-        Err(std::io::Error::from_raw_os_error(libc::EIO))
+        self.store.check_unchanged(&self.path)
     }
 
     /// Serves bytes `offset..offset+size` of tensor `index` (clamped to its
-    /// end). A local file's bytes go out straight from the mapping, faulted in
-    /// with one MADV_POPULATE_READ first (faster than a fault per page, and it
-    /// fails with EFAULT, not SIGBUS, if the file was cut short); a remote
-    /// object's come from the cache, fetched first if they are not there.
+    /// end), as its store hands them out (`Store::serve`).
     pub fn serve<R>(
         &self,
         index: usize,
@@ -729,42 +690,13 @@ impl SourceFile {
         if end == start {
             return Ok(serve(&[]));
         }
-        let (mapping, shift_base, release_after_read) = match &self.origin {
-            Origin::Local {
-                shared,
-                shift_base,
-                release_after_read,
-                ..
-            } => (shared.mapping(), *shift_base, release_after_read),
-            Origin::Remote(r) => {
-                let tensor = (index as u32, self.header.tensors.name(index), range);
-                return r.serve(start..end, Some(tensor), serve);
-            }
-        };
-        // Where the bytes are now: further on by what was inserted since.
-        let delta = mapping.shift - shift_base;
-        let (start, end) = ((start + delta) as usize, (end + delta) as usize);
-        let map = &mapping.map;
-        self.check_unchanged()?;
-        if let Origin::Local { shared, made, .. } = &self.origin {
-            shared.alive(*made, start as u64..end as u64, &self.path)?;
-        }
-        if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
-            // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
-            if e.raw_os_error() != Some(libc::EINVAL) {
-                warn!(file = %self.path.display(), "reading the source: {e}");
-                return Err(std::io::Error::from_raw_os_error(libc::EIO));
-            }
-        }
-        let result = serve(&map[start..end]);
-        if release_after_read.load(Ordering::Relaxed) {
-            // SAFETY: shared, read-only, file-backed mapping: dropping its pages
-            // only makes a later access fault them in again, same contents.
-            let _ = unsafe {
-                map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
-            };
-        }
-        Ok(result)
+        let tensor = (index as u32, self.header.tensors.name(index), range);
+        let (mut serve, mut out) = (Some(serve), None);
+        self.store
+            .serve(start..end, tensor, &self.path, &mut |bytes| {
+                out = serve.take().map(|f| f(bytes));
+            })?;
+        out.ok_or_else(|| std::io::Error::other("the store served nothing"))
     }
 
     /// Fills `out` with the bytes of tensor `index` from `offset` on, read
@@ -807,51 +739,108 @@ impl SourceFile {
     /// `read_at` of a position taken when `seen` bytes had been inserted at
     /// the start since this `SourceFile` was made (a `Backing` made earlier).
     pub fn read_shifted(&self, buf: &mut [u8], pos: u64, seen: u64) -> std::io::Result<usize> {
-        use std::os::unix::fs::FileExt;
-        let len = buf.len() as u64;
-        if let Some(done) = self.in_local_file(pos, seen, len, |file, at| file.read_at(buf, at)) {
-            return done;
-        }
-        let Origin::Remote(r) = &self.origin else {
-            unreachable!("a source is local or remote")
-        };
-        let end = pos.saturating_add(len).min(r.data_end());
-        if end <= pos {
-            return Ok(0);
-        }
-        let bytes = r.read(pos..end)?;
-        buf[..bytes.len()].copy_from_slice(&bytes);
-        Ok(bytes.len())
+        self.store.read_at(buf, pos, seen, &self.path)
     }
+}
 
-    /// Runs `f` on the local file and the place there of `len` bytes at
-    /// `pos` (an offset as this `SourceFile` sees it, less `seen` bytes
-    /// inserted since), once they are checked to be the bytes validated; no
-    /// in-place commit moves them until `f` returns. None for a remote source.
-    fn in_local_file<R>(
+impl LocalFile {
+    /// Runs `f` on the file and the place there of `len` bytes at `pos`
+    /// (an offset as this `SourceFile` sees it, less `seen` bytes inserted
+    /// since), once they are checked to be the bytes validated; no in-place
+    /// commit moves them until `f` returns.
+    fn in_file<R>(
         &self,
         pos: u64,
         seen: u64,
         len: u64,
+        path: &Path,
         f: impl FnOnce(&File, u64) -> std::io::Result<R>,
-    ) -> Option<std::io::Result<R>> {
-        let Origin::Local {
-            file,
-            shared,
-            shift_base,
-            made,
-            ..
-        } = &self.origin
-        else {
-            return None;
-        };
-        let mapping = shared.mapping();
-        let at = pos + (mapping.shift - shift_base) - seen;
-        if let Err(e) = shared.alive(*made, at..at + len, &self.path) {
-            return Some(Err(e));
-        }
-        let done = f(file, at);
+    ) -> std::io::Result<R> {
+        let mapping = self.shared.mapping();
+        let at = pos + (mapping.shift - self.shift_base) - seen;
+        self.shared.alive(self.made, at..at + len, path)?;
+        let done = f(&self.file, at);
         drop(mapping);
-        Some(done)
+        done
+    }
+}
+
+impl Store for LocalFile {
+    /// Straight from the mapping, faulted in with one MADV_POPULATE_READ
+    /// first (faster than a fault per page, and it fails with EFAULT, not
+    /// SIGBUS, if the file was cut short).
+    fn serve(
+        &self,
+        range: Range<u64>,
+        _tensor: (u32, &str, Range<u64>),
+        path: &Path,
+        serve: &mut dyn FnMut(&[u8]),
+    ) -> std::io::Result<()> {
+        let mapping = self.shared.mapping();
+        // Where the bytes are now: further on by what was inserted since.
+        let delta = mapping.shift - self.shift_base;
+        let (start, end) = ((range.start + delta) as usize, (range.end + delta) as usize);
+        let map = &mapping.map;
+        self.check_unchanged(path)?;
+        self.shared
+            .alive(self.made, start as u64..end as u64, path)?;
+        if let Err(e) = map.advise_range(Advice::PopulateRead, start, end - start) {
+            // Kernels before 5.14 refuse the advice (EINVAL): reads still work.
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                warn!(file = %path.display(), "reading the source: {e}");
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+        }
+        serve(&map[start..end]);
+        if self.release_after_read.load(Ordering::Relaxed) {
+            // SAFETY: shared, read-only, file-backed mapping: dropping its pages
+            // only makes a later access fault them in again, same contents.
+            let _ = unsafe {
+                map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+        Ok(())
+    }
+
+    fn read_at(&self, buf: &mut [u8], pos: u64, seen: u64, path: &Path) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let len = buf.len() as u64;
+        self.in_file(pos, seen, len, path, |file, at| file.read_at(buf, at))
+    }
+
+    fn check_unchanged(&self, path: &Path) -> std::io::Result<()> {
+        let shared = &self.shared;
+        if shared.broken.load(Ordering::SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        if shared.writing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let now = FileStat::of(&self.file)?;
+        let accepted = *shared.accepted.lock_anyway();
+        if (now.len, now.mtime) == accepted {
+            return Ok(());
+        }
+        if !self.warned_stale.swap(true, Ordering::Relaxed) {
+            warn!(
+                file = %path.display(),
+                "the source was {} behind the mount: its reads now fail with EIO (staged edits are kept; \
+                 unmount with --discard or commit --force)",
+                if now.len < accepted.0 { "truncated" } else { "rewritten" }
+            );
+        }
+        Err(std::io::Error::from_raw_os_error(libc::EIO))
+    }
+
+    fn owner_now(&self, stat: &FileStat) -> FileStat {
+        super::access::owner_now(&self.file, stat)
+    }
+
+    fn shift(&self) -> u64 {
+        self.shared.mapping().shift - self.shift_base
+    }
+
+    fn local(&self) -> Option<&LocalFile> {
+        Some(self)
     }
 }
