@@ -39,6 +39,19 @@ pub trait Shards {
     fn shard_name(&self, c: usize) -> &str;
     /// The folder of a folder mount.
     fn folder(&self) -> Option<&Arc<Folder>>;
+    /// That folder as the user named it: its path, or a remote prefix's URL.
+    fn folder_shown(&self) -> Option<std::path::PathBuf> {
+        let folder = self.folder()?;
+        let first = (self.count() > 0).then(|| self.live(0).source());
+        Some(match first.and_then(|s| s.remote_object()) {
+            Some(o) => o
+                .url()
+                .strip_suffix(o.file_name())
+                .unwrap_or(o.url())
+                .into(),
+            None => folder.path.clone(),
+        })
+    }
     fn indexes(&self) -> Box<dyn Iterator<Item = &IndexFile> + '_>;
     fn index_mut(&mut self, name: &str) -> Option<&mut IndexFile>;
 
@@ -266,7 +279,7 @@ impl Transactions {
             // Two shard names of one file: a commit of either writes the other.
             // With an index, a tensor in two shards too (without one, the
             // files of a folder are independent).
-            if let Some(folder) = st.folder().filter(|_| writes) {
+            if let Some(folder) = st.folder_shown().filter(|_| writes) {
                 let shards = || {
                     (0..st.count())
                         .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
@@ -277,7 +290,7 @@ impl Transactions {
                 }
                 if !problems.is_empty() {
                     let e = CommitError::Refused {
-                        file: folder.path.clone(),
+                        file: folder,
                         problems,
                     };
                     warn!("commit refused: {e}");
@@ -297,7 +310,17 @@ impl Transactions {
                     }
                 }
             }
-            let updates = match index_updates(&*st, &plans) {
+            // (Nothing staged: an index that disagrees with the shards is
+            // rewritten alone, unless a tensor is in two of them.)
+            let alone = !writes && {
+                let shards = (0..st.count())
+                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
+                in_two_shards(shards).is_empty()
+            };
+            let updates = match index_updates(&*st, &plans).map(|u| match writes || alone {
+                true => u,
+                false => Vec::new(),
+            }) {
                 Ok(updates) => updates,
                 Err(e) => {
                     plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
@@ -307,7 +330,9 @@ impl Transactions {
             };
             (plans, updates)
         };
-        if plans.is_empty() {
+        // (An index that disagrees with the shards is rewritten by a
+        // commit with nothing staged too.)
+        if plans.is_empty() && index_updates.is_empty() {
             if self.discards.load(Ordering::SeqCst) != discards {
                 return Err(CommitError::Discarded);
             }
@@ -350,9 +375,17 @@ impl Transactions {
                 }
             }
         }
-        for (folder, name, stat, bytes, remote) in &index_updates {
-            if let Some(remote) = remote {
-                let put = IndexPut::new(remote.clone(), bytes.clone(), *stat, options.force);
+        for IndexUpdate {
+            folder,
+            name,
+            stat,
+            bytes,
+            remote,
+        } in &index_updates
+        {
+            if let Some((index, unwritten)) = remote {
+                let put = IndexPut::new(index.clone(), bytes.clone(), *stat, unwritten.clone())
+                    .forced(options.force);
                 pending.written.push(Box::new(put));
                 continue;
             }
@@ -480,7 +513,9 @@ impl Transactions {
                 }
             }
         }
-        for (k, ((_, name, _, bytes, _), w)) in index_updates.into_iter().zip(written).enumerate() {
+        for (k, (IndexUpdate { name, bytes, .. }, w)) in
+            index_updates.into_iter().zip(written).enumerate()
+        {
             if n_plans + k >= landed {
                 continue; // not renamed: the next mount does it
             }
@@ -506,8 +541,18 @@ impl Transactions {
     }
 }
 
-/// An index rewritten: (folder, name, as read, new bytes, its object in a store).
-type IndexUpdate = (Arc<Folder>, String, FileStat, Vec<u8>, Option<RemoteIndex>);
+/// An index a commit rewrites.
+struct IndexUpdate {
+    folder: Arc<Folder>,
+    name: String,
+    /// As read.
+    stat: FileStat,
+    bytes: Vec<u8>,
+    /// Its object in a store, and the shards it lists that this commit
+    /// does not write (each must still be the version mounted: the index
+    /// lists their tensors as mounted).
+    remote: Option<(RemoteIndex, Vec<Arc<SourceFile>>)>,
+}
 
 /// A commit's files written but not landed: while armed, dropping it (an
 /// error, a panic) removes them and abandons the shards' plans (their
@@ -602,9 +647,6 @@ fn index_updates<S: Shards>(
     let Some(folder) = st.folder() else {
         return Ok(Vec::new());
     };
-    if plans.is_empty() {
-        return Ok(Vec::new());
-    }
     let mut weight_map = serde_json::Map::new();
     let mut total: u64 = 0;
     for c in 0..st.count() {
@@ -627,6 +669,12 @@ fn index_updates<S: Shards>(
             weight_map.insert(name, serde_json::Value::String(shard.clone()));
         }
     }
+    let unwritten = || {
+        (0..st.count())
+            .filter(|c| !plans.iter().any(|(pc, _)| pc == c))
+            .map(|c| st.live(c).source().clone())
+            .collect::<Vec<_>>()
+    };
     let mut out = Vec::new();
     for ix in st.indexes() {
         // An index lists every shard's tensor names: never into a file of
@@ -646,13 +694,13 @@ fn index_updates<S: Shards>(
             continue;
         }
         match rewrite_index(&ix.bytes, &weight_map, total) {
-            Ok(Some(bytes)) => out.push((
-                folder.clone(),
-                ix.name.clone(),
-                ix.stat,
+            Ok(Some(bytes)) => out.push(IndexUpdate {
+                folder: folder.clone(),
+                name: ix.name.clone(),
+                stat: ix.stat,
                 bytes,
-                ix.remote.clone(),
-            )),
+                remote: ix.remote.clone().map(|index| (index, unwritten())),
+            }),
             Ok(None) => {}
             Err(why) => warn!(file = ix.name, "{why}: left as it is"),
         }

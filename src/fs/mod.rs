@@ -379,8 +379,9 @@ impl Fs {
     /// (`checkpoint::transaction`). Returns a line per file.
     pub fn commit(&self, options: CommitOptions, caller: u32) -> Result<Vec<String>, FsError> {
         self.allowed(caller, "commit")?;
-        // (`--compact` would rewrite even with nothing staged.)
-        if self.settings.read_only {
+        // (`--compact` would rewrite even with nothing staged; a plain
+        // commit, as `stfs umount` asks, finds nothing to commit.)
+        if self.settings.read_only && options.compact {
             return Err(FsError::Commit(CommitError::MountReadOnly));
         }
         let held = |st: &State| self.held_bytes(st);

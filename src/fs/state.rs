@@ -115,6 +115,9 @@ impl State {
     /// Owner and mode of index file `i` as they are now (narrowed by an ACL).
     pub(super) fn index_owner(&self, i: usize) -> FileStat {
         let ix = &self.indexes[i].0;
+        if ix.remote.is_some() {
+            return ix.stat; // (an object: no owner but the mounting user)
+        }
         let now = self.folder.as_ref().and_then(|(folder, _)| {
             let flags = libc::O_RDONLY | libc::O_NONBLOCK;
             folder
@@ -135,7 +138,10 @@ impl State {
 
     /// Owner and mode of the mount's top folder as they are now.
     pub(super) fn root_owner(&self) -> FileStat {
+        // (A remote folder's `folder` is the cache folder standing in for it.)
+        let remote = self.live(0).source().remote_object().is_some();
         match &self.folder {
+            Some((_, stat)) if remote => *stat,
             Some((folder, stat)) => folder.stat().map_or(*stat, |now| FileStat {
                 mode: now.mode,
                 uid: now.uid,

@@ -17,6 +17,9 @@ pub struct StatusReport {
     pub files: Vec<FileStatus>,
     /// A folder mount's problems between shards (a tensor in two shards).
     pub across_shards: Vec<String>,
+    /// The index files a commit would rewrite (they disagree with the
+    /// shards as staged: a commit with nothing staged rewrites them too).
+    pub indexes: Vec<String>,
     /// (Paths as text, lossy: JSON has no other way for a name that is not UTF-8.)
     pub folder: Option<String>,
     /// Reads of tensor bytes served since mounted, and their bytes.
@@ -78,6 +81,11 @@ impl StatusReport {
                 out.push_str(&format!("  commit     {way}\n"));
             }
         }
+        for name in &self.indexes {
+            out.push_str(&format!(
+                "{name}: a commit rewrites it to match the shards (weight_map, total_size)\n"
+            ));
+        }
         if let (Some(folder), false) = (&self.folder, self.across_shards.is_empty()) {
             let n = self.across_shards.len();
             out.push_str(&format!(
@@ -134,20 +142,55 @@ impl Fs {
         // Edited remote objects are asked whether they are still the
         // version mounted (a commit would be refused), outside the state's
         // lock: one HEAD each.
-        let remote: Vec<_> = {
+        // So are the index objects of a folder that the commit would
+        // rewrite, and the shards they list that it would not write.
+        let (remote, rewritten, indexes) = {
             let st = self.read_state();
-            st.checkpoints
+            // (As `__views__/<index>.json` shows it: what a commit writes.)
+            let rewritten: Vec<String> = (0..st.indexes.len())
+                .filter(|&i| {
+                    let ix = &st.indexes[i].0;
+                    super::views::index_view(&st, i).is_ok_and(|b| b != ix.bytes)
+                })
+                .map(|i| st.indexes[i].0.name.clone())
+                .collect();
+            let indexes: Vec<_> = st
+                .indexes
                 .iter()
-                .filter(|m| m.live.is_dirty() && m.live.source().remote_object().is_some())
+                .filter(|(ix, _)| rewritten.contains(&ix.name))
+                .filter_map(|(ix, _)| ix.remote.clone())
+                .collect();
+            let remote: Vec<_> = st
+                .checkpoints
+                .iter()
+                .filter(|m| m.live.is_dirty() || !indexes.is_empty())
+                .filter(|m| m.live.source().remote_object().is_some())
                 .map(|m| m.live.source().clone())
-                .collect()
+                .collect();
+            (remote, rewritten, indexes)
         };
-        for source in remote {
+        for source in &remote {
             if let Some(object) = source.remote_object() {
                 object.look_again();
             }
         }
+        let mut across_stores: Vec<String> = Vec::new();
+        for index in &indexes {
+            let file = std::path::PathBuf::from(index.remote.url(&index.path));
+            if index.changed() {
+                across_stores.push(CommitError::IndexConflict { file }.to_string());
+            }
+        }
         let st = self.read_state();
+        if !indexes.is_empty() {
+            for m in st.checkpoints.iter().filter(|m| !m.live.is_dirty()) {
+                let source = m.live.source();
+                if source.remote_object().is_some_and(|o| o.replaced()) {
+                    let file = source.path().to_path_buf();
+                    across_stores.push(CommitError::ListedShardChanged { file }.to_string());
+                }
+            }
+        }
         let held = self.held_bytes(&st);
         let tainted = self.tainted();
         let mut refused = tainted.is_some();
@@ -202,10 +245,11 @@ impl Fs {
                 commit,
             });
         }
-        let across: Vec<String> = match &st.folder {
+        let mut across: Vec<String> = match &st.folder {
             Some(_) => st.in_two_shards().iter().map(|p| p.to_string()).collect(),
             None => Vec::new(),
         };
+        across.extend(across_stores);
         refused |= !across.is_empty();
         // The shards of a remote folder share one connection and cache.
         let remote = st
@@ -218,10 +262,9 @@ impl Fs {
             tainted,
             files,
             across_shards: across,
-            folder: st
-                .folder
-                .as_ref()
-                .map(|(f, _)| f.path.display().to_string()),
+            indexes: rewritten,
+            folder: crate::checkpoint::transaction::Shards::folder_shown(&*st)
+                .map(|f| f.display().to_string()),
             reads: self.reads.load(Ordering::Relaxed),
             read_bytes: self.read_bytes.load(Ordering::Relaxed),
             remote,

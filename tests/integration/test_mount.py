@@ -223,6 +223,33 @@ def test_sharded_folder_with_index(tmp_path, mount):
     assert "weight_map says" in m2.result.stderr
 
 
+def test_a_commit_with_nothing_staged_rewrites_an_index_that_disagrees(tmp_path, mount, run):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
+    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
+    wrong = {"metadata": {"total_size": 1, "format": "kept"},
+             "weight_map": {"a": "model-00002-of-00002.safetensors", "gone": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(wrong))
+    shards = {p.name: p.read_bytes() for p in folder.glob("*.safetensors")}
+    m = mount(folder)
+    assert "weight_map" in m.result.stderr
+    status = run("status", m.path).stdout
+    assert "model.safetensors.index.json: a commit rewrites it to match the shards" in status, status
+    p = run("commit", m.path)
+    assert p.returncode == 0 and "model.safetensors.index.json: rewritten" in p.stdout, p.stdout + p.stderr
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": a.nbytes + b.nbytes, "format": "kept"},
+                     "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                    "b": "model-00002-of-00002.safetensors"}}
+    assert {p.name: p.read_bytes() for p in folder.glob("*.safetensors")} == shards
+    assert "a commit rewrites" not in run("status", m.path).stdout
+    assert "nothing to commit" in run("commit", m.path).stdout
+    m.close(check=True)
+    assert "weight_map" not in mount(folder).result.stderr
+
+
 def test_invalid_files_are_refused_and_nothing_is_mounted(tmp_path, mount):
     good = tmp_path / "good.safetensors"
     save_file({"w": np.zeros(4, np.float32)}, str(good))

@@ -497,6 +497,12 @@ def test_a_read_only_mount_refuses_edits_and_commits(tmp_path, s3, mount, run):
     p = run("commit", "--compact", m.path)
     assert p.returncode != 0 and "the mount is read-only (-o ro): it commits nothing" in p.stderr, p.stderr
     assert s3.etag("ro/a.safetensors") == etag
+    # A plain commit has nothing to do, so `stfs umount` goes through (a
+    # local read-only mount too).
+    assert "nothing to commit" in fx.committed(run, m).stdout
+    m.close(check=True)
+    m = mount(src, "-o", "ro")
+    m.close(check=True)
 
 
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -553,6 +559,7 @@ def test_a_folder_of_shards_commits_its_changed_shards_then_the_index(tmp_path, 
     url = f"s3://{BUCKET}/folder/"
     m = mount(url, *s3.options)
     assert "read-only" not in m.result.stderr, m.result.stderr
+    assert oct(os.stat(m.path).st_mode & 0o777) == oct(0o555)  # (shards are not made or removed)
     want = edit_folder(m.path, shards)
     status = run("status", m.path).stdout
     assert status.count("commit     remote multipart (") == 2, status
@@ -572,6 +579,12 @@ def test_a_folder_of_shards_commits_its_changed_shards_then_the_index(tmp_path, 
     assert [r["method"] for _, r in writes] == ["POST", "POST", "PUT"], writes
     assert all(r["headers"].get("if-match") for _, r in writes), writes
     assert not [r for r in s3.requests if r["method"] in ("PUT", "POST") and SHARDS[2] in r["path"]]
+    # The tensor moved between shards was copied by the server from the
+    # shard it left (the version mounted), not sent again.
+    _, copies = sent_by_stfs(s3)
+    moved = [c for c in copies if SHARDS[1] in c["path"]
+             and c["headers"]["x-amz-copy-source"].endswith(f"folder/{SHARDS[0]}")]
+    assert moved and all(c["headers"].get("x-amz-copy-source-if-match") for c in moved), copies
     # The mount shows the committed folder, and commits again over it.
     index_view = json.loads(open(os.path.join(m.path, INDEX)).read())
     assert index_view["weight_map"]["layer.02"] == SHARDS[1]
@@ -586,16 +599,32 @@ def test_a_folder_of_shards_commits_its_changed_shards_then_the_index(tmp_path, 
     assert "no changes" in run("status", m.path).stdout
 
 
-def test_a_changed_index_stops_the_whole_folder_commit_before_any_shard_lands(tmp_path, s3, mount, run):
+@pytest.mark.parametrize("replaced", ["index", "unwritten shard"])
+def test_a_changed_index_or_listed_shard_stops_the_whole_folder_commit(tmp_path, s3, mount, run, replaced):
+    """The index a commit rewrites lists every shard's tensors as mounted: the
+    index, or a shard the commit does not write, replaced behind the mount
+    stops everything before any shard lands, and `stfs status` says so first."""
     shards = shard_folder(s3, tmp_path, "raced")
     etags = {s: s3.etag(f"raced/{s}") for s in SHARDS}
-    m = mount(f"s3://{BUCKET}/raced/", *s3.options)
+    url = f"s3://{BUCKET}/raced/"
+    m = mount(url, *s3.options)
     edit_folder(m.path, shards)
-    s3.client.put_object(Bucket=BUCKET, Key=f"raced/{INDEX}", Body=b'{"weight_map": {}}\n')
+    if replaced == "index":
+        key, words = INDEX, "the index changed since it was mounted"
+        s3.client.put_object(Bucket=BUCKET, Key=f"raced/{INDEX}", Body=b'{"weight_map": {}}\n')
+    else:
+        key, words = SHARDS[2], "this shard changed since it was mounted"
+        other = {"other": np.zeros(4, np.float32)}
+        save_file(other, str(tmp_path / "other.safetensors"))
+        s3.put(tmp_path / "other.safetensors", f"raced/{SHARDS[2]}")
+    etags[key] = s3.etag(f"raced/{key}")
+    status = run("status", m.path)
+    assert f"{url}: 1 problem across shards (a commit would refuse)" in status.stdout, status.stdout
+    assert f"{url}{key}: {words}" in status.stdout, status.stdout
     p = run("commit", m.path)
     assert p.returncode != 0
-    assert f"{INDEX}" in p.stderr and "changed" in p.stderr, p.stderr
-    assert {s: s3.etag(f"raced/{s}") for s in SHARDS} == etags
+    assert f"{url}{key}: {words}" in p.stderr, p.stderr
+    assert {s: s3.etag(f"raced/{s}") for s in SHARDS} == {s: etags[s] for s in SHARDS}
     assert s3.uploads() == []
     assert "model.layers.1.weight" in run("status", m.path).stdout
 
@@ -656,6 +685,28 @@ def test_a_daemon_killed_between_two_shards_leaves_a_folder_the_next_mount_finis
     assert "weight_map" not in m2.result.stderr, m2.result.stderr
     names = os.listdir(os.path.join(m2.path, SHARDS[0].removesuffix(".safetensors")))
     assert "model.layers.1.weight" in names and "layer.02" not in names
+    # The journals held nothing but what landed: nothing is left aside.
+    assert "another version" not in m2.result.stderr, m2.result.stderr
+    assert "no changes" in run("status", m2.path).stdout
+
+
+def test_a_daemon_killed_right_after_its_completion_leaves_the_new_object_and_nothing_staged(
+        tmp_path, s3, mount, run, monkeypatch):
+    src = tmp_path / "m.safetensors"
+    t, meta = checkpoint(src)
+    url = s3.put(src, "landed/m.safetensors")
+    monkeypatch.setenv("STFS_CRASH_AT", "remote:completed")
+    m = mount(url, *s3.options)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    t2, meta2 = edit("rename", m.path, t, meta, [], tmp_path)
+    assert run("commit", m.path).returncode != 0
+    wait_for_exit(m.pid, 20)
+    subprocess.run(["umount", "-l", m.path], check=False)
+    judged(s3.get("landed/m.safetensors"), t2, meta2, tmp_path)
+    m2 = mount(url, *s3.options)
+    assert "another version" not in m2.result.stderr, m2.result.stderr
+    assert "no changes" in run("status", m2.path).stdout
+    assert s3.uploads() == []
 
 
 def test_edits_that_undo_each_other_send_nothing(tmp_path, s3, mount, run):

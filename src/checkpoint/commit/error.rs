@@ -40,6 +40,24 @@ pub enum CommitError {
         file.display()
     )]
     RemoteConflict { file: PathBuf },
+    /// An index object of a folder in a store changed since it was mounted (ESTALE).
+    #[error(
+        "{}: the index changed since it was mounted (another writer replaced it); commit \
+         refused, the edits are staged: unmount with --discard and mount again, or commit \
+         --force to replace it with the index of this mount's shards",
+        file.display()
+    )]
+    IndexConflict { file: PathBuf },
+    /// A shard the commit does not write, but whose tensors the rewritten
+    /// index lists as mounted, changed since it was mounted (ESTALE).
+    #[error(
+        "{}: this shard changed since it was mounted (another writer replaced it), and the \
+         index the commit rewrites would list its tensors as they were; commit refused, the \
+         edits are staged: unmount with --discard and mount again, or commit --force to write \
+         the index anyway",
+        file.display()
+    )]
+    ListedShardChanged { file: PathBuf },
     /// Another commit of the same files did not end in time (EBUSY).
     #[error(
         "{}: another commit of this file (by another mount) has not ended in {} s; try again",
@@ -132,7 +150,10 @@ impl crate::errno::ToErrno for CommitError {
     fn to_errno(&self) -> i32 {
         match self {
             CommitError::Refused { .. } => libc::EINVAL,
-            CommitError::Conflict { .. } | CommitError::RemoteConflict { .. } => libc::ESTALE,
+            CommitError::Conflict { .. }
+            | CommitError::RemoteConflict { .. }
+            | CommitError::IndexConflict { .. }
+            | CommitError::ListedShardChanged { .. } => libc::ESTALE,
             CommitError::Busy { .. } => libc::EBUSY,
             CommitError::Opened { .. } => libc::EAGAIN,
             CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,

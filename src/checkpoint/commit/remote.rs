@@ -50,9 +50,11 @@ pub fn min_part() -> u64 {
 pub enum Piece {
     /// Of the new header.
     Header(Range<u64>),
-    /// Of the old object (a run too short to be a part of its own, or the
-    /// bytes that top a part up to the minimum).
-    Old(Range<u64>),
+    /// Of the old object (`from` 0), or of another object of the same
+    /// bucket (`from` k: the job's `others[k - 1]`, a shard a tensor moved
+    /// from): a run too short to be a part of its own, or the bytes that
+    /// top a part up to the minimum.
+    Old { from: u32, range: Range<u64> },
     /// Of input `k` (a staged or new tensor).
     Input { k: usize, range: Range<u64> },
 }
@@ -60,7 +62,7 @@ pub enum Piece {
 impl Piece {
     fn range(&self) -> &Range<u64> {
         match self {
-            Piece::Header(r) | Piece::Old(r) | Piece::Input { range: r, .. } => r,
+            Piece::Header(r) | Piece::Old { range: r, .. } | Piece::Input { range: r, .. } => r,
         }
     }
 
@@ -74,7 +76,16 @@ impl Piece {
         let cut = r.start + n.min(r.end - r.start);
         match self {
             Piece::Header(_) => (Piece::Header(r.start..cut), Piece::Header(cut..r.end)),
-            Piece::Old(_) => (Piece::Old(r.start..cut), Piece::Old(cut..r.end)),
+            Piece::Old { from, .. } => (
+                Piece::Old {
+                    from,
+                    range: r.start..cut,
+                },
+                Piece::Old {
+                    from,
+                    range: cut..r.end,
+                },
+            ),
             Piece::Input { k, .. } => (
                 Piece::Input {
                     k,
@@ -91,8 +102,12 @@ impl Piece {
     /// `next` continues this piece: one piece.
     fn join(&mut self, next: &Piece) -> bool {
         match (self, next) {
-            (Piece::Old(a), Piece::Old(b)) | (Piece::Header(a), Piece::Header(b))
-                if a.end == b.start =>
+            (Piece::Header(a), Piece::Header(b)) if a.end == b.start => {
+                a.end = b.end;
+                true
+            }
+            (Piece::Old { from: x, range: a }, Piece::Old { from: y, range: b })
+                if x == y && a.end == b.start =>
             {
                 a.end = b.end;
                 true
@@ -111,8 +126,9 @@ impl Piece {
 /// A part of the new object, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part {
-    /// Bytes of the old object, copied by the server.
-    Copy(Range<u64>),
+    /// Bytes of the old object (or of another, `Piece::Old`'s `from`),
+    /// copied by the server.
+    Copy { from: u32, range: Range<u64> },
     /// Bytes sent.
     Upload(Vec<Piece>),
 }
@@ -120,7 +136,7 @@ pub enum Part {
 impl Part {
     fn len(&self) -> u64 {
         match self {
-            Part::Copy(r) => r.end - r.start,
+            Part::Copy { range: r, .. } => r.end - r.start,
             Part::Upload(pieces) => pieces.iter().map(Piece::len).sum(),
         }
     }
@@ -174,14 +190,14 @@ pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
     };
     for piece in pieces {
         match piece {
-            Piece::Old(mut run) => {
+            Piece::Old {
+                from,
+                range: mut run,
+            } => {
                 if open_len > 0 && open_len < min {
                     let take = (min - open_len).min(run.end - run.start);
-                    add(
-                        &mut open,
-                        &mut open_len,
-                        Piece::Old(run.start..run.start + take),
-                    );
+                    let range = run.start..run.start + take;
+                    add(&mut open, &mut open_len, Piece::Old { from, range });
                     run.start += take;
                 }
                 let len = run.end - run.start;
@@ -196,12 +212,15 @@ pub fn plan_parts(pieces: Vec<Piece>, min: u64, max_upload: u64) -> PartPlan {
                     let mut at = run.start;
                     while at < run.end {
                         let end = (at + each).min(run.end);
-                        plan.parts.push(Part::Copy(at..end));
+                        plan.parts.push(Part::Copy {
+                            from,
+                            range: at..end,
+                        });
                         plan.copied += end - at;
                         at = end;
                     }
                 } else {
-                    add(&mut open, &mut open_len, Piece::Old(run));
+                    add(&mut open, &mut open_len, Piece::Old { from, range: run });
                     if open_len >= max_upload {
                         flush(&mut plan, &mut open, &mut open_len);
                     }
@@ -243,10 +262,10 @@ impl CommitWay for RemoteWay {
 fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
     let source = new.source;
     let object = source.remote_object().ok_or("a local file")?;
-    let (layout, pieces) = if new.options.compact {
+    let (layout, pieces, others) = if new.options.compact {
         let layout = new.reference.clone();
-        let pieces = pieces_of(new, &layout);
-        (layout, pieces)
+        let (pieces, others) = pieces_of(new, &layout);
+        (layout, pieces, others)
     } else {
         // (A same-size overwrite keeps its place: nothing after it moves.)
         let (_, order) = source_order(new, true);
@@ -267,8 +286,8 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         } else {
             leave_room(&mut layout);
         }
-        let pieces = pieces_of(new, &layout);
-        (layout, pieces)
+        let (pieces, others) = pieces_of(new, &layout);
+        (layout, pieces, others)
     };
     let min = min_part();
     let mut max_upload = UPLOAD_PART;
@@ -292,6 +311,7 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
         layout,
         Box::new(RemotePlan {
             parts,
+            others,
             if_match,
             record: new.upload_record.clone(),
         }),
@@ -303,6 +323,8 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
 /// (None: `--force`); `record`: where the upload's id is recorded.
 struct RemotePlan {
     parts: PartPlan,
+    /// The other objects parts copy from (`Piece::Old`).
+    others: Vec<Arc<SourceFile>>,
     if_match: Option<String>,
     record: Option<(Arc<Folder>, String)>,
 }
@@ -320,6 +342,7 @@ impl PlannedWay for RemotePlan {
         let started = std::time::Instant::now();
         let RemotePlan {
             parts,
+            others,
             if_match,
             record,
         } = *self;
@@ -330,7 +353,7 @@ impl PlannedWay for RemotePlan {
             plan.source.clone(),
             plan.layout.header.clone(),
             plan.inputs.clone(),
-            parts,
+            (parts, others),
             if_match,
             record,
         );
@@ -344,19 +367,46 @@ impl PlannedWay for RemotePlan {
     }
 }
 
-/// The new object as pieces: the header, then each tensor's bytes (the old
-/// object's runs as `Old`, joined where they follow each other).
-fn pieces_of(new: &NewState, layout: &Layout) -> Vec<Piece> {
+/// The new object as pieces: the header, then each tensor's bytes (runs
+/// of the old object, or of another object of the same bucket that a
+/// tensor moved from, as `Old`, joined where they follow each other); and
+/// those other objects (`Old`'s `from` k is the k-th).
+fn pieces_of(new: &NewState, layout: &Layout) -> (Vec<Piece>, Vec<Arc<SourceFile>>) {
     let source = new.source;
-    let data_start = source.header().data_start();
+    let mut others: Vec<Arc<SourceFile>> = Vec::new();
+    let mut from_of = |src: &Arc<SourceFile>| -> Option<u32> {
+        if Arc::ptr_eq(src, source) {
+            return Some(0);
+        }
+        // Another shard of the folder: the server copies from it, only
+        // from the version mounted.
+        let (mine, theirs) = (source.remote_object()?, src.remote_object()?);
+        if !Arc::ptr_eq(mine.remote(), theirs.remote()) || theirs.etag().is_none() {
+            return None;
+        }
+        let k = match others.iter().position(|o| Arc::ptr_eq(o, src)) {
+            Some(k) => k,
+            None => {
+                others.push(src.clone());
+                others.len() - 1
+            }
+        };
+        Some(k as u32 + 1)
+    };
     let mut pieces = vec![Piece::Header(0..layout.header.len() as u64)];
     for (placed, &k) in layout.tensors.iter().zip(&layout.source_index) {
         let len = placed.nbytes();
         let piece = match &new.inputs[k] {
-            Bytes::Source(src, i) if Arc::ptr_eq(src, source) => {
-                let at = data_start + source.header().tensors.get(*i as usize).data_offsets.0;
-                Piece::Old(at..at + len)
-            }
+            Bytes::Source(src, i) => match from_of(src) {
+                Some(from) => {
+                    let at = src.tensor_range(*i as usize).start;
+                    Piece::Old {
+                        from,
+                        range: at..at + len,
+                    }
+                }
+                None => Piece::Input { k, range: 0..len },
+            },
             _ => Piece::Input { k, range: 0..len },
         };
         let last = pieces.last_mut().expect("the header");
@@ -364,10 +414,9 @@ fn pieces_of(new: &NewState, layout: &Layout) -> Vec<Piece> {
             pieces.push(piece);
         }
     }
-    pieces
+    (pieces, others)
 }
 
-/// What `stfs status` and `stfs commit` say of a remote commit.
 pub fn describe(parts: &PartPlan) -> String {
     match parts.single_put() {
         true => format!(
@@ -390,6 +439,8 @@ pub struct RemoteJob {
     header: Vec<u8>,
     inputs: Vec<Bytes>,
     parts: PartPlan,
+    /// The other objects of the bucket that parts copy from (`Piece::Old`).
+    others: Vec<Arc<SourceFile>>,
     /// The ETag the completion is conditional on (None: `--force`).
     if_match: Option<String>,
     /// Where the upload's id is recorded (the folder, the file's name).
@@ -420,7 +471,7 @@ impl RemoteJob {
         source: Arc<SourceFile>,
         header: Vec<u8>,
         inputs: Vec<Bytes>,
-        parts: PartPlan,
+        (parts, others): (PartPlan, Vec<Arc<SourceFile>>),
         if_match: Option<String>,
         record: (Arc<Folder>, String),
     ) -> RemoteJob {
@@ -429,6 +480,7 @@ impl RemoteJob {
             header,
             inputs,
             parts,
+            others,
             if_match,
             record,
             upload: Mutex::new(None),
@@ -440,6 +492,16 @@ impl RemoteJob {
 
     fn object(&self) -> &RemoteObject {
         self.source.remote_object().expect("a remote source")
+    }
+
+    /// The object `Piece::Old`'s `from` names.
+    fn object_from(&self, from: u32) -> &RemoteObject {
+        match from {
+            0 => self.object(),
+            k => self.others[k as usize - 1]
+                .remote_object()
+                .expect("a remote object"),
+        }
     }
 
     fn writer(&self) -> Result<&Arc<S3Writer>, CommitError> {
@@ -485,9 +547,9 @@ impl RemoteJob {
                 Piece::Header(r) => {
                     out.extend_from_slice(&self.header[r.start as usize..r.end as usize])
                 }
-                Piece::Old(r) => {
+                Piece::Old { from, range: r } => {
                     let got = self
-                        .object()
+                        .object_from(*from)
                         .read(r.clone())
                         .map_err(|e| self.read_err(e))?;
                     out.extend_from_slice(&got);
@@ -525,14 +587,7 @@ impl RemoteJob {
         let remote = object.remote();
         // A key that holds another version already: refused before
         // anything is sent.
-        if let Some(want) = &self.if_match {
-            let now = remote.run(writer.etag_now(key)).map_err(&err)?;
-            if now.as_deref() != Some(want) {
-                return Err(CommitError::RemoteConflict {
-                    file: self.file().to_path_buf(),
-                });
-            }
-        }
+        still_mounted(remote, key, self.if_match.as_deref(), self.file())?;
         self.write_record(None)?;
         let upload = remote.run(writer.create_upload(key)).map_err(&err)?;
         *self.upload.lock_anyway() = Some(upload.clone());
@@ -556,8 +611,8 @@ impl RemoteJob {
         for (n, part) in self.parts.parts.iter().enumerate() {
             let number = n as u32 + 1;
             let pieces = match part {
-                Part::Copy(range) => {
-                    copies.push((number, range.clone()));
+                Part::Copy { from, range } => {
+                    copies.push((number, *from, range.clone()));
                     continue;
                 }
                 Part::Upload(pieces) => pieces,
@@ -616,17 +671,16 @@ impl RemoteJob {
         if !copies.is_empty() {
             crate::testpoint::point("remote:copy").map_err(io_err("copying parts"))?;
         }
-        let etag = object.etag();
-        let copied =
-            remote.run(async {
-                use futures::StreamExt;
-                futures::stream::iter(copies.into_iter().map(|(number, range)| {
-                    writer.copy_part(key, &upload, number, key, etag, range)
-                }))
-                .buffer_unordered(COPIES_AT_ONCE)
-                .collect::<Vec<_>>()
-                .await
-            });
+        let copied = remote.run(async {
+            use futures::StreamExt;
+            futures::stream::iter(copies.into_iter().map(|(number, from, range)| {
+                let from = self.object_from(from);
+                writer.copy_part(key, &upload, number, from.path(), from.etag(), range)
+            }))
+            .buffer_unordered(COPIES_AT_ONCE)
+            .collect::<Vec<_>>()
+            .await
+        });
         for done in copied {
             self.done.lock_anyway().push(done.map_err(&err)?);
         }
@@ -744,12 +798,13 @@ impl RemoteJob {
         };
         for part in &self.parts.parts {
             match part {
-                Part::Copy(r) => keep(r, at),
+                Part::Copy { from: 0, range } => keep(range, at),
+                Part::Copy { .. } => {}
                 Part::Upload(pieces) => {
                     let mut within = at;
                     for piece in pieces {
-                        if let Piece::Old(r) = piece {
-                            keep(r, within);
+                        if let Piece::Old { from: 0, range } = piece {
+                            keep(range, within);
                         }
                         within += piece.len();
                     }
@@ -906,6 +961,14 @@ fn still_mounted(
     }
 }
 
+/// The lost-update refusal of an index says so (`--force` does help there).
+fn as_index_conflict(e: CommitError) -> CommitError {
+    match e {
+        CommitError::RemoteConflict { file } => CommitError::IndexConflict { file },
+        e => e,
+    }
+}
+
 /// A `*.index.json` object of a folder of shards in a store: where it is,
 /// and the ETag of the version shown (a commit's PUT of it is conditional
 /// on that ETag, and sets it to the new one).
@@ -916,6 +979,21 @@ pub struct RemoteIndex {
     pub etag: Arc<Mutex<Option<String>>>,
 }
 
+impl RemoteIndex {
+    /// Whether the key holds another version than the one shown now (a
+    /// HEAD; a failed one says no: the commit asks again).
+    pub fn changed(&self) -> bool {
+        let Some(writer) = self.remote.writer() else {
+            return false;
+        };
+        let shown = self.etag.lock_anyway().clone();
+        match self.remote.run(writer.etag_now(&self.path)) {
+            Ok(now) => now != shown,
+            Err(_) => false,
+        }
+    }
+}
+
 /// An index object of a commit of a folder of shards, put whole after every
 /// shard landed, only over the version shown (unless forced).
 pub struct IndexPut {
@@ -923,24 +1001,64 @@ pub struct IndexPut {
     bytes: bytes::Bytes,
     if_match: Option<String>,
     stat: FileStat,
+    /// The shards it lists that the commit does not write: each must still
+    /// be the version mounted (unless forced), or the index would list
+    /// tensors another writer's object does not hold.
+    unwritten: Vec<Arc<SourceFile>>,
+    force: bool,
 }
 
 impl IndexPut {
-    pub fn new(index: RemoteIndex, bytes: Vec<u8>, stat: FileStat, force: bool) -> IndexPut {
-        let if_match = match force {
-            true => None,
-            false => index.etag.lock_anyway().clone(),
-        };
+    pub fn new(
+        index: RemoteIndex,
+        bytes: Vec<u8>,
+        stat: FileStat,
+        unwritten: Vec<Arc<SourceFile>>,
+    ) -> IndexPut {
+        let if_match = index.etag.lock_anyway().clone();
         IndexPut {
             index,
             bytes: bytes::Bytes::from(bytes),
             if_match,
             stat,
+            unwritten,
+            force: false,
         }
+    }
+
+    /// `--force`: put over whatever is there.
+    pub fn forced(mut self, force: bool) -> IndexPut {
+        if force {
+            self.if_match = None;
+            self.force = true;
+        }
+        self
     }
 
     fn url(&self) -> String {
         self.index.remote.url(&self.index.path)
+    }
+
+    /// The index, and every shard it lists that the commit does not write,
+    /// are still the versions mounted (unless forced).
+    fn check(&self) -> Result<(), CommitError> {
+        let file = PathBuf::from(self.url());
+        let remote = &self.index.remote;
+        still_mounted(remote, &self.index.path, self.if_match.as_deref(), &file)
+            .map_err(as_index_conflict)?;
+        for shard in self.unwritten.iter().filter(|_| !self.force) {
+            if let Some(o) = shard.remote_object() {
+                still_mounted(o.remote(), o.path(), o.etag(), shard.path()).map_err(
+                    |e| match e {
+                        CommitError::RemoteConflict { file } => {
+                            CommitError::ListedShardChanged { file }
+                        }
+                        e => e,
+                    },
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn put(&self) -> Result<(), CommitError> {
@@ -952,7 +1070,7 @@ impl IndexPut {
             .ok_or_else(|| CommitError::ReadOnly { file: file.clone() })?;
         let key = &self.index.path;
         crate::testpoint::point("remote:index").map_err(io_err("putting the index"))?;
-        still_mounted(remote, key, self.if_match.as_deref(), &file)?;
+        still_mounted(remote, key, self.if_match.as_deref(), &file).map_err(as_index_conflict)?;
         let expected = s3::put_etag(&self.bytes);
         let put = remote.run(writer.put(key, self.bytes.clone(), self.if_match.as_deref()));
         let etag = match put {
@@ -982,9 +1100,7 @@ impl Landing for IndexPut {
     }
 
     fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
-        let file = PathBuf::from(self.url());
-        let remote = &self.index.remote;
-        still_mounted(remote, &self.index.path, self.if_match.as_deref(), &file)?;
+        self.check()?;
         renames.remote.push(RemoteLanding {
             url: self.url(),
             key: self.index.path.to_string(),
@@ -1048,10 +1164,13 @@ pub fn finish_interrupted(
             }
         };
         match finish_record(&record.remote, writer, remote) {
-            Ok((finished, uploads)) => {
+            Ok((finished, uploads, all_landed)) => {
                 notes.extend(finished);
                 done.extend(uploads);
                 Renames::clear(&dir);
+                if all_landed {
+                    drop_landed_journals(&dir, record.commit);
+                }
             }
             Err(why) => {
                 return Err(format!(
@@ -1063,14 +1182,54 @@ pub fn finish_interrupted(
     Ok((notes, done))
 }
 
-/// One commit's objects finished (see `finish_interrupted`): its notes and
-/// the uploads that are complete now, or why the store could not be asked
-/// (the record stays for the next mount).
+/// The journals in `dir` that hold nothing but what commit `commit` put in
+/// the store (no edit after its plan), removed: their edits are in the new
+/// objects, which the journals' sources no longer are (a staging folder
+/// left with no journal goes at the next mount).
+fn drop_landed_journals(dir: &StagingDir, commit: u64) {
+    use crate::checkpoint::journal::{self, Record};
+    let Ok(folder) = dir.folder() else {
+        return;
+    };
+    for name in dir.list().unwrap_or_default() {
+        if !name.as_encoded_bytes().ends_with(b".journal") {
+            continue;
+        }
+        let Ok(f) = folder.open_file(&name, libc::O_RDONLY | libc::O_NOFOLLOW, 0) else {
+            continue;
+        };
+        let mut text = Vec::new();
+        if std::io::Read::read_to_end(&mut &f, &mut text).is_err() {
+            continue;
+        }
+        let Ok(replay) = journal::read(&text) else {
+            continue;
+        };
+        let planned = replay
+            .records
+            .iter()
+            .rposition(|r| matches!(r, Record::Plan { commit: c } if *c == commit));
+        let later = |k: usize| {
+            replay.records[k + 1..]
+                .iter()
+                .any(|r| !matches!(r, Record::Landing { .. }))
+        };
+        if planned.is_some_and(|k| !later(k)) {
+            let _ = folder.unlink(&name);
+        }
+    }
+    let _ = folder.sync();
+}
+
+/// One commit's objects finished (see `finish_interrupted`): its notes,
+/// the uploads that are complete now, and whether every object is new now;
+/// or why the store could not be asked (the record stays for the next
+/// mount).
 fn finish_record(
     objects: &[RemoteLanding],
     writer: &S3Writer,
     remote: &crate::source::remote::Remote,
-) -> Result<(Vec<String>, Vec<String>), String> {
+) -> Result<(Vec<String>, Vec<String>, bool), String> {
     let key_of = |o: &RemoteLanding| {
         object_store::path::Path::parse(&o.key)
             .map_err(|_| format!("{}: a commit record names a bad key {:?}", o.url, o.key))
@@ -1089,11 +1248,12 @@ fn finish_record(
         |o: &RemoteLanding, now: &Option<String>| o.expected.is_some() && *now == o.expected;
     if !objects.iter().zip(&now).any(|(o, n)| landed(o, n)) {
         // Nothing changed: the uploads are aborted.
-        return Ok((Vec::new(), Vec::new()));
+        return Ok((Vec::new(), Vec::new(), false));
     }
     let mut notes = Vec::new();
     let mut complete = Vec::new();
     let mut all_shards = true;
+    let mut all_landed = true;
     for (o, n) in objects.iter().zip(&now) {
         if landed(o, n) {
             complete.extend(o.upload.clone());
@@ -1150,12 +1310,13 @@ fn finish_record(
             }
             Err(why) => {
                 all_shards &= o.text.is_some();
+                all_landed = false;
                 warn!("{why}");
                 notes.push(why);
             }
         }
     }
-    Ok((notes, complete))
+    Ok((notes, complete, all_landed))
 }
 
 /// The name of an upload record of this mount (`stem`: the staging stem
@@ -1247,7 +1408,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn old(r: Range<u64>) -> Piece {
-        Piece::Old(r)
+        Piece::Old { from: 0, range: r }
     }
 
     #[test]
@@ -1261,10 +1422,41 @@ mod tests {
             plan.parts,
             vec![
                 Part::Upload(vec![Piece::Header(0..4096), old(4096..5 * MIB)]),
-                Part::Copy(5 * MIB..100 * MIB)
+                Part::Copy {
+                    from: 0,
+                    range: 5 * MIB..100 * MIB
+                }
             ]
         );
         assert_eq!((plan.uploaded, plan.copied), (5 * MIB, 95 * MIB));
+    }
+
+    #[test]
+    fn a_tensor_moved_from_another_shard_is_copied_from_that_object() {
+        // Old bytes at the same offsets in two objects are two runs, never one.
+        let other = |r: Range<u64>| Piece::Old { from: 1, range: r };
+        let plan = plan_parts(
+            vec![
+                Piece::Header(0..5 * MIB),
+                old(5 * MIB..20 * MIB),
+                other(20 * MIB..30 * MIB),
+            ],
+            5 * MIB,
+            64 * MIB,
+        );
+        assert_eq!(
+            &plan.parts[1..],
+            &[
+                Part::Copy {
+                    from: 0,
+                    range: 5 * MIB..20 * MIB
+                },
+                Part::Copy {
+                    from: 1,
+                    range: 20 * MIB..30 * MIB
+                }
+            ]
+        );
     }
 
     #[test]

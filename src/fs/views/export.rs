@@ -102,7 +102,7 @@ pub fn make_view(
 
 /// Index file `i` as a commit would rewrite it now: every shard's
 /// tensors in `weight_map`, their bytes in `metadata.total_size`.
-fn index_view(st: &State, i: usize) -> Result<Vec<u8>, FsError> {
+pub fn index_view(st: &State, i: usize) -> Result<Vec<u8>, FsError> {
     let mut weight_map = serde_json::Map::new();
     let mut total = 0;
     for m in &st.checkpoints {

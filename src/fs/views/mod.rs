@@ -7,6 +7,7 @@
 
 mod casts;
 mod export;
+pub(super) use export::index_view;
 mod npy;
 mod reshard;
 
