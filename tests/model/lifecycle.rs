@@ -41,7 +41,8 @@ pub(super) fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bo
     });
     let want = if other_user {
         libc::EACCES
-    } else if m.read_only {
+    } else if m.read_only && compact {
+        // (A plain commit finds nothing: no edit is possible there.)
         libc::EROFS
     } else if !dirty.iter().any(|&d| d) {
         0
