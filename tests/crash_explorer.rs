@@ -122,12 +122,14 @@ fn make_folder(dir: &Path) {
         &[
             ("c", safetensors::Dtype::F32, vec![3], floats(&[7., 8., 9.])),
             ("d", safetensors::Dtype::F32, vec![1], floats(&[10.])),
+            ("e", safetensors::Dtype::F32, vec![2], floats(&[11., 12.])),
         ],
         None,
     );
     let index = json!({
-        "metadata": {"total_size": 40},
-        "weight_map": {"a": "s0.safetensors", "b": "s0.safetensors", "c": "s1.safetensors", "d": "s1.safetensors"}
+        "metadata": {"total_size": 48},
+        "weight_map": {"a": "s0.safetensors", "b": "s0.safetensors", "c": "s1.safetensors",
+                       "d": "s1.safetensors", "e": "s1.safetensors"}
     });
     std::fs::write(dir.join(INDEX), serde_json::to_vec_pretty(&index).unwrap()).unwrap();
 }
@@ -174,8 +176,9 @@ const SCENARIOS: &[Scenario] = &[
         edit: |fs| {
             let (s0, s1) = (lookup(fs, ROOT_INO, "s0"), lookup(fs, ROOT_INO, "s1"));
             fs.rename(s0, "a", s0, "z", false).unwrap();
-            fs.unlink(s1, "c").unwrap();
-            overwrite(fs, s1, "d", &floats(&[-10.]));
+            // (A hole the end cannot fill: e would straddle the new end.)
+            fs.unlink(s1, "d").unwrap();
+            overwrite(fs, s1, "c", &floats(&[-7., -8., -9.]));
         },
         ways: &[
             ("s0.safetensors", "in place"),

@@ -16,8 +16,9 @@
 //!   file is one every reader refuses (the record kept), or the old one.
 //!
 //! The scenarios cover every kind of in-place edit: the header alone,
-//! same-size overwrites, appends, tail drops, copies within the file, and a
-//! header grown by blocks inserted at the start. `STFS_EXPLORE_LONG=1` also
+//! same-size overwrites, appends, tail drops, copies within the file, a hole
+//! filled with the tensor moved from the end, and a header grown by blocks
+//! inserted at the start. `STFS_EXPLORE_LONG=1` also
 //! tears every write at every block (a longer run, for benchmarks).
 
 use std::cell::RefCell;
@@ -303,6 +304,27 @@ fn scenarios() -> Vec<Scenario> {
         name: "copy within the file",
         record: record(&roomy, &new, 0, vec![w]),
         old: roomy.clone(),
+        new,
+        header,
+        staged: Vec::new(),
+    });
+
+    // A tensor dropped from the middle, its hole filled by the last one
+    // (of its size), moved from the end, which is then cut.
+    let e = bytes(300, 5);
+    let (_, four) = checkpoint(&[("a", &a), ("b", &b), ("c", &c), ("e", &e)], "v0", 400);
+    let (header, new) = checkpoint(&[("a", &a), ("e", &e), ("c", &c)], "v0", 400);
+    let w = RangeWrite {
+        at: data_start + 5000,
+        len: 300,
+        from: WriteFrom::Here {
+            offset: data_start + 5400,
+        },
+    };
+    out.push(Scenario {
+        name: "a hole filled from the end",
+        record: record(&four, &new, 0, vec![w]),
+        old: four,
         new,
         header,
         staged: Vec::new(),

@@ -142,15 +142,71 @@ def test_every_edit_kind_commits_in_place(tmp_path, mount, run):
     assert_checkpoint(src, t, meta)
 
 
+def layers(n):
+    """An embedding and `n` layers of the same shapes, as models repeat them."""
+    rng = np.random.default_rng(7)
+    t = {"embed": rng.standard_normal((64, 64)).astype(np.float32)}
+    for i in range(n):
+        t[f"model.layers.{i}.bias"] = rng.standard_normal(64).astype(np.float32)
+        t[f"model.layers.{i}.weight"] = rng.standard_normal((128, 128)).astype(np.float32)
+    return t
+
+
+def drop_layers(path, t, which):
+    t = dict(t)
+    for i in which:
+        for part in ("bias", "weight"):
+            os.unlink(os.path.join(path, f"model.layers.{i}.{part}"))
+            del t[f"model.layers.{i}.{part}"]
+    return t
+
+
+def test_layers_dropped_from_the_middle_are_filled_from_the_end_in_place(tmp_path, mount, run):
+    if os.geteuid() != 0:
+        pytest.skip("reads the daemon's /proc/PID/io")
+    src = tmp_path / "m.safetensors"
+    t = layers(6)
+    meta = {"format": "pt"}
+    with_room(src, mount, run, t, meta)
+    layer = t["model.layers.0.weight"].nbytes + t["model.layers.0.bias"].nbytes
+    m = mount(src)
+    # One layer: the last layer's two tensors move into its place.
+    t = drop_layers(m.path, t, [1])
+    status = run("status", m.path).stdout
+    assert "commit     in place (header, 2 tensors dropped, 2 tensors moved up from the end" in status, status
+    size = os.path.getsize(src)
+    n = commit_in_place(run, m, src, "header, 2 tensors dropped, 2 tensors moved up from the end;")
+    assert n < layer + 1 * MIB, n
+    assert os.path.getsize(src) == size - layer
+    assert_checkpoint(src, t, meta)
+    # A run of layers (2-3 of what is left, as removing layers 20-29 of 32):
+    # the one layer after them moves into the first one's place, the rest is cut.
+    t = drop_layers(m.path, t, [2, 3])
+    n = commit_in_place(run, m, src, "header, 4 tensors dropped, 2 tensors moved up from the end;")
+    assert n < layer + 1 * MIB, n
+    assert os.path.getsize(src) == size - 3 * layer
+    assert_checkpoint(src, t, meta)
+    # Two layers apart (0 and 5, the latter now third): the last one fills
+    # the first hole, the second is cut.
+    t = drop_layers(m.path, t, [0, 5])
+    n = commit_in_place(run, m, src, "header, 4 tensors dropped, 2 tensors moved up from the end;")
+    assert n < layer + 1 * MIB, n
+    assert os.path.getsize(src) == size - 5 * layer
+    assert_checkpoint(src, t, meta)
+    # The mount reads the moved tensors at their new places.
+    for name, v in t.items():
+        assert open(os.path.join(m.path, name), "rb").read() == v.tobytes(), name
+
+
 def test_a_rewrite_leaves_room_in_the_header(tmp_path, mount, run):
     src = tmp_path / "m.safetensors"
     t = tensors()
     save_file(t, str(src))
     m = mount(src)
-    os.unlink(os.path.join(m.path, "layer.0"))  # from the middle: a rewrite
-    del t["layer.0"]
+    os.unlink(os.path.join(m.path, "layer.1"))  # from the middle, no exact fill: a rewrite
+    del t["layer.1"]
     p = run("commit", m.path)
-    assert "committed by a rewrite (not in place: tensor \"layer.0\" leaves a hole" in p.stdout, p.stdout
+    assert "committed by a rewrite (not in place: tensor \"layer.1\" leaves a hole" in p.stdout, p.stdout
     _, n, _ = header_of(src)
     assert (8 + n) % 4096 == 0, "a rewrite puts the data section on a 4 KiB boundary"
     assert_checkpoint(src, t)
@@ -364,6 +420,36 @@ def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount
     assert outcomes["in-place:prefix"] == "new" and outcomes["in-place:landed"] == "new"
     if kind == "grow":
         assert outcomes["in-place:inserted"] == "refused"
+
+
+def test_a_daemon_killed_at_every_step_of_a_hole_fill_leaves_old_new_or_refused(tmp_path, mount, run, monkeypatch):
+    pristine = tmp_path / "pristine.safetensors"
+    t = layers(3)
+    meta = {"format": "pt"}
+    with_room(pristine, mount, run, t, meta)
+    outcomes = {}
+    for step in [*STEPS[:-2], "in-place:moved", *STEPS[-2:]]:
+        src = tmp_path / f"m-{step.split(':')[1]}.safetensors"
+        shutil.copyfile(pristine, src)
+        monkeypatch.setenv("STFS_CRASH_AT", step)
+        m = mount(src)
+        monkeypatch.delenv("STFS_CRASH_AT")
+        new_t = drop_layers(m.path, t, [0])
+        p = run("commit", m.path)
+        if p.returncode != 0:
+            m.close()  # the daemon is gone: unmount what it left
+        outcomes[step] = "old" if same(src, t, meta) else "new" if same(src, new_t, meta) else "refused"
+        if outcomes[step] == "refused":
+            insp = run("inspect", src)
+            assert insp.returncode != 0 and "was interrupted" in insp.stderr, insp.stderr
+        m2 = mount(src)
+        m2.close()
+        assert same(src, new_t, meta), f"killed at {step} ({outcomes[step]}): not the new checkpoint after the next mount"
+        m.close()
+    assert outcomes["in-place:recorded"] == "old"
+    assert outcomes["in-place:data"] == outcomes["in-place:moved"] == "refused"
+    assert outcomes["in-place:written"] == "refused"
+    assert outcomes["in-place:landed"] == "new"
 
 
 def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, monkeypatch):

@@ -377,7 +377,12 @@ def test_a_folder_the_user_cannot_write_is_said_at_mount_and_status_not_at_commi
         # With a staging folder of the user's: a header edit commits in place (the file is
         # writable), a rewrite is refused by status before it is tried.
         m = mount(src, "--staging-dir", staging)
+        # (A hole, and a tensor added, which the end cannot fill around.)
         os.unlink(os.path.join(m.path, "a"))
+        with open(os.path.join(m.path, "d"), "wb") as f:
+            f.write(b"1234")
+        with open(os.path.join(m.path, "d.meta.json"), "w") as f:
+            f.write('{"dtype": "U8", "shape": [4]}')
         st = run("status", m.path)
         assert st.returncode == 1 and f"a rewrite puts a new file in {folder}, which this mount's user cannot" \
             in st.stdout, st.stdout

@@ -238,7 +238,7 @@ def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount
     monkeypatch.setenv("STFS_FAULT_AT", "land:recorded:EIO")
     m = mount(src)
     monkeypatch.delenv("STFS_FAULT_AT")
-    os.unlink(os.path.join(m.path, "a"))  # a hole: a rewrite
+    os.unlink(os.path.join(m.path, "a"))
     del t["a"]
     p = run("commit", "--compact", m.path)
     assert p.returncode != 0, p.stdout
@@ -610,11 +610,11 @@ def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mou
     monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
     m = mount(src)
     monkeypatch.delenv("STFS_FAULT_AT")
-    os.unlink(os.path.join(m.path, "b"))  # a hole in the middle: a rewrite
+    os.unlink(os.path.join(m.path, "b"))
     new_a = np.full(8, 3, np.float32)
     with open(os.path.join(m.path, "a"), "r+b") as f:
         f.write(new_a.tobytes())
-    p = run("commit", m.path)
+    p = run("commit", "--compact", m.path)  # (a rewrite)
     assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
     assert src.read_bytes() == before
     assert not [n for n in os.listdir(tmp_path) if ".stfs-tmp-" in n], os.listdir(tmp_path)
@@ -643,13 +643,13 @@ def test_a_folder_commit_that_fails_after_a_file_was_written_removes_it(tmp_path
     monkeypatch.setenv("STFS_FAULT_AT", "rewrite:written:EIO:2")
     m = mount(folder)
     monkeypatch.delenv("STFS_FAULT_AT")
-    os.unlink(os.path.join(m.path, "s0", "b"))  # a rewrite of the shard, and of the index
-    p = run("commit", m.path)
+    os.unlink(os.path.join(m.path, "s0", "b"))
+    p = run("commit", "--compact", m.path)  # a rewrite of the shard, and of the index
     assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
     assert (folder / "s0.safetensors").read_bytes() == before
     assert (folder / "model.safetensors.index.json").read_bytes() == index_before
     assert not [n for n in os.listdir(folder) if ".stfs-tmp-" in n], os.listdir(folder)
-    p = run("commit", m.path)
+    p = run("commit", "--compact", m.path)
     assert p.returncode == 0, p.stderr
     del t["b"]
     assert_checkpoint(folder / "s0.safetensors", t)

@@ -57,9 +57,13 @@ def test_xfs_grows_headers_in_place_and_shares_extents_of_a_rewrite(xfs, mount, 
     assert os.stat(src).st_ino == ino
     meta = {"chat_template": "{{ messages }}" * 10}
     assert_checkpoint(src, t, meta)
-    # A tensor dropped from the middle: a new file that shares the old one's blocks.
+    # A tensor dropped from the middle, and one added (so the last cannot
+    # move into the hole): a new file that shares the old one's blocks.
     os.unlink(os.path.join(m.path, "t03"))
     del t["t03"]
+    t["zz"] = np.arange(1024, dtype=np.uint8).astype(np.uint8)
+    (xfs / "zz.bin").write_bytes(t["zz"].tobytes())
+    sh(f"cp {xfs}/zz.bin {m.path}/zz && echo '{{\"dtype\":\"U8\",\"shape\":[1024]}}' > {m.path}/zz.meta.json")
     status = run("status", m.path).stdout
     assert "commit     by a rewrite that shares extents (not in place: tensor \"t03\" leaves a hole" in status, status
     os.sync()

@@ -212,12 +212,16 @@ pub fn layout<'a>(
             }
         }
     }
-    // 3. What stays must leave no hole: the data section is one run of tensors.
-    let kept_end = (0..n_old)
+    // 3. What stays must leave no hole: the data section is one run of
+    //    tensors. Holes that dropped tensors leave are filled, where they
+    //    can be exactly, with the tensors at the end of the data (layers
+    //    repeat their shapes), moved there; the end is then cut.
+    let mut kept_end = (0..n_old)
         .filter(|&i| claimed[i])
         .map(|i| old.tensors.get(i).data_offsets.1)
         .max()
         .unwrap_or(0);
+    let mut holes = Vec::new();
     for i in 0..n_old {
         let t = old.tensors.get(i);
         if claimed[i] || t.nbytes() == 0 {
@@ -231,12 +235,42 @@ pub fn layout<'a>(
             ).into());
         }
         if t.data_offsets.1 <= kept_end {
-            return Err(format!(
+            holes.push(i);
+        }
+    }
+    let dropped = (0..n_old)
+        .filter(|&i| !claimed[i] && old.tensors.nbytes(i) > 0)
+        .count();
+    let mut moved = 0;
+    if let Some(&first) = holes.first() {
+        let hole_err = || -> Declined {
+            format!(
                 "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one \
-                 of another size)",
-                t.name
+                 of another size) that the tensors at the end cannot fill exactly",
+                old.tensors.name(first)
             )
-            .into());
+            .into()
+        };
+        // (A tensor moved keeps its element alignment: readers that map it need it.)
+        let align = |k: usize| (spec(k).1.bits() / 8).clamp(1, 8);
+        let movers = fill_holes(&holes, old, &place, &from, inputs, source, held, align)
+            .ok_or_else(hole_err)?;
+        for (k, at) in movers {
+            let (start, stop) = place[k].expect("placed");
+            place[k] = Some((at, at + stop - start));
+            // (New bytes are written at their new place from their staging file.)
+            if let Bytes::Source(..) = &inputs[k] {
+                from[k] = Some(WriteFrom::Here { offset: start });
+            }
+            moved += 1;
+        }
+        kept_end = (0..count)
+            .filter_map(|k| place[k].map(|p| p.1))
+            .max()
+            .unwrap_or(0);
+        // (New tensors would go where the moved ones are read from.)
+        if (0..count).any(|k| place[k].is_none() && len_of(k).is_ok_and(|n| n > 0)) {
+            return Err(hole_err());
         }
     }
     // 4. Everything else goes at the end, in name order.
@@ -340,9 +374,6 @@ pub fn layout<'a>(
             k,
         ));
     }
-    let dropped = (0..n_old)
-        .filter(|&i| !claimed[i] && old.tensors.nbytes(i) > 0)
-        .count();
     let mut summary = vec![match inserted {
         0 => "header".to_string(),
         n => format!("header grown by {} KiB at the start", n >> 10),
@@ -350,7 +381,15 @@ pub fn layout<'a>(
     for (n, what) in [
         (overwritten, "overwritten"),
         (appended, "appended"),
-        (dropped, "dropped at the end"),
+        (
+            dropped,
+            if moved > 0 {
+                "dropped"
+            } else {
+                "dropped at the end"
+            },
+        ),
+        (moved, "moved up from the end"),
     ] {
         if n > 0 {
             summary.push(format!(
@@ -374,6 +413,88 @@ pub fn layout<'a>(
         bytes,
         summary: summary.join(", "),
     })
+}
+
+/// Where the tensors at the end of the data go to fill the holes that the
+/// dropped tensors `holes` (old indices) leave: (input, its new start,
+/// data-relative) for each tensor moved, or None if they cannot fill them
+/// exactly. The data then ends `need` bytes (the holes' length) sooner:
+/// the tensors placed past that end move into the holes before it (each a
+/// source tensor kept as it is and read by nobody, `held`, or new bytes),
+/// each run of holes filled largest first (at an offset as aligned, to its
+/// element size `align(k)`, as its old one); none may straddle the new end.
+#[allow(clippy::too_many_arguments)]
+fn fill_holes(
+    holes: &[usize],
+    old: &Header,
+    place: &[Option<(u64, u64)>],
+    from: &[Option<WriteFrom>],
+    inputs: &[Bytes],
+    source: &Arc<SourceFile>,
+    held: &[bool],
+    align: impl Fn(usize) -> u64,
+) -> Option<Vec<(usize, u64)>> {
+    let need: u64 = holes.iter().map(|&i| old.tensors.nbytes(i)).sum();
+    let placed: Vec<usize> = (0..place.len())
+        .filter(|&k| place[k].is_some_and(|(a, b)| b > a))
+        .collect();
+    let kept_end = placed.iter().filter_map(|&k| place[k]).map(|p| p.1).max()?;
+    let new_end = kept_end.checked_sub(need)?;
+    // The holes before the new end, runs of them joined.
+    let mut ranges: Vec<(u64, u64)> = holes
+        .iter()
+        .map(|&i| old.tensors.get(i).data_offsets)
+        .filter(|&(start, _)| start < new_end)
+        .map(|(start, stop)| (start, stop.min(new_end)))
+        .collect();
+    ranges.sort();
+    let mut gaps: Vec<(u64, u64)> = Vec::new();
+    for (start, stop) in ranges {
+        match gaps.last_mut() {
+            Some(last) if last.1 == start => last.1 = stop,
+            _ => gaps.push((start, stop)),
+        }
+    }
+    let mut movers = Vec::new();
+    for k in placed {
+        let (start, stop) = place[k]?;
+        if stop <= new_end {
+            continue;
+        }
+        let movable = match &inputs[k] {
+            Bytes::Source(src, i) => {
+                Arc::ptr_eq(src, source)
+                    && from[k].is_none()
+                    && old.tensors.get(*i as usize).data_offsets == (start, stop)
+                    && !held[*i as usize]
+            }
+            Bytes::Staged(_) => true,
+            Bytes::Empty => false,
+        };
+        if !movable || start < new_end {
+            return None;
+        }
+        movers.push((k, stop - start, start % align(k), align(k)));
+    }
+    let fill: u64 = gaps.iter().map(|(a, b)| b - a).sum();
+    if movers.iter().map(|m| m.1).sum::<u64>() != fill {
+        return None;
+    }
+    movers.sort_by_key(|&(_, len, ..)| std::cmp::Reverse(len));
+    let mut used = vec![false; movers.len()];
+    let mut out = Vec::new();
+    for (mut at, stop) in gaps {
+        while at < stop {
+            let fits = |&(_, len, rem, align): &(usize, u64, u64, u64)| {
+                len <= stop - at && at % align == rem
+            };
+            let j = (0..movers.len()).find(|&j| !used[j] && fits(&movers[j]))?;
+            used[j] = true;
+            out.push((movers[j].0, at));
+            at += movers[j].1;
+        }
+    }
+    Some(out)
 }
 
 /// The redo record of one file's in-place commit, in the staging folder.
@@ -568,7 +689,9 @@ impl InPlaceRecord {
             )));
         }
         // Copies within the file read old data that no write of the commit
-        // changes and no cut removes, so that doing them again reads the same.
+        // changes, so that doing them again reads the same (a copy from the
+        // range the cut removes is durable before the cut, and not done
+        // again after it).
         let old_data = self.inserted + PREFIX_LEN + self.old_prefix;
         let written: Vec<(u64, u64)> = self
             .writes
@@ -590,8 +713,7 @@ impl InPlaceRecord {
                     let from_end = offset
                         .checked_add(w.len)
                         .ok_or_else(|| BadRecord("a range past any file".into()))?;
-                    let outside = *offset < old_data.max(header_end)
-                        || from_end > old_end.min(self.after_len);
+                    let outside = *offset < old_data.max(header_end) || from_end > old_end;
                     if outside || written.iter().any(|&(a, b)| *offset < b && a < from_end) {
                         return Err(BadRecord(format!(
                             "a copy of {} bytes from {offset} reads outside the old data the commit keeps",
@@ -761,6 +883,11 @@ impl InPlaceRecord {
             retired.push(self.after_len..len);
         }
         (steps.retire)(retired);
+        // Tensors moved from the end into holes are read from the range the
+        // cut removes: they are durable before it, and once the file is cut
+        // (a crash after it) they are there and not copied again.
+        let from_cut = |w: &RangeWrite| matches!(w.from, WriteFrom::Here { offset } if offset + w.len > self.after_len);
+        let cut_already = len <= self.after_len;
         let mut shared = 0;
         for (n, w) in self.writes.iter().enumerate() {
             point("in-place:write").map_err(after)?;
@@ -770,6 +897,7 @@ impl InPlaceRecord {
                     let pad = staged_pad(name);
                     shared += file.copy_in(&staged, pad, w.at, w.len).map_err(after)?;
                 }
+                WriteFrom::Here { .. } if cut_already && from_cut(w) => {}
                 WriteFrom::Here { offset } => {
                     file.copy_within(*offset, w.at, w.len).map_err(after)?
                 }
@@ -777,6 +905,10 @@ impl InPlaceRecord {
             if n == 0 {
                 point("in-place:data").map_err(after)?;
             }
+        }
+        if !cut_already && self.writes.iter().any(from_cut) {
+            point("in-place:moved").map_err(after)?;
+            file.sync_data().map_err(after)?;
         }
         file.set_len(self.after_len).map_err(after)?;
         let end = match self.header_write {

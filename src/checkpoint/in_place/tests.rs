@@ -282,9 +282,19 @@ mod planner {
 
     /// a 16, b 32, c 16, d 8 bytes (U8), a header with 400 bytes of room.
     fn case() -> Case {
+        case_of(&[("a", 16), ("b", 32), ("c", 16), ("d", 8)])
+    }
+
+    /// Tensors of these names and sizes (U8, byte k of tensor i is i + 1),
+    /// in this order, a header with 400 bytes of room.
+    fn case_of(sizes: &[(&str, usize)]) -> Case {
         let dir = tempfile::tempdir().unwrap();
-        let (a, b, c, d) = ([1u8; 16], [2u8; 32], [3u8; 16], [4u8; 8]);
-        let tensors: [(&str, &[u8]); 4] = [("a", &a), ("b", &b), ("c", &c), ("d", &d)];
+        let data: Vec<Vec<u8>> = (0..sizes.len())
+            .map(|i| vec![i as u8 + 1; sizes[i].1])
+            .collect();
+        let tensors: Vec<(&str, &[u8])> = (0..sizes.len())
+            .map(|i| (sizes[i].0, data[i].as_slice()))
+            .collect();
         let (_, file) = crate::checkpoint::explore::checkpoint(&tensors, "v0", 400);
         let path = dir.path().join("m.safetensors");
         std::fs::write(&path, &file).unwrap();
@@ -302,6 +312,8 @@ mod planner {
 
     enum In {
         Old(u32),
+        /// Source tensor i, retyped (same bytes).
+        OldAs(u32, Dtype),
         New(usize),
     }
 
@@ -314,11 +326,18 @@ mod planner {
     ) -> Result<InPlaceLayout, crate::checkpoint::Declined> {
         let old = c.source.header();
         let mut shapes = Vec::new();
+        let mut dtypes = Vec::new();
         let mut inputs = Vec::new();
         for (_, input) in new {
+            dtypes.push(Dtype::U8);
             match input {
                 In::Old(i) => {
                     shapes.push(vec![old.tensors.nbytes(*i as usize)]);
+                    inputs.push(Bytes::Source(c.source.clone(), *i));
+                }
+                In::OldAs(i, dtype) => {
+                    shapes.push(vec![old.tensors.nbytes(*i as usize) * 8 / dtype.bits()]);
+                    *dtypes.last_mut().unwrap() = *dtype;
                     inputs.push(Bytes::Source(c.source.clone(), *i));
                 }
                 In::New(n) => {
@@ -330,7 +349,7 @@ mod planner {
         }
         let names: Vec<&str> = new.iter().map(|(n, _)| *n).collect();
         let meta: Option<Metadata> = metadata.map(|v| [("k".to_string(), v.to_string())].into());
-        let spec = |k: usize| (names[k], Dtype::U8, shapes[k].as_slice());
+        let spec = |k: usize| (names[k], dtypes[k], shapes[k].as_slice());
         layout(
             &c.source,
             new.len(),
@@ -343,7 +362,7 @@ mod planner {
     }
 
     const NONE_HELD: [bool; 4] = [false; 4];
-    use In::{New, Old};
+    use In::{New, Old, OldAs};
 
     #[test]
     fn header_edits_and_renames_write_the_header_alone() {
@@ -462,18 +481,138 @@ mod planner {
     }
 
     #[test]
+    fn a_hole_is_filled_exactly_by_the_tensors_moved_from_the_end() {
+        // Two layers of (w 16, b 8) and a norm; layer 0 dropped: layer 1's
+        // tensors move into its place, the norm stays, the end is cut.
+        let c = case_of(&[("0.w", 16), ("0.b", 8), ("n", 4), ("1.w", 16), ("1.b", 8)]);
+        let l = plan(
+            &c,
+            &[("n", Old(2)), ("1.w", Old(3)), ("1.b", Old(4))],
+            Some("v0"),
+            &[false; 5],
+            None,
+        )
+        .unwrap();
+        let ds = c.data_start;
+        let mut writes: Vec<_> = l
+            .writes
+            .iter()
+            .map(|(w, _)| (w.at, w.len, w.from.clone()))
+            .collect();
+        writes.sort_by_key(|w| w.0);
+        assert_eq!(
+            writes,
+            vec![
+                (ds, 16, WriteFrom::Here { offset: ds + 28 }),
+                (ds + 16, 8, WriteFrom::Here { offset: ds + 44 }),
+            ]
+        );
+        assert_eq!(l.file_len, c.len - 24);
+        assert_eq!(
+            l.summary,
+            "header, 2 tensors dropped, 2 tensors moved up from the end"
+        );
+        let names: Vec<_> = l
+            .layout
+            .tensors
+            .iter()
+            .map(|t| (t.name.to_string(), t.data_offsets))
+            .collect();
+        assert_eq!(
+            names,
+            [("1.w", (0, 16)), ("1.b", (16, 24)), ("n", (24, 28))]
+                .map(|(n, o)| (n.to_string(), o))
+                .to_vec()
+        );
+        // Not exactly (the end holds 8 + 16 bytes for a hole of 16), a
+        // tensor at the end still read, or new bytes to append: refused.
+        let e = plan(
+            &c,
+            &[
+                ("0.b", Old(1)),
+                ("n", Old(2)),
+                ("1.w", Old(3)),
+                ("1.b", Old(4)),
+            ],
+            Some("v0"),
+            &[false; 5],
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.0.to_string().contains("\"0.w\" leaves a hole"), "{e}");
+        let e = plan(
+            &c,
+            &[("n", Old(2)), ("1.w", Old(3)), ("1.b", Old(4))],
+            Some("v0"),
+            &[false, false, false, false, true],
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.0.to_string().contains("leaves a hole"), "{e}");
+        let e = plan(
+            &c,
+            &[
+                ("n", Old(2)),
+                ("1.w", Old(3)),
+                ("1.b", Old(4)),
+                ("z", New(4)),
+            ],
+            Some("v0"),
+            &[false; 5],
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.0.to_string().contains("leaves a hole"), "{e}");
+    }
+
+    #[test]
+    fn a_tensor_moved_into_a_hole_keeps_its_alignment() {
+        // h (8) dropped: m (8, at 16) fills it at 4, fine for bytes, not
+        // for an F64, whose readers need it at a multiple of 8.
+        let c = case_of(&[("a", 4), ("h", 8), ("t", 4), ("m", 8)]);
+        let keep = |m: In| [("a", Old(0)), ("t", Old(2)), ("m", m)];
+        let l = plan(&c, &keep(Old(3)), Some("v0"), &[false; 4], None).unwrap();
+        assert_eq!(l.writes[0].0.at, c.data_start + 4);
+        let e = plan(
+            &c,
+            &keep(OldAs(3, Dtype::F64)),
+            Some("v0"),
+            &[false; 4],
+            None,
+        )
+        .err()
+        .unwrap();
+        assert!(e.0.to_string().contains("\"h\" leaves a hole"), "{e}");
+    }
+
+    #[test]
     fn holes_held_bytes_and_foreign_bytes_are_refused_with_the_reason() {
         let c = case();
-        let e = plan(
+        // c's hole (16) is filled by half: d (8) moves into it, the end is cut.
+        let l = plan(
             &c,
             &[("a", Old(0)), ("b", Old(1)), ("d", Old(3))],
             Some("v0"),
             &NONE_HELD,
             None,
         )
+        .unwrap();
+        assert_eq!(l.file_len, c.len - 16);
+        assert_eq!(l.writes.len(), 1);
+        // a's (16) is not: c (16) would straddle the new end.
+        let e = plan(
+            &c,
+            &[("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
+            Some("v0"),
+            &NONE_HELD,
+            None,
+        )
         .err()
         .unwrap();
-        assert!(e.0.to_string().contains("\"c\" leaves a hole"), "{e}");
+        assert!(e.0.to_string().contains("\"a\" leaves a hole"), "{e}");
         let e = plan(
             &c,
             &[("a", Old(0)), ("b", New(8)), ("c", Old(2)), ("d", Old(3))],
