@@ -243,7 +243,12 @@ pub fn resume(
             }
         }
         info!(dir = %dir.path().display(), restored, "took back the edits of an earlier mount");
-        notes.push(match restored {
+        // Counted as `stfs status` lists them (a move between shards is one).
+        let listed: usize = match restored {
+            0 => 0,
+            _ => lives.iter().map(|l| l.status().changes.len()).sum(),
+        };
+        notes.push(match listed {
             // (A commit that a crash interrupted and this mount completed.)
             0 => format!(
                 "{}: took back the staging folder of an earlier mount; no staged change was left in it",

@@ -241,6 +241,10 @@ impl Fs {
         st.live_mut(c).end_batch();
         touched.extend(st.files_of(c, &from));
         touched.extend(st.files_of(nc, &to));
+        let shards = (c != nc).then(|| {
+            let dir = |c: usize| st.checkpoints[c].dir_name.clone();
+            (dir(c), dir(nc))
+        });
         drop(st);
         touched
             .into_iter()
@@ -248,7 +252,18 @@ impl Fs {
         // (A data file brings its meta; the target's may go.)
         self.kernel.names_changed();
         result?;
-        info!(from = name, to = new_name, "renamed");
+        match shards {
+            Some((from_shard, to_shard)) => {
+                info!(
+                    from = name,
+                    to = new_name,
+                    from_shard,
+                    to_shard,
+                    "moved to another shard"
+                )
+            }
+            None => info!(from = name, to = new_name, "renamed"),
+        }
         Ok(())
     }
 

@@ -5,13 +5,14 @@ equality with its save_file of the expected tensors."""
 import errno
 import json
 import os
+import signal
 import subprocess
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from stfs_fixtures import assert_checkpoint, base
+from stfs_fixtures import assert_checkpoint, base, sh, wait_for_exit
 
 
 def commit(run, path, *flags):
@@ -281,6 +282,25 @@ def test_refused_operations(tmp_path, mount):
         with pytest.raises(OSError) as e:
             op()
         assert e.value.errno == err, (e.value, err)
+
+
+def test_the_changes_taken_back_are_counted_as_status_lists_them(tmp_path, mount, run):
+    """A tensor moved between shards is two journal records (one per shard)
+    and one change per shard in `stfs status`; the note at the next mount
+    counts what status lists."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    base(folder / "s0.safetensors")
+    save_file({"z": np.zeros(3, np.float32)}, str(folder / "s1.safetensors"))
+    m = mount(folder)
+    sh(f"mv {m.path}/s0/a {m.path}/s1/ && mv {m.path}/s0/b {m.path}/s0/b2")
+    os.kill(m.pid, signal.SIGKILL)
+    wait_for_exit(m.pid, 20)
+    m.close()
+    m2 = mount(folder)
+    listed = [line for line in run("status", m2.path).stdout.splitlines() if line.startswith("  ")
+              and not line.startswith("  commit") and not line.startswith("  problem")]
+    assert f"took back {len(listed)} staged changes" in m2.result.stderr, (listed, m2.result.stderr)
 
 
 def test_failed_commit_at_unmount_keeps_the_edits_for_the_next_mount(tmp_path, mount, run):

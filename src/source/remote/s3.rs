@@ -23,7 +23,7 @@ pub enum S3Error {
     #[error("{op}: the object is not the version this mount read (HTTP 412: replaced since)")]
     Precondition { op: &'static str },
     /// The store answered with an error (possibly a 200 whose body is one).
-    #[error("{op}: HTTP {status}: {code}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    #[error("{op}: HTTP {status}{}{}", if code.is_empty() { String::new() } else { format!(": {code}") }, if message.is_empty() { String::new() } else { format!(": {message}") })]
     Status {
         op: &'static str,
         status: u16,
