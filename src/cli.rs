@@ -166,8 +166,8 @@ enum Command {
     /// Print a shell's completion script (bash: save it as
     /// ~/.local/share/bash-completion/completions/stfs).
     Completions { shell: clap_complete::Shell },
-    /// Print the man page stfs(1), or write stfs.1 and a page per command
-    /// (stfs-mount.1, ...) into DIR.
+    /// Print the man page stfs(1), or, with --out-dir DIR, write stfs.1 and
+    /// a page per command (stfs-mount.1, ...) into DIR.
     Man {
         /// Write the pages into this folder instead (for example
         /// ~/.local/share/man/man1).
