@@ -170,6 +170,11 @@ def test_layers_dropped_from_the_middle_are_filled_from_the_end_in_place(tmp_pat
     with_room(src, mount, run, t, meta)
     layer = t["model.layers.0.weight"].nbytes + t["model.layers.0.bias"].nbytes
     m = mount(src)
+    # Read through the mount first, and a tensor at the end renamed: neither
+    # stops it moving (only a descriptor still open does).
+    sh(f"cat {m.path}/model.layers.* > /dev/null")
+    os.rename(os.path.join(m.path, "model.layers.5.bias"), os.path.join(m.path, "model.layers.5.b"))
+    t["model.layers.5.b"] = t.pop("model.layers.5.bias")
     # One layer: the last layer's two tensors move into its place.
     t = drop_layers(m.path, t, [1])
     status = run("status", m.path).stdout
@@ -188,7 +193,10 @@ def test_layers_dropped_from_the_middle_are_filled_from_the_end_in_place(tmp_pat
     assert_checkpoint(src, t, meta)
     # Two layers apart (0 and 5, the latter now third): the last one fills
     # the first hole, the second is cut.
-    t = drop_layers(m.path, t, [0, 5])
+    t = drop_layers(m.path, t, [0])
+    os.unlink(os.path.join(m.path, "model.layers.5.weight"))
+    os.unlink(os.path.join(m.path, "model.layers.5.b"))
+    del t["model.layers.5.weight"], t["model.layers.5.b"]
     n = commit_in_place(run, m, src, "header, 4 tensors dropped, 2 tensors moved up from the end;")
     assert n < layer + 1 * MIB, n
     assert os.path.getsize(src) == size - 5 * layer
@@ -196,6 +204,16 @@ def test_layers_dropped_from_the_middle_are_filled_from_the_end_in_place(tmp_pat
     # The mount reads the moved tensors at their new places.
     for name, v in t.items():
         assert open(os.path.join(m.path, name), "rb").read() == v.tobytes(), name
+    # A tensor at the end open through the mount is not moved: a rewrite.
+    src2 = tmp_path / "m2.safetensors"
+    t2 = layers(3)
+    save_file(t2, str(src2))
+    m2 = mount(src2)
+    with open(os.path.join(m2.path, "model.layers.2.weight"), "rb"):
+        t2 = drop_layers(m2.path, t2, [0])
+        p = run("commit", m2.path)
+        assert "committed by a rewrite" in p.stdout and "is still read" in p.stdout, p.stdout
+    assert_checkpoint(src2, t2)
 
 
 def test_a_rewrite_leaves_room_in_the_header(tmp_path, mount, run):

@@ -316,14 +316,24 @@ impl CommitWay for InPlaceWay {
         if links != 1 {
             return Err(format!("it has {links} links").into());
         }
-        let mut held = vec![false; source.header().tensors.len()];
-        for b in new.held {
-            if let Bytes::Source(src, i) = b {
-                if Arc::ptr_eq(src, source) {
-                    held[*i as usize] = true;
+        // A source tensor is held when something besides this commit's own
+        // inputs reads it (an open descriptor, another shard, a copy no
+        // longer named): the inputs are among `new.held` too (this
+        // checkpoint's edited objects), and a renamed tensor, or one read
+        // once, is no reason not to move it.
+        let mut readers = vec![0i64; source.header().tensors.len()];
+        let mut count = |bytes: &[Bytes], by: i64| {
+            for b in bytes {
+                if let Bytes::Source(src, i) = b {
+                    if Arc::ptr_eq(src, source) {
+                        readers[*i as usize] += by;
+                    }
                 }
             }
-        }
+        };
+        count(new.held, 1);
+        count(new.inputs, -1);
+        let held: Vec<bool> = readers.iter().map(|&n| n > 0).collect();
         let specs = new.specs;
         let layout = in_place::layout(
             source,

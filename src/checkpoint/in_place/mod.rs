@@ -184,6 +184,7 @@ pub fn layout<'a>(
         }
     }
     let mut overwritten = 0;
+    let mut overwrote = Vec::new();
     for pass in 0..2 {
         #[allow(clippy::needless_range_loop)] // k indexes place, spec and inputs
         for k in 0..count {
@@ -209,6 +210,7 @@ pub fn layout<'a>(
                 claimed[i] = true;
                 place[k] = Some(old.tensors.get(i).data_offsets);
                 overwritten += 1;
+                overwrote.push(k);
             }
         }
     }
@@ -243,10 +245,10 @@ pub fn layout<'a>(
         .count();
     let mut moved = 0;
     if let Some(&first) = holes.first() {
-        let hole_err = || -> Declined {
+        let hole_err = |why: &str| -> Declined {
             format!(
                 "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one \
-                 of another size) that the tensors at the end cannot fill exactly",
+                 of another size), and {why}",
                 old.tensors.name(first)
             )
             .into()
@@ -254,13 +256,16 @@ pub fn layout<'a>(
         // (A tensor moved keeps its element alignment: readers that map it need it.)
         let align = |k: usize| (spec(k).1.bits() / 8).clamp(1, 8);
         let movers = fill_holes(&holes, old, &place, &from, inputs, source, held, align)
-            .ok_or_else(hole_err)?;
+            .map_err(hole_err)?;
         for (k, at) in movers {
             let (start, stop) = place[k].expect("placed");
             place[k] = Some((at, at + stop - start));
-            // (New bytes are written at their new place from their staging file.)
-            if let Bytes::Source(..) = &inputs[k] {
-                from[k] = Some(WriteFrom::Here { offset: start });
+            // (New bytes are written at their new place from their staging
+            // file: they overwrite nothing now.)
+            match &inputs[k] {
+                Bytes::Source(..) => from[k] = Some(WriteFrom::Here { offset: start }),
+                _ if overwrote.contains(&k) => overwritten -= 1,
+                _ => {}
             }
             moved += 1;
         }
@@ -270,7 +275,9 @@ pub fn layout<'a>(
             .unwrap_or(0);
         // (New tensors would go where the moved ones are read from.)
         if (0..count).any(|k| place[k].is_none() && len_of(k).is_ok_and(|n| n > 0)) {
-            return Err(hole_err());
+            return Err(hole_err(
+                "tensors are added too, where the ones that would fill it are read from",
+            ));
         }
     }
     // 4. Everything else goes at the end, in name order.
@@ -417,8 +424,7 @@ pub fn layout<'a>(
 
 /// Where the tensors at the end of the data go to fill the holes that the
 /// dropped tensors `holes` (old indices) leave: (input, its new start,
-/// data-relative) for each tensor moved, or None if they cannot fill them
-/// exactly. The data then ends `need` bytes (the holes' length) sooner:
+/// data-relative) for each tensor moved, or why they cannot fill them. The data then ends `need` bytes (the holes' length) sooner:
 /// the tensors placed past that end move into the holes before it (each a
 /// source tensor kept as it is and read by nobody, `held`, or new bytes),
 /// each run of holes filled largest first (at an offset as aligned, to its
@@ -433,13 +439,14 @@ fn fill_holes(
     source: &Arc<SourceFile>,
     held: &[bool],
     align: impl Fn(usize) -> u64,
-) -> Option<Vec<(usize, u64)>> {
+) -> Result<Vec<(usize, u64)>, &'static str> {
+    const INEXACT: &str = "the tensors at the end cannot fill it exactly";
     let need: u64 = holes.iter().map(|&i| old.tensors.nbytes(i)).sum();
     let placed: Vec<usize> = (0..place.len())
         .filter(|&k| place[k].is_some_and(|(a, b)| b > a))
         .collect();
-    let kept_end = placed.iter().filter_map(|&k| place[k]).map(|p| p.1).max()?;
-    let new_end = kept_end.checked_sub(need)?;
+    let kept_end = placed.iter().filter_map(|&k| place[k]).map(|p| p.1).max();
+    let new_end = kept_end.and_then(|e| e.checked_sub(need)).ok_or(INEXACT)?;
     // The holes before the new end, runs of them joined.
     let mut ranges: Vec<(u64, u64)> = holes
         .iter()
@@ -457,7 +464,9 @@ fn fill_holes(
     }
     let mut movers = Vec::new();
     for k in placed {
-        let (start, stop) = place[k]?;
+        let Some((start, stop)) = place[k] else {
+            continue;
+        };
         if stop <= new_end {
             continue;
         }
@@ -471,14 +480,17 @@ fn fill_holes(
             Bytes::Staged(_) => true,
             Bytes::Empty => false,
         };
-        if !movable || start < new_end {
-            return None;
+        if !movable {
+            return Err("a tensor at the end that would fill it is still read, or a copy");
+        }
+        if start < new_end {
+            return Err(INEXACT); // (it would straddle the new end)
         }
         movers.push((k, stop - start, start % align(k), align(k)));
     }
     let fill: u64 = gaps.iter().map(|(a, b)| b - a).sum();
     if movers.iter().map(|m| m.1).sum::<u64>() != fill {
-        return None;
+        return Err(INEXACT);
     }
     movers.sort_by_key(|&(_, len, ..)| std::cmp::Reverse(len));
     let mut used = vec![false; movers.len()];
@@ -488,13 +500,15 @@ fn fill_holes(
             let fits = |&(_, len, rem, align): &(usize, u64, u64, u64)| {
                 len <= stop - at && at % align == rem
             };
-            let j = (0..movers.len()).find(|&j| !used[j] && fits(&movers[j]))?;
+            let j = (0..movers.len())
+                .find(|&j| !used[j] && fits(&movers[j]))
+                .ok_or(INEXACT)?;
             used[j] = true;
             out.push((movers[j].0, at));
             at += movers[j].1;
         }
     }
-    Some(out)
+    Ok(out)
 }
 
 /// The redo record of one file's in-place commit, in the staging folder.
@@ -878,11 +892,7 @@ impl InPlaceRecord {
             file.sync_data().map_err(after)?;
         }
         let len = file.size().map_err(after)?;
-        let mut retired: Vec<_> = self.writes.iter().map(|w| w.at..w.at + w.len).collect();
-        if len > self.after_len {
-            retired.push(self.after_len..len);
-        }
-        (steps.retire)(retired);
+        (steps.retire)(self.writes.iter().map(|w| w.at..w.at + w.len).collect());
         // Tensors moved from the end into holes are read from the range the
         // cut removes: they are durable before it, and once the file is cut
         // (a crash after it) they are there and not copied again.
@@ -909,6 +919,11 @@ impl InPlaceRecord {
         if !cut_already && self.writes.iter().any(from_cut) {
             point("in-place:moved").map_err(after)?;
             file.sync_data().map_err(after)?;
+        }
+        // (Retired only now: tensors moved up are read from their old place
+        // until it is cut, and from their new one once the commit is done.)
+        if len > self.after_len {
+            (steps.retire)(std::iter::once(self.after_len..len).collect());
         }
         file.set_len(self.after_len).map_err(after)?;
         let end = match self.header_write {

@@ -524,8 +524,8 @@ mod planner {
                 .map(|(n, o)| (n.to_string(), o))
                 .to_vec()
         );
-        // Not exactly (the end holds 8 + 16 bytes for a hole of 16), a
-        // tensor at the end still read, or new bytes to append: refused.
+        // 0.w alone (16): 1.w would straddle the new end (36); a tensor at
+        // the end still read; or new bytes to append: refused.
         let e = plan(
             &c,
             &[
