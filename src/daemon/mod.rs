@@ -325,8 +325,9 @@ fn open_remote(
     for (_, ix) in &mut indexes {
         ix.stat.mtime = newest;
     }
-    // The cache folder stands in for the folder: a read-only mount never
-    // writes there through it, and statfs shows the disk the cache is on.
+    // The cache folder stands in for the folder: nothing is written there
+    // through it (a commit puts shards and indexes in the store), and
+    // statfs shows the disk the cache is on.
     let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
     Ok(OpenedRemote {
         source,
