@@ -330,6 +330,32 @@ fn scenarios() -> Vec<Scenario> {
         staged: Vec::new(),
     });
 
+    // The same with no room: the header grows by a block inserted at the
+    // start too (the copy's offsets count the insertion).
+    let tight = 320;
+    let (_, old) = checkpoint(&[("a", &a), ("b", &b), ("c", &c), ("e", &e)], "v0", tight);
+    let (header, new) = checkpoint(
+        &[("a", &a), ("e", &e), ("c", &c)],
+        &"x".repeat(300),
+        tight + BLOCK,
+    );
+    let start = PREFIX_LEN + tight + BLOCK;
+    let w = RangeWrite {
+        at: start + 5000,
+        len: 300,
+        from: WriteFrom::Here {
+            offset: start + 5400,
+        },
+    };
+    out.push(Scenario {
+        name: "a hole filled from the end, and the header grown by an insertion",
+        record: record(&old, &new, BLOCK, vec![w]),
+        old,
+        new,
+        header,
+        staged: Vec::new(),
+    });
+
     // save_file's layout: no room; the header grows by a block inserted at the
     // start, and a tensor is appended (its offsets count the insertion).
     let tight = 232;
