@@ -276,14 +276,13 @@ impl Transactions {
                 }
             }
             let writes = options.compact || st.lives().any(Live::is_dirty);
+            let shards = || {
+                (0..st.count()).map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
+            };
             // Two shard names of one file: a commit of either writes the other.
             // With an index, a tensor in two shards too (without one, the
             // files of a folder are independent).
             if let Some(folder) = st.folder_shown().filter(|_| writes) {
-                let shards = || {
-                    (0..st.count())
-                        .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
-                };
                 let mut problems = one_file_shards(shards());
                 if st.indexes().next().is_some() {
                     problems.extend(in_two_shards(shards()));
@@ -297,6 +296,9 @@ impl Transactions {
                     return Err(e);
                 }
             }
+            // (Nothing staged: an index that disagrees with the shards is
+            // rewritten alone, unless a tensor is in two of them.)
+            let alone = !writes && in_two_shards(shards()).is_empty();
             let held = held(&st);
             let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
             for c in 0..st.count() {
@@ -310,13 +312,6 @@ impl Transactions {
                     }
                 }
             }
-            // (Nothing staged: an index that disagrees with the shards is
-            // rewritten alone, unless a tensor is in two of them.)
-            let alone = !writes && {
-                let shards = (0..st.count())
-                    .map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)));
-                in_two_shards(shards).is_empty()
-            };
             let updates = match index_updates(&*st, &plans).map(|u| match writes || alone {
                 true => u,
                 false => Vec::new(),

@@ -230,7 +230,7 @@ pub struct Unlanded {
 }
 
 impl Unlanded {
-    fn unchanged(error: CommitError) -> Unlanded {
+    pub(super) fn unchanged(error: CommitError) -> Unlanded {
         Unlanded {
             changed: false,
             refused: false,

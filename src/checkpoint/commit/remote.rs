@@ -713,16 +713,8 @@ impl RemoteJob {
         };
         let etag = match done {
             Ok(etag) => etag,
-            // The store may have completed it and the answer been lost (a
-            // time-out, a dropped connection; the request sent again then
-            // finds no upload, or a changed ETag): the key says which.
-            Err(e) => match (expected, remote.run(writer.etag_now(key))) {
-                (Some(want), Ok(Some(now))) if now == want => {
-                    warn!(file = %self.file().display(), "{e}; but the key holds the new object: committed");
-                    want
-                }
-                _ => return Err(err(e)),
-            },
+            Err(e) => landed_anyway(remote, key, expected.as_deref(), &e, self.file())
+                .ok_or_else(|| err(e))?,
         };
         *self.upload.lock_anyway() = None;
         self.remove_record();
@@ -916,11 +908,7 @@ impl Landing for RemoteJob {
     }
 
     fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
-        self.complete().map_err(|error| Unlanded {
-            changed: false,
-            refused: false,
-            error,
-        })
+        self.complete().map_err(Unlanded::unchanged)
     }
 
     fn remove(&self) {
@@ -959,6 +947,24 @@ fn still_mounted(
             file: file.to_path_buf(),
         }),
     }
+}
+
+/// A request that makes the object at `key` the one whose ETag is
+/// `expected` failed (`e`): the store may have taken it and its answer been
+/// lost (a time-out, a dropped connection; sent again, it finds no upload,
+/// or a changed ETag). The key says which: its ETag if it holds that object.
+fn landed_anyway(
+    remote: &crate::source::remote::Remote,
+    key: &object_store::path::Path,
+    expected: Option<&str>,
+    e: &S3Error,
+    file: &std::path::Path,
+) -> Option<String> {
+    let now = remote.run(remote.writer()?.etag_now(key)).ok()??;
+    (Some(now.as_str()) == expected).then(|| {
+        warn!(file = %file.display(), "{e}; but the key holds the new object: committed");
+        now
+    })
 }
 
 /// The lost-update refusal of an index says so (`--force` does help there).
@@ -1075,11 +1081,9 @@ impl IndexPut {
         let put = remote.run(writer.put(key, self.bytes.clone(), self.if_match.as_deref()));
         let etag = match put {
             Ok(etag) => etag,
-            // The answer may be lost after the store took it: the key says.
-            Err(e) => match remote.run(writer.etag_now(key)) {
-                Ok(Some(now)) if now == expected => now,
-                _ => return Err(err(e)),
-            },
+            Err(e) => {
+                landed_anyway(remote, key, Some(&expected), &e, &file).ok_or_else(|| err(e))?
+            }
         };
         *self.index.etag.lock_anyway() = Some(etag);
         info!(file = %file.display(), "index put to the store");
@@ -1115,11 +1119,7 @@ impl Landing for IndexPut {
     }
 
     fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
-        self.put().map_err(|error| Unlanded {
-            changed: false,
-            refused: false,
-            error,
-        })
+        self.put().map_err(Unlanded::unchanged)
     }
 
     /// (Nothing was sent before `land`.)
@@ -1323,12 +1323,12 @@ fn finish_record(
 /// of the mount; `object`: the object's name, several shards of a folder
 /// being committed at once).
 pub fn record_name(stem: &str, commit: u64, object: &OsStr) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, object.as_encoded_bytes());
-    let tag: String = digest.as_ref()[..4]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("{stem}.upload-{}-{commit}-{tag}", std::process::id())
+    let tag = crate::checkpoint::in_place::sha256_hex(&[object.as_encoded_bytes()]);
+    format!(
+        "{stem}.upload-{}-{commit}-{}",
+        std::process::id(),
+        &tag[..8]
+    )
 }
 
 /// At mount: the uploads of commits a crash interrupted (recorded in
