@@ -41,10 +41,7 @@ fn read_gguf(path: &Path) -> Result<(memmap2::Mmap, gguf::GgufHeader), String> {
 
 /// Whether the file starts with the GGUF magic (else: safetensors).
 fn is_gguf(path: &Path) -> bool {
-    let mut start = [0u8; 4];
-    File::open(path)
-        .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut start, 0))
-        .is_ok_and(|()| gguf::is_gguf(&start))
+    gguf::is_gguf_file(path)
 }
 
 fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
@@ -57,7 +54,7 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
             .map(|t| {
                 json!({
                     "name": t.name,
-                    "ggml_type": t.ggml_type.name,
+                    "ggml_type": t.ggml_type.name(),
                     "ne": t.ne,
                     "shape": t.shape(),
                     "nbytes": t.nbytes,
@@ -136,7 +133,7 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
             out,
             "  {:width$}  {:<8} {:<20} {:>14}  {}",
             crate::format::printable(&t.name),
-            t.ggml_type.name,
+            t.ggml_type.name(),
             shape,
             t.nbytes,
             t.offset

@@ -178,18 +178,27 @@ pub fn render_metadata(meta: Option<&Metadata>) -> Vec<u8> {
 
 /// What a `.meta.json` shows for a valid dtype and shape: the documented
 /// field order, then the derived fields (offsets only while the bytes are the
-/// source's), and a newline.
+/// source's), and a newline. A GGUF tensor's also shows its dims as ggml
+/// stores them (`ne`, innermost first).
 pub fn render_meta(
     dtype: Dtype,
     shape: &[u64],
     offsets: Option<((u64, u64), u64)>,
     nbytes: u64,
     name: &str,
+    gguf: bool,
 ) -> Vec<u8> {
     let mut out = format!(
         "{{\"dtype\":\"{dtype}\",\"shape\":{}",
         serde_json::to_string(shape).expect("integers serialize")
     );
+    if gguf {
+        let ne: Vec<u64> = shape.iter().rev().copied().collect();
+        out.push_str(&format!(
+            ",\"ne\":{}",
+            serde_json::to_string(&ne).expect("integers serialize")
+        ));
+    }
     if let Some(((begin, end), file_offset)) = offsets {
         out.push_str(&format!(
             ",\"data_offsets\":[{begin},{end}],\"file_offset\":{file_offset}"
@@ -252,7 +261,7 @@ mod tests {
 
     #[test]
     fn rendered_meta_reads_back() {
-        let text = render_meta(Dtype::I16, &[2], Some(((0, 4), 80)), 4, "a/b");
+        let text = render_meta(Dtype::I16, &[2], Some(((0, 4), 80)), 4, "a/b", false);
         assert_eq!(
             std::str::from_utf8(&text).unwrap(),
             "{\"dtype\":\"I16\",\"shape\":[2],\"data_offsets\":[0,4],\"file_offset\":80,\"nbytes\":4,\"name\":\"a/b\"}\n"

@@ -648,7 +648,10 @@ impl Live {
                     let t = h.tensors.get(i as usize);
                     (t.data_offsets, h.data_start() + t.data_offsets.0)
                 });
-                Some(meta::render_meta(dtype, shape, offsets, nbytes, e.name))
+                let gguf = self.source.header().is_gguf();
+                Some(meta::render_meta(
+                    dtype, shape, offsets, nbytes, e.name, gguf,
+                ))
             }
         }
     }
@@ -667,8 +670,13 @@ impl Live {
         }
     }
 
-    /// What `__metadata__.json` shows; None while it is removed.
+    /// What `__metadata__.json` shows; None while it is removed. A GGUF
+    /// file's: its typed keys and values (an empty object if they cannot be
+    /// read now; the read of the file itself says why).
     pub fn metadata_text(&self) -> Option<Vec<u8>> {
+        if let Some(shown) = self.source.gguf_metadata_json() {
+            return Some(shown.map_or_else(|_| b"{}\n".to_vec(), <[u8]>::to_vec));
+        }
         match &self.metadata {
             MetadataDoc::Removed => None,
             MetadataDoc::Invalid { text, .. } => Some(text.clone()),

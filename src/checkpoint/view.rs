@@ -200,7 +200,7 @@ impl GeneratedFile {
         if offset >= self.header.len() as u64 && want > 0 {
             let p = self.parts.partition_point(|(start, ..)| *start <= offset) - 1;
             let (start, t, shown) = &self.parts[p];
-            let len = shown.bits() * element_count(&t.shape) / 8;
+            let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
             if *shown == t.dtype && offset + want <= start + len {
                 return t.bytes.read(offset - start, want as u32, |b| reply(&[b]));
             }
@@ -234,7 +234,7 @@ impl GeneratedFile {
                 // The part holding `at`: the last one starting at or before it.
                 let p = self.parts.partition_point(|(start, ..)| *start <= at) - 1;
                 let (start, t, shown) = &self.parts[p];
-                let len = shown.bits() * element_count(&t.shape) / 8;
+                let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
                 let within = at - start;
                 let n = ((len - within) as usize).min(out.len());
                 read_cast(&t.bytes, t.dtype, *shown, within, &mut out[..n])?;
@@ -266,14 +266,11 @@ pub fn npy_descr(dtype: Dtype, shape: &[u64], nbytes: u64) -> (&'static str, Vec
         F64 => "<f8",
         I64 => "<i8",
         U64 => "<u8",
-        // Packed: several elements per byte, no numpy shape fits.
-        F4 | F6_E2M3 | F6_E3M2 => return ("|u1", vec![nbytes]),
+        // Packed (several elements per byte, or ggml's quantized blocks):
+        // no numpy shape fits, so the bytes as they are.
+        _ => return ("|u1", vec![nbytes]),
     };
     (descr, shape.to_vec())
-}
-
-fn element_count(shape: &[u64]) -> u64 {
-    shape.iter().product()
 }
 
 /// Reads `out.len()` bytes at `offset` of a tensor of `from` shown as `to`.

@@ -198,6 +198,9 @@ fn remote_read_only(url: &str) -> Option<&'static str> {
              server-side copy",
         );
     }
+    if url.ends_with(".gguf") {
+        return Some("GGUF files cannot be edited through stfs yet");
+    }
     None
 }
 
@@ -468,6 +471,15 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     }
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
+    // GGUF files are served read-only until their commits exist.
+    let gguf_note =
+        (!options.read_only && crate::format::gguf::is_gguf_file(&req.source)).then(|| {
+            options.read_only = true;
+            format!(
+                "{}: mounted read-only (GGUF files cannot be edited through stfs yet)",
+                req.source.display()
+            )
+        });
     // (Cleared before the fork: its ticking thread is joined.)
     let spinner = crate::progress::spinner(&format!(
         "opening {} (and what earlier mounts left of it)",
@@ -480,7 +492,8 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         &req.resume,
     );
     crate::progress::clear(spinner);
-    let (fs, report) = opened?;
+    let (fs, mut report) = opened?;
+    report.extend(gguf_note);
     launch(&req, options, move || Ok((fs, report)))
 }
 
@@ -524,11 +537,7 @@ pub fn open_local(
         )
     })?;
     // Each shard's temp files are beside its own file (a link's target).
-    let files: Vec<&SourceFile> = match &source {
-        Source::File(s) => vec![s],
-        Source::Folder { checkpoints, .. } => checkpoints.iter().map(|(_, s)| s).collect(),
-    };
-    for s in files {
+    for s in source.files() {
         if let Some(folder) = s.folder() {
             notes.extend(recover::remove_dead_temps(folder, &[s.file_name()]));
         }

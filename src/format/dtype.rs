@@ -1,4 +1,5 @@
-//! The 22 element types of the safetensors format.
+//! Element types: the 22 of the safetensors format, then the block-quantized
+//! types of ggml (GGUF), which only GGUF files hold.
 
 use std::fmt;
 
@@ -31,6 +32,62 @@ pub enum Dtype {
     F64,
     I64,
     U64,
+    // ggml's block-quantized types (GGUF only: a safetensors header naming
+    // one is refused, as the reference refuses it).
+    #[serde(skip_deserializing)]
+    Q4_0,
+    #[serde(skip_deserializing)]
+    Q4_1,
+    #[serde(skip_deserializing)]
+    Q5_0,
+    #[serde(skip_deserializing)]
+    Q5_1,
+    #[serde(skip_deserializing)]
+    Q8_0,
+    #[serde(skip_deserializing)]
+    Q8_1,
+    #[serde(skip_deserializing)]
+    Q2_K,
+    #[serde(skip_deserializing)]
+    Q3_K,
+    #[serde(skip_deserializing)]
+    Q4_K,
+    #[serde(skip_deserializing)]
+    Q5_K,
+    #[serde(skip_deserializing)]
+    Q6_K,
+    #[serde(skip_deserializing)]
+    Q8_K,
+    #[serde(skip_deserializing)]
+    IQ2_XXS,
+    #[serde(skip_deserializing)]
+    IQ2_XS,
+    #[serde(skip_deserializing)]
+    IQ3_XXS,
+    #[serde(skip_deserializing)]
+    IQ1_S,
+    #[serde(skip_deserializing)]
+    IQ4_NL,
+    #[serde(skip_deserializing)]
+    IQ3_S,
+    #[serde(skip_deserializing)]
+    IQ2_S,
+    #[serde(skip_deserializing)]
+    IQ4_XS,
+    #[serde(skip_deserializing)]
+    IQ1_M,
+    #[serde(skip_deserializing)]
+    TQ1_0,
+    #[serde(skip_deserializing)]
+    TQ2_0,
+    #[serde(skip_deserializing)]
+    MXFP4,
+    #[serde(skip_deserializing)]
+    NVFP4,
+    #[serde(skip_deserializing)]
+    Q1_0,
+    #[serde(skip_deserializing)]
+    Q2_0,
 }
 
 impl Dtype {
@@ -60,7 +117,97 @@ impl Dtype {
         Dtype::U64,
     ];
 
+    /// ggml's block-quantized types, in ggml's id order.
+    pub const GGML_BLOCKS: [Dtype; 27] = [
+        Dtype::Q4_0,
+        Dtype::Q4_1,
+        Dtype::Q5_0,
+        Dtype::Q5_1,
+        Dtype::Q8_0,
+        Dtype::Q8_1,
+        Dtype::Q2_K,
+        Dtype::Q3_K,
+        Dtype::Q4_K,
+        Dtype::Q5_K,
+        Dtype::Q6_K,
+        Dtype::Q8_K,
+        Dtype::IQ2_XXS,
+        Dtype::IQ2_XS,
+        Dtype::IQ3_XXS,
+        Dtype::IQ1_S,
+        Dtype::IQ4_NL,
+        Dtype::IQ3_S,
+        Dtype::IQ2_S,
+        Dtype::IQ4_XS,
+        Dtype::IQ1_M,
+        Dtype::TQ1_0,
+        Dtype::TQ2_0,
+        Dtype::MXFP4,
+        Dtype::NVFP4,
+        Dtype::Q1_0,
+        Dtype::Q2_0,
+    ];
+
+    /// Every type: `ALL`, then `GGML_BLOCKS` (the compact tensor table
+    /// stores a type as its position here).
+    pub fn from_index(i: usize) -> Option<Dtype> {
+        Dtype::ALL
+            .get(i)
+            .or_else(|| Dtype::GGML_BLOCKS.get(i.wrapping_sub(Dtype::ALL.len())))
+            .copied()
+    }
+
+    /// Position in `ALL` then `GGML_BLOCKS` (see `from_index`).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// A block: how many elements are stored together, in how many bits.
+    /// One element for the safetensors types (4 and 6 bits for the sub-byte
+    /// floats); ggml's quantized types store 32 to 256 elements per block.
+    pub fn block(self) -> (u64, u64) {
+        use Dtype::*;
+        match self {
+            Q4_0 => (32, 144),
+            Q4_1 => (32, 160),
+            Q5_0 => (32, 176),
+            Q5_1 => (32, 192),
+            Q8_0 => (32, 272),
+            Q8_1 => (32, 288),
+            Q2_K => (256, 672),
+            Q3_K => (256, 880),
+            Q4_K => (256, 1152),
+            Q5_K => (256, 1408),
+            Q6_K => (256, 1680),
+            Q8_K => (256, 2336),
+            IQ2_XXS => (256, 528),
+            IQ2_XS => (256, 592),
+            IQ3_XXS => (256, 784),
+            IQ1_S => (256, 400),
+            IQ4_NL => (32, 144),
+            IQ3_S => (256, 880),
+            IQ2_S => (256, 656),
+            IQ4_XS => (256, 1088),
+            IQ1_M => (256, 448),
+            TQ1_0 => (256, 432),
+            TQ2_0 => (256, 528),
+            MXFP4 => (32, 136),
+            NVFP4 => (64, 288),
+            Q1_0 => (128, 144),
+            Q2_0 => (64, 144),
+            t => (1, t.bits()),
+        }
+    }
+
+    /// Whether this is one of ggml's block-quantized types.
+    pub fn is_quantized_block(self) -> bool {
+        self.block().0 > 1
+    }
+
     /// Size of one element in bits (4 and 6 for the sub-byte float formats).
+    /// A block-quantized type has no whole number of bits per element: it
+    /// answers its block's bits over its elements, rounded down (sizes come
+    /// from `byte_len`, which counts blocks).
     pub fn bits(self) -> u64 {
         use Dtype::*;
         match self {
@@ -70,6 +217,10 @@ impl Dtype {
             I16 | U16 | F16 | BF16 => 16,
             I32 | U32 | F32 => 32,
             C64 | F64 | I64 | U64 => 64,
+            block => {
+                let (elements, bits) = block.block();
+                bits / elements
+            }
         }
     }
 
@@ -99,9 +250,37 @@ impl Dtype {
             F64 => "F64",
             I64 => "I64",
             U64 => "U64",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q8_1 => "Q8_1",
+            Q2_K => "Q2_K",
+            Q3_K => "Q3_K",
+            Q4_K => "Q4_K",
+            Q5_K => "Q5_K",
+            Q6_K => "Q6_K",
+            Q8_K => "Q8_K",
+            IQ2_XXS => "IQ2_XXS",
+            IQ2_XS => "IQ2_XS",
+            IQ3_XXS => "IQ3_XXS",
+            IQ1_S => "IQ1_S",
+            IQ4_NL => "IQ4_NL",
+            IQ3_S => "IQ3_S",
+            IQ2_S => "IQ2_S",
+            IQ4_XS => "IQ4_XS",
+            IQ1_M => "IQ1_M",
+            TQ1_0 => "TQ1_0",
+            TQ2_0 => "TQ2_0",
+            MXFP4 => "MXFP4",
+            NVFP4 => "NVFP4",
+            Q1_0 => "Q1_0",
+            Q2_0 => "Q2_0",
         }
     }
 
+    /// A safetensors dtype by its header name.
     pub fn from_name(name: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.name() == name)
     }

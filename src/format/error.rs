@@ -92,6 +92,9 @@ pub enum FormatError {
          the metadata)"
     )]
     ReservedName { tensor: String },
+    /// A GGUF file broke one of ggml's rules.
+    #[error("{0}")]
+    Gguf(#[from] super::gguf::GgufError),
 }
 
 impl FormatError {
@@ -106,6 +109,7 @@ impl FormatError {
             | SizeMismatch { tensor, .. }
             | DuplicateName { tensor }
             | ReservedName { tensor } => Some(tensor),
+            Gguf(e) => e.tensor.as_deref(),
             _ => None,
         }
     }

@@ -9,63 +9,75 @@
 //! The key-value section is walked, not copied: a 150,000-entry tokenizer
 //! array is an offset and a length until someone asks for its items.
 
-/// A ggml tensor type: its id in the file, its name, and its blocks
-/// (`block` elements stored in `block_bytes` bytes; 1 for plain types).
+use super::Dtype;
+
+/// A ggml tensor type: its id in the file and the element type it is (whose
+/// name is ggml's and whose block, `Dtype::block`, is ggml's: `block`
+/// elements in `block_bytes` bytes, 1 element for plain types).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GgmlType {
     pub id: u32,
-    pub name: &'static str,
-    pub block: u64,
-    pub block_bytes: u64,
+    pub dtype: Dtype,
 }
 
-const fn t(id: u32, name: &'static str, block: u64, block_bytes: u64) -> GgmlType {
-    GgmlType {
-        id,
-        name,
-        block,
-        block_bytes,
+impl GgmlType {
+    pub fn name(&self) -> &'static str {
+        self.dtype.name()
     }
+
+    /// Elements per block.
+    pub fn block(&self) -> u64 {
+        self.dtype.block().0
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(&self) -> u64 {
+        self.dtype.block().1 / 8
+    }
+}
+
+const fn t(id: u32, dtype: Dtype) -> GgmlType {
+    GgmlType { id, dtype }
 }
 
 /// ggml's type table (`ggml.c`, as of llama.cpp in node-llama-cpp 3.21.1).
 /// Ids 4, 5, 31-33 and 36-38 were removed: files using them are refused.
 pub const GGML_TYPES: &[GgmlType] = &[
-    t(0, "F32", 1, 4),
-    t(1, "F16", 1, 2),
-    t(2, "Q4_0", 32, 18),
-    t(3, "Q4_1", 32, 20),
-    t(6, "Q5_0", 32, 22),
-    t(7, "Q5_1", 32, 24),
-    t(8, "Q8_0", 32, 34),
-    t(9, "Q8_1", 32, 36),
-    t(10, "Q2_K", 256, 84),
-    t(11, "Q3_K", 256, 110),
-    t(12, "Q4_K", 256, 144),
-    t(13, "Q5_K", 256, 176),
-    t(14, "Q6_K", 256, 210),
-    t(15, "Q8_K", 256, 292),
-    t(16, "IQ2_XXS", 256, 66),
-    t(17, "IQ2_XS", 256, 74),
-    t(18, "IQ3_XXS", 256, 98),
-    t(19, "IQ1_S", 256, 50),
-    t(20, "IQ4_NL", 32, 18),
-    t(21, "IQ3_S", 256, 110),
-    t(22, "IQ2_S", 256, 82),
-    t(23, "IQ4_XS", 256, 136),
-    t(24, "I8", 1, 1),
-    t(25, "I16", 1, 2),
-    t(26, "I32", 1, 4),
-    t(27, "I64", 1, 8),
-    t(28, "F64", 1, 8),
-    t(29, "IQ1_M", 256, 56),
-    t(30, "BF16", 1, 2),
-    t(34, "TQ1_0", 256, 54),
-    t(35, "TQ2_0", 256, 66),
-    t(39, "MXFP4", 32, 17),
-    t(40, "NVFP4", 64, 36),
-    t(41, "Q1_0", 128, 18),
-    t(42, "Q2_0", 64, 18),
+    t(0, Dtype::F32),
+    t(1, Dtype::F16),
+    t(2, Dtype::Q4_0),
+    t(3, Dtype::Q4_1),
+    t(6, Dtype::Q5_0),
+    t(7, Dtype::Q5_1),
+    t(8, Dtype::Q8_0),
+    t(9, Dtype::Q8_1),
+    t(10, Dtype::Q2_K),
+    t(11, Dtype::Q3_K),
+    t(12, Dtype::Q4_K),
+    t(13, Dtype::Q5_K),
+    t(14, Dtype::Q6_K),
+    t(15, Dtype::Q8_K),
+    t(16, Dtype::IQ2_XXS),
+    t(17, Dtype::IQ2_XS),
+    t(18, Dtype::IQ3_XXS),
+    t(19, Dtype::IQ1_S),
+    t(20, Dtype::IQ4_NL),
+    t(21, Dtype::IQ3_S),
+    t(22, Dtype::IQ2_S),
+    t(23, Dtype::IQ4_XS),
+    t(24, Dtype::I8),
+    t(25, Dtype::I16),
+    t(26, Dtype::I32),
+    t(27, Dtype::I64),
+    t(28, Dtype::F64),
+    t(29, Dtype::IQ1_M),
+    t(30, Dtype::BF16),
+    t(34, Dtype::TQ1_0),
+    t(35, Dtype::TQ2_0),
+    t(39, Dtype::MXFP4),
+    t(40, Dtype::NVFP4),
+    t(41, Dtype::Q1_0),
+    t(42, Dtype::Q2_0),
 ];
 
 /// The type of this id, if ggml has it (removed and unknown ids: None).
@@ -255,14 +267,32 @@ pub const MAX_NAME: usize = 63;
 const MAX_STRING: u64 = 1 << 30;
 const DEFAULT_ALIGNMENT: u64 = 32;
 
-/// Reads little-endian values from the file, never past its end.
+/// Reads little-endian values from the file (or the first bytes of it that
+/// `buf` holds), never past its end.
 struct Reader<'a> {
     buf: &'a [u8],
     at: usize,
+    /// The file's length (`buf` may hold only its start).
+    file_len: u64,
+    /// Set when a read needed bytes past `buf` that the file has.
+    short: bool,
 }
 
 impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8], file_len: u64) -> Reader<'a> {
+        Reader {
+            buf,
+            at: 0,
+            file_len,
+            short: false,
+        }
+    }
+
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
+        let end = (self.at as u64).saturating_add(n);
+        if end > self.buf.len() as u64 && end <= self.file_len {
+            self.short = true;
+        }
         let end = usize::try_from(n)
             .ok()
             .and_then(|n| self.at.checked_add(n))
@@ -355,7 +385,29 @@ impl<'a> Reader<'a> {
 
 /// Parses and validates a GGUF file (`buf`: the whole file, as mapped).
 pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
-    let mut r = Reader { buf, at: 0 };
+    parse_in(&mut Reader::new(buf, buf.len() as u64))
+}
+
+/// Why the start of a file is not a GGUF header.
+#[derive(Debug)]
+pub enum PrefixError {
+    /// The header runs past the bytes given: ask again with more.
+    NeedsMore,
+    Refused(GgufError),
+}
+
+/// `parse` of a file of `file_len` bytes of which `prefix` holds the start
+/// (a remote object, read by ranges).
+pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<GgufHeader, PrefixError> {
+    let mut r = Reader::new(prefix, file_len.max(prefix.len() as u64));
+    parse_in(&mut r).map_err(|e| match r.short {
+        true => PrefixError::NeedsMore,
+        false => PrefixError::Refused(e),
+    })
+}
+
+fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
+    let buf_len = r.file_len;
     if r.take(4, "the magic").ok() != Some(MAGIC.as_slice()) {
         return Err(refused("not a GGUF file (no \"GGUF\" magic at its start)"));
     }
@@ -374,7 +426,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
     let n_kv = r.i64("the key count")?;
     // Every key takes at least 13 bytes and every tensor info 24: counts the
     // file cannot hold are refused before anything is allocated for them.
-    let left = (buf.len() - r.at) as i64;
+    let left = buf_len.saturating_sub(r.at as u64).min(i64::MAX as u64) as i64;
     if n_tensors < 0 || n_tensors > left / 24 {
         return Err(refused(format!(
             "a tensor count of {n_tensors}, which the file cannot hold"
@@ -463,15 +515,16 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
             .try_fold(1i64, |acc, &n| acc.checked_mul(n as i64))
             .ok_or_else(|| bad(format!("{ne:?} elements overflow")))?;
         let ne0 = ne.first().copied().unwrap_or(1);
-        if ne0 % ggml_type.block != 0 {
+        if ne0 % ggml_type.block() != 0 {
             return Err(bad(format!(
                 "its innermost dimension {ne0} is not a multiple of {}'s block of {} elements",
-                ggml_type.name, ggml_type.block
+                ggml_type.name(),
+                ggml_type.block()
             )));
         }
         let rows = (elements as u64).checked_div(ne0).unwrap_or(0);
-        let nbytes = (ne0 / ggml_type.block)
-            .checked_mul(ggml_type.block_bytes)
+        let nbytes = (ne0 / ggml_type.block())
+            .checked_mul(ggml_type.block_bytes())
             .and_then(|b| b.checked_mul(rows))
             .ok_or_else(|| bad("its byte size overflows".into()))?;
         tensors.push(TensorInfo {
@@ -506,11 +559,10 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader, GgufError> {
             .checked_add(ti.offset)
             .and_then(|o| o.checked_add(ti.nbytes))
             .ok_or_else(|| bad("its byte range overflows".into()))?;
-        if end > buf.len() as u64 {
+        if end > buf_len {
             return Err(bad(format!(
-                "its {} bytes end at byte {end}, past the end of the file ({} bytes)",
+                "its {} bytes end at byte {end}, past the end of the file ({buf_len} bytes)",
                 ti.nbytes,
-                buf.len()
             )));
         }
         size = size
@@ -532,6 +584,24 @@ pub fn is_gguf(start: &[u8]) -> bool {
     start.starts_with(MAGIC)
 }
 
+/// Whether `path` is a regular file that starts with the GGUF magic (opened
+/// without blocking, so a FIFO named by mistake does not hang the caller).
+pub fn is_gguf_file(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let mut start = [0u8; 4];
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|f| {
+            if !f.metadata()?.is_file() {
+                return Err(std::io::ErrorKind::InvalidInput.into());
+            }
+            f.read_exact_at(&mut start, 0)
+        })
+        .is_ok_and(|()| is_gguf(&start))
+}
+
 /// A value as a person reads it: numbers and bools as text, strings as
 /// they are (lossy UTF-8), arrays as their type and length.
 pub fn show_value(v: &Value) -> String {
@@ -550,6 +620,97 @@ pub fn show_value(v: &Value) -> String {
         Value::I64(x) => x.to_string(),
         Value::F64(x) => x.to_string(),
     }
+}
+
+/// Reads `len` bytes of the file at `at` (the items of an array value).
+pub type ReadRange<'a> = &'a dyn Fn(u64, u64) -> std::io::Result<Vec<u8>>;
+
+/// The items of array `a`, read from the file through `read`.
+pub fn array_items(a: &Array, read: ReadRange) -> std::io::Result<Vec<Value>> {
+    let bytes = read(a.at, a.bytes)?;
+    let mut r = Reader::new(&bytes, bytes.len() as u64);
+    let bad = |e: GgufError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.rule);
+    (0..a.len)
+        .map(|_| r.value(a.item, "an array item").map_err(bad))
+        .collect()
+}
+
+/// A scalar as JSON: a float by its shortest text (0.1, not
+/// 0.10000000149011612), strings as lossy UTF-8, non-finite floats null.
+fn scalar_json(v: &Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    let float = |text: String| {
+        text.parse::<f64>()
+            .ok()
+            .and_then(serde_json::Number::from_f64)
+            .map_or(J::Null, J::Number)
+    };
+    match v {
+        Value::U8(x) => (*x).into(),
+        Value::I8(x) => (*x).into(),
+        Value::U16(x) => (*x).into(),
+        Value::I16(x) => (*x).into(),
+        Value::U32(x) => (*x).into(),
+        Value::I32(x) => (*x).into(),
+        Value::U64(x) => (*x).into(),
+        Value::I64(x) => (*x).into(),
+        Value::F32(x) => float(x.to_string()),
+        Value::F64(x) => float(x.to_string()),
+        Value::Bool(x) => J::Bool(*x != 0),
+        Value::String(s) => J::String(String::from_utf8_lossy(s).into_owned()),
+        Value::Array(_) => J::Null,
+    }
+}
+
+/// A value as JSON (an array's items read through `read`).
+pub fn value_json(v: &Value, read: ReadRange) -> std::io::Result<serde_json::Value> {
+    Ok(match v {
+        Value::Array(a) => {
+            serde_json::Value::Array(array_items(a, read)?.iter().map(scalar_json).collect())
+        }
+        v => scalar_json(v),
+    })
+}
+
+/// What `__kv__/KEY` shows: a string's bytes as they are (a chat template
+/// is a text file), a number or bool as its text and a newline, an array
+/// as JSON and a newline.
+pub fn kv_file_text(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
+    Ok(match v {
+        Value::String(s) => s.clone(),
+        v => {
+            let mut text = match v {
+                Value::Array(_) => value_json(v, read)?.to_string(),
+                Value::F32(x) => x.to_string(),
+                Value::F64(x) => x.to_string(),
+                v => show_value(v),
+            };
+            text.push('\n');
+            text.into_bytes()
+        }
+    })
+}
+
+/// What `__metadata__.json` shows for a GGUF file: every key in file order,
+/// one per line, with its type and value:
+/// `"general.name": {"type": "STRING", "value": "tiny"}`; an array also has
+/// `"item_type"`.
+pub fn metadata_json(h: &GgufHeader, read: ReadRange) -> std::io::Result<Vec<u8>> {
+    let mut out = b"{".to_vec();
+    for (k, (key, v)) in h.kvs.iter().enumerate() {
+        let mut entry = serde_json::Map::new();
+        entry.insert("type".into(), v.value_type().name().into());
+        if let Value::Array(a) = v {
+            entry.insert("item_type".into(), a.item.name().into());
+        }
+        entry.insert("value".into(), value_json(v, read)?);
+        out.extend_from_slice(if k == 0 { b"\n" } else { b",\n" });
+        serde_json::to_writer(&mut out, key).map_err(std::io::Error::other)?;
+        out.extend_from_slice(b": ");
+        serde_json::to_writer(&mut out, &entry).map_err(std::io::Error::other)?;
+    }
+    out.extend_from_slice(b"\n}\n");
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -624,7 +785,7 @@ mod tests {
         assert_eq!((h.version, h.alignment, h.tensors.len()), (3, 32, 2));
         assert_eq!(h.tensors[0].nbytes, 2 * 2 * 144);
         assert_eq!(h.tensors[0].shape(), vec![2, 512]);
-        assert_eq!(h.tensors[0].ggml_type.name, "Q4_K");
+        assert_eq!(h.tensors[0].ggml_type.name(), "Q4_K");
         assert_eq!(h.data_start % 32, 0);
         assert_eq!(h.data_len, 576 + 32);
         assert_eq!(show_value(&h.kvs[0].1), "tiny");
@@ -735,12 +896,55 @@ mod tests {
         }
     }
 
+    /// A remote object's header is read from its first bytes: each prefix
+    /// short of the tensor infos' end asks for more, each that holds them
+    /// gives the header the whole file gives; a refusal is the whole file's.
+    #[test]
+    fn prefixes_ask_for_more_or_agree_with_the_whole_file() {
+        let f = file(
+            3,
+            &[("general.name", 8, str_value("prefix"))],
+            &[("w", &[32, 2], 8, 0), ("b", &[3], 0, 96)],
+            32,
+            96 + 12,
+        );
+        let whole = parse(&f).unwrap();
+        for n in 0..=f.len() {
+            match parse_prefix(&f[..n], f.len() as u64) {
+                Ok(h) => {
+                    assert_eq!(
+                        (h.kvs, h.tensors),
+                        (whole.kvs.clone(), whole.tensors.clone())
+                    );
+                    assert_eq!(h.data_start, whole.data_start);
+                }
+                Err(PrefixError::NeedsMore) => assert!((n as u64) < whole.data_start, "{n}"),
+                Err(PrefixError::Refused(e)) => panic!("prefix {n}: {e}"),
+            }
+        }
+        // A file cut short is refused as the whole file is, not asked again.
+        let cut = &f[..f.len() - 20];
+        let e = parse(cut).unwrap_err();
+        match parse_prefix(&cut[..40], cut.len() as u64) {
+            Err(PrefixError::NeedsMore) => {}
+            other => panic!("{other:?}"),
+        }
+        match parse_prefix(cut, cut.len() as u64) {
+            Err(PrefixError::Refused(p)) => assert_eq!(p, e),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn every_type_has_a_block_and_removed_ids_have_none() {
         for id in 0..64u32 {
             let removed = [4, 5, 31, 32, 33, 36, 37, 38].contains(&id) || id > 42;
             assert_eq!(ggml_type(id).is_none(), removed, "id {id}");
         }
-        assert!(GGML_TYPES.iter().all(|t| t.block > 0 && t.block_bytes > 0));
+        assert!(
+            GGML_TYPES
+                .iter()
+                .all(|t| t.block() > 0 && t.block_bytes() > 0)
+        );
     }
 }

@@ -68,10 +68,16 @@ pub fn element_count(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
 }
 
-/// Bytes needed by `dtype` x `shape`, with checked arithmetic.
+/// Bytes needed by `dtype` x `shape`, with checked arithmetic. A block type
+/// needs a whole number of blocks.
 pub fn byte_len(dtype: Dtype, shape: &[u64]) -> Result<u64, SizeError> {
-    let bits = element_count(shape)
-        .and_then(|n| n.checked_mul(dtype.bits()))
+    let (elements, block_bits) = dtype.block();
+    let count = element_count(shape).ok_or(SizeError::Overflow)?;
+    if count % elements != 0 {
+        return Err(SizeError::NotByteAligned);
+    }
+    let bits = (count / elements)
+        .checked_mul(block_bits)
         .ok_or(SizeError::Overflow)?;
     if bits % 8 != 0 {
         return Err(SizeError::NotByteAligned);
@@ -90,6 +96,10 @@ pub struct Header {
     pub tensors: Tensors,
     /// Indices into `tensors`, hashed by name: lookups without a second copy of every name.
     by_name: TensorsByName,
+    /// A GGUF file's header as read (its typed keys and values, its
+    /// alignment); None for safetensors. `tensors` holds the same tensors,
+    /// their offsets relative to the GGUF data start.
+    pub gguf: Option<std::sync::Arc<super::gguf::GgufHeader>>,
 }
 
 /// A hash index of tensor positions keyed by their names, which stay in `Tensors`.
@@ -137,6 +147,15 @@ impl TensorsByName {
 
 impl Header {
     /// Parses and validates a whole file held in memory (typically an mmap).
+    /// A whole file of either format: GGUF when it starts with GGUF's
+    /// magic, safetensors otherwise.
+    pub fn parse_any(file: &[u8]) -> Result<Header, FormatError> {
+        if super::gguf::is_gguf(file) {
+            return Header::from_gguf(super::gguf::parse(file)?);
+        }
+        Header::parse(file)
+    }
+
     pub fn parse(file: &[u8]) -> Result<Header, FormatError> {
         Header::parse_prefix(file, file.len() as u64)
     }
@@ -222,6 +241,7 @@ impl Header {
             metadata: raw.metadata,
             tensors,
             by_name,
+            gguf: None,
         })
     }
 
@@ -230,11 +250,49 @@ impl Header {
     pub fn from_parts(header_len: u64, tensors: Tensors, metadata: Option<Metadata>) -> Header {
         let (by_name, _) = TensorsByName::build(&tensors);
         Header {
+            gguf: None,
             header_len,
             metadata,
             tensors,
             by_name,
         }
+    }
+
+    /// The tensor table of a validated GGUF file: each tensor's bytes as
+    /// stored (its padding to the alignment lies between them), offsets
+    /// relative to the data start, which `header_len` places (8 + header_len).
+    pub fn from_gguf(g: super::gguf::GgufHeader) -> Result<Header, FormatError> {
+        let mut tensors = Tensors::with_capacity(g.tensors.len());
+        let mut order: Vec<usize> = (0..g.tensors.len()).collect();
+        order.sort_unstable_by_key(|&i| g.tensors[i].offset);
+        for i in order {
+            let t = &g.tensors[i];
+            tensors
+                .push(
+                    &t.name,
+                    t.ggml_type.dtype,
+                    &t.shape(),
+                    (t.offset, t.offset + t.nbytes),
+                )
+                .map_err(|_| super::gguf::GgufError {
+                    tensor: None,
+                    key: None,
+                    rule: "too many tensors to hold".into(),
+                })?;
+        }
+        let (by_name, _) = TensorsByName::build(&tensors);
+        Ok(Header {
+            header_len: g.data_start - PREFIX_LEN,
+            metadata: None,
+            tensors,
+            by_name,
+            gguf: Some(std::sync::Arc::new(g)),
+        })
+    }
+
+    /// Whether this is a GGUF file's header.
+    pub fn is_gguf(&self) -> bool {
+        self.gguf.is_some()
     }
 
     /// File offset of the first data byte.

@@ -103,7 +103,7 @@ impl Tensors {
             name_start: small(self.names.len())?,
             name_len: small(name.len())?,
             shape_start: small(self.shapes.len())?,
-            dtype_ndim: ((dtype as u32) << NDIM_BITS)
+            dtype_ndim: ((dtype.index() as u32) << NDIM_BITS)
                 | small(shape.len()).and_then(|n| {
                     if n < 1 << NDIM_BITS {
                         Ok(n)
@@ -134,7 +134,8 @@ impl Tensors {
         let shape = &self.shapes[it.shape_start as usize..it.shape_start as usize + ndim];
         TensorRef {
             name,
-            dtype: Dtype::ALL[(it.dtype_ndim >> NDIM_BITS) as usize],
+            dtype: Dtype::from_index((it.dtype_ndim >> NDIM_BITS) as usize)
+                .expect("pushed as a Dtype's index"),
             shape,
             data_offsets: it.data_offsets,
         }

@@ -23,6 +23,9 @@ impl Fs {
             Node::CheckpointDir(_) if name == VIEWS_DIR && st.folder.is_none() => {
                 Node::Views(VIEW_BIT)
             }
+            Node::CheckpointDir(_) if name == KV_DIR && st.is_gguf() => {
+                st.kv_dir().ok_or(FsError::NotFound)?
+            }
             Node::Views(_) if name.len() > NAME_MAX => return Err(FsError::NameTooLong),
             Node::Views(dir) => {
                 let parent = st.view_path(dir)?;
@@ -402,14 +405,19 @@ impl Fs {
                 {
                     return Ok(());
                 }
+                if let Some(kv) = st.kv_dir().filter(|_| offset < 4) {
+                    if emit(st.ino_of(kv), Kind::Directory, KV_DIR.into(), 4) {
+                        return Ok(());
+                    }
+                }
                 // `__views__` is reached by its name and not listed: a
                 // recursive copy, backup or search of the mount would
                 // otherwise compute four more checkpoints (docs/SEMANTICS.md, "Views").
-                // File `slot` of id i lists at offset 4 + STRIDE*i + slot.
-                let first = offset.saturating_sub(4) / TensorFile::STRIDE;
+                // File `slot` of id i lists at offset 5 + STRIDE*i + slot.
+                let first = offset.saturating_sub(5) / TensorFile::STRIDE;
                 for (id, e) in m.live.entries_from(first) {
                     for kind in TensorFile::ALL {
-                        let next = 4 + TensorFile::STRIDE * id + kind.slot();
+                        let next = 5 + TensorFile::STRIDE * id + kind.slot();
                         let file_id = match kind {
                             TensorFile::Data => e.data,
                             TensorFile::Meta => {

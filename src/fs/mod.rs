@@ -48,7 +48,7 @@ use std::time::{Duration, SystemTime};
 
 pub use error::{FsError, UnmountError};
 pub use files::TensorFile;
-use names::{METADATA_FILE, NAME_MAX, VIEWS_DIR};
+use names::{KV_DIR, METADATA_FILE, NAME_MAX, VIEWS_DIR};
 use tracing::{info, warn};
 
 use crate::checkpoint::commit::CommitOptions;
@@ -145,6 +145,16 @@ pub enum Source {
     },
 }
 
+impl Source {
+    /// The checkpoint files it shows.
+    pub fn files(&self) -> Vec<&SourceFile> {
+        match self {
+            Source::File(s) => vec![s],
+            Source::Folder { checkpoints, .. } => checkpoints.iter().map(|(_, s)| s).collect(),
+        }
+    }
+}
+
 /// Where a prefetch puts a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefetchTarget {
@@ -227,7 +237,12 @@ pub struct Fs {
 }
 
 impl Fs {
-    pub fn new(source: Source, settings: Settings, staging: Arc<Staging>) -> Fs {
+    pub fn new(source: Source, mut settings: Settings, staging: Arc<Staging>) -> Fs {
+        // GGUF files are served read-only until their commits exist (the
+        // mount says so where it knows the format beforehand).
+        if source.files().iter().any(|s| s.header().is_gguf()) {
+            settings.read_only = true;
+        }
         let mut fixed = Vec::new();
         let (list, indexes, folder) = match source {
             Source::File(c) => (vec![(String::new(), c)], Vec::new(), None),

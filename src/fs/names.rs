@@ -4,7 +4,8 @@
 //! - the names `""`, `.`, `..` are written `%`, `%2E`, `%2E%2E`;
 //! - a name ending in `.meta.json` gets that suffix's `.` escaped (`x%2Emeta.json`);
 //! - the name `__metadata__.json` is written `%5F_metadata__.json`, and
-//!   `__views__` (the folder of views) `%5F_views__`;
+//!   `__views__` (the folder of views) `%5F_views__`, and `__kv__` (a GGUF
+//!   file's keys) `%5F_kv__`;
 //! - a name whose file name plus `.meta.json` would pass 255 bytes becomes
 //!   `<prefix>~<16 hex digits of a hash>`; its full name is in its `.meta.json`.
 
@@ -14,6 +15,8 @@ pub const META_SUFFIX: &str = ".meta.json";
 pub const METADATA_FILE: &str = "__metadata__.json";
 /// The folder of views at the top of a mount (docs/SEMANTICS.md, "Views").
 pub const VIEWS_DIR: &str = "__views__";
+/// The folder of a GGUF file's keys, one file each (docs/SEMANTICS.md, "GGUF").
+pub const KV_DIR: &str = "__kv__";
 /// The kernel's limit for one path component.
 pub const NAME_MAX: usize = 255;
 /// Longest tensor file name, so that its `.meta.json` still fits.
@@ -74,6 +77,7 @@ fn escape(name: &str) -> String {
         ".." => return "%2E%2E".into(),
         METADATA_FILE => return "%5F_metadata__.json".into(),
         VIEWS_DIR => return "%5F_views__".into(),
+        KV_DIR => return "%5F_kv__".into(),
         _ => {}
     }
     if let Some(stem) = out.strip_suffix(META_SUFFIX) {
@@ -127,6 +131,8 @@ mod tests {
             (".meta.json", "%2Emeta.json"),
             ("__metadata__.json", "%5F_metadata__.json"),
             ("__metadata__", "__metadata__"),
+            ("__kv__", "%5F_kv__"),
+            ("__views__", "%5F_views__"),
             ("ünï ✓", "ünï ✓"),
             ("%2F", "%252F"),
         ];

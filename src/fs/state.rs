@@ -283,6 +283,19 @@ impl State {
         found
     }
 
+    /// Whether this mounts a GGUF file (whose views are its own, and whose
+    /// folder shows `__kv__`).
+    pub(super) fn is_gguf(&self) -> bool {
+        self.folder.is_none() && self.live(0).source().header().is_gguf()
+    }
+
+    /// The inode of `__kv__` when this mounts a GGUF file: the view folder
+    /// `kv` below `__views__`, reached from the file's folder.
+    pub(super) fn kv_dir(&self) -> Option<Node> {
+        self.is_gguf()
+            .then(|| Node::Views(self.view_ino(views::KV_DIR)))
+    }
+
     pub(super) fn live(&self, c: usize) -> &Live {
         &self.checkpoints[c].live
     }
@@ -325,8 +338,9 @@ impl State {
         if file_name == METADATA_FILE {
             return Ok(Name::Metadata);
         }
-        if file_name == VIEWS_DIR {
-            // (At the top of a file mount, the read-only folder of views.)
+        if file_name == VIEWS_DIR || file_name == KV_DIR {
+            // (At the top of a file mount, the read-only folder of views;
+            // of a GGUF file's, the folder of its keys.)
             return Err(FsError::ReadOnly);
         }
         let invalid = || {

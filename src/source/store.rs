@@ -73,6 +73,12 @@ impl Store for RemoteObject {
         _seen: u64,
         _path: &Path,
     ) -> std::io::Result<usize> {
+        let kept = self.head().and_then(|h| h.get(pos as usize..));
+        if let Some(kept) = kept.filter(|k| !k.is_empty()) {
+            let n = kept.len().min(buf.len());
+            buf[..n].copy_from_slice(&kept[..n]);
+            return Ok(n);
+        }
         let end = pos.saturating_add(buf.len() as u64).min(self.data_end());
         if end <= pos {
             return Ok(0);

@@ -740,3 +740,46 @@ def test_a_remote_checkpoint_converts_to_bf16_by_cp_of_its_view(tmp_path, s3, mo
     with safe_open(str(out), framework="np") as f:
         assert f.metadata() == {"format": "pt"}
         assert f.get_tensor("ids").tobytes() == ids.tobytes()
+
+
+@pytest.mark.parametrize("tokens,requests", [(100, 1), (150_000, 3)])
+def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_path, s3, web, mount, tokens,
+                                                                          requests):
+    """A GGUF object's header has no length prefix: the first GET (1 MiB) is parsed, and
+    while the keys run past it, twice as much is asked for (150,000 tokens: about 2.8 MiB
+    of keys, so 1 + 1 + 2 MiB in three GETs)."""
+    gguf = pytest.importorskip("gguf")
+    src = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_name("remote")
+    w.add_token_list([f"token-{i}" for i in range(tokens)])
+    w.add_tensor("token_embd.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    w.add_tensor("blk.0.ffn_up.weight", np.arange(2 * 144, dtype=np.uint8).reshape(2, 144) % 251,
+                 raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(str(src))
+    url = s3.upload(src, "gguf/tiny.gguf")
+    s3.reset()
+    m = mount(url, *s3.options)
+    assert "mounted read-only (GGUF files cannot be edited through stfs yet)" in m.result.stderr
+    assert s3.count("GET") == requests
+    for t in reader.tensors:
+        assert read(os.path.join(m.path, t.name)) == t.data.tobytes(), t.name
+    assert read(os.path.join(m.path, "__kv__", "general.name")) == b"remote"
+    assert json.loads(read(os.path.join(m.path, "__kv__", "tokenizer.ggml.tokens")))[-1] == f"token-{tokens - 1}"
+    with pytest.raises(OSError) as e:
+        with open(os.path.join(m.path, "__kv__", "general.name"), "w") as f:
+            f.write("x")
+    assert e.value.errno == errno.EROFS
+    # Over HTTP too, and an object named otherwise is still read as GGUF (by its magic)
+    # and still read-only.
+    (web.root / "model.bin").write_bytes(src.read_bytes())
+    h = mount(f"{web.url}/model.bin", *web.options)
+    assert read(os.path.join(h.path, "token_embd.weight")) == reader.tensors[0].data.tobytes()
+    s3_other = mount(s3.upload(src, "gguf/model.bin"), *s3.options)
+    with pytest.raises(OSError) as e:
+        os.unlink(os.path.join(s3_other.path, "token_embd.weight"))
+    assert e.value.errno == errno.EROFS

@@ -8,6 +8,8 @@
 mod casts;
 mod export;
 pub(super) use export::index_view;
+mod kv;
+pub(super) use kv::KV_DIR;
 mod npy;
 mod reshard;
 
@@ -21,8 +23,32 @@ use super::{Ino, State};
 use crate::checkpoint::view::GeneratedFile;
 
 /// The view folders, in listing order. A new view is one module and one line here.
-const FOLDERS: [&dyn ViewFolder; 4] =
-    [&casts::Casts, &npy::Npy, &reshard::Reshard, &export::Export];
+const FOLDERS: [&dyn ViewFolder; 5] = [
+    &casts::Casts,
+    &npy::Npy,
+    &reshard::Reshard,
+    &export::Export,
+    &kv::Kv,
+];
+
+/// Which mounts a view folder shows in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Formats {
+    Safetensors,
+    Gguf,
+    Both,
+}
+
+/// The view folders of this mount's format. (A GGUF file has no
+/// safetensors exports, casts or reshards yet.)
+fn folders(st: &State) -> impl Iterator<Item = &'static dyn ViewFolder> {
+    let gguf = st.is_gguf();
+    FOLDERS.into_iter().filter(move |f| match f.formats() {
+        Formats::Both => true,
+        Formats::Gguf => gguf,
+        Formats::Safetensors => !gguf,
+    })
+}
 
 /// What a view entry draws on, which gives its owner, mode and time: those
 /// who may read those sources may read it.
@@ -80,6 +106,10 @@ impl From<ViewError> for crate::fs::FsError {
 
 /// One folder of `__views__` (or, for `export`, the files at its top).
 pub trait ViewFolder: Sync {
+    /// The mounts it shows in.
+    fn formats(&self) -> Formats {
+        Formats::Safetensors
+    }
     /// The names it shows in `__views__`.
     fn top(&self, st: &State) -> Vec<String>;
     /// What `path` (whose first part is one of `top`) is now, if anything.
@@ -109,9 +139,7 @@ fn split(path: &str) -> Vec<&str> {
 }
 
 fn folder_of(st: &State, first: &str) -> Option<&'static dyn ViewFolder> {
-    FOLDERS
-        .into_iter()
-        .find(|f| f.top(st).iter().any(|n| n == first))
+    folders(st).find(|f| f.top(st).iter().any(|n| n == first))
 }
 
 /// What `path` ("" for `__views__` itself) is now.
@@ -128,7 +156,7 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
     let parts = split(path);
     if parts.is_empty() {
         let mut out = Vec::new();
-        for f in FOLDERS {
+        for f in folders(st) {
             for name in f.top(st) {
                 let folder = matches!(f.find(st, &[&name]), Some(Found::Folder(_)));
                 let offset = 3 + out.len() as u64;

@@ -2,7 +2,7 @@
 //! folder per shard on a folder mount). A tensor is listed while it has
 //! bytes and a valid meta that agree.
 
-use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
 use crate::checkpoint::Id;
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::files::TensorFile;
@@ -14,11 +14,12 @@ const NPY_DIR: &str = "npy";
 const SUFFIX: &str = ".npy";
 
 /// Entry `id` of checkpoint `c` as a `.npy` view's tensor: if it has
-/// bytes, a valid meta, and as many bytes as its meta says.
+/// bytes, a valid meta, and as many bytes as its meta says, and is not of
+/// ggml's quantized block types (which numpy has no dtype for).
 fn tensor(st: &State, c: usize, id: Id) -> Option<ViewTensor> {
     let t = st.live(c).view_tensor(id)?;
-    let want = t.dtype.bits() * t.shape.iter().product::<u64>() / 8;
-    (t.bytes.len() == want).then_some(t)
+    let want = crate::format::byte_len(t.dtype, &t.shape).ok()?;
+    (t.bytes.len() == want && !t.dtype.is_quantized_block()).then_some(t)
 }
 
 /// The checkpoint whose tensors `path` (`npy`, or `npy/SHARD`) lists;
@@ -47,6 +48,10 @@ fn file_named(st: &State, c: usize, name: &str) -> Option<(Id, ViewTensor)> {
 }
 
 impl ViewFolder for Npy {
+    fn formats(&self) -> Formats {
+        Formats::Both
+    }
+
     fn top(&self, _: &State) -> Vec<String> {
         vec![NPY_DIR.to_string()]
     }

@@ -87,6 +87,9 @@ pub struct SourceFile {
     header: Header,
     /// Where its bytes are.
     store: Box<dyn Store>,
+    /// A GGUF file's keys and values as `__metadata__.json` shows them:
+    /// made on first use (a tokenizer's arrays are read then), kept.
+    gguf_shown: std::sync::OnceLock<Vec<u8>>,
 }
 
 /// A local file as a `Store`: mapped read-only, its version checked by
@@ -247,7 +250,7 @@ impl SourceFile {
         if crate::format::interrupted_in_place(map.len() as u64, read_at) {
             return Err(SourceError::Interrupted { path });
         }
-        let header = Header::parse(&map).map_err(format)?;
+        let header = Header::parse_any(&map).map_err(format)?;
         let shared = OpenFile::new(map, &stat);
         Ok(SourceFile::assemble(
             path,
@@ -446,6 +449,7 @@ impl SourceFile {
             }
         }
         SourceFile {
+            gguf_shown: Default::default(),
             path,
             name,
             stat,
@@ -481,6 +485,7 @@ impl SourceFile {
             ..FileStat::of_mounting_user(libc::S_IFREG | 0o644)
         };
         SourceFile {
+            gguf_shown: Default::default(),
             path: PathBuf::from(object.url()),
             name: OsString::from(object.file_name()),
             stat,
@@ -729,6 +734,33 @@ impl SourceFile {
             done += n;
         }
         Ok(())
+    }
+
+    /// `len` bytes of the file at `pos`; EIO if it ends sooner.
+    pub fn read_range(&self, pos: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        let mut out = vec![0u8; len as usize];
+        let mut done = 0;
+        while done < out.len() {
+            match self.read_at(&mut out[done..], pos + done as u64)? {
+                0 => return Err(std::io::Error::from_raw_os_error(libc::EIO)),
+                n => done += n,
+            }
+        }
+        Ok(out)
+    }
+
+    /// A GGUF file's keys and values as `__metadata__.json` shows them
+    /// (None for safetensors).
+    pub fn gguf_metadata_json(&self) -> Option<std::io::Result<&[u8]>> {
+        let g = self.header.gguf.as_ref()?;
+        if let Some(shown) = self.gguf_shown.get() {
+            return Some(Ok(shown));
+        }
+        let read = |at, len| self.read_range(at, len);
+        Some(
+            crate::format::gguf::metadata_json(g, &read)
+                .map(|made| self.gguf_shown.get_or_init(|| made).as_slice()),
+        )
     }
 
     /// Reads bytes of the file at `pos` (absolute) into `buf`; fewer at its end.

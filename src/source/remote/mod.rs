@@ -52,6 +52,9 @@ use crate::source::{FileStat, Folder};
 pub const CHUNK: u64 = 8 << 20;
 /// The first GET of an object: the header of most checkpoints fits.
 const FIRST_GET: u64 = 1 << 20;
+/// The largest GGUF header read from a remote object (a 256,000-token
+/// vocabulary takes a few MiB): a claimed longer string is not fetched.
+const MAX_GGUF_HEADER: u64 = 256 << 20;
 /// Chunks fetched ahead of a sequential reader, at first and at most.
 const FIRST_WINDOW: usize = 4;
 const MAX_WINDOW: usize = 16;
@@ -478,21 +481,25 @@ impl Remote {
             .map(|(bytes, meta)| (bytes, meta.size, meta.e_tag, meta.last_modified))
             .map_err(|e| OpenError::Fetch(store_error(&url, e)))?;
         let mut prefix = first.to_vec();
+        let version = ObjectVersion {
+            size,
+            etag: etag.clone(),
+            modified: modified.into(),
+        };
+        if crate::format::gguf::is_gguf(&prefix) {
+            let (header, mut head) = self.gguf_header(path, &url, prefix, &version)?;
+            head.truncate(header.data_start() as usize);
+            let (mut object, header) = self.object(path, url, version, header);
+            object.head = Some(head);
+            return Ok((object, header));
+        }
         if prefix.len() as u64 >= PREFIX_LEN {
             let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
             let want = PREFIX_LEN.saturating_add(n);
             // Only a header that can be valid is worth a second request.
             if n <= MAX_HEADER_LEN && want <= size && want > prefix.len() as u64 {
                 let rest = self
-                    .fetch_range(
-                        path,
-                        ObjectVersion {
-                            size,
-                            etag: etag.clone(),
-                            modified: modified.into(),
-                        },
-                        prefix.len() as u64..want,
-                    )
+                    .fetch_range(path, version.clone(), prefix.len() as u64..want)
                     .map_err(|e| OpenError::Fetch(format!("{url}: {e}")))?;
                 prefix.extend_from_slice(&rest);
             }
@@ -501,7 +508,61 @@ impl Remote {
             return Err(OpenError::Format(FormatError::TooShort { file_len: size }));
         }
         let header = Header::parse_prefix(&prefix, size).map_err(OpenError::Format)?;
-        if etag.is_none() {
+        Ok(self.object(path, url, version, header))
+    }
+
+    /// A GGUF object's header: its length is known only once its keys and
+    /// tensor infos are read, so the bytes read so far are parsed, and twice
+    /// as many fetched while the header runs past them. Returns the header
+    /// and the bytes read.
+    fn gguf_header(
+        self: &Arc<Self>,
+        path: &ObjectPath,
+        url: &str,
+        mut prefix: Vec<u8>,
+        version: &ObjectVersion,
+    ) -> Result<(Header, Vec<u8>), OpenError> {
+        use crate::format::gguf::{PrefixError, parse_prefix};
+        loop {
+            match parse_prefix(&prefix, version.size) {
+                Ok(g) => {
+                    let header = Header::from_gguf(g).map_err(OpenError::Format)?;
+                    return Ok((header, prefix));
+                }
+                Err(PrefixError::Refused(e)) => return Err(OpenError::Format(e.into())),
+                Err(PrefixError::NeedsMore) => {
+                    let have = prefix.len() as u64;
+                    let want = have.saturating_mul(2).max(FIRST_GET).min(version.size);
+                    if want > MAX_GGUF_HEADER {
+                        return Err(OpenError::Fetch(format!(
+                            "{url}: its GGUF keys and tensor infos run past {} MiB: not read \
+                             (stfs reads remote GGUF headers of up to that)",
+                            MAX_GGUF_HEADER >> 20
+                        )));
+                    }
+                    if want <= have {
+                        return Err(OpenError::Fetch(format!(
+                            "{url}: the object ended while its GGUF header was read"
+                        )));
+                    }
+                    let rest = self
+                        .fetch_range(path, version.clone(), have..want)
+                        .map_err(|e| OpenError::Fetch(format!("{url}: {e}")))?;
+                    prefix.extend_from_slice(&rest);
+                }
+            }
+        }
+    }
+
+    /// The object of a validated header.
+    fn object(
+        self: &Arc<Self>,
+        path: &ObjectPath,
+        url: String,
+        version: ObjectVersion,
+        header: Header,
+    ) -> (RemoteObject, Header) {
+        if version.etag.is_none() {
             warn!(
                 url,
                 "the server gives no ETag: an object replaced behind the mount cannot be noticed"
@@ -511,14 +572,11 @@ impl Remote {
             remote: self.clone(),
             url,
             path: path.clone(),
-            version: ObjectVersion {
-                size,
-                etag,
-                modified: modified.into(),
-            },
+            version,
             cache_key: String::new(),
             chunks: chunk_starts(&header),
             data_end: header.data_start() + header.data_len(),
+            head: None,
             stale: AtomicBool::new(false),
             streams: Mutex::new(LruCache::new(STREAMS.try_into().expect("not zero"))),
         };
@@ -526,7 +584,7 @@ impl Remote {
             cache_key: object.identity(),
             ..object
         };
-        Ok((object, header))
+        (object, header)
     }
 
     /// One ranged GET of `version` (the rest of a header), bounded in time:
@@ -570,6 +628,9 @@ pub struct RemoteObject {
     cache_key: String,
     chunks: Vec<u64>,
     data_end: u64,
+    /// The bytes before the data, kept where something reads them after
+    /// the mount (a GGUF file's key arrays: `__kv__`, `__metadata__.json`).
+    head: Option<Vec<u8>>,
     /// Replaced behind the mount: said once, then every read fails.
     stale: AtomicBool,
     /// How recently read tensors are being read, by tensor index.
@@ -583,6 +644,11 @@ impl RemoteObject {
 
     pub fn size(&self) -> u64 {
         self.version.size
+    }
+
+    /// The bytes before the data, where they were kept.
+    pub fn head(&self) -> Option<&[u8]> {
+        self.head.as_deref()
     }
 
     pub fn modified(&self) -> SystemTime {
