@@ -239,19 +239,7 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
             continue;
         }
         if is_gguf(path) {
-            match read_gguf(path) {
-                Ok((_, h)) => say(
-                    format!(
-                        "{}: ok (GGUF v{}, {} tensors, {} bytes)",
-                        path.display(),
-                        h.version,
-                        h.tensors.len(),
-                        h.data_len
-                    ),
-                    false,
-                ),
-                Err(e) => say(e, true),
-            }
+            verify_gguf(path, &mut say);
             continue;
         }
         match read_header(path) {
@@ -266,6 +254,22 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
 fn verified(path: &Path, h: &Header) -> String {
     let (n, bytes) = (h.tensors.len(), h.data_len());
     format!("{}: ok ({n} tensors, {bytes} bytes)", path.display())
+}
+
+fn verify_gguf(path: &Path, say: &mut dyn FnMut(String, bool)) {
+    match read_gguf(path) {
+        Ok((_, h)) => say(
+            format!(
+                "{}: ok (GGUF v{}, {} tensors, {} bytes)",
+                path.display(),
+                h.version,
+                h.tensors.len(),
+                h.data_len
+            ),
+            false,
+        ),
+        Err(e) => say(e, true),
+    }
 }
 
 fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
@@ -283,8 +287,14 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
             Err(e) => say(e, true),
         }
     }
-    if shards.checkpoints.is_empty() {
-        say(format!("{}: no *.safetensors files", dir.display()), true);
+    for (_, path) in &shards.ggufs {
+        verify_gguf(path, say);
+    }
+    if shards.checkpoints.is_empty() && shards.ggufs.is_empty() {
+        say(
+            format!("{}: no *.safetensors or *.gguf files", dir.display()),
+            true,
+        );
     }
     let refs: BTreeMap<String, &Header> = headers.iter().map(|(k, v)| (k.clone(), v)).collect();
     for path in &shards.indexes {
@@ -317,11 +327,14 @@ pub struct DirListing {
     pub checkpoints: Vec<(String, PathBuf)>,
     /// Every `*.index.json`.
     pub indexes: Vec<PathBuf>,
+    /// (file name, path) of every `*.gguf` (the parts of a split GGUF file).
+    pub ggufs: Vec<(String, PathBuf)>,
 }
 
 pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
     let mut checkpoints = Vec::new();
     let mut indexes = Vec::new();
+    let mut ggufs = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -333,12 +346,16 @@ pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
             checkpoints.push((name, path));
         } else if name.ends_with(".index.json") {
             indexes.push(path);
+        } else if name.ends_with(".gguf") {
+            ggufs.push((name, path));
         }
     }
     checkpoints.sort();
     indexes.sort();
+    ggufs.sort();
     Ok(DirListing {
         checkpoints,
         indexes,
+        ggufs,
     })
 }

@@ -109,10 +109,24 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
         let file = SourceFile::open_with(path, writable).map_err(|e| e.to_string())?;
         return Ok((Source::File(file), Vec::new()));
     }
-    let listing = list_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut listing = list_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // A folder mount shows one format: its safetensors shards, or else the
+    // parts of a split GGUF file (`-00001-of-00003.gguf`), read-only.
+    let mut notes = Vec::new();
+    if listing.checkpoints.is_empty() {
+        listing.checkpoints = std::mem::take(&mut listing.ggufs);
+        listing.indexes.clear();
+    } else if !listing.ggufs.is_empty() {
+        notes.push(format!(
+            "{}: {} *.gguf files not shown (a folder mount shows its *.safetensors files, or \
+             else its *.gguf files)",
+            path.display(),
+            listing.ggufs.len()
+        ));
+    }
     if listing.checkpoints.is_empty() {
         return Err(format!(
-            "{}: no *.safetensors files in this folder",
+            "{}: no *.safetensors or *.gguf files in this folder",
             path.display()
         ));
     }
@@ -146,7 +160,8 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
         };
         indexes.push((ix.display().to_string(), index));
     }
-    Ok(shard_folder(folder, stat, shards, indexes))
+    let (source, warnings) = shard_folder(folder, stat, shards, indexes);
+    Ok((source, warnings.into_iter().chain(notes).collect()))
 }
 
 /// A folder mount of `shards` (file name, source) with its indexes (shown
@@ -174,6 +189,7 @@ fn shard_folder(
         .map(|(name, c)| {
             let stem = name
                 .strip_suffix(".safetensors")
+                .or_else(|| name.strip_suffix(".gguf"))
                 .unwrap_or(&name)
                 .to_string();
             (stem, c)
@@ -288,12 +304,21 @@ fn open_remote(
         ));
     }
     let listed = at.remote.list(&at.path).map_err(|e| e.to_string())?;
+    // One format per folder mount: its safetensors shards, or else the parts
+    // of a split GGUF file.
+    let suffix = match listed
+        .iter()
+        .any(|(name, _)| name.ends_with(".safetensors"))
+    {
+        true => ".safetensors",
+        false => ".gguf",
+    };
     let mut shards = Vec::new();
     let mut indexes = Vec::new();
     for (name, path) in listed {
-        if name.ends_with(".safetensors") {
+        if name.ends_with(suffix) {
             shards.push((name, open(&path)?));
-        } else if name.ends_with(".index.json") {
+        } else if name.ends_with(".index.json") && suffix == ".safetensors" {
             let (bytes, etag) = at.remote.get_all(&path).map_err(|e| e.to_string())?;
             let stat = FileStat {
                 len: bytes.len() as u64,
@@ -314,7 +339,9 @@ fn open_remote(
         }
     }
     if shards.is_empty() {
-        return Err(format!("{url}: no *.safetensors objects under this prefix"));
+        return Err(format!(
+            "{url}: no *.safetensors or *.gguf objects under this prefix"
+        ));
     }
     let newest = shards
         .iter()
@@ -472,14 +499,13 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
     // GGUF files are served read-only until their commits exist.
-    let gguf_note =
-        (!options.read_only && crate::format::gguf::is_gguf_file(&req.source)).then(|| {
-            options.read_only = true;
-            format!(
-                "{}: mounted read-only (GGUF files cannot be edited through stfs yet)",
-                req.source.display()
-            )
-        });
+    let gguf_note = (!options.read_only && is_gguf_source(&req.source)).then(|| {
+        options.read_only = true;
+        format!(
+            "{}: mounted read-only (GGUF files cannot be edited through stfs yet)",
+            req.source.display()
+        )
+    });
     // (Cleared before the fork: its ticking thread is joined.)
     let spinner = crate::progress::spinner(&format!(
         "opening {} (and what earlier mounts left of it)",
@@ -495,6 +521,15 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     let (fs, mut report) = opened?;
     report.extend(gguf_note);
     launch(&req, options, move || Ok((fs, report)))
+}
+
+/// Whether a local source is a GGUF file, or a folder that a mount shows
+/// the GGUF files of (it has no `*.safetensors`).
+fn is_gguf_source(path: &Path) -> bool {
+    if path.is_dir() {
+        return list_dir(path).is_ok_and(|l| l.checkpoints.is_empty() && !l.ggufs.is_empty());
+    }
+    crate::format::gguf::is_gguf_file(path)
 }
 
 /// Opens a local source as a mount does, after what earlier mounts left:

@@ -23,8 +23,8 @@ impl Fs {
             Node::CheckpointDir(_) if name == VIEWS_DIR && st.folder.is_none() => {
                 Node::Views(VIEW_BIT)
             }
-            Node::CheckpointDir(_) if name == KV_DIR && st.is_gguf() => {
-                st.kv_dir().ok_or(FsError::NotFound)?
+            Node::CheckpointDir(c) if name == KV_DIR && st.is_gguf() => {
+                st.kv_dir(c).ok_or(FsError::NotFound)?
             }
             Node::Views(_) if name.len() > NAME_MAX => return Err(FsError::NameTooLong),
             Node::Views(dir) => {
@@ -405,7 +405,7 @@ impl Fs {
                 {
                     return Ok(());
                 }
-                if let Some(kv) = st.kv_dir().filter(|_| offset < 4) {
+                if let Some(kv) = st.kv_dir(c).filter(|_| offset < 4) {
                     if emit(st.ino_of(kv), Kind::Directory, KV_DIR.into(), 4) {
                         return Ok(());
                     }

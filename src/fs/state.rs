@@ -283,17 +283,18 @@ impl State {
         found
     }
 
-    /// Whether this mounts a GGUF file (whose views are its own, and whose
-    /// folder shows `__kv__`).
+    /// Whether this mounts a GGUF file or the parts of a split one (whose
+    /// views are their own, and whose folders show `__kv__`). A folder
+    /// mount shows one format.
     pub(super) fn is_gguf(&self) -> bool {
-        self.folder.is_none() && self.live(0).source().header().is_gguf()
+        self.live(0).source().header().is_gguf()
     }
 
-    /// The inode of `__kv__` when this mounts a GGUF file: the view folder
-    /// `kv` below `__views__`, reached from the file's folder.
-    pub(super) fn kv_dir(&self) -> Option<Node> {
+    /// The node of checkpoint `c`'s `__kv__` when this mounts GGUF: its view
+    /// folder below `__views__` (`kv`, or `kv/SHARD`).
+    pub(super) fn kv_dir(&self, c: usize) -> Option<Node> {
         self.is_gguf()
-            .then(|| Node::Views(self.view_ino(views::KV_DIR)))
+            .then(|| Node::Views(self.view_ino(&views::kv_path(self, c))))
     }
 
     pub(super) fn live(&self, c: usize) -> &Live {

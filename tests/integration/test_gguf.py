@@ -291,3 +291,58 @@ def test_verdicts_match_ggml_c_reader_on_every_bent_byte_and_cut(tmp_path, run):
     # Both accept some bent files (a byte of a name or a value) and refuse most of the rest.
     accepted = sum(theirs.values())
     assert 1 < accepted < len(files) - 500, accepted
+
+
+def write_split(folder, parts_of=2, tensors=5):
+    """A GGUF file split by gguf-py (`-0000k-of-0000n.gguf`), `parts_of` tensors a part."""
+    w = gguf.GGUFWriter(str(folder / "model.gguf"), "llama", split_max_tensors=parts_of)
+    w.add_name("split")
+    w.add_chat_template("{{ messages }}")
+    arrays = {f"blk.{i}.w": np.full((2, 4), i, np.float32) for i in range(tensors)}
+    for name, a in arrays.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return arrays
+
+
+def test_a_folder_of_split_gguf_parts_mounts_as_shards(tmp_path, mount, run):
+    folder = tmp_path / "split"
+    folder.mkdir()
+    arrays = write_split(folder)
+    parts = sorted(p.name for p in folder.iterdir())
+    assert parts == [f"model-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+    m = mount(folder)
+    assert "mounted read-only (GGUF files cannot be edited through stfs yet)" in m.result.stderr
+    mnt = pathlib.Path(m.path)
+    assert sorted(os.listdir(mnt)) == [p[:-len(".gguf")] for p in parts]
+    seen = {}
+    for part in parts:
+        shard = mnt / part[:-len(".gguf")]
+        reader = gguf.GGUFReader(str(folder / part))
+        keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+        assert sorted(os.listdir(shard / "__kv__")) == sorted(keys)
+        assert (shard / "__kv__/split.no").read_text() == f"{parts.index(part)}\n"
+        assert sorted(json.loads((shard / "__metadata__.json").read_text())) == sorted(keys)
+        for t in reader.tensors:
+            seen[t.name] = (shard / t.name).read_bytes()
+            assert seen[t.name] == t.data.tobytes()
+    assert seen == {k: v.tobytes() for k, v in arrays.items()}
+    # The views of each part: __views__/kv/SHARD and npy/SHARD.
+    assert sorted(os.listdir(mnt / "__views__/kv")) == sorted(os.listdir(mnt))
+    first = parts[0][:-len(".gguf")]
+    assert (mnt / "__views__/kv" / first / "general.name").read_text() == "split"
+    assert np.array_equal(np.load(mnt / "__views__/npy" / first / "blk.0.w.npy"), arrays["blk.0.w"])
+    with pytest.raises(OSError) as e:
+        (mnt / first / "blk.0.w").write_bytes(b"\0" * 32)
+    assert e.value.errno == errno.EROFS
+    v = run("verify", folder)
+    assert v.returncode == 0 and v.stdout.count(": ok (GGUF v3") == 3, v.stdout
+    # Beside safetensors files, GGUF files are not shown, and the mount says so.
+    from safetensors.numpy import save_file
+    save_file({"x": np.ones(2, np.float32)}, str(folder / "other.safetensors"))
+    m2 = mount(folder)
+    assert "3 *.gguf files not shown" in m2.result.stderr, m2.result.stderr
+    assert os.listdir(m2.path) == ["other"]

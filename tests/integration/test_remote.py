@@ -783,3 +783,21 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
     with pytest.raises(OSError) as e:
         os.unlink(os.path.join(s3_other.path, "token_embd.weight"))
     assert e.value.errno == errno.EROFS
+
+
+def test_an_s3_prefix_of_split_gguf_parts_mounts_as_shards_read_only(tmp_path, s3, mount):
+    pytest.importorskip("gguf")
+    from test_gguf import write_split
+    folder = tmp_path / "split"
+    folder.mkdir()
+    arrays = write_split(folder)
+    for part in sorted(folder.iterdir()):
+        s3.upload(part, f"split/{part.name}")
+    m = mount(f"s3://{BUCKET}/split/", *s3.options)
+    shards = sorted(os.listdir(m.path))
+    assert shards == [f"model-0000{k}-of-00003" for k in (1, 2, 3)]
+    assert read(os.path.join(m.path, shards[1], "__kv__", "split.no")) == b"1\n"
+    assert read(os.path.join(m.path, shards[2], "blk.4.w")) == arrays["blk.4.w"].tobytes()
+    with pytest.raises(OSError) as e:
+        os.unlink(os.path.join(m.path, shards[0], "blk.0.w"))
+    assert e.value.errno == errno.EROFS

@@ -1,4 +1,5 @@
-//! `__kv__/` of a GGUF mount (also reached as `__views__/kv/`): one file per
+//! `__kv__/` of a GGUF file (also reached as `__views__/kv/`, or
+//! `__views__/kv/SHARD/` for each part of a split GGUF file): one file per
 //! key of the file's key-value section, in file order, its value as a
 //! person reads it (`gguf::kv_file_text`): a chat template is a text file, a
 //! token id its digits. File names are the keys, escaped as tensor names
@@ -15,9 +16,31 @@ pub struct Kv;
 /// Its name in `__views__`; a GGUF checkpoint's folder shows it as `__kv__`.
 pub const KV_DIR: &str = "kv";
 
-fn header(st: &State) -> Option<&GgufHeader> {
-    st.folder.is_none().then_some(())?;
-    st.live(0).source().header().gguf.as_deref()
+/// The path below `__views__` of checkpoint `c`'s keys.
+pub fn kv_path(st: &State, c: usize) -> String {
+    match st.folder {
+        None => KV_DIR.to_string(),
+        Some(_) => format!("{KV_DIR}/{}", st.checkpoints[c].shown_name()),
+    }
+}
+
+/// The checkpoint whose keys folder `path` is (`kv`, or `kv/SHARD`); None
+/// for the folder of shard folders (a folder mount's `kv`).
+fn checkpoint_of(st: &State, path: &[&str]) -> Option<Option<usize>> {
+    match (path, &st.folder) {
+        ([_], None) => Some(Some(0)),
+        ([_], Some(_)) => Some(None),
+        ([_, shard], Some(_)) => st
+            .checkpoints
+            .iter()
+            .position(|m| m.shown_name() == *shard)
+            .map(Some),
+        _ => None,
+    }
+}
+
+fn header(st: &State, c: usize) -> Option<&GgufHeader> {
+    st.live(c).source().header().gguf.as_deref()
 }
 
 /// The key and value of file `name`.
@@ -25,38 +48,42 @@ fn entry<'a>(h: &'a GgufHeader, name: &str) -> Option<&'a (String, Value)> {
     h.kvs.iter().find(|(key, _)| tensor_file_name(key) == name)
 }
 
+/// The checkpoint and key of file `path`.
+fn file_of<'a>(st: &'a State, path: &[&str]) -> Option<(usize, &'a (String, Value))> {
+    let (name, folder) = path.split_last()?;
+    let c = checkpoint_of(st, folder).flatten()?;
+    Some((c, entry(header(st, c)?, name)?))
+}
+
 impl ViewFolder for Kv {
     fn formats(&self) -> Formats {
         Formats::Gguf
     }
 
-    fn top(&self, st: &State) -> Vec<String> {
-        header(st).map(|_| KV_DIR.to_string()).into_iter().collect()
+    fn top(&self, _: &State) -> Vec<String> {
+        vec![KV_DIR.to_string()]
     }
 
     fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
-        let h = header(st)?;
-        match path {
-            [_] => Some(Found::Folder(Draws::Checkpoint(0))),
-            [_, name] => entry(h, name).map(|_| Found::File(Draws::Checkpoint(0))),
-            _ => None,
+        if let Some(c) = checkpoint_of(st, path) {
+            return Some(Found::Folder(c.map_or(Draws::All, Draws::Checkpoint)));
         }
+        file_of(st, path).map(|(c, _)| Found::File(Draws::Checkpoint(c)))
     }
 
     fn list(&self, st: &State, path: &[&str], _from: u64) -> Vec<Entry> {
-        match (header(st), path) {
-            (Some(h), [_]) => numbered(h.kvs.iter().map(|(k, _)| (tensor_file_name(k), false))),
-            _ => Vec::new(),
+        match checkpoint_of(st, path) {
+            Some(None) => numbered(st.checkpoints.iter().map(|m| (m.shown_name(), true))),
+            Some(Some(c)) => header(st, c).map_or_else(Vec::new, |h| {
+                numbered(h.kvs.iter().map(|(k, _)| (tensor_file_name(k), false)))
+            }),
+            None => Vec::new(),
         }
     }
 
     fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
-        let [_, name] = path else {
-            return Err(ViewError::NotAView);
-        };
-        let h = header(st).ok_or(ViewError::NotAView)?;
-        let (_, value) = entry(h, name).ok_or(ViewError::NotAView)?;
-        let source = st.live(0).source();
+        let (c, (_, value)) = file_of(st, path).ok_or(ViewError::NotAView)?;
+        let source = st.live(c).source();
         let read = |at, len| source.read_range(at, len);
         let text = gguf::kv_file_text(value, &read)
             .map_err(|e| ViewError::Invalid(format!("{}: {e}", source.path().display())))?;

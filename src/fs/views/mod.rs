@@ -9,7 +9,7 @@ mod casts;
 mod export;
 pub(super) use export::index_view;
 mod kv;
-pub(super) use kv::KV_DIR;
+pub(super) use kv::kv_path;
 mod npy;
 mod reshard;
 
