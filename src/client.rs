@@ -369,8 +369,8 @@ pub fn prefetch(
 }
 
 /// Expands directories to the tensor files in them (skipping `*.meta.json`,
-/// `__metadata__.json` and index files), recursively for folder mounts. Files
-/// named on the command line are kept as they are.
+/// `__metadata__.json`, index files and a GGUF file's `__kv__`), recursively
+/// for folder mounts. Files named on the command line are kept as they are.
 pub fn tensor_files(paths: &[PathBuf]) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for p in paths {
@@ -384,10 +384,12 @@ pub fn tensor_files(paths: &[PathBuf]) -> Vec<PathBuf> {
             entries.sort();
             entries.retain(|e| {
                 let name = e.file_name().unwrap_or_default().to_string_lossy();
-                e.is_dir()
-                    || !(name.ends_with(crate::fs::TensorFile::Meta.suffix())
-                        || name == crate::fs::names::METADATA_FILE
-                        || name.ends_with(".index.json"))
+                if e.is_dir() {
+                    return name != crate::fs::names::KV_DIR;
+                }
+                !(name.ends_with(crate::fs::TensorFile::Meta.suffix())
+                    || name == crate::fs::names::METADATA_FILE
+                    || name.ends_with(".index.json"))
             });
             out.extend(tensor_files(&entries));
         } else {

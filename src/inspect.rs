@@ -40,8 +40,9 @@ fn read_gguf(path: &Path) -> Result<(memmap2::Mmap, gguf::GgufHeader), String> {
 }
 
 /// Whether the file starts with the GGUF magic (else: safetensors).
+/// A GGUF file by its magic, or by its name (`.gguf`: refused as GGUF).
 fn is_gguf(path: &Path) -> bool {
-    gguf::is_gguf_file(path)
+    path.file_name().is_some_and(gguf::named_gguf) || gguf::is_gguf_file(path)
 }
 
 fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
@@ -118,6 +119,12 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
             );
         }
         let k = crate::format::printable(k);
+        // A string quoted and escaped (it may hold newlines or escapes);
+        // numbers, bools and an array's summary as they are.
+        if !matches!(v, gguf::Value::String(_)) {
+            writeln!(out, "    {k} ({}): {shown}", v.value_type().name()).map_err(io)?;
+            continue;
+        }
         writeln!(out, "    {k} ({}): {shown:?}", v.value_type().name()).map_err(io)?;
     }
     let width = name_column(h.tensors.iter().map(|t| t.name.as_str()));

@@ -549,7 +549,7 @@ pub fn open_local(
     // Two mounts of one source are allowed; their commits are taken one at
     // a time, and the second is refused if the first changed the file.
     for m in crate::mountinfo::mounts() {
-        if m.fstype == "fuse.stfs" && Path::new(&m.source) == source {
+        if !settings.read_only && m.fstype == "fuse.stfs" && Path::new(&m.source) == source {
             notes.push(format!(
                 "{} is also mounted at {}: commits of both are taken one at a time, and the \
                  later one is refused (ESTALE) if the other changed the file meanwhile",

@@ -236,6 +236,9 @@ pub struct GgufHeader {
     pub data_start: u64,
     /// Bytes of the data section the tensors span (with their padding).
     pub data_len: u64,
+    /// The first tensor name or key that is not UTF-8 (shown lossily, so
+    /// two such names may look the same): why the file cannot be mounted.
+    pub not_utf8: Option<GgufError>,
 }
 
 /// What a file breaks: the rule, and the tensor or key it is about.
@@ -438,11 +441,15 @@ fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
         )));
     }
     // (Reserved up to a bound: a sparse file may claim counts its size allows.)
+    let mut not_utf8 = None;
     let mut kvs: Vec<(String, Value)> = Vec::with_capacity((n_kv as usize).min(4096));
     let mut keys = std::collections::HashSet::new();
     for k in 0..n_kv {
         let raw_key = r.string(&format!("key {k}"))?;
         let key = String::from_utf8_lossy(raw_key).into_owned();
+        if not_utf8.is_none() && std::str::from_utf8(raw_key).is_err() {
+            not_utf8 = Some((None, key.clone()));
+        }
         let in_key = |e: GgufError| GgufError {
             key: Some(key.clone()),
             ..e
@@ -467,8 +474,9 @@ fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
             return Err(GgufError {
                 key: Some(k.clone()),
                 ..refused(format!(
-                    "the alignment must be a UINT32 power of two, not {} {v:?}",
-                    v.value_type().name()
+                    "the alignment must be a UINT32 power of two, not {} {}",
+                    v.value_type().name(),
+                    show_value(v)
                 ))
             });
         }
@@ -478,6 +486,9 @@ fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
     for i in 0..n_tensors {
         let raw = r.string(&format!("the name of tensor {i}"))?;
         let name = String::from_utf8_lossy(raw).into_owned();
+        if not_utf8.is_none() && std::str::from_utf8(raw).is_err() {
+            not_utf8 = Some((Some(name.clone()), String::new()));
+        }
         let bad = |rule: String| GgufError {
             tensor: Some(name.clone()),
             ..refused(rule)
@@ -576,12 +587,25 @@ fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
         alignment,
         data_start,
         data_len: size,
+        not_utf8: not_utf8.map(|(tensor, key)| GgufError {
+            key: tensor.is_none().then_some(key),
+            tensor,
+            rule: "the name is not UTF-8 (ggml accepts it; stfs shows names as file names, \
+                   and cannot show this one without mixing it up with others)"
+                .into(),
+        }),
     })
 }
 
 /// Whether the file starts with the GGUF magic.
 pub fn is_gguf(start: &[u8]) -> bool {
     start.starts_with(MAGIC)
+}
+
+/// Whether a file's name says it is GGUF (`.gguf`): such a file is read as
+/// GGUF whatever it holds, so that a damaged one is refused as GGUF.
+pub fn named_gguf(name: &std::ffi::OsStr) -> bool {
+    name.as_encoded_bytes().ends_with(b".gguf")
 }
 
 /// Whether `path` is a regular file that starts with the GGUF magic (opened
@@ -679,10 +703,13 @@ pub fn kv_file_text(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
     Ok(match v {
         Value::String(s) => s.clone(),
         v => {
+            // A finite float as in JSON (shortest: 0.1, 1e-45, 2.0); NaN
+            // and the infinities, which JSON has not, as NaN, inf, -inf.
             let mut text = match v {
                 Value::Array(_) => value_json(v, read)?.to_string(),
-                Value::F32(x) => x.to_string(),
-                Value::F64(x) => x.to_string(),
+                Value::F32(x) if !x.is_finite() => x.to_string(),
+                Value::F64(x) if !x.is_finite() => x.to_string(),
+                Value::F32(_) | Value::F64(_) => scalar_json(v).to_string(),
                 v => show_value(v),
             };
             text.push('\n');

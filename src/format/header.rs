@@ -262,6 +262,9 @@ impl Header {
     /// stored (its padding to the alignment lies between them), offsets
     /// relative to the data start, which `header_len` places (8 + header_len).
     pub fn from_gguf(g: super::gguf::GgufHeader) -> Result<Header, FormatError> {
+        if let Some(e) = g.not_utf8 {
+            return Err(e.into());
+        }
         let mut tensors = Tensors::with_capacity(g.tensors.len());
         let mut order: Vec<usize> = (0..g.tensors.len()).collect();
         order.sort_unstable_by_key(|&i| g.tensors[i].offset);

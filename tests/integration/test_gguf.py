@@ -68,7 +68,8 @@ def test_inspect_agrees_with_gguf_py(tmp_path, run, alignment):
     assert meta["tokenizer.ggml.tokens"] == {"type": "ARRAY", "value": {"item_type": "STRING", "len": 3}}
     assert meta["tokenizer.ggml.eos_token_id"] == {"type": "UINT32", "value": 1}
     text = run("inspect", path).stdout
-    assert "GGUF v3, 4 tensors" in text and "Q4_K" in text and "tokenizer.ggml.tokens (ARRAY): \"[3 x STRING]\"" in text
+    assert "GGUF v3, 4 tensors" in text and "Q4_K" in text and "tokenizer.ggml.tokens (ARRAY): [3 x STRING]" in text
+    assert "tokenizer.ggml.eos_token_id (UINT32): 1\n" in text and 'general.name (STRING): "tiny"' in text
     v = run("verify", path)
     assert v.returncode == 0 and f"{path}: ok (GGUF v3, 4 tensors" in v.stdout, v.stdout
 
@@ -196,6 +197,9 @@ def test_a_gguf_mount_refuses_every_edit_with_erofs(tmp_path, mount, run):
         assert e.value.errno == errno.EROFS
     assert run("status", mnt).stdout.startswith(f"{path}: no changes")
     assert path.read_bytes() == before
+    # A second mount of it says nothing about commits it cannot make.
+    again = mount(path)
+    assert "also mounted at" not in again.result.stderr, again.result.stderr
 
 
 def test_long_templates_big_vocabularies_and_awkward_names(tmp_path, mount):
@@ -212,6 +216,11 @@ def test_long_templates_big_vocabularies_and_awkward_names(tmp_path, mount):
     w.add_float32("test.scale", 0.1)
     w.add_bool("test.flag", True)
     w.add_int64("test.big", -(2**40))
+    w.add_float32("test.tiny", 1e-45)
+    w.add_float64("test.huge", 1e300)
+    w.add_float32("test.two", 2.0)
+    w.add_float32("test.nan", float("nan"))
+    w.add_float64("test.ninf", float("-inf"))
     w.add_tensor("__kv__", np.arange(4, dtype=np.float32))
     w.add_tensor("a/b", np.arange(2, dtype=np.float32))
     w.write_header_to_file()
@@ -224,11 +233,17 @@ def test_long_templates_big_vocabularies_and_awkward_names(tmp_path, mount):
     assert json.loads((kv / "tokenizer.ggml.tokens").read_text()) == tokens
     assert (kv / "test.floats").read_text() == "[0.5,1.25,-2.0]\n"
     assert (kv / "test.scale").read_text() == "0.1\n"
+    # Floats as in JSON, shortest; NaN and the infinities, which JSON lacks, as text.
+    for key, text in [("test.tiny", "1e-45"), ("test.huge", "1e+300"), ("test.two", "2.0"),
+                      ("test.nan", "NaN"), ("test.ninf", "-inf")]:
+        assert (kv / key).read_text() == text + "\n", key
+
     assert (kv / "test.flag").read_text() == "true\n"
     assert (kv / "test.big").read_text() == f"{-(2**40)}\n"
     shown = json.loads((mnt / "__metadata__.json").read_text())
     assert shown["tokenizer.ggml.tokens"]["value"] == tokens
     assert shown["test.scale"] == {"type": "FLOAT32", "value": 0.1}
+    assert shown["test.huge"]["value"] == 1e300 and shown["test.nan"]["value"] is None
     assert (mnt / "%5F_kv__").read_bytes() == np.arange(4, dtype=np.float32).tobytes()
     assert (mnt / "a%2Fb").read_bytes() == np.arange(2, dtype=np.float32).tobytes()
 
@@ -346,3 +361,36 @@ def test_a_folder_of_split_gguf_parts_mounts_as_shards(tmp_path, mount, run):
     m2 = mount(folder)
     assert "3 *.gguf files not shown" in m2.result.stderr, m2.result.stderr
     assert os.listdir(m2.path) == ["other"]
+
+
+def test_what_stfs_cannot_show_is_refused_at_mount_naming_the_rule(tmp_path, mount, run):
+    """A tensor name that is not UTF-8 (ggml accepts it) cannot become a file name without
+    being mixed up with others: the mount refuses it, naming the tensor; verify still says
+    ok, as ggml does. A .gguf file that is not GGUF is refused as GGUF."""
+    path = tmp_path / "bytes.gguf"
+    write_model(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"output_norm.weight")
+    data[at] = 0xFF
+    path.write_bytes(bytes(data))
+    v = run("verify", path)
+    assert v.returncode == 0, v.stdout + v.stderr
+    m = mount(path, expect_ok=False)
+    assert not m.ok
+    assert "tensor \"\ufffdutput_norm.weight\": the name is not UTF-8" in m.result.stderr, m.result.stderr
+    assert str(path) in m.result.stderr
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGU")
+    for p in (run("verify", fake), mount(fake, expect_ok=False).result):
+        assert p.returncode != 0 and 'not a GGUF file (no "GGUF" magic at its start)' in p.stdout + p.stderr, \
+            p.stdout + p.stderr
+
+
+def test_prefetch_of_a_gguf_mount_takes_the_tensors_and_skips_the_keys(tmp_path, mount, run):
+    path = tmp_path / "tiny.gguf"
+    write_model(path)
+    m = mount(path)
+    p = run("prefetch", m.path)
+    assert p.returncode == 0, p.stderr
+    assert "__kv__" not in p.stdout + p.stderr
+    assert p.stdout.count("token_embd.weight") == 1, p.stdout

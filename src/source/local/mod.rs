@@ -231,7 +231,9 @@ impl SourceFile {
             path: path.clone(),
             error,
         };
-        if stat.len < 8 {
+        // A `.gguf` file is read as GGUF (and refused as one) whatever it holds.
+        let named_gguf = crate::format::gguf::named_gguf(&name);
+        if stat.len < 8 && !named_gguf {
             return Err(format(FormatError::TooShort { file_len: stat.len }));
         }
         // SAFETY: the mapping is read-only. stfs writes the source in place
@@ -250,7 +252,13 @@ impl SourceFile {
         if crate::format::interrupted_in_place(map.len() as u64, read_at) {
             return Err(SourceError::Interrupted { path });
         }
-        let header = Header::parse_any(&map).map_err(format)?;
+        let header = match named_gguf {
+            true => crate::format::gguf::parse(&map)
+                .map_err(FormatError::from)
+                .and_then(Header::from_gguf),
+            false => Header::parse_any(&map),
+        }
+        .map_err(format)?;
         let shared = OpenFile::new(map, &stat);
         Ok(SourceFile::assemble(
             path,
