@@ -129,6 +129,23 @@ impl GeneratedFile {
         }
     }
 
+    /// A file of `header`, then each tensor at its place (file order), the
+    /// bytes between them zeros (a GGUF file's padding), `len` bytes in all.
+    pub fn placed(header: Vec<u8>, tensors: Vec<(u64, ViewTensor)>, len: u64) -> GeneratedFile {
+        GeneratedFile {
+            len,
+            header,
+            parts: tensors
+                .into_iter()
+                .map(|(start, t)| {
+                    let dtype = t.dtype;
+                    (start, t, dtype)
+                })
+                .collect(),
+            same_as: Default::default(),
+        }
+    }
+
     /// A generated text file (an index) as one: its bytes, no tensors.
     pub fn text(bytes: Vec<u8>) -> GeneratedFile {
         GeneratedFile {
@@ -231,14 +248,22 @@ impl GeneratedFile {
                 out[..n].copy_from_slice(&h[..n]);
                 n
             } else {
-                // The part holding `at`: the last one starting at or before it.
+                // The part holding `at`: the last one starting at or before it;
+                // past its bytes, zeros up to the next part (padding).
                 let p = self.parts.partition_point(|(start, ..)| *start <= at) - 1;
                 let (start, t, shown) = &self.parts[p];
                 let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
                 let within = at - start;
-                let n = ((len - within) as usize).min(out.len());
-                read_cast(&t.bytes, t.dtype, *shown, within, &mut out[..n])?;
-                n
+                if within >= len {
+                    let next = self.parts.get(p + 1).map_or(self.len, |(s, ..)| *s);
+                    let n = ((next - at) as usize).min(out.len());
+                    out[..n].fill(0);
+                    n
+                } else {
+                    let n = ((len - within) as usize).min(out.len());
+                    read_cast(&t.bytes, t.dtype, *shown, within, &mut out[..n])?;
+                    n
+                }
             };
             if n == 0 {
                 break;

@@ -170,7 +170,7 @@ def test_mount_shows_tensors_keys_and_metadata_as_gguf_py_reads_them(tmp_path, m
     assert (kv / "tokenizer.ggml.eos_token_id").read_text() == "1\n"
     assert json.loads((kv / "tokenizer.ggml.tokens").read_text()) == ["<s>", "</s>", "hello"]
     # The same files below __views__/kv; safetensors views are not offered for GGUF.
-    assert sorted(os.listdir(mnt / "__views__")) == ["kv", "npy"]
+    assert sorted(os.listdir(mnt / "__views__")) == ["kv", "model.gguf", "npy"]
     assert (mnt / "__views__/kv/general.name").read_text() == "tiny"
     # Float tensors as .npy; quantized blocks have no numpy dtype and are left out.
     assert sorted(os.listdir(mnt / "__views__/npy")) == ["output_norm.weight.npy", "token_embd.weight.npy"]
@@ -347,6 +347,8 @@ def test_a_folder_of_split_gguf_parts_mounts_as_shards(tmp_path, mount, run):
     assert seen == {k: v.tobytes() for k, v in arrays.items()}
     # The views of each part: __views__/kv/SHARD and npy/SHARD.
     assert sorted(os.listdir(mnt / "__views__/kv")) == sorted(os.listdir(mnt))
+    for part in parts:
+        assert (mnt / "__views__" / part).read_bytes() == (folder / part).read_bytes(), part
     first = parts[0][:-len(".gguf")]
     assert (mnt / "__views__/kv" / first / "general.name").read_text() == "split"
     assert np.array_equal(np.load(mnt / "__views__/npy" / first / "blk.0.w.npy"), arrays["blk.0.w"])
@@ -394,3 +396,54 @@ def test_prefetch_of_a_gguf_mount_takes_the_tensors_and_skips_the_keys(tmp_path,
     assert p.returncode == 0, p.stderr
     assert "__kv__" not in p.stdout + p.stderr
     assert p.stdout.count("token_embd.weight") == 1, p.stdout
+
+
+def ggml_string(path, key):
+    """The string value of `key` as llama.cpp's C reader reads it from `path`."""
+    import ctypes
+    lib = ctypes.CDLL(str(GGML_LIB))
+
+    class InitParams(ctypes.Structure):
+        _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
+    lib.gguf_init_from_file.restype = ctypes.c_void_p
+    lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, InitParams]
+    lib.gguf_find_key.restype = ctypes.c_int64
+    lib.gguf_find_key.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.gguf_get_val_str.restype = ctypes.c_char_p
+    lib.gguf_get_val_str.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gguf_free.argtypes = [ctypes.c_void_p]
+    g = lib.gguf_init_from_file(str(path).encode(), InitParams(True, None))
+    assert g, f"ggml refuses {path}"
+    try:
+        k = lib.gguf_find_key(g, key.encode())
+        assert k >= 0, key
+        return lib.gguf_get_val_str(g, k).decode()
+    finally:
+        lib.gguf_free(g)
+
+
+@pytest.mark.parametrize("alignment,trailing", [(None, b""), (64, b""), (None, b"extra")])
+def test_the_gguf_view_is_the_file_as_readers_read_it(tmp_path, mount, alignment, trailing):
+    """__views__/model.gguf: the file byte for byte (keys, tensor infos, each tensor
+    padded with zeros to the alignment), read back by gguf-py and by llama.cpp's reader
+    through the mount. Bytes after the last tensor (which ggml accepts) are not part of
+    it: that view is made by the daemon, not passed through to the file."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, alignment)
+    data = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(trailing)
+    mnt = pathlib.Path(mount(path).path)
+    view = mnt / "__views__/model.gguf"
+    assert view.stat().st_size == len(data)
+    assert view.read_bytes() == data
+    # Read in odd pieces, across the padding between tensors.
+    got = bytearray()
+    with open(view, "rb") as f:
+        while chunk := f.read(37):
+            got += chunk
+    assert bytes(got) == data
+    reader = gguf.GGUFReader(str(view))
+    assert [t.name for t in reader.tensors] == [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    if GGML_LIB.exists():
+        assert ggml_string(view, "tokenizer.chat_template") == reader_value(reader.fields["tokenizer.chat_template"])

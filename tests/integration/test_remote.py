@@ -754,6 +754,7 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
     w.add_name("remote")
     w.add_token_list([f"token-{i}" for i in range(tokens)])
     w.add_tensor("token_embd.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float16))  # 16 bytes, padded to 32
     w.add_tensor("blk.0.ffn_up.weight", np.arange(2 * 144, dtype=np.uint8).reshape(2, 144) % 251,
                  raw_dtype=gguf.GGMLQuantizationType.Q4_K)
     w.write_header_to_file()
@@ -769,6 +770,8 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
     for t in reader.tensors:
         assert read(os.path.join(m.path, t.name)) == t.data.tobytes(), t.name
     assert read(os.path.join(m.path, "__kv__", "general.name")) == b"remote"
+    # The file itself, made from the kept header and the tensors (with their padding).
+    assert read(os.path.join(m.path, "__views__", "model.gguf")) == src.read_bytes()
     assert json.loads(read(os.path.join(m.path, "__kv__", "tokenizer.ggml.tokens")))[-1] == f"token-{tokens - 1}"
     with pytest.raises(OSError) as e:
         with open(os.path.join(m.path, "__kv__", "general.name"), "w") as f:

@@ -8,6 +8,7 @@
 mod casts;
 mod export;
 pub(super) use export::index_view;
+mod gguf_file;
 mod kv;
 pub(super) use kv::kv_path;
 mod npy;
@@ -23,12 +24,13 @@ use super::{Ino, State};
 use crate::checkpoint::view::GeneratedFile;
 
 /// The view folders, in listing order. A new view is one module and one line here.
-const FOLDERS: [&dyn ViewFolder; 5] = [
+const FOLDERS: [&dyn ViewFolder; 6] = [
     &casts::Casts,
     &npy::Npy,
     &reshard::Reshard,
     &export::Export,
     &kv::Kv,
+    &gguf_file::GgufFile,
 ];
 
 /// Which mounts a view folder shows in.

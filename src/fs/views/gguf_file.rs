@@ -1,0 +1,75 @@
+//! The GGUF file of a GGUF mount as a file of `__views__`: `model.gguf` (or
+//! `PART.gguf` for each part of a split file), byte for byte what the file
+//! holds now: its keys and tensor infos, then each tensor at its offset,
+//! padded to the alignment with zeros. GGUF mounts are read-only, so this is
+//! the source file itself (served by kernel passthrough where allowed);
+//! once GGUF edits exist, it is where they show before a commit.
+
+use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
+use crate::checkpoint::view::{GeneratedFile, ViewTensor};
+use crate::fs::State;
+use crate::source::Bytes;
+
+pub struct GgufFile;
+
+/// A view's file name: `model.gguf` of a file mount, each part's own name
+/// of a folder mount.
+fn name_of(st: &State, c: usize) -> String {
+    match st.folder {
+        None => "model.gguf".into(),
+        Some(_) => format!("{}.gguf", st.checkpoints[c].dir_name),
+    }
+}
+
+fn checkpoint_named(st: &State, name: &str) -> Option<usize> {
+    (0..st.checkpoints.len()).find(|&c| name_of(st, c) == name)
+}
+
+impl ViewFolder for GgufFile {
+    fn formats(&self) -> Formats {
+        Formats::Gguf
+    }
+
+    fn top(&self, st: &State) -> Vec<String> {
+        (0..st.checkpoints.len()).map(|c| name_of(st, c)).collect()
+    }
+
+    fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
+        let [name] = path else { return None };
+        checkpoint_named(st, name).map(|c| Found::File(Draws::Checkpoint(c)))
+    }
+
+    fn list(&self, _: &State, _: &[&str], _: u64) -> Vec<Entry> {
+        numbered(std::iter::empty())
+    }
+
+    fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
+        let [name] = path else {
+            return Err(ViewError::NotAView);
+        };
+        let c = checkpoint_named(st, name).ok_or(ViewError::NotAView)?;
+        let source = st.live(c).source();
+        let h = source.header();
+        let g = h.gguf.as_ref().ok_or(ViewError::NotAView)?;
+        let head = source
+            .read_range(0, g.data_start)
+            .map_err(|e| ViewError::Invalid(format!("{}: {e}", source.path().display())))?;
+        let tensors = (0..h.tensors.len())
+            .map(|i| {
+                let t = h.tensors.get(i);
+                let tensor = ViewTensor {
+                    name: t.name.to_string(),
+                    dtype: t.dtype,
+                    shape: t.shape.to_vec(),
+                    bytes: Bytes::Source(source.clone(), i as u32),
+                };
+                (g.data_start + t.data_offsets.0, tensor)
+            })
+            .collect();
+        Ok(GeneratedFile::placed(
+            head,
+            tensors,
+            g.data_start + g.data_len,
+        ))
+    }
+}
