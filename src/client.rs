@@ -19,7 +19,8 @@ pub enum ClientError {
     /// The mount's daemon is gone.
     #[error(
         "{}: the stfs daemon of this mount is gone; `stfs umount {}` cleans it up \
-         (staged edits are kept and taken back by the next mount)",
+         (staged edits are kept and taken back by the next mount, which also finishes or \
+         undoes a commit it was making)",
         .0.display(),
         .0.display()
     )]
@@ -52,7 +53,8 @@ fn ioctl<T>(file: &File, path: &Path, cmd: u32, args: &mut T) -> Result<(), Clie
         Some(libc::ENOTTY | libc::ENOSYS | libc::EINVAL) => {
             ClientError::NotStfs(path.to_path_buf())
         }
-        Some(libc::ENOTCONN) => ClientError::Dead(path.to_path_buf()),
+        // (ECONNABORTED: the daemon died while it served this request.)
+        Some(libc::ENOTCONN | libc::ECONNABORTED) => ClientError::Dead(path.to_path_buf()),
         _ => ClientError::Io(path.to_path_buf(), e),
     })
 }
@@ -385,7 +387,10 @@ pub fn tensor_files(paths: &[PathBuf]) -> Vec<PathBuf> {
             entries.retain(|e| {
                 let name = e.file_name().unwrap_or_default().to_string_lossy();
                 if e.is_dir() {
-                    return name != crate::fs::names::KV_DIR;
+                    // (A GGUF file's keys; a shard's folder of that name has
+                    // its __metadata__.json.)
+                    return name != crate::fs::names::KV_DIR
+                        || e.join(crate::fs::names::METADATA_FILE).exists();
                 }
                 !(name.ends_with(crate::fs::TensorFile::Meta.suffix())
                     || name == crate::fs::names::METADATA_FILE

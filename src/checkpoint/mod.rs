@@ -670,12 +670,32 @@ impl Live {
         }
     }
 
+    /// Whether `__metadata__.json` is there (always, for a GGUF file).
+    pub fn has_metadata_file(&self) -> bool {
+        self.source.header().is_gguf() || self.metadata != MetadataDoc::Removed
+    }
+
+    /// The size of `__metadata__.json`, without a copy of a GGUF file's
+    /// (which holds its vocabulary).
+    pub fn metadata_len(&self) -> Option<u64> {
+        match self.source.gguf_metadata_json() {
+            Some(shown) => Some(shown.map_or(3, |s| s.len() as u64)),
+            None => self.metadata_text().map(|t| t.len() as u64),
+        }
+    }
+
     /// What `__metadata__.json` shows; None while it is removed. A GGUF
-    /// file's: its typed keys and values (an empty object if they cannot be
-    /// read now; the read of the file itself says why).
+    /// file's: its typed keys and values (an empty object, and a warning in
+    /// the log, if its arrays cannot be read now).
     pub fn metadata_text(&self) -> Option<Vec<u8>> {
         if let Some(shown) = self.source.gguf_metadata_json() {
-            return Some(shown.map_or_else(|_| b"{}\n".to_vec(), <[u8]>::to_vec));
+            return Some(match shown {
+                Ok(text) => text.to_vec(),
+                Err(e) => {
+                    tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
+                    b"{}\n".to_vec()
+                }
+            });
         }
         match &self.metadata {
             MetadataDoc::Removed => None,

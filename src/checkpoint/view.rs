@@ -215,11 +215,12 @@ impl GeneratedFile {
     ) -> std::io::Result<R> {
         let want = (size as u64).min(self.len.saturating_sub(offset));
         if offset >= self.header.len() as u64 && want > 0 {
-            let p = self.parts.partition_point(|(start, ..)| *start <= offset) - 1;
-            let (start, t, shown) = &self.parts[p];
-            let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
-            if *shown == t.dtype && offset + want <= start + len {
-                return t.bytes.read(offset - start, want as u32, |b| reply(&[b]));
+            let p = self.parts.partition_point(|(start, ..)| *start <= offset);
+            if let Some((start, t, shown)) = p.checked_sub(1).map(|p| &self.parts[p]) {
+                let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
+                if *shown == t.dtype && offset + want <= start + len {
+                    return t.bytes.read(offset - start, want as u32, |b| reply(&[b]));
+                }
             }
         }
         thread_local! {
@@ -249,17 +250,24 @@ impl GeneratedFile {
                 n
             } else {
                 // The part holding `at`: the last one starting at or before it;
-                // past its bytes, zeros up to the next part (padding).
-                let p = self.parts.partition_point(|(start, ..)| *start <= at) - 1;
-                let (start, t, shown) = &self.parts[p];
-                let len = crate::format::byte_len(*shown, &t.shape).unwrap_or(0);
+                // past its bytes (or before the first), zeros up to the next
+                // part (padding).
+                let p = self.parts.partition_point(|(start, ..)| *start <= at);
+                let (start, len) = match p.checked_sub(1).map(|p| &self.parts[p]) {
+                    Some((start, t, shown)) => (
+                        *start,
+                        crate::format::byte_len(*shown, &t.shape).unwrap_or(0),
+                    ),
+                    None => (at, 0),
+                };
                 let within = at - start;
                 if within >= len {
-                    let next = self.parts.get(p + 1).map_or(self.len, |(s, ..)| *s);
+                    let next = self.parts.get(p).map_or(self.len, |(s, ..)| *s);
                     let n = ((next - at) as usize).min(out.len());
                     out[..n].fill(0);
                     n
                 } else {
+                    let (_, t, shown) = &self.parts[p - 1];
                     let n = ((len - within) as usize).min(out.len());
                     read_cast(&t.bytes, t.dtype, *shown, within, &mut out[..n])?;
                     n

@@ -160,8 +160,29 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
         };
         indexes.push((ix.display().to_string(), index));
     }
+    one_format(&shards)?;
     let (source, warnings) = shard_folder(folder, stat, shards, indexes);
     Ok((source, warnings.into_iter().chain(notes).collect()))
+}
+
+/// Refuses shards of two formats (a `.safetensors` file that holds GGUF, or
+/// the reverse): a folder mount shows one format.
+fn one_format(shards: &[(String, SourceFile)]) -> Result<(), String> {
+    let Some((first, s)) = shards.first() else {
+        return Ok(());
+    };
+    let gguf = s.header().is_gguf();
+    match shards.iter().find(|(_, s)| s.header().is_gguf() != gguf) {
+        Some((other, _)) => Err(format!(
+            "{}: {} is {} but {} is {}: a folder mount shows one format",
+            s.path().parent().unwrap_or(s.path()).display(),
+            other,
+            if gguf { "safetensors" } else { "GGUF" },
+            first,
+            if gguf { "GGUF" } else { "safetensors" },
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A folder mount of `shards` (file name, source) with its indexes (shown
@@ -355,6 +376,7 @@ fn open_remote(
     for (_, ix) in &mut indexes {
         ix.stat.mtime = newest;
     }
+    one_format(&shards)?;
     // The cache folder stands in for the folder: nothing is written there
     // through it (a commit puts shards and indexes in the store), and
     // statfs shows the disk the cache is on.
@@ -480,8 +502,16 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
                 cache,
                 store,
             } = open_remote(&url, &remote, (!read_only).then_some(stem.as_str()))?;
-            let notes = warnings.into_iter().chain(notes);
-            if read_only {
+            let mut notes: Vec<String> = warnings.into_iter().chain(notes).collect();
+            // (Known only now for an object not named .gguf, or a prefix of parts.)
+            let gguf = source.files().iter().any(|s| s.header().is_gguf());
+            if gguf && !read_only {
+                notes.push(format!(
+                    "{url}: mounted read-only (GGUF files cannot be edited through stfs yet)"
+                ));
+            }
+            let notes = notes.into_iter();
+            if read_only || gguf {
                 // Never made: a read-only mount stages nothing.
                 let staging = Arc::new(Staging::new(cache, "remote".to_string()));
                 let fs = Fs::new(source, settings, staging);
@@ -746,6 +776,10 @@ fn serve(
     report: &[String],
     mut ready: Option<OwnedFd>,
 ) -> Result<(), String> {
+    // The filesystem may be read-only where the options did not say so (a
+    // GGUF source found to be one only once opened): the kernel mount too.
+    let mut options = options;
+    options.read_only |= fs.settings().read_only;
     for w in report {
         warn!("{w}");
     }

@@ -308,6 +308,24 @@ mod tests {
     }
 
     #[test]
+    fn every_type_has_one_index_and_ggml_blocks_are_not_read_from_headers() {
+        let every: Vec<Dtype> = Dtype::ALL.into_iter().chain(Dtype::GGML_BLOCKS).collect();
+        for (i, d) in every.iter().enumerate() {
+            assert_eq!(d.index(), i, "{d}");
+            assert_eq!(Dtype::from_index(i), Some(*d));
+        }
+        assert_eq!(Dtype::from_index(every.len()), None);
+        for d in Dtype::GGML_BLOCKS {
+            assert!(d.is_quantized_block(), "{d}");
+            assert_eq!(Dtype::from_name(d.name()), None);
+            assert!(serde_json::from_str::<Dtype>(&format!("\"{d}\"")).is_err());
+        }
+        assert_eq!(Dtype::Q4_K.block(), (256, 144 * 8));
+        assert_eq!(crate::format::byte_len(Dtype::Q4_K, &[2, 256]), Ok(288));
+        assert!(crate::format::byte_len(Dtype::Q4_K, &[2, 255]).is_err());
+    }
+
+    #[test]
     fn all_is_sorted_in_declaration_order() {
         assert!(Dtype::ALL.windows(2).all(|w| w[0] < w[1]));
     }

@@ -265,11 +265,9 @@ impl Header {
         if let Some(e) = g.not_utf8 {
             return Err(e.into());
         }
+        // (In file order, which the parser checked is offset order.)
         let mut tensors = Tensors::with_capacity(g.tensors.len());
-        let mut order: Vec<usize> = (0..g.tensors.len()).collect();
-        order.sort_unstable_by_key(|&i| g.tensors[i].offset);
-        for i in order {
-            let t = &g.tensors[i];
+        for t in &g.tensors {
             tensors
                 .push(
                     &t.name,

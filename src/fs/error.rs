@@ -107,9 +107,13 @@ impl ToErrno for FsError {
 impl FsError {
     /// Expected refusals (a missing name) are logged quietly.
     pub fn is_routine(&self) -> bool {
+        // (`cp -a`, `rsync -X` and `tar --xattrs` try setxattr on every file.)
         matches!(
             self,
-            FsError::NotFound | FsError::Exists | FsError::NotATensor
+            FsError::NotFound
+                | FsError::Exists
+                | FsError::NotATensor
+                | FsError::NotSupported("setxattr")
         )
     }
 }
@@ -117,6 +121,13 @@ impl FsError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_expected_refusals_are_routine() {
+        assert!(FsError::NotSupported("setxattr").is_routine());
+        assert!(!FsError::NotSupported("rmdir").is_routine());
+        assert!(!FsError::ReadOnly.is_routine());
+    }
 
     #[test]
     fn nested_errors_keep_their_errno() {

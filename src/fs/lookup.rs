@@ -32,6 +32,9 @@ impl Fs {
                 if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
                     return Err(FsError::NotADirectory);
                 }
+                if parent.is_empty() && !views::in_views(&st, name) {
+                    return Err(FsError::NotFound);
+                }
                 let path = views::join(&parent, name);
                 views::find(&st, &path).ok_or(FsError::NotFound)?;
                 Node::Views(st.view_ino(&path))
@@ -237,7 +240,7 @@ impl Fs {
                 .read_only()
             }
             Node::Metadata(c) => {
-                let size = st.live(c).metadata_text().map_or(0, |t| t.len() as u64);
+                let size = st.live(c).metadata_len().unwrap_or(0);
                 of_source(c, Kind::File, size, st.live(c).source().modified(), true)
             }
             Node::File(c, id, TensorFile::Data) => {
@@ -395,7 +398,7 @@ impl Fs {
             Node::CheckpointDir(c) => {
                 let m = &st.checkpoints[c];
                 if offset < 3
-                    && m.live.metadata_text().is_some()
+                    && m.live.has_metadata_file()
                     && emit(
                         st.ino_of(Node::Metadata(c)),
                         Kind::File,

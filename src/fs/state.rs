@@ -188,9 +188,9 @@ impl State {
         let exists = match kind {
             TensorFile::Data => live.object_len(id).is_some(),
             TensorFile::Meta if id == live.metadata_file() => {
-                return match live.metadata_text() {
-                    Some(_) => Ok(Node::Metadata(c)),
-                    None => Err(FsError::NotFound),
+                return match live.has_metadata_file() {
+                    true => Ok(Node::Metadata(c)),
+                    false => Err(FsError::NotFound),
                 };
             }
             TensorFile::Meta => live.meta_file_owner(id).is_some(),
@@ -398,7 +398,7 @@ impl State {
     pub(super) fn find(&self, c: usize, name: &Name) -> Option<Node> {
         let live = self.live(c);
         match name {
-            Name::Metadata => live.metadata_text().map(|_| Node::Metadata(c)),
+            Name::Metadata => live.has_metadata_file().then_some(Node::Metadata(c)),
             Name::Tensor(kind, tensor) => {
                 let id = live.find(tensor)?;
                 let e = live.entry(id)?;

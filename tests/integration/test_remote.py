@@ -216,6 +216,10 @@ def test_bad_remote_sources_are_refused_at_mount_naming_the_url(tmp_path, s3, mo
 
     m = mount(f"s3://{BUCKET}/no/such.safetensors", *s3.options, expect_ok=False)
     assert "not found" in m.result.stderr and f"s3://{BUCKET}/no/such.safetensors" in m.result.stderr
+    # A store's XML error is said by its code and message, not dumped.
+    m = mount("s3://no-such-bucket-here/dir/", *s3.options, expect_ok=False)
+    said = m.result.stderr
+    assert "NoSuchBucket: The specified bucket does not exist" in said and "<?xml" not in said, said
 
     s3.rule = lambda r: 403
     m = mount(s3.upload(good, "ok/good.safetensors"), *s3.options, expect_ok=False)
@@ -786,6 +790,9 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
     with pytest.raises(OSError) as e:
         os.unlink(os.path.join(s3_other.path, "token_embd.weight"))
     assert e.value.errno == errno.EROFS
+    # Found to be GGUF once opened: said, and read-only at the kernel too.
+    assert "mounted read-only (GGUF files cannot be edited" in s3_other.result.stderr
+    assert os.statvfs(s3_other.path).f_flag & os.ST_RDONLY
 
 
 def test_an_s3_prefix_of_split_gguf_parts_mounts_as_shards_read_only(tmp_path, s3, mount):

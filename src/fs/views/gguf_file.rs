@@ -51,9 +51,13 @@ impl ViewFolder for GgufFile {
         let source = st.live(c).source();
         let h = source.header();
         let g = h.gguf.as_ref().ok_or(ViewError::NotAView)?;
-        let head = source
-            .read_range(0, g.data_start)
+        // (A file of no tensors may end before its data start: its padding
+        // is zeros, as a writer writes it.)
+        let stored = g.data_start.min(source.stat().len);
+        let mut head = source
+            .read_range(0, stored)
             .map_err(|e| ViewError::Invalid(format!("{}: {e}", source.path().display())))?;
+        head.resize(g.data_start as usize, 0);
         let tensors = (0..h.tensors.len())
             .map(|i| {
                 let t = h.tensors.get(i);
@@ -66,10 +70,9 @@ impl ViewFolder for GgufFile {
                 (g.data_start + t.data_offsets.0, tensor)
             })
             .collect();
-        Ok(GeneratedFile::placed(
-            head,
-            tensors,
-            g.data_start + g.data_len,
-        ))
+        // Each tensor padded to the alignment, the last one too, as ggml
+        // and gguf-py write them.
+        let len = g.data_start.saturating_add(g.data_len);
+        Ok(GeneratedFile::placed(head, tensors, len))
     }
 }

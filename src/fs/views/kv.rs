@@ -1,9 +1,10 @@
-//! `__kv__/` of a GGUF file (also reached as `__views__/kv/`, or
-//! `__views__/kv/SHARD/` for each part of a split GGUF file): one file per
-//! key of the file's key-value section, in file order, its value as a
-//! person reads it (`gguf::kv_file_text`): a chat template is a text file, a
-//! token id its digits. File names are the keys, escaped as tensor names
-//! are (docs/SEMANTICS.md, "Names"). Read-only for now: GGUF mounts are.
+//! `__kv__/` of a GGUF file (a view folder whose paths are `kv/KEY`, or
+//! `kv/SHARD/KEY` for each part of a split GGUF file, reached only from each
+//! checkpoint's folder, not listed in `__views__`): one file per key of the
+//! file's key-value section, in file order, its value as a person reads it
+//! (`gguf::kv_file_text`): a chat template is a text file, a token id its
+//! digits. File names are the keys, escaped as tensor names are
+//! (docs/SEMANTICS.md, "Names"). Read-only for now: GGUF mounts are.
 
 use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
 use crate::checkpoint::view::GeneratedFile;
@@ -13,14 +14,15 @@ use crate::fs::names::tensor_file_name;
 
 pub struct Kv;
 
-/// Its name in `__views__`; a GGUF checkpoint's folder shows it as `__kv__`.
-pub const KV_DIR: &str = "kv";
+/// The first part of its paths (a GGUF checkpoint's folder shows the
+/// folder as `__kv__`).
+const KV_PATH: &str = "kv";
 
 /// The path below `__views__` of checkpoint `c`'s keys.
 pub fn kv_path(st: &State, c: usize) -> String {
     match st.folder {
-        None => KV_DIR.to_string(),
-        Some(_) => format!("{KV_DIR}/{}", st.checkpoints[c].shown_name()),
+        None => KV_PATH.to_string(),
+        Some(_) => format!("{KV_PATH}/{}", st.checkpoints[c].shown_name()),
     }
 }
 
@@ -60,8 +62,12 @@ impl ViewFolder for Kv {
         Formats::Gguf
     }
 
+    fn in_views(&self) -> bool {
+        false
+    }
+
     fn top(&self, _: &State) -> Vec<String> {
-        vec![KV_DIR.to_string()]
+        vec![KV_PATH.to_string()]
     }
 
     fn find(&self, st: &State, path: &[&str]) -> Option<Found> {

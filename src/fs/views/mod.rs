@@ -112,7 +112,13 @@ pub trait ViewFolder: Sync {
     fn formats(&self) -> Formats {
         Formats::Safetensors
     }
-    /// The names it shows in `__views__`.
+    /// Whether its names are in `__views__` (listed and looked up there);
+    /// a folder reached only from elsewhere (`__kv__`) says no, so that no
+    /// directory has two names.
+    fn in_views(&self) -> bool {
+        true
+    }
+    /// The names it shows in `__views__` (the first part of its paths).
     fn top(&self, st: &State) -> Vec<String>;
     /// What `path` (whose first part is one of `top`) is now, if anything.
     fn find(&self, st: &State, path: &[&str]) -> Option<Found>;
@@ -158,7 +164,7 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
     let parts = split(path);
     if parts.is_empty() {
         let mut out = Vec::new();
-        for f in folders(st) {
+        for f in folders(st).filter(|f| f.in_views()) {
             for name in f.top(st) {
                 let folder = matches!(f.find(st, &[&name]), Some(Found::Folder(_)));
                 let offset = 3 + out.len() as u64;
@@ -172,6 +178,11 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
         return out;
     }
     folder_of(st, parts[0]).map_or_else(Vec::new, |f| f.list(st, &parts, from))
+}
+
+/// Whether `name` may be looked up in `__views__` itself.
+pub fn in_views(st: &State, name: &str) -> bool {
+    folder_of(st, name).is_none_or(|f| f.in_views())
 }
 
 /// Why folder `path` cannot be listed now, if it cannot.

@@ -170,7 +170,16 @@ fn store_error(url: &str, e: object_store::Error) -> String {
             format!("{url}: access denied: {e}")
         }
         e => {
-            let said = with_causes(&e);
+            let mut said = with_causes(&e);
+            // A store's XML error answer, said by its code and message rather
+            // than dumped ("NoSuchBucket: The specified bucket does not exist").
+            if let (Some(at), Some(code), Some(message)) = (
+                said.find("<?xml").or_else(|| said.find("<Error>")),
+                s3::xml_tag(&said, "Code"),
+                s3::xml_tag(&said, "Message"),
+            ) {
+                said = format!("{}{code}: {message}", &said[..at]);
+            }
             // object_store's last resort for credentials is the instance metadata service.
             let hint = if said.contains("169.254.169.254") {
                 " (no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or \
@@ -488,7 +497,17 @@ impl Remote {
         };
         if crate::format::gguf::is_gguf(&prefix) {
             let (header, mut head) = self.gguf_header(path, &url, prefix, &version)?;
-            head.truncate(header.data_start() as usize);
+            // The head is kept to the data start: the padding after the
+            // tensor infos too, which the parse did not need.
+            let data_start = header.data_start().min(size);
+            if (head.len() as u64) < data_start {
+                let rest = self
+                    .fetch_range(path, version.clone(), head.len() as u64..data_start)
+                    .map_err(|e| OpenError::Fetch(format!("{url}: {e}")))?;
+                head.extend_from_slice(&rest);
+            }
+            head.truncate(data_start as usize);
+            head.shrink_to_fit();
             let (mut object, header) = self.object(path, url, version, header);
             object.head = Some(head);
             return Ok((object, header));
