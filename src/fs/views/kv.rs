@@ -6,7 +6,7 @@
 //! digits. File names are the keys, escaped as tensor names are
 //! (docs/SEMANTICS.md, "Names"). Read-only for now: GGUF mounts are.
 
-use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, checkpoint_of, numbered};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::gguf::{self, GgufHeader, Value};
 use crate::fs::State;
@@ -23,21 +23,6 @@ pub fn kv_path(st: &State, c: usize) -> String {
     match st.folder {
         None => KV_PATH.to_string(),
         Some(_) => format!("{KV_PATH}/{}", st.checkpoints[c].shown_name()),
-    }
-}
-
-/// The checkpoint whose keys folder `path` is (`kv`, or `kv/SHARD`); None
-/// for the folder of shard folders (a folder mount's `kv`).
-fn checkpoint_of(st: &State, path: &[&str]) -> Option<Option<usize>> {
-    match (path, &st.folder) {
-        ([_], None) => Some(Some(0)),
-        ([_], Some(_)) => Some(None),
-        ([_, shard], Some(_)) => st
-            .checkpoints
-            .iter()
-            .position(|m| m.shown_name() == *shard)
-            .map(Some),
-        _ => None,
     }
 }
 

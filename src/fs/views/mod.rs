@@ -215,6 +215,22 @@ pub fn version(st: &State, draws: Draws) -> u64 {
     }
 }
 
+/// The checkpoint a view folder of one folder per shard (`npy`, or
+/// `npy/SHARD`; `kv`) stands for at `path`: a file mount's only one at its
+/// top; None for the folder of shard folders (a folder mount's top).
+fn checkpoint_of(st: &State, path: &[&str]) -> Option<Option<usize>> {
+    match (path, &st.folder) {
+        ([_], None) => Some(Some(0)),
+        ([_], Some(_)) => Some(None),
+        ([_, shard], Some(_)) => st
+            .checkpoints
+            .iter()
+            .position(|m| m.shown_name() == *shard)
+            .map(Some),
+        _ => None,
+    }
+}
+
 /// Listing offsets for entries in order: 3, 4, ...
 fn numbered(entries: impl IntoIterator<Item = (String, bool)>) -> Vec<Entry> {
     entries

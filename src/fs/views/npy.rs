@@ -2,7 +2,7 @@
 //! folder per shard on a folder mount). A tensor is listed while it has
 //! bytes and a valid meta that agree.
 
-use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, checkpoint_of, numbered};
 use crate::checkpoint::Id;
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::files::TensorFile;
@@ -20,21 +20,6 @@ fn tensor(st: &State, c: usize, id: Id) -> Option<ViewTensor> {
     let t = st.live(c).view_tensor(id)?;
     let want = crate::format::byte_len(t.dtype, &t.shape).ok()?;
     (t.bytes.len() == want && !t.dtype.is_quantized_block()).then_some(t)
-}
-
-/// The checkpoint whose tensors `path` (`npy`, or `npy/SHARD`) lists;
-/// None for the folder of shard folders (a folder mount's `npy`).
-fn checkpoint_of(st: &State, path: &[&str]) -> Option<Option<usize>> {
-    match (path, &st.folder) {
-        ([_], None) => Some(Some(0)),
-        ([_], Some(_)) => Some(None),
-        ([_, shard], Some(_)) => st
-            .checkpoints
-            .iter()
-            .position(|m| m.shown_name() == *shard)
-            .map(Some),
-        _ => None,
-    }
 }
 
 /// The tensor of file `name` in checkpoint `c`'s folder.
