@@ -679,7 +679,7 @@ impl Live {
     /// (which holds its vocabulary).
     pub fn metadata_len(&self) -> Option<u64> {
         match self.source.gguf_metadata_json() {
-            Some(shown) => Some(shown.map_or(3, |s| s.len() as u64)),
+            Some(shown) => Some(shown.map_or(NO_KEYS_READ.len(), <[u8]>::len) as u64),
             None => self.metadata_text().map(|t| t.len() as u64),
         }
     }
@@ -693,7 +693,7 @@ impl Live {
                 Ok(text) => text.to_vec(),
                 Err(e) => {
                     tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
-                    b"{}\n".to_vec()
+                    NO_KEYS_READ.to_vec()
                 }
             });
         }
@@ -704,6 +704,9 @@ impl Live {
         }
     }
 }
+
+/// What a GGUF file's `__metadata__.json` shows while its keys cannot be read.
+const NO_KEYS_READ: &[u8] = b"{}\n";
 
 fn view(m: &Meta) -> MetaView<'_> {
     match m {

@@ -235,9 +235,6 @@ fn remote_read_only(url: &str) -> Option<&'static str> {
              server-side copy",
         );
     }
-    if url.ends_with(".gguf") {
-        return Some("GGUF files cannot be edited through stfs yet");
-    }
     None
 }
 
@@ -506,9 +503,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
             // (Known only now for an object not named .gguf, or a prefix of parts.)
             let gguf = source.files().iter().any(|s| s.header().is_gguf());
             if gguf && !read_only {
-                notes.push(format!(
-                    "{url}: mounted read-only (GGUF files cannot be edited through stfs yet)"
-                ));
+                notes.push(gguf_read_only(&url));
             }
             let notes = notes.into_iter();
             if read_only || gguf {
@@ -531,10 +526,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     // GGUF files are served read-only until their commits exist.
     let gguf_note = (!options.read_only && is_gguf_source(&req.source)).then(|| {
         options.read_only = true;
-        format!(
-            "{}: mounted read-only (GGUF files cannot be edited through stfs yet)",
-            req.source.display()
-        )
+        gguf_read_only(&req.source.display())
     });
     // (Cleared before the fork: its ticking thread is joined.)
     let spinner = crate::progress::spinner(&format!(
@@ -551,6 +543,12 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     let (fs, mut report) = opened?;
     report.extend(gguf_note);
     launch(&req, options, move || Ok((fs, report)))
+}
+
+/// What a mount of a GGUF source says: it is served read-only until GGUF
+/// commits exist (`Fs::new` makes it so).
+fn gguf_read_only(source: &dyn std::fmt::Display) -> String {
+    format!("{source}: mounted read-only (GGUF files cannot be edited through stfs yet)")
 }
 
 /// Whether a local source is a GGUF file, or a folder that a mount shows

@@ -156,7 +156,9 @@ def test_mount_shows_tensors_keys_and_metadata_as_gguf_py_reads_them(tmp_path, m
         assert meta["file_offset"] == int(t.data_offset)
         assert meta["name"] == t.name
     # Every key, typed, in file order; and one file per key under __kv__.
-    shown = json.loads((mnt / "__metadata__.json").read_text())
+    text = (mnt / "__metadata__.json").read_bytes()
+    assert os.stat(mnt / "__metadata__.json").st_size == len(text)
+    shown = json.loads(text)
     fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert list(shown) == list(fields)
     for key, f in fields.items():

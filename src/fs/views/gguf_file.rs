@@ -5,7 +5,7 @@
 //! the source file itself (served by kernel passthrough where allowed);
 //! once GGUF edits exist, it is where they show before a commit.
 
-use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::State;
 use crate::source::Bytes;
@@ -39,8 +39,9 @@ impl ViewFolder for GgufFile {
         checkpoint_named(st, name).map(|c| Found::File(Draws::Checkpoint(c)))
     }
 
+    /// (Only files: nothing to list.)
     fn list(&self, _: &State, _: &[&str], _: u64) -> Vec<Entry> {
-        numbered(std::iter::empty())
+        Vec::new()
     }
 
     fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
