@@ -439,6 +439,9 @@ impl Live {
         }
         self.metadata = MetadataDoc::Unchanged;
         self.metadata_gen = next_gen();
+        if self.kv.is_some() {
+            self.kv = Some(kv::KvTable::of(&self.source));
+        }
         self.dirty = false;
         if let Some(dir) = self.staging.current() {
             self.journal.remove(&dir);

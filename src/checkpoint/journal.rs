@@ -67,6 +67,10 @@ pub enum Record {
     Metadata {
         doc: MetadataDoc,
     },
+    /// A GGUF file's keys, the whole table (replaces what came before).
+    Keys {
+        keys: Vec<super::kv::KeyRecord>,
+    },
     /// A commit took its plan: edits before this are in it.
     Plan {
         commit: u64,
@@ -285,6 +289,8 @@ pub type NameState = Option<(Meta, Option<DataRef>)>;
 pub struct Folded {
     pub names: Vec<(String, NameState)>,
     pub metadata: Option<MetadataDoc>,
+    /// A GGUF file's keys, if edited.
+    pub keys: Option<Vec<super::kv::KeyRecord>>,
     /// References to tensors that the landed commit did not keep.
     pub dropped: Vec<String>,
 }
@@ -300,6 +306,7 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
     let mut order: Vec<String> = Vec::new();
     let mut state: std::collections::HashMap<String, NameState> = std::collections::HashMap::new();
     let mut metadata = None;
+    let mut keys = None;
     let mut dropped = Vec::new();
     for r in &records[start..] {
         let (name, value) = match r {
@@ -334,6 +341,10 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
                 metadata = Some(doc.clone());
                 continue;
             }
+            Record::Keys { keys: k } => {
+                keys = Some(k.clone());
+                continue;
+            }
             _ => continue,
         };
         if !state.contains_key(name) {
@@ -350,6 +361,7 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
             })
             .collect(),
         metadata,
+        keys,
         dropped,
     }
 }

@@ -119,6 +119,11 @@ impl Live {
                 doc: self.metadata.clone(),
             });
         }
+        if !self.kv_unchanged() {
+            records.push(Record::Keys {
+                keys: self.kv_records(),
+            });
+        }
         records
     }
 
@@ -287,6 +292,10 @@ impl Live {
             restored += usize::from(doc != MetadataDoc::Unchanged);
             self.metadata = doc;
             self.metadata_gen = next_gen();
+        }
+        if let Some(keys) = folded.keys {
+            notes.extend(self.kv_replay(keys));
+            restored += usize::from(!self.kv_unchanged());
         }
         self.dirty = true;
         if let Err(e) = self.snapshot() {

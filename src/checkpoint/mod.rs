@@ -21,6 +21,7 @@ mod explore;
 pub mod in_place;
 pub mod journal;
 mod journaling;
+pub mod kv;
 pub mod meta;
 mod object;
 mod problems;
@@ -293,6 +294,8 @@ pub struct Live {
     source_objects: Vec<Id>,
     metadata: MetadataDoc,
     metadata_gen: u64,
+    /// A GGUF file's keys as edited (`kv.rs`); None for safetensors.
+    kv: Option<kv::KvTable>,
     staging: Arc<Staging>,
     journal: Journal,
     /// The commit in flight, if any: source index -> index in its new file.
@@ -338,6 +341,7 @@ impl Live {
             source_objects: (0..n as Id).collect(),
             metadata: MetadataDoc::Unchanged,
             metadata_gen: 0,
+            kv: source.header().is_gguf().then(|| kv::KvTable::of(&source)),
             staging,
             committing: None,
             dirty: false,
@@ -678,6 +682,9 @@ impl Live {
     /// The size of `__metadata__.json`, without a copy of a GGUF file's
     /// (which holds its vocabulary).
     pub fn metadata_len(&self) -> Option<u64> {
+        if !self.kv_unchanged() {
+            return self.metadata_text().map(|t| t.len() as u64);
+        }
         match self.source.gguf_metadata_json() {
             Some(shown) => Some(shown.map_or(NO_KEYS_READ.len(), <[u8]>::len) as u64),
             None => self.metadata_text().map(|t| t.len() as u64),
@@ -688,6 +695,12 @@ impl Live {
     /// file's: its typed keys and values (an empty object, and a warning in
     /// the log, if its arrays cannot be read now).
     pub fn metadata_text(&self) -> Option<Vec<u8>> {
+        if !self.kv_unchanged() {
+            return Some(self.kv_metadata_json().unwrap_or_else(|e| {
+                tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
+                NO_KEYS_READ.to_vec()
+            }));
+        }
         if let Some(shown) = self.source.gguf_metadata_json() {
             return Some(match shown {
                 Ok(text) => text.to_vec(),

@@ -104,6 +104,7 @@ impl Live {
             }
             MetadataDoc::Invalid { .. } => {}
         }
+        changes.extend(self.kv_changes());
         Status {
             file: self.source.path().to_path_buf(),
             changes,
@@ -154,6 +155,7 @@ impl Live {
                 rule: format!("__metadata__.json {error}"),
             });
         }
+        problems.extend(self.kv_problems());
         problems
     }
 }

@@ -523,11 +523,6 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
     }
     req.source = std::path::absolute(&req.source).map_err(|e| e.to_string())?;
     check_mountpoint(&req.mountpoint, options.nonempty)?;
-    // GGUF files are served read-only until their commits exist.
-    let gguf_note = (!options.read_only && is_gguf_source(&req.source)).then(|| {
-        options.read_only = true;
-        gguf_read_only(&req.source.display())
-    });
     // (Cleared before the fork: its ticking thread is joined.)
     let spinner = crate::progress::spinner(&format!(
         "opening {} (and what earlier mounts left of it)",
@@ -540,24 +535,14 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
         &req.resume,
     );
     crate::progress::clear(spinner);
-    let (fs, mut report) = opened?;
-    report.extend(gguf_note);
+    let (fs, report) = opened?;
     launch(&req, options, move || Ok((fs, report)))
 }
 
-/// What a mount of a GGUF source says: it is served read-only until GGUF
-/// commits exist (`Fs::new` makes it so).
+/// What a mount of a remote GGUF object says: it is served read-only
+/// (`Fs::new` makes it so), as commits to S3 write safetensors.
 fn gguf_read_only(source: &dyn std::fmt::Display) -> String {
-    format!("{source}: mounted read-only (GGUF files cannot be edited through stfs yet)")
-}
-
-/// Whether a local source is a GGUF file, or a folder that a mount shows
-/// the GGUF files of (it has no `*.safetensors`).
-fn is_gguf_source(path: &Path) -> bool {
-    if path.is_dir() {
-        return list_dir(path).is_ok_and(|l| l.checkpoints.is_empty() && !l.ggufs.is_empty());
-    }
-    crate::format::gguf::is_gguf_file(path)
+    format!("{source}: mounted read-only (GGUF objects cannot be committed to S3 yet)")
 }
 
 /// Opens a local source as a mount does, after what earlier mounts left:

@@ -11,6 +11,9 @@
 
 use super::Dtype;
 
+#[path = "gguf_write.rs"]
+pub mod write;
+
 /// A ggml tensor type: its id in the file and the element type it is (whose
 /// name is ggml's and whose block, `Dtype::block`, is ggml's: `block`
 /// elements in `block_bytes` bytes, 1 element for plain types).
@@ -86,7 +89,7 @@ pub fn ggml_type(id: u32) -> Option<&'static GgmlType> {
 }
 
 /// The type of a value of the key-value section.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ValueType {
     U8,
     I8,
@@ -697,11 +700,11 @@ pub fn value_json(v: &Value, read: ReadRange) -> std::io::Result<serde_json::Val
 }
 
 /// What `__kv__/KEY` shows: a string's bytes as they are (a chat template
-/// is a text file), a number or bool as its text and a newline, an array
-/// as JSON and a newline.
+/// is a text file), a number or bool as its text, an array as JSON; each
+/// with a final newline, which a write takes off again (`write::parse_text`).
 pub fn kv_file_text(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
     Ok(match v {
-        Value::String(s) => s.clone(),
+        Value::String(s) => [s.as_slice(), b"\n"].concat(),
         v => {
             // A finite float as in JSON (shortest: 0.1, 1e-45, 2.0); NaN
             // and the infinities, which JSON has not, as NaN, inf, -inf.
@@ -723,14 +726,20 @@ pub fn kv_file_text(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
 /// `"general.name": {"type": "STRING", "value": "tiny"}`; an array also has
 /// `"item_type"`.
 pub fn metadata_json(h: &GgufHeader, read: ReadRange) -> std::io::Result<Vec<u8>> {
+    let entries = h
+        .kvs
+        .iter()
+        .map(|(key, v)| Ok((key.as_str(), entry_json(v, read)?)));
+    metadata_json_of(entries)
+}
+
+/// `__metadata__.json` of keys and their entries (`entry_json`), in order.
+pub fn metadata_json_of<'a>(
+    entries: impl Iterator<Item = std::io::Result<(&'a str, serde_json::Value)>>,
+) -> std::io::Result<Vec<u8>> {
     let mut out = b"{".to_vec();
-    for (k, (key, v)) in h.kvs.iter().enumerate() {
-        let mut entry = serde_json::Map::new();
-        entry.insert("type".into(), v.value_type().name().into());
-        if let Value::Array(a) = v {
-            entry.insert("item_type".into(), a.item.name().into());
-        }
-        entry.insert("value".into(), value_json(v, read)?);
+    for (k, entry) in entries.enumerate() {
+        let (key, entry) = entry?;
         out.extend_from_slice(if k == 0 { b"\n" } else { b",\n" });
         serde_json::to_writer(&mut out, key).map_err(std::io::Error::other)?;
         out.extend_from_slice(b": ");
@@ -738,6 +747,18 @@ pub fn metadata_json(h: &GgufHeader, read: ReadRange) -> std::io::Result<Vec<u8>
     }
     out.extend_from_slice(b"\n}\n");
     Ok(out)
+}
+
+/// A key's entry in `__metadata__.json`: `{"type": "STRING", "value":
+/// "tiny"}`; an array also has `"item_type"`.
+pub fn entry_json(v: &Value, read: ReadRange) -> std::io::Result<serde_json::Value> {
+    let mut entry = serde_json::Map::new();
+    entry.insert("type".into(), v.value_type().name().into());
+    if let Value::Array(a) = v {
+        entry.insert("item_type".into(), a.item.name().into());
+    }
+    entry.insert("value".into(), value_json(v, read)?);
+    Ok(serde_json::Value::Object(entry))
 }
 
 #[cfg(test)]

@@ -156,6 +156,25 @@ impl Header {
         Header::parse(file)
     }
 
+    /// `parse_prefix` of either format (GGUF when `prefix` starts with its
+    /// magic; `prefix` then holds its whole header).
+    pub fn parse_any_prefix(prefix: &[u8], file_len: u64) -> Result<Header, FormatError> {
+        use super::gguf::{PrefixError, is_gguf, parse_prefix};
+        if !is_gguf(prefix) {
+            return Header::parse_prefix(prefix, file_len);
+        }
+        match parse_prefix(prefix, file_len) {
+            Ok(g) => Header::from_gguf(g),
+            Err(PrefixError::Refused(e)) => Err(e.into()),
+            Err(PrefixError::NeedsMore) => Err(super::gguf::GgufError {
+                tensor: None,
+                key: None,
+                rule: "the header runs past the bytes given".into(),
+            }
+            .into()),
+        }
+    }
+
     pub fn parse(file: &[u8]) -> Result<Header, FormatError> {
         Header::parse_prefix(file, file.len() as u64)
     }

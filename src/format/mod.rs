@@ -7,6 +7,7 @@ mod header;
 pub mod index;
 mod serialize;
 mod tensors;
+pub mod writer;
 
 pub use dtype::Dtype;
 pub(crate) use error::ShapeDisplay;
@@ -17,6 +18,7 @@ pub use header::{
 };
 pub use serialize::{Layout, TensorSpec, header_bytes, layout, layout_of, write_entry};
 pub use tensors::{TensorInfo, TensorRef, Tensors};
+pub use writer::{FormatWriter, NoFit};
 
 /// A tensor name as it may be printed to a terminal: control characters,
 /// quotes and backslashes escaped (as Rust's `{:?}` does), without quotes.

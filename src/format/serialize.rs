@@ -23,6 +23,8 @@ pub struct Layout {
     pub tensors: Tensors,
     /// For each entry of `tensors`, its index in the caller's input.
     pub source_index: Vec<usize>,
+    /// Zero bytes after the last tensor (GGUF pads it to the alignment).
+    pub end_pad: u64,
 }
 
 impl Layout {
@@ -32,7 +34,7 @@ impl Layout {
 
     /// Total length of the file this layout describes.
     pub fn file_len(&self) -> u64 {
-        self.header.len() as u64 + self.data_len()
+        self.header.len() as u64 + self.data_len() + self.end_pad
     }
 }
 
@@ -105,6 +107,7 @@ pub fn layout_of<'a>(
         header,
         tensors: placed,
         source_index: order,
+        end_pad: 0,
     })
 }
 

@@ -14,6 +14,10 @@ impl Fs {
         exclusive: bool,
     ) -> Result<(Attr, Opened), FsError> {
         self.writable()?;
+        let kv_parent = self.read_state().kv_parent(parent);
+        if let Some(c) = kv_parent {
+            return self.create_key(c, name, truncate, exclusive);
+        }
         let ino = {
             let mut st = self.write_state();
             let c = st.checkpoint_dir(parent)?;
@@ -61,6 +65,62 @@ impl Fs {
             .for_each(|ino| self.kernel.attrs_changed(ino));
         let opened = self.open(ino, true, truncate)?;
         Ok((self.getattr(ino, Some(opened.fh))?, opened))
+    }
+
+    /// Creates (or opens, unless `exclusive`) `__kv__/NAME`: a new key is
+    /// an empty string until written.
+    fn create_key(
+        &self,
+        c: usize,
+        name: &str,
+        truncate: bool,
+        exclusive: bool,
+    ) -> Result<(Attr, Opened), FsError> {
+        let (ino, metadata) = {
+            let mut st = self.write_state();
+            let key = st.kv_key_of(c, name)?;
+            let id = match st.live(c).kv_find(&key) {
+                Some(_) if exclusive => return Err(FsError::Exists),
+                Some(id) => id,
+                None => {
+                    let id = st.live_mut(c).kv_create(&key)?;
+                    info!(key = %key, "key created");
+                    id
+                }
+            };
+            (st.ino_of(Node::KvFile(c, id)), st.ino_of(Node::Metadata(c)))
+        };
+        self.kernel.names_changed();
+        self.kernel.attrs_changed(metadata);
+        let opened = self.open(ino, true, truncate)?;
+        Ok((self.getattr(ino, Some(opened.fh))?, opened))
+    }
+
+    /// `rm __kv__/NAME`, and `mv` within `__kv__`.
+    fn edit_keys(&self, c: usize, name: &str, to: Option<(&str, bool)>) -> Result<(), FsError> {
+        let metadata = {
+            let mut st = self.write_state();
+            let key = st.kv_key_of(c, name).map_err(|_| FsError::NotFound)?;
+            match to {
+                None => st.live_mut(c).kv_remove(&key)?,
+                Some((new_name, no_replace)) => {
+                    let target = st.kv_key_of(c, new_name)?;
+                    if no_replace && st.live(c).kv_find(&target).is_some() && target != key {
+                        return Err(FsError::Exists);
+                    }
+                    st.live_mut(c).kv_rename(&key, &target)?;
+                }
+            }
+            st.ino_of(Node::Metadata(c))
+        };
+        self.kernel.names_changed();
+        self.kernel.attrs_changed(metadata);
+        self.sync_journal(c)?;
+        match to {
+            None => info!(key = name, "key removed"),
+            Some((new_name, _)) => info!(from = name, to = new_name, "key renamed"),
+        }
+        Ok(())
     }
 
     pub(super) fn truncate_object(
@@ -145,7 +205,9 @@ impl Fs {
                 let object = self.object(c, id)?;
                 self.truncate_object(&object, size)?;
             }
-            Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::KvDir(_) => {
+                return Err(FsError::IsADirectory);
+            }
             Node::Views(v) if self.read_state().is_view_folder(v) => {
                 return Err(FsError::IsADirectory);
             }
@@ -156,7 +218,7 @@ impl Fs {
                 ));
             }
             // A JSON file cut by path: as if opened, cut and closed.
-            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) => {
+            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) | Node::KvFile(..) => {
                 let opened = self.open(ino, true, false)?;
                 let cut = self.set_size(ino, Some(opened.fh), size);
                 self.release(opened.fh)?;
@@ -168,6 +230,10 @@ impl Fs {
 
     pub fn unlink(&self, parent: Ino, name: &str) -> Result<(), FsError> {
         self.writable()?;
+        let kv_parent = self.read_state().kv_parent(parent);
+        if let Some(c) = kv_parent {
+            return self.edit_keys(c, name, None);
+        }
         let mut st = self.write_state();
         let c = match st.node(parent)? {
             Node::CheckpointDir(c) => c,
@@ -217,6 +283,21 @@ impl Fs {
         no_replace: bool,
     ) -> Result<(), FsError> {
         self.writable()?;
+        let (from_kv, to_kv) = {
+            let st = self.read_state();
+            (st.kv_parent(parent), st.kv_parent(new_parent))
+        };
+        match (from_kv, to_kv) {
+            (Some(c), Some(nc)) if c == nc => {
+                return self.edit_keys(c, name, Some((new_name, no_replace)));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(FsError::CrossDevice(
+                    "a key moves only within its own __kv__",
+                ));
+            }
+        }
         let mut st = self.write_state();
         let c = st.checkpoint_dir(parent)?;
         let nc = st.checkpoint_dir(new_parent)?;

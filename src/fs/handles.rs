@@ -176,6 +176,7 @@ pub(super) fn state_text(st: &State, node: Node) -> Result<Vec<u8>, FsError> {
             let id = st.meta_entry(c, file)?;
             st.live(c).meta_text(id).unwrap_or_default()
         }
+        Node::KvFile(c, id) => st.live(c).kv_text(id).ok_or(FsError::NotFound)?,
         _ => return Err(FsError::IsADirectory),
     })
 }
@@ -238,7 +239,9 @@ impl Fs {
         }
         let node = self.read_state().node(ino)?;
         match node {
-            Node::FolderRoot | Node::CheckpointDir(_) => Err(FsError::IsADirectory),
+            Node::FolderRoot | Node::CheckpointDir(_) | Node::KvDir(_) => {
+                Err(FsError::IsADirectory)
+            }
             Node::Views(ino) if self.read_state().is_view_folder(ino) => Err(FsError::IsADirectory),
             Node::Views(_) | Node::WholeView(_) if write || truncate => Err(FsError::ReadOnly),
             Node::WholeView(c) => {
@@ -290,9 +293,10 @@ impl Fs {
                 });
                 Ok(self.opened(fh, false))
             }
-            Node::Index(_) | Node::Metadata(_) | Node::File(_, _, TensorFile::Meta) => {
-                self.open_json(ino, node, write || truncate, truncate)
-            }
+            Node::Index(_)
+            | Node::Metadata(_)
+            | Node::File(_, _, TensorFile::Meta)
+            | Node::KvFile(..) => self.open_json(ino, node, write || truncate, truncate),
         }
     }
 
@@ -382,6 +386,18 @@ impl Fs {
                 Ok(Node::Metadata(c)) => {
                     let kept_invalid = st.live_mut(c).set_metadata(&text, false)?;
                     (c, METADATA_FILE.to_string(), kept_invalid)
+                }
+                Ok(Node::KvFile(c, id)) => {
+                    let live = st.live_mut(c);
+                    let key = live.kv_key(id).ok_or(FsError::NotFound)?.to_string();
+                    let kept_invalid = live.kv_set(id, &text)?;
+                    // (`__metadata__.json` shows every key.)
+                    touched.push(st.ino_of(Node::Metadata(c)));
+                    (
+                        c,
+                        format!("{KV_DIR}/{}", names::tensor_file_name(&key)),
+                        kept_invalid,
+                    )
                 }
                 _ => {
                     // Removed or replaced since it was opened: what was
@@ -514,7 +530,10 @@ impl Fs {
             None => {
                 let st = self.read_state();
                 let text = match st.node(ino)? {
-                    Node::FolderRoot | Node::CheckpointDir(_) => return Err(FsError::IsADirectory),
+                    Node::FolderRoot | Node::CheckpointDir(_) | Node::KvDir(_) => {
+                        return Err(FsError::IsADirectory);
+                    }
+                    Node::KvFile(c, id) => st.live(c).kv_text(id),
                     Node::Views(v) if st.is_view_folder(v) => return Err(FsError::IsADirectory),
                     Node::Views(v) => {
                         let file = self.view(&st, &st.view_path(v)?)?;

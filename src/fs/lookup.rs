@@ -26,14 +26,20 @@ impl Fs {
             Node::CheckpointDir(c) if name == KV_DIR && st.is_gguf() => {
                 st.kv_dir(c).ok_or(FsError::NotFound)?
             }
+            Node::KvDir(c) => {
+                let key = match st.kv_key_of(c, name) {
+                    Err(FsError::NameTooLong) => return Err(FsError::NameTooLong),
+                    Err(_) => return Err(FsError::NotFound),
+                    Ok(key) => key,
+                };
+                let id = st.live(c).kv_find(&key).ok_or(FsError::NotFound)?;
+                Node::KvFile(c, id)
+            }
             Node::Views(_) if name.len() > NAME_MAX => return Err(FsError::NameTooLong),
             Node::Views(dir) => {
                 let parent = st.view_path(dir)?;
                 if !matches!(views::find(&st, &parent), Some(Found::Folder(_))) {
                     return Err(FsError::NotADirectory);
-                }
-                if parent.is_empty() && !views::in_views(&st, name) {
-                    return Err(FsError::NotFound);
                 }
                 let path = views::join(&parent, name);
                 views::find(&st, &path).ok_or(FsError::NotFound)?;
@@ -224,8 +230,16 @@ impl Fs {
                     cached_name: false,
                 }
             }
-            Node::CheckpointDir(c) => {
+            Node::CheckpointDir(c) | Node::KvDir(c) => {
                 of_source(c, Kind::Directory, 0, st.live(c).source().modified(), false)
+            }
+            Node::KvFile(c, id) => {
+                let live = st.live(c);
+                let size = live.kv_len(id).ok_or(FsError::NotFound)?;
+                let mtime = live
+                    .kv_edited(id)
+                    .unwrap_or_else(|| live.source().modified());
+                of_source(c, Kind::File, size, mtime, true)
             }
             Node::Index(i) => {
                 let ix = &st.indexes[i].0;
@@ -307,7 +321,11 @@ impl Fs {
         };
         attr.cached_name = matches!(
             node,
-            Node::CheckpointDir(_) | Node::Metadata(_) | Node::File(..)
+            Node::CheckpointDir(_)
+                | Node::Metadata(_)
+                | Node::File(..)
+                | Node::KvDir(_)
+                | Node::KvFile(..)
         );
         Ok(attr)
     }
@@ -438,6 +456,23 @@ impl Fs {
                         {
                             return Ok(());
                         }
+                    }
+                }
+                Ok(())
+            }
+            // Keys by id (offset 3 + id): a stable order across edits.
+            Node::KvDir(c) => {
+                for (id, key) in st.live(c).kv_keys() {
+                    let next = 3 + id;
+                    if next > offset
+                        && emit(
+                            st.ino_of(Node::KvFile(c, id)),
+                            Kind::File,
+                            names::tensor_file_name(&key),
+                            next,
+                        )
+                    {
+                        break;
                     }
                 }
                 Ok(())

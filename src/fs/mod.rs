@@ -238,9 +238,13 @@ pub struct Fs {
 
 impl Fs {
     pub fn new(source: Source, mut settings: Settings, staging: Arc<Staging>) -> Fs {
-        // GGUF files are served read-only until their commits exist (the
-        // mount says so where it knows the format beforehand).
-        if source.files().iter().any(|s| s.header().is_gguf()) {
+        // Remote GGUF objects are served read-only: commits to S3 write
+        // safetensors (the mount says so).
+        if source
+            .files()
+            .iter()
+            .any(|s| s.header().is_gguf() && s.remote_object().is_some())
+        {
             settings.read_only = true;
         }
         let mut fixed = Vec::new();

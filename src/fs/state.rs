@@ -21,9 +21,14 @@ pub(super) enum Node {
     /// (`WHOLE_BIT` and the file's inode number), as the kernel wants one
     /// backing file per inode while it is open.
     WholeView(usize),
+    /// A GGUF checkpoint's `__kv__`, and the file of each key (by its id
+    /// in `Live`'s key table): `KV_BIT`, the checkpoint, and 0 or id + 1.
+    KvDir(usize),
+    KvFile(usize, u64),
 }
 
 pub(super) const WHOLE_BIT: Ino = 1 << 62;
+pub(super) const KV_BIT: Ino = 1 << 60;
 
 /// Inodes per tensor id and checkpoint: one per kind of its files.
 pub(super) const SLOTS: u64 = TensorFile::STRIDE;
@@ -170,6 +175,18 @@ impl State {
                 None => Err(FsError::NotFound),
             };
         }
+        if ino & KV_BIT != 0 && ino & (WHOLE_BIT | VIEW_BIT) == 0 {
+            let c = ((ino & !KV_BIT) >> 32) as usize;
+            let live = &self.checkpoints.get(c).ok_or(FsError::NotFound)?.live;
+            return match ino & 0xFFFF_FFFF {
+                0 if self.is_gguf() => Ok(Node::KvDir(c)),
+                0 => Err(FsError::NotFound),
+                n => match live.kv_key(n - 1) {
+                    Some(_) => Ok(Node::KvFile(c, n - 1)),
+                    None => Err(FsError::NotFound),
+                },
+            };
+        }
         if ino & WHOLE_BIT != 0 {
             // (A source file replaced since: the kernel looks the name up again.)
             return self
@@ -217,6 +234,8 @@ impl State {
             Node::WholeView(c) => self
                 .whole_ino(self.live(c).source())
                 .expect("a local source"),
+            Node::KvDir(c) => KV_BIT | (c as Ino) << 32,
+            Node::KvFile(c, id) => KV_BIT | (c as Ino) << 32 | (id + 1),
         }
     }
 
@@ -290,11 +309,39 @@ impl State {
         self.live(0).source().header().is_gguf()
     }
 
-    /// The node of checkpoint `c`'s `__kv__` when this mounts GGUF: its view
-    /// folder below `__views__` (`kv`, or `kv/SHARD`).
+    /// The node of checkpoint `c`'s `__kv__` when this mounts GGUF.
     pub(super) fn kv_dir(&self, c: usize) -> Option<Node> {
-        self.is_gguf()
-            .then(|| Node::Views(self.view_ino(&views::kv_path(self, c))))
+        self.is_gguf().then_some(Node::KvDir(c))
+    }
+
+    /// The checkpoint whose `__kv__` a directory inode is.
+    pub(super) fn kv_parent(&self, ino: Ino) -> Option<usize> {
+        match self.node(ino) {
+            Ok(Node::KvDir(c)) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The key a file name in `__kv__` stands for (names escape keys as
+    /// they escape tensor names).
+    pub(super) fn kv_key_of(&self, c: usize, file_name: &str) -> Result<String, FsError> {
+        if file_name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let live = self.live(c);
+        // (A hashed long name is found among the keys there.)
+        if let Some((_, key)) = live
+            .kv_keys()
+            .into_iter()
+            .find(|(_, k)| names::tensor_file_name(k) == file_name)
+        {
+            return Ok(key);
+        }
+        names::tensor_name(file_name).ok_or_else(|| {
+            FsError::Invalid(format!(
+                "{file_name:?} is not a valid key file name (see \"Names\" in docs/SEMANTICS.md)"
+            ))
+        })
     }
 
     pub(super) fn live(&self, c: usize) -> &Live {

@@ -45,7 +45,7 @@ use super::journal::Record;
 use super::staging::{PendingRename, RemoteLanding, Renames, Staging};
 use super::{DataObject, EntryMeta, EntrySlot, Id, Live, MetadataDoc, ObjectSlot, next_gen};
 use crate::checkpoint::Declined;
-use crate::format::{FormatError, Header, Layout, layout_of};
+use crate::format::{FormatError, FormatWriter, Header, Layout, NoFit};
 use crate::source::Folder;
 use crate::source::StagingDir;
 use crate::source::staged::StagingError;
@@ -83,6 +83,8 @@ pub struct CommitPlan {
     pub described: String,
     metadata: Option<crate::format::Metadata>,
     metadata_gen: u64,
+    /// The generation of a GGUF file's keys that the plan wrote.
+    kv_gen: u64,
     inputs: Vec<Bytes>,
     members: Vec<Member>,
     /// Edits with a generation below this were made before the plan.
@@ -170,20 +172,31 @@ impl Live {
             self.staging.base().clone(),
             remote::record_name(self.staging.stem(), commit, self.source.file_name()),
         ));
+        let gguf = self
+            .gguf_writer()
+            .map_err(io_err(format!("{}: reading its keys", file.display())))?;
+        let safetensors = crate::format::writer::Safetensors {
+            metadata: metadata.as_ref(),
+        };
+        let format: &dyn FormatWriter = match &gguf {
+            Some(g) => g,
+            None => &safetensors,
+        };
         let (layout, way) = {
             let specs = self.commit_specs(&members);
-            let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).map_err(
-                |e: FormatError| {
+            let reference = format
+                .layout(specs.len(), &|i| specs[i], options.compact)
+                .map_err(|e: FormatError| {
                     refused(vec![Problem {
                         tensor: e.tensor().map(str::to_string),
                         rule: e.to_string(),
                     }])
-                },
-            )?;
+                })?;
             choose(&NewState {
                 source: &self.source,
                 specs: &specs,
                 inputs: &inputs,
+                format,
                 metadata: metadata.as_ref(),
                 held,
                 unchanged: same,
@@ -219,6 +232,7 @@ impl Live {
             described,
             metadata,
             metadata_gen: self.metadata_gen,
+            kv_gen: self.kv_generation(),
             inputs,
             members,
             mark: next_gen(),
@@ -281,13 +295,22 @@ impl Live {
         }
         let (inputs, members) = self.commit_inputs(false);
         let metadata = self.metadata()?.cloned();
+        let gguf = self.gguf_writer().ok()?;
+        let safetensors = crate::format::writer::Safetensors {
+            metadata: metadata.as_ref(),
+        };
+        let format: &dyn FormatWriter = match &gguf {
+            Some(g) => g,
+            None => &safetensors,
+        };
         let specs = self.commit_specs(&members);
-        let reference = layout_of(specs.len(), |i| specs[i], metadata.as_ref()).ok()?;
+        let reference = format.layout(specs.len(), &|i| specs[i], false).ok()?;
         let unchanged = !self.source_changed();
         let (layout, way) = choose(&NewState {
             source: &self.source,
             specs: &specs,
             inputs: &inputs,
+            format,
             metadata: metadata.as_ref(),
             held,
             unchanged,
@@ -327,9 +350,17 @@ impl Live {
         self.committing = None;
         self.version += 1;
         let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
+        // (A GGUF header is parsed again: its keys are what the file holds now.)
+        let gguf = crate::format::gguf::is_gguf(&plan.layout.header).then(|| {
+            Header::parse_any_prefix(&plan.layout.header, plan.layout.file_len())
+                .expect("a commit's GGUF header was checked when planned")
+        });
         plan.layout.header = Vec::new();
         let tensors = std::mem::take(&mut plan.layout.tensors);
-        let header = Header::from_parts(header_len, tensors, plan.metadata.clone());
+        let header = match gguf {
+            Some(h) => h,
+            None => Header::from_parts(header_len, tensors, plan.metadata.clone()),
+        };
         let fresh = Arc::new(landed.fresh(&self.source, header)?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
         // New index of each member: layout.source_index maps file order -> input order.
@@ -424,6 +455,7 @@ impl Live {
                 self.entries[id] = EntrySlot::Gone;
             }
         }
+        self.kv_after_commit(&old, plan.kv_gen);
         if self.metadata_gen == plan.metadata_gen {
             if self.metadata == MetadataDoc::Removed {
                 // Shown again (as the new file has it): a new file.
@@ -548,11 +580,13 @@ impl CommitPlan {
                 "writing the commit of {}",
                 self.source.path().display()
             )))?;
-        let total = self.layout.data_len();
-        let mut out = self.layout.header.len() as u64;
+        let total: u64 = self.layout.tensors.iter().map(|t| t.nbytes()).sum();
+        let data_start = self.layout.header.len() as u64;
         let (mut done, mut shared) = (0, 0);
         for (placed, &k) in self.layout.tensors.iter().zip(&self.layout.source_index) {
             let len = placed.nbytes();
+            // (Back to back, or at offsets the format aligns: a gap reads zeros.)
+            let out = data_start + placed.data_offsets.0;
             let what = io_err(format!(
                 "{}: tensor {:?}: copying its bytes",
                 self.source.path().display(),
@@ -566,7 +600,6 @@ impl CommitPlan {
                 }
                 None => self.inputs[k].copy_to(0, file, out, len).map_err(what)?,
             }
-            out += len;
             done += len;
             progress(done, total);
             // (A test kills or pauses the daemon here, the new file half written.)
@@ -574,6 +607,14 @@ impl CommitPlan {
                 "{}: writing the new file",
                 self.source.path().display()
             )))?;
+        }
+        // (Padding after the last tensor, as the format's writer leaves it.)
+        if self.layout.end_pad > 0 {
+            file.set_len(self.layout.file_len())
+                .map_err(io_err(format!(
+                    "writing the commit of {}",
+                    self.source.path().display()
+                )))?;
         }
         if share.is_some() {
             info!(

@@ -262,6 +262,9 @@ impl CommitWay for RemoteWay {
 fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
     let source = new.source;
     let object = source.remote_object().ok_or("a local file")?;
+    if source.header().is_gguf() {
+        return Err("GGUF objects are read-only (commits to S3 write safetensors)".into());
+    }
     let (layout, pieces, others) = if new.options.compact {
         let layout = new.reference.clone();
         let (pieces, others) = pieces_of(new, &layout);
@@ -276,6 +279,7 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
             header,
             tensors,
             source_index: order,
+            end_pad: 0,
         };
         let old_len = source.header().data_start();
         let new_len = layout.header.len() as u64;
@@ -284,7 +288,7 @@ fn plan(new: &NewState) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
             let room = old_len - crate::format::PREFIX_LEN;
             layout.header[..8].copy_from_slice(&room.to_le_bytes());
         } else {
-            leave_room(&mut layout);
+            crate::format::writer::leave_room(&mut layout);
         }
         let (pieces, others) = pieces_of(new, &layout);
         (layout, pieces, others)

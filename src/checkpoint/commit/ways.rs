@@ -110,11 +110,17 @@ impl PlannedWay for InPlacePlan {
             name: source.file_name().to_string_lossy().into_owned(),
             before: stat,
             old_prefix,
+            // (A GGUF file starts with its magic and version, not its length.)
+            old_start: source
+                .header()
+                .is_gguf()
+                .then(|| u64::from_le_bytes(old_header[..8].try_into().expect("8 bytes"))),
             after_len: layout.file_len,
             after_mtime: mtime,
             header_file: format!("in-place-{}-{}-{}.header", plan.commit, stat.dev, stat.ino),
             inserted: layout.inserted,
             header_write: layout.header_write,
+            header_from: layout.header_from,
             writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
             old_header_sum: in_place::sha256_hex(&[&old_header]),
             sum: String::new(),
@@ -202,24 +208,6 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
-/// Pads a rewrite's header so that the data section starts on a 4 KiB
-/// boundary with room to spare (a quarter of the JSON, at least 4 KiB): the
-/// next header edits are in place. Readers accept trailing spaces.
-pub(super) fn leave_room(layout: &mut Layout) {
-    const BLOCK: u64 = 4096;
-    let json = layout.header.len() as u64 - crate::format::PREFIX_LEN;
-    let want = crate::format::PREFIX_LEN + json + (json / 4).max(BLOCK);
-    let total = want.div_ceil(BLOCK) * BLOCK;
-    let room = (total - crate::format::PREFIX_LEN).min(crate::format::MAX_HEADER_LEN);
-    if room <= json {
-        return;
-    }
-    layout
-        .header
-        .resize((crate::format::PREFIX_LEN + room) as usize, b' ');
-    layout.header[..8].copy_from_slice(&room.to_le_bytes());
-}
-
 /// A modification time after `old` (and now, if the clock allows): the one an
 /// in-place commit gives the file, known before it writes.
 pub(super) fn new_mtime(old: (i64, i64)) -> (i64, i64) {
@@ -242,13 +230,17 @@ pub struct NewState<'a> {
     /// Name, dtype and shape of each tensor; `inputs[k]` holds tensor k's bytes.
     pub specs: &'a [(&'a str, crate::format::Dtype, &'a [u64])],
     pub inputs: &'a [Bytes],
+    /// The new state's format, which writes its headers.
+    pub format: &'a dyn crate::format::FormatWriter,
+    /// A safetensors state's metadata (the remote way writes its header).
     pub metadata: Option<&'a crate::format::Metadata>,
     /// Bytes that open descriptors and the other shards read.
     pub held: &'a [Bytes],
     /// The file at the source's name is still the one mapped.
     pub unchanged: bool,
     pub options: CommitOptions,
-    /// The reference serializer's layout of the new state.
+    /// The new state laid out as a new file: as the format's reference
+    /// writer lays it out with `--compact`, else with room in its header.
     pub reference: Layout,
     /// A plan only to say what a commit would do (`stfs status`): it takes no
     /// lease and changes nothing.
@@ -340,7 +332,7 @@ impl CommitWay for InPlaceWay {
             specs.len(),
             |i| specs[i],
             new.inputs,
-            new.metadata,
+            new.format,
             &held,
             crate::source::local::inserts_blocks(&file),
         )?;
@@ -386,20 +378,24 @@ impl CommitWay for SharedExtentsWay {
         let data_start_now = source.header().data_start() + source.shift();
         let (kept, order) = source_order(new, false);
         let tensors = tensors_in_order(new, &order)?;
-        let mut header =
-            crate::format::header_bytes(&tensors, new.metadata).map_err(|e| e.to_string())?;
-        // Room, and the data section at the old one's place within a block.
-        let json = header.len() as u64 - crate::format::PREFIX_LEN;
-        let base = json + (json / 4).max(4096);
-        let misfit =
-            (data_start_now % block + block - (crate::format::PREFIX_LEN + base) % block) % block;
-        let room = base + misfit;
-        if room > crate::format::MAX_HEADER_LEN {
+        let refused = |e: crate::format::FormatError| Declined(e.to_string());
+        // Room (a quarter of the header again, at least 4 KiB), and the
+        // data section at the old one's place within a block.
+        let needed = match new.format.header_at(&tensors, 0) {
+            Ok((h, _)) => h.len() as u64,
+            Err(NoFit::Needs(n)) => n,
+            Err(NoFit::Refused(e)) => return Err(refused(e)),
+        };
+        let base = needed + (needed / 4).max(4096);
+        let data_start = base + (data_start_now % block + block - base % block) % block;
+        if data_start > crate::format::MAX_HEADER_LEN {
             return Err("the header would pass 100,000,000 bytes".into());
         }
-        header.resize((crate::format::PREFIX_LEN + room) as usize, b' ');
-        header[..8].copy_from_slice(&room.to_le_bytes());
-        let data_start = crate::format::PREFIX_LEN + room;
+        let header = match new.format.header_at(&tensors, data_start) {
+            Ok((h, _)) => h,
+            Err(NoFit::Refused(e)) => return Err(refused(e)),
+            Err(NoFit::Needs(_)) => return Err("internal: a header does not fit its room".into()),
+        };
         let mut shared = 0;
         for (j, &(old_start, _)) in kept.iter().enumerate() {
             let (from, to) = (
@@ -415,11 +411,14 @@ impl CommitWay for SharedExtentsWay {
         if shared == 0 {
             return Err("no tensor would keep its place within its blocks".into());
         }
+        let end = tensors.last().map_or(0, |t| t.data_offsets.1);
+        let end_pad = end.next_multiple_of(new.format.alignment()) - end;
         Ok((
             Layout {
                 header,
                 tensors,
                 source_index: order,
+                end_pad,
             },
             Box::new(RewritePlan {
                 why: why_not.to_string(),
@@ -476,16 +475,18 @@ pub(super) fn source_order(
     (kept, order)
 }
 
-/// The tensor table of the new state laid out back to back in `order`.
+/// The tensor table of the new state laid out back to back in `order`
+/// (each at an offset its format aligns).
 pub(super) fn tensors_in_order(
     new: &NewState,
     order: &[usize],
 ) -> Result<crate::format::Tensors, Declined> {
     let mut tensors = crate::format::Tensors::with_capacity(order.len());
-    let mut offset = 0;
+    let mut offset = 0u64;
     for &k in order {
         let (name, dtype, shape) = new.specs[k];
         let n = new.inputs[k].len();
+        offset = offset.next_multiple_of(new.format.alignment());
         tensors
             .push(name, dtype, shape, (offset, offset + n))
             .map_err(|_| "the header is too large".to_string())?;
@@ -504,12 +505,8 @@ impl CommitWay for RewriteWay {
         new: &NewState,
         why_not: &str,
     ) -> Result<(Layout, Box<dyn PlannedWay>), Declined> {
-        let mut layout = new.reference.clone();
-        if !new.options.compact {
-            leave_room(&mut layout);
-        }
         Ok((
-            layout,
+            new.reference.clone(),
             Box::new(RewritePlan {
                 why: why_not.to_string(),
                 sharing: None,

@@ -34,7 +34,7 @@ use tracing::{info, warn};
 use crate::checkpoint::Declined;
 use crate::checkpoint::recover::RecoveryError;
 use crate::format::{
-    Dtype, Header, IN_PLACE_MARKER, Layout, Metadata, PREFIX_LEN, Tensors, byte_len, header_bytes,
+    Dtype, FormatWriter, Header, IN_PLACE_MARKER, Layout, NoFit, PREFIX_LEN, Tensors, byte_len,
 };
 use crate::source::Folder;
 use crate::source::staged::{STAGING_ALIGN, staged_pad};
@@ -72,7 +72,9 @@ pub struct InPlaceLayout {
     pub layout: Layout,
     /// Bytes inserted at the file's start to grow the header (whole blocks).
     pub inserted: u64,
-    /// How much of the header (from the file's start) is written.
+    /// The part of the header written: from `header_from` (at least 8:
+    /// the first 8 bytes go in last) to `header_write`.
+    pub header_from: u64,
     pub header_write: u64,
     /// For each write, the input (index into the plan's inputs) it copies.
     pub writes: Vec<(RangeWrite, usize)>,
@@ -118,12 +120,14 @@ pub fn shareable_blocks(from: u64, to: u64, len: u64) -> u64 {
 /// `held[i]`: source tensor `i`'s bytes are read by a descriptor or another
 /// shard, so they must stay where they are. `block`: the filesystem can
 /// insert blocks of this size at the file's start, to grow the header.
+/// `format` writes the header (and says how tensors are aligned).
+#[allow(clippy::too_many_arguments)]
 pub fn layout<'a>(
     source: &Arc<SourceFile>,
     count: usize,
     spec: impl Fn(usize) -> (&'a str, Dtype, &'a [u64]),
     inputs: &[Bytes],
-    metadata: Option<&Metadata>,
+    format: &dyn FormatWriter,
     held: &[bool],
     block: Option<u64>,
 ) -> Result<InPlaceLayout, Declined> {
@@ -244,6 +248,14 @@ pub fn layout<'a>(
         .filter(|&i| !claimed[i] && old.tensors.nbytes(i) > 0)
         .count();
     let mut moved = 0;
+    if let (Some(&first), false) = (holes.first(), format.fills_holes()) {
+        return Err(format!(
+            "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one of \
+             another size), and this format's holes are not filled in place",
+            old.tensors.name(first)
+        )
+        .into());
+    }
     if let Some(&first) = holes.first() {
         let hole_err = |why: &str| -> Declined {
             format!(
@@ -280,13 +292,16 @@ pub fn layout<'a>(
             ));
         }
     }
-    // 4. Everything else goes at the end, in name order.
+    // 4. Everything else goes at the end, in name order (each at an offset
+    //    the format aligns).
+    let align = format.alignment();
     let mut rest: Vec<usize> = (0..count).filter(|&k| place[k].is_none()).collect();
     rest.sort_by(|&a, &b| spec(a).0.cmp(spec(b).0));
     let mut end = kept_end;
     let mut appended = 0;
     for &k in &rest {
         let n = len_of(k)?;
+        end = end.next_multiple_of(align);
         place[k] = Some((end, end + n));
         end += n;
         if n > 0 {
@@ -307,45 +322,77 @@ pub fn layout<'a>(
             .push(name, dtype, shape, place[k].expect("placed"))
             .map_err(|_| "the header is too large".to_string())?;
     }
-    let mut header = header_bytes(&tensors, metadata).map_err(|e| e.to_string())?;
-    let new_json_end = header.len() as u64;
-    let mut room = old.header_len;
-    let needed = header.len() as u64 - PREFIX_LEN;
+    let old_len = old.data_start();
     let mut inserted = 0;
-    if needed > room {
-        let Some(block) = block else {
-            return Err(format!(
-                "the header grows past its space ({needed} bytes, {room} there) and this \
-                 filesystem cannot insert blocks at a file's start (ext4 and XFS can)"
-            )
-            .into());
-        };
-        // Whole blocks, with room to spare for the next edits (a chat
-        // template, every tensor renamed, a metadata key or two), so that
-        // they insert nothing: a quarter of the header again, at least
-        // 64 KiB. (Not more: each later header edit writes its room into
-        // the redo record once.)
-        let want = needed + (needed / 4).max(HEADER_SPARE) - room;
-        inserted = want.div_ceil(block) * block;
-        room += inserted;
-        if room > crate::format::MAX_HEADER_LEN {
-            return Err("the header would pass 100,000,000 bytes".into());
+    let (header, content_end) = match format.header_at(&tensors, old_len) {
+        Ok(fits) => fits,
+        Err(NoFit::Refused(e)) => return Err(e.to_string().into()),
+        Err(NoFit::Needs(needed)) => {
+            let Some(block) = block else {
+                return Err(format!(
+                    "the header grows past its space ({needed} bytes, {old_len} there) and this \
+                     filesystem cannot insert blocks at a file's start (ext4 and XFS can)"
+                )
+                .into());
+            };
+            // Whole blocks (of the format's alignment too), with room to
+            // spare for the next edits (a chat template, every tensor
+            // renamed, a metadata key or two), so that they insert
+            // nothing: a quarter of the header again, at least 64 KiB.
+            // (Not more: each later header edit writes its room into the
+            // redo record once.)
+            let unit = block.max(align);
+            if unit % block != 0 || unit % align != 0 {
+                return Err(format!(
+                    "the header grows past its space, and blocks of {block} bytes cannot keep \
+                     the data aligned to {align}"
+                )
+                .into());
+            }
+            let want = needed + (needed / 4).max(HEADER_SPARE) - old_len;
+            inserted = want.div_ceil(unit) * unit;
+            if old_len + inserted > crate::format::MAX_HEADER_LEN {
+                return Err("the header would pass 100,000,000 bytes".into());
+            }
+            match format.header_at(&tensors, old_len + inserted) {
+                Ok(fits) => fits,
+                Err(NoFit::Refused(e)) => return Err(e.to_string().into()),
+                Err(NoFit::Needs(_)) => {
+                    return Err("internal: the grown header does not fit".into());
+                }
+            }
         }
-    }
-    header.resize((PREFIX_LEN + room) as usize, b' ');
-    header[..PREFIX_LEN as usize].copy_from_slice(&room.to_le_bytes());
+    };
     let data_start = data_start + inserted;
-    let file_len = data_start + end;
-    // Only the part of the header that holds JSON, old or new, is written:
-    // the rest is spaces already.
-    let header_write = new_json_end
+    let end_pad = end.next_multiple_of(align) - end;
+    let file_len = data_start + end + end_pad;
+    // Only the part of the header that holds content, old or new, is
+    // written: the rest is padding already. And of that, from the first
+    // byte that changes to the last (a GGUF file's template grown: the
+    // keys before it, the tensor infos after its room, stay).
+    let mut header_write = content_end
         .max(inserted + source.header_json_end())
         .min(header.len() as u64);
+    let mut header_from = PREFIX_LEN;
+    if inserted == 0 && source.shift() == 0 {
+        if let Ok(now) = source.read_range(0, old_len) {
+            let differs = |i: &usize| header.get(*i) != now.get(*i);
+            let end = header_write as usize;
+            match (PREFIX_LEN as usize..end).find(differs) {
+                None => header_write = PREFIX_LEN,
+                Some(first) => {
+                    header_from = first as u64;
+                    let last = (first..end).rev().find(differs).expect("one differs");
+                    header_write = last as u64 + 1;
+                }
+            }
+        }
+    }
     // What a reader will see must be what the reference accepts.
-    Header::parse_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
+    Header::parse_any_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
     // 6. The writes: every placed input whose bytes are not already there.
     let mut writes = Vec::new();
-    let mut bytes = header_write;
+    let mut bytes = header_write - header_from;
     for k in 0..count {
         let (start, stop) = place[k].expect("placed");
         if stop == start {
@@ -411,8 +458,10 @@ pub fn layout<'a>(
             header,
             tensors,
             source_index,
+            end_pad,
         },
         inserted,
+        header_from,
         header_write,
         writes,
         shareable: 0,
@@ -518,10 +567,16 @@ pub struct InPlaceRecord {
     pub name: String,
     /// The file as it was (identity, length, time).
     pub before: FileStat,
-    /// Its length prefix then: what a step that fails after the marker, before
-    /// anything else changed, puts back.
+    /// Its length prefix then (a GGUF file: its header's length less 8):
+    /// the old header is its first `8 + old_prefix` bytes.
     #[serde(default)]
     pub old_prefix: u64,
+    /// Its first 8 bytes as a little-endian number, when they are not that
+    /// length (a GGUF file's magic and version): what a step that fails
+    /// after the marker, before anything else changed, puts back (else
+    /// `old_prefix`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_start: Option<u64>,
     pub after_len: u64,
     /// The modification time the commit gives the file when done, so that
     /// the journal's `Landing` knows the new version in advance.
@@ -536,6 +591,10 @@ pub struct InPlaceRecord {
     /// The header's bytes to write, from the start (0: all): the rest is spaces already.
     #[serde(default)]
     pub header_write: u64,
+    /// Where those bytes start (0 or 8: after the first 8 bytes, which go
+    /// in last): the bytes before it are the same in the old header.
+    #[serde(default)]
+    pub header_from: u64,
     pub writes: Vec<RangeWrite>,
     /// SHA-256 (hex) of the file's first `8 + old_prefix` bytes before the
     /// commit (its old header): a file whose time changed but whose old
@@ -678,13 +737,16 @@ impl InPlaceRecord {
             let why = "its checksum does not match: changed or cut short since it was made";
             return Err(BadRecord(why.into()));
         }
-        let parsed = Header::parse_prefix(header, self.after_len).map_err(|e| {
+        let parsed = Header::parse_any_prefix(header, self.after_len).map_err(|e| {
             BadRecord(format!(
                 "its new header is not valid for the new length: {e}"
             ))
         })?;
         let header_end = header.len() as u64;
-        if parsed.data_start() != header_end || self.header_write > header_end {
+        if parsed.data_start() != header_end
+            || self.header_write > header_end
+            || self.header_from > self.header_write.max(PREFIX_LEN)
+        {
             return Err(BadRecord(
                 "its new header's length disagrees with its data".into(),
             ));
@@ -786,7 +848,8 @@ impl InPlaceRecord {
     /// put back as it was (its prefix, its modification time).
     fn put_back(&self, file: &dyn FileOps, marked: bool) -> std::io::Result<()> {
         if marked {
-            file.write_at(&self.old_prefix.to_le_bytes(), 0)?;
+            let start = self.old_start.unwrap_or(self.old_prefix);
+            file.write_at(&start.to_le_bytes(), 0)?;
             file.sync_data()?;
         }
         file.set_mtime(self.before.mtime)?;
@@ -930,8 +993,9 @@ impl InPlaceRecord {
             0 => header.len(),
             n => (n as usize).clamp(PREFIX_LEN as usize, header.len()),
         };
+        let from = (self.header_from as usize).clamp(PREFIX_LEN as usize, end);
         point("in-place:header").map_err(after)?;
-        file.write_at(&header[PREFIX_LEN as usize..end], PREFIX_LEN)
+        file.write_at(&header[from..end], from as u64)
             .map_err(after)?;
         // The data and header are durable before the prefix makes them the file.
         point("in-place:sync").map_err(after)?;

@@ -31,6 +31,8 @@ fn setup(dir: &std::path::Path) -> (std::path::PathBuf, InPlaceRecord, Vec<u8>, 
         header_file: "in-place-1-1-1.header".into(),
         inserted: 4096,
         header_write: 0,
+        header_from: 0,
+        old_start: None,
         writes: Vec::new(),
         old_header_sum: sha256_hex(&[&old]),
         sum: String::new(),
@@ -348,14 +350,17 @@ mod planner {
             }
         }
         let names: Vec<&str> = new.iter().map(|(n, _)| *n).collect();
-        let meta: Option<Metadata> = metadata.map(|v| [("k".to_string(), v.to_string())].into());
+        let meta: Option<crate::format::Metadata> =
+            metadata.map(|v| [("k".to_string(), v.to_string())].into());
         let spec = |k: usize| (names[k], dtypes[k], shapes[k].as_slice());
         layout(
             &c.source,
             new.len(),
             spec,
             &inputs,
-            meta.as_ref(),
+            &crate::format::writer::Safetensors {
+                metadata: meta.as_ref(),
+            },
             held,
             block,
         )

@@ -9,8 +9,6 @@ mod casts;
 mod export;
 pub(super) use export::index_view;
 mod gguf_file;
-mod kv;
-pub(super) use kv::kv_path;
 mod npy;
 mod reshard;
 
@@ -24,12 +22,11 @@ use super::{Ino, State};
 use crate::checkpoint::view::GeneratedFile;
 
 /// The view folders, in listing order. A new view is one module and one line here.
-const FOLDERS: [&dyn ViewFolder; 6] = [
+const FOLDERS: [&dyn ViewFolder; 5] = [
     &casts::Casts,
     &npy::Npy,
     &reshard::Reshard,
     &export::Export,
-    &kv::Kv,
     &gguf_file::GgufFile,
 ];
 
@@ -112,12 +109,6 @@ pub trait ViewFolder: Sync {
     fn formats(&self) -> Formats {
         Formats::Safetensors
     }
-    /// Whether its names are in `__views__` (listed and looked up there);
-    /// a folder reached only from elsewhere (`__kv__`) says no, so that no
-    /// directory has two names.
-    fn in_views(&self) -> bool {
-        true
-    }
     /// The names it shows in `__views__` (the first part of its paths).
     fn top(&self, st: &State) -> Vec<String>;
     /// What `path` (whose first part is one of `top`) is now, if anything.
@@ -164,7 +155,7 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
     let parts = split(path);
     if parts.is_empty() {
         let mut out = Vec::new();
-        for f in folders(st).filter(|f| f.in_views()) {
+        for f in folders(st) {
             for name in f.top(st) {
                 let folder = matches!(f.find(st, &[&name]), Some(Found::Folder(_)));
                 let offset = 3 + out.len() as u64;
@@ -178,11 +169,6 @@ pub fn list(st: &State, path: &str, from: u64) -> Vec<Entry> {
         return out;
     }
     folder_of(st, parts[0]).map_or_else(Vec::new, |f| f.list(st, &parts, from))
-}
-
-/// Whether `name` may be looked up in `__views__` itself.
-pub fn in_views(st: &State, name: &str) -> bool {
-    folder_of(st, name).is_none_or(|f| f.in_views())
 }
 
 /// Why folder `path` cannot be listed now, if it cannot.

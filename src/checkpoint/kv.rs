@@ -1,0 +1,579 @@
+//! The keys of a GGUF checkpoint as edited (docs/SEMANTICS.md, "GGUF"):
+//! one file per key in `__kv__/`, whose text is the value as a person edits
+//! it. A key keeps its type through every edit (a number written into a
+//! UINT32 key is read as one); a value that does not fit the type is kept as
+//! written, refused at close (EINVAL) and listed by `stfs status`, and a
+//! commit refuses it. A new key is a string. `__metadata__.json` shows the
+//! same state, every key with its type.
+//!
+//! The table is `Live`'s (`Live::kv`); its journal record is the whole
+//! table (`Record::Keys`), self-contained: a key whose value is the
+//! source's under the same name says so, any other carries its text.
+
+use std::sync::OnceLock;
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+use super::journal::Record;
+use super::{EditError, Live, Problem, next_gen};
+use crate::format::gguf::write::{self, KvType, ROOM_KEY};
+use crate::format::gguf::{GgufHeader, Value, ValueType};
+use crate::source::SourceFile;
+
+/// A key's value: the source's key `i` as the file has it, or text written.
+#[derive(Clone)]
+enum Content {
+    Source(usize),
+    Written {
+        text: Vec<u8>,
+        /// The value encoded, or why the text is not one of the key's type.
+        value: Result<Vec<u8>, String>,
+    },
+}
+
+#[derive(Clone)]
+struct KvEntry {
+    /// Its file's id (the inode's), for the life of the mount.
+    id: u64,
+    key: String,
+    ty: KvType,
+    content: Content,
+    edited: Option<SystemTime>,
+}
+
+/// The keys of a GGUF checkpoint, in file order.
+pub struct KvTable {
+    entries: Vec<KvEntry>,
+    next_id: u64,
+    /// Moves with every edit: a commit keeps the edits made after its plan.
+    generation: u64,
+    /// What `__kv__` shows of each source key, made when first read.
+    shown: Vec<OnceLock<Vec<u8>>>,
+}
+
+/// A key in the journal: the source's value under the same name, or text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub key: String,
+    #[serde(rename = "type")]
+    pub ty: KvType,
+    /// None: the value the source has under this key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<Text>,
+}
+
+/// Bytes in the journal: a string when they are UTF-8 (a template is
+/// readable there), else their numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Text {
+    Utf8(String),
+    Bytes(Vec<u8>),
+}
+
+impl Text {
+    fn of(bytes: &[u8]) -> Text {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Text::Utf8(s.to_string()),
+            Err(_) => Text::Bytes(bytes.to_vec()),
+        }
+    }
+
+    fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Text::Utf8(s) => s.into_bytes(),
+            Text::Bytes(b) => b,
+        }
+    }
+}
+
+fn header(source: &SourceFile) -> &GgufHeader {
+    source
+        .header()
+        .gguf
+        .as_deref()
+        .expect("a key table is a GGUF file's")
+}
+
+impl KvTable {
+    /// The keys of `source` as it is (its room key left out).
+    pub fn of(source: &SourceFile) -> KvTable {
+        let h = header(source);
+        let entries = h
+            .kvs
+            .iter()
+            .enumerate()
+            .filter(|(_, (key, _))| key != ROOM_KEY)
+            .map(|(i, (key, v))| KvEntry {
+                id: i as u64,
+                key: key.clone(),
+                ty: KvType::of(v),
+                content: Content::Source(i),
+                edited: None,
+            })
+            .collect();
+        KvTable {
+            entries,
+            next_id: h.kvs.len() as u64,
+            generation: 0,
+            shown: (0..h.kvs.len()).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn position(&self, key: &str) -> Option<usize> {
+        self.entries.iter().position(|e| e.key == key)
+    }
+
+    fn by_id(&self, id: u64) -> Option<&KvEntry> {
+        self.entries.iter().find(|e| e.id == id)
+    }
+}
+
+/// The value of source key `i`, encoded (arrays read from the file).
+fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {
+    let read = |at, len| source.read_range(at, len);
+    write::encode(&header(source).kvs[i].1, &read)
+}
+
+fn parse(ty: KvType, text: &[u8]) -> Content {
+    Content::Written {
+        value: write::parse_text(ty, text),
+        text: text.to_vec(),
+    }
+}
+
+impl Live {
+    fn kv(&self) -> Option<&KvTable> {
+        self.kv.as_ref()
+    }
+
+    fn kv_mut(&mut self) -> Result<&mut KvTable, EditError> {
+        self.kv
+            .as_mut()
+            .ok_or_else(|| EditError::Invalid("only a GGUF file has keys".into()))
+    }
+
+    /// The keys' file ids and names, by id (a listing's stable order).
+    pub fn kv_keys(&self) -> Vec<(u64, String)> {
+        let mut keys: Vec<(u64, String)> = self
+            .kv()
+            .map(|t| t.entries.iter().map(|e| (e.id, e.key.clone())).collect())
+            .unwrap_or_default();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// The file id of `key`.
+    pub fn kv_find(&self, key: &str) -> Option<u64> {
+        let t = self.kv()?;
+        t.position(key).map(|p| t.entries[p].id)
+    }
+
+    pub fn kv_key(&self, id: u64) -> Option<&str> {
+        self.kv()?.by_id(id).map(|e| e.key.as_str())
+    }
+
+    /// What `__kv__/KEY` shows: the value's text (`gguf::kv_file_text`,
+    /// strings with a final newline), or what was written.
+    pub fn kv_text(&self, id: u64) -> Option<Vec<u8>> {
+        let t = self.kv()?;
+        match &t.by_id(id)?.content {
+            Content::Written { text, .. } => Some(text.clone()),
+            Content::Source(i) => Some(self.shown_source_key(t, *i).to_vec()),
+        }
+    }
+
+    pub fn kv_len(&self, id: u64) -> Option<u64> {
+        let t = self.kv()?;
+        Some(match &t.by_id(id)?.content {
+            Content::Written { text, .. } => text.len() as u64,
+            Content::Source(i) => self.shown_source_key(t, *i).len() as u64,
+        })
+    }
+
+    /// When key `id` was last written (None: as the source has it).
+    pub fn kv_edited(&self, id: u64) -> Option<SystemTime> {
+        self.kv()?.by_id(id)?.edited
+    }
+
+    fn shown_source_key<'t>(&self, t: &'t KvTable, i: usize) -> &'t [u8] {
+        t.shown[i].get_or_init(|| {
+            let read = |at, len| self.source.read_range(at, len);
+            let text = crate::format::gguf::kv_file_text(&header(&self.source).kvs[i].1, &read);
+            text.unwrap_or_else(|e| {
+                tracing::warn!(file = %self.source.path().display(), "reading a key's value: {e}");
+                Vec::new()
+            })
+        })
+    }
+
+    /// A new key named `key`: an empty string until written.
+    pub fn kv_create(&mut self, key: &str) -> Result<u64, EditError> {
+        if key.is_empty() || key == ROOM_KEY {
+            return Err(EditError::Invalid(format!(
+                "{key:?} cannot be a key (stfs keeps {ROOM_KEY:?} for the header's room)"
+            )));
+        }
+        let t = self.kv_mut()?;
+        if t.position(key).is_some() {
+            return Err(EditError::Exists);
+        }
+        let id = t.next_id;
+        t.next_id += 1;
+        t.entries.push(KvEntry {
+            id,
+            key: key.to_string(),
+            ty: KvType::STRING,
+            content: parse(KvType::STRING, b""),
+            edited: Some(SystemTime::now()),
+        });
+        self.kv_changed();
+        Ok(id)
+    }
+
+    /// Key `id`'s value is `text` now, read as its type; returns why it is
+    /// not one (kept as written all the same, and refused by a commit).
+    pub fn kv_set(&mut self, id: u64, text: &[u8]) -> Result<Option<String>, EditError> {
+        let t = self.kv_mut()?;
+        let e = t
+            .entries
+            .iter_mut()
+            .find(|e| e.id == id)
+            .ok_or(EditError::NotFound)?;
+        e.content = parse(e.ty, text);
+        e.edited = Some(SystemTime::now());
+        let why = match &e.content {
+            Content::Written {
+                value: Err(why), ..
+            } => Some(why.clone()),
+            _ => None,
+        };
+        self.kv_settle();
+        self.kv_changed();
+        Ok(why)
+    }
+
+    pub fn kv_remove(&mut self, key: &str) -> Result<(), EditError> {
+        let t = self.kv_mut()?;
+        let p = t.position(key).ok_or(EditError::NotFound)?;
+        t.entries.remove(p);
+        self.kv_changed();
+        Ok(())
+    }
+
+    /// `mv FROM TO` in `__kv__`: the value moves to TO, which keeps its own
+    /// type and place if it was there (a tool's temp file renamed over a
+    /// key gives it a new value), else keeps FROM's. Fails (EINVAL, nothing
+    /// changed) when the value does not fit TO's type.
+    pub fn kv_rename(&mut self, from: &str, to: &str) -> Result<(), EditError> {
+        if to.is_empty() || to == ROOM_KEY {
+            return Err(EditError::Invalid(format!("{to:?} cannot be a key")));
+        }
+        let shown = {
+            let id = self.kv_find(from).ok_or(EditError::NotFound)?;
+            self.kv_text(id).unwrap_or_default()
+        };
+        let t = self.kv_mut()?;
+        let p = t.position(from).ok_or(EditError::NotFound)?;
+        if from == to {
+            return Ok(());
+        }
+        let mut moved = t.entries[p].clone();
+        moved.key = to.to_string();
+        match t.position(to) {
+            Some(q) => {
+                let ty = t.entries[q].ty;
+                if ty != moved.ty {
+                    let content = parse(ty, &shown);
+                    if let Content::Written {
+                        value: Err(why), ..
+                    } = &content
+                    {
+                        return Err(EditError::Invalid(format!(
+                            "{from:?} cannot become {to:?} (an {}): {why}",
+                            ty.name()
+                        )));
+                    }
+                    moved.ty = ty;
+                    moved.content = content;
+                }
+                moved.edited = Some(SystemTime::now());
+                t.entries[q] = moved;
+                t.entries.remove(p);
+            }
+            None => t.entries[p] = moved,
+        }
+        self.kv_settle();
+        self.kv_changed();
+        Ok(())
+    }
+
+    /// After an edit: a written value that is the source's own under the
+    /// same key is the source's again (`stfs status` shows no change).
+    fn kv_settle(&mut self) {
+        let Some(t) = self.kv.as_ref() else { return };
+        let h = header(&self.source);
+        let same: Vec<(usize, usize)> = t
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(p, e)| {
+                let Content::Written { value: Ok(v), .. } = &e.content else {
+                    return None;
+                };
+                let i = h.kvs.iter().position(|(k, _)| *k == e.key)?;
+                let ours = KvType::of(&h.kvs[i].1) == e.ty
+                    && source_value(&self.source, i).is_ok_and(|s| s == *v);
+                ours.then_some((p, i))
+            })
+            .collect();
+        let t = self.kv.as_mut().expect("checked");
+        for (p, i) in same {
+            t.entries[p].content = Content::Source(i);
+        }
+    }
+
+    fn kv_changed(&mut self) {
+        if let Some(t) = self.kv.as_mut() {
+            t.generation = next_gen();
+        }
+        self.dirty = true;
+        let keys = self.kv_records();
+        self.log(vec![Record::Keys { keys }]);
+    }
+
+    /// Whether the keys are the source's, in its order.
+    pub fn kv_unchanged(&self) -> bool {
+        let Some(t) = self.kv() else { return true };
+        let source: Vec<usize> = (0..header(&self.source).kvs.len())
+            .filter(|&i| header(&self.source).kvs[i].0 != ROOM_KEY)
+            .collect();
+        t.entries.len() == source.len()
+            && t.entries.iter().zip(&source).all(|(e, &i)| {
+                matches!(e.content, Content::Source(j) if j == i)
+                    && e.key == header(&self.source).kvs[i].0
+            })
+    }
+
+    /// The table as the journal keeps it (None: no table).
+    pub(super) fn kv_records(&self) -> Vec<KeyRecord> {
+        let Some(t) = self.kv() else {
+            return Vec::new();
+        };
+        let h = header(&self.source);
+        t.entries
+            .iter()
+            .map(|e| KeyRecord {
+                key: e.key.clone(),
+                ty: e.ty,
+                text: match &e.content {
+                    Content::Source(i) if h.kvs[*i].0 == e.key => None,
+                    _ => Some(Text::of(&self.kv_text(e.id).unwrap_or_default())),
+                },
+            })
+            .collect()
+    }
+
+    /// Takes back a journaled table; notes what could not be.
+    pub(super) fn kv_replay(&mut self, keys: Vec<KeyRecord>) -> Vec<String> {
+        let mut notes = Vec::new();
+        let Some(t) = self.kv.as_ref() else {
+            return vec!["the journal has keys, but the file is not GGUF now; not restored".into()];
+        };
+        let h = header(&self.source);
+        let mut next_id = t.next_id;
+        let mut entries = Vec::new();
+        for k in keys {
+            let content = match k.text {
+                Some(text) => parse(k.ty, &text.into_bytes()),
+                None => match h.kvs.iter().position(|(key, _)| *key == k.key) {
+                    Some(i) => Content::Source(i),
+                    None => {
+                        notes.push(format!(
+                            "key {:?}: its value was the file's, which has it no longer; not restored",
+                            k.key
+                        ));
+                        continue;
+                    }
+                },
+            };
+            let id = match &content {
+                Content::Source(i) => *i as u64,
+                _ => {
+                    next_id += 1;
+                    next_id - 1
+                }
+            };
+            entries.push(KvEntry {
+                id,
+                key: k.key,
+                ty: k.ty,
+                content,
+                edited: Some(SystemTime::now()),
+            });
+        }
+        let t = self.kv.as_mut().expect("checked");
+        t.entries = entries;
+        t.next_id = next_id;
+        t.generation = next_gen();
+        notes
+    }
+
+    /// What a commit would refuse of the keys.
+    pub(super) fn kv_problems(&self) -> Vec<Problem> {
+        let Some(t) = self.kv() else {
+            return Vec::new();
+        };
+        let mut problems: Vec<Problem> = t
+            .entries
+            .iter()
+            .filter_map(|e| match &e.content {
+                Content::Written {
+                    value: Err(why), ..
+                } => Some(Problem {
+                    tensor: None,
+                    rule: format!("__kv__/{}: {why}", crate::format::printable(&e.key)),
+                }),
+                _ => None,
+            })
+            .collect();
+        if let Some(e) = t.entries.iter().find(|e| e.key == "general.alignment") {
+            let ok = e.ty.value == ValueType::U32
+                && self
+                    .kv_encoded(e)
+                    .ok()
+                    .and_then(|v| write::decode(&v))
+                    .is_some_and(|v| matches!(v, Value::U32(a) if a.is_power_of_two()));
+            if !ok {
+                problems.push(Problem {
+                    tensor: None,
+                    rule:
+                        "__kv__/general.alignment: it must be a UINT32 power of two (ggml refuses \
+                           the file otherwise)"
+                            .into(),
+                });
+            }
+        }
+        problems
+    }
+
+    fn kv_encoded(&self, e: &KvEntry) -> std::io::Result<Vec<u8>> {
+        match &e.content {
+            Content::Source(i) => source_value(&self.source, *i),
+            Content::Written { value: Ok(v), .. } => Ok(v.clone()),
+            Content::Written {
+                value: Err(why), ..
+            } => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                why.clone(),
+            )),
+        }
+    }
+
+    /// The keys in file order, encoded, with the alignment they set: what
+    /// a commit writes (`format::writer::Gguf`).
+    pub(super) fn gguf_writer(&self) -> std::io::Result<Option<crate::format::writer::Gguf>> {
+        let Some(t) = self.kv() else { return Ok(None) };
+        let kvs = t
+            .entries
+            .iter()
+            .map(|e| Ok((e.key.clone(), self.kv_encoded(e)?)))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let alignment = kvs
+            .iter()
+            .find(|(k, _)| k == "general.alignment")
+            .and_then(|(_, v)| write::decode(v))
+            .and_then(|v| match v {
+                Value::U32(a) if a.is_power_of_two() => Some(a as u64),
+                _ => None,
+            })
+            .unwrap_or(32);
+        Ok(Some(crate::format::writer::Gguf {
+            version: header(&self.source).version,
+            kvs,
+            alignment,
+        }))
+    }
+
+    /// `__metadata__.json` of the keys as edited.
+    pub(super) fn kv_metadata_json(&self) -> std::io::Result<Vec<u8>> {
+        let t = self.kv().expect("a GGUF file");
+        let read = |at, len| self.source.read_range(at, len);
+        let h = header(&self.source);
+        let entries = t.entries.iter().map(|e| {
+            let entry = match &e.content {
+                Content::Source(i) => crate::format::gguf::entry_json(&h.kvs[*i].1, &read)?,
+                Content::Written { value: Ok(v), .. } => write::encoded_entry(v),
+                Content::Written {
+                    value: Err(why), ..
+                } => serde_json::json!({
+                    "type": e.ty.value.name(),
+                    "invalid": why,
+                }),
+            };
+            Ok((e.key.as_str(), entry))
+        });
+        crate::format::gguf::metadata_json_of(entries)
+    }
+
+    /// The keys' generation (a commit's plan notes it).
+    pub(super) fn kv_generation(&self) -> u64 {
+        self.kv().map_or(0, |t| t.generation)
+    }
+
+    /// What changed in the keys, for `stfs status`.
+    pub(super) fn kv_changes(&self) -> Vec<String> {
+        let Some(t) = self.kv() else {
+            return Vec::new();
+        };
+        let h = header(&self.source);
+        let mut out = Vec::new();
+        for e in &t.entries {
+            let shown = crate::format::printable(&e.key);
+            match (&e.content, h.kvs.iter().position(|(k, _)| *k == e.key)) {
+                (Content::Source(i), Some(j)) if *i == j => {}
+                (_, Some(_)) => out.push(format!("key        {shown}: set")),
+                (_, None) => out.push(format!("key        {shown}: added ({})", e.ty.name())),
+            }
+        }
+        for (key, _) in &h.kvs {
+            if key != ROOM_KEY && t.position(key).is_none() {
+                out.push(format!(
+                    "key        {}: removed",
+                    crate::format::printable(key)
+                ));
+            }
+        }
+        out
+    }
+
+    /// After a commit: the table of the new file, keeping the edits made
+    /// since the plan (`planned`: the generation the plan wrote) as text.
+    pub(super) fn kv_after_commit(&mut self, old: &SourceFile, planned: u64) {
+        let Some(t) = self.kv.take() else { return };
+        let mut fresh = KvTable::of(&self.source);
+        if t.generation != planned {
+            let read = |at, len| old.read_range(at, len);
+            fresh.next_id = fresh.next_id.max(t.next_id);
+            fresh.entries = t
+                .entries
+                .into_iter()
+                .map(|mut e| {
+                    if let Content::Source(i) = e.content {
+                        let v = &header(old).kvs[i].1;
+                        let text = crate::format::gguf::kv_file_text(v, &read).unwrap_or_default();
+                        e.content = Content::Written {
+                            value: write::encode(v, &read).map_err(|e| e.to_string()),
+                            text,
+                        };
+                    }
+                    e
+                })
+                .collect();
+            fresh.generation = next_gen();
+        }
+        self.kv = Some(fresh);
+        self.kv_settle();
+    }
+}
