@@ -222,6 +222,10 @@ impl Live {
         if text.len() > MAX_JSON {
             return Err(EditError::TooLarge(MAX_JSON));
         }
+        if self.kv.is_some() {
+            // (A GGUF file's keys: one state with `__kv__`.)
+            return self.kv_set_document(text);
+        }
         if replace || self.metadata == MetadataDoc::Removed {
             self.metadata_file = self.new_id();
         }

@@ -130,6 +130,74 @@ impl KvTable {
     }
 }
 
+/// `__metadata__.json` as written: each key, its type, its value, in order.
+fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)>, String> {
+    struct Ordered(Vec<(String, serde_json::Value)>);
+    impl<'de> Deserialize<'de> for Ordered {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Ordered;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a JSON object of keys")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut m: A,
+                ) -> Result<Ordered, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some(entry) = m.next_entry()? {
+                        out.push(entry);
+                    }
+                    Ok(Ordered(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    let Ordered(keys) = serde_json::from_slice(text).map_err(|e| format!("not JSON: {e}"))?;
+    let type_named = |v: Option<&serde_json::Value>| {
+        let name = v.and_then(|v| v.as_str())?;
+        TYPES.iter().find(|t| t.name() == name).copied()
+    };
+    let mut seen = std::collections::HashSet::new();
+    keys.into_iter()
+        .map(|(key, entry)| {
+            if !seen.insert(key.clone()) {
+                return Err(format!("key {key:?} appears twice"));
+            }
+            let bad = || format!("key {key:?}: not {{\"type\": TYPE, \"value\": VALUE}} (arrays also \"item_type\")");
+            let value = type_named(entry.get("type")).ok_or_else(bad)?;
+            let item = match value {
+                ValueType::Array => Some(
+                    type_named(entry.get("item_type"))
+                        .filter(|t| *t != ValueType::Array)
+                        .ok_or_else(bad)?,
+                ),
+                _ => None,
+            };
+            let v = entry.get("value").cloned().ok_or_else(bad)?;
+            Ok((key, KvType { value, item }, v))
+        })
+        .collect()
+}
+
+const TYPES: [ValueType; 13] = [
+    ValueType::U8,
+    ValueType::I8,
+    ValueType::U16,
+    ValueType::I16,
+    ValueType::U32,
+    ValueType::I32,
+    ValueType::F32,
+    ValueType::Bool,
+    ValueType::String,
+    ValueType::Array,
+    ValueType::U64,
+    ValueType::I64,
+    ValueType::F64,
+];
+
 /// The value of source key `i`, encoded (arrays read from the file).
 fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {
     let read = |at, len| source.read_range(at, len);
@@ -515,6 +583,78 @@ impl Live {
             Ok((e.key.as_str(), entry))
         });
         crate::format::gguf::metadata_json_of(entries)
+    }
+
+    /// `__metadata__.json` written: every key with its type and value
+    /// (`{"KEY": {"type": "UINT32", "value": 7}, ...}`; an array also
+    /// `"item_type"`), in order. The keys become those: a key not there is
+    /// removed, a type there is the key's type from now on (how a new key
+    /// gets a type other than STRING). Text that is not such a document is
+    /// refused (EINVAL), and nothing changes.
+    pub fn kv_set_document(&mut self, text: &[u8]) -> Result<Option<String>, EditError> {
+        let doc = parse_document(text).map_err(EditError::Invalid)?;
+        let mut entries = Vec::with_capacity(doc.len());
+        for (key, ty, value) in doc {
+            if key.is_empty() || key == ROOM_KEY {
+                return Err(EditError::Invalid(format!("{key:?} cannot be a key")));
+            }
+            // (null: a float JSON cannot write, NaN or an infinity: the value as it is.)
+            let content = match (value, self.kv_find(&key)) {
+                (serde_json::Value::Null, Some(id))
+                    if self
+                        .kv()
+                        .and_then(|t| t.by_id(id))
+                        .is_some_and(|e| e.ty == ty) =>
+                {
+                    let e = self.kv().and_then(|t| t.by_id(id)).expect("found").clone();
+                    entries.push(e);
+                    continue;
+                }
+                (serde_json::Value::String(s), _) if ty.value == ValueType::String => {
+                    parse(ty, s.as_bytes())
+                }
+                (v, _) if ty.value == ValueType::Array => parse(ty, v.to_string().as_bytes()),
+                (serde_json::Value::Bool(b), _) => parse(ty, b.to_string().as_bytes()),
+                (serde_json::Value::Number(n), _) => parse(ty, n.to_string().as_bytes()),
+                (v, _) => Content::Written {
+                    text: v.to_string().into_bytes(),
+                    value: Err(format!("{v} is not a {}", ty.name())),
+                },
+            };
+            let content = match content {
+                Content::Written {
+                    value: Err(why), ..
+                } => {
+                    return Err(EditError::Invalid(format!("key {key:?}: {why}")));
+                }
+                // (`__kv__` shows it as it shows any value.)
+                Content::Written { value: Ok(v), .. } => Content::Written {
+                    text: write::encoded_text(&v),
+                    value: Ok(v),
+                },
+                source => source,
+            };
+            let id = match self.kv_find(&key) {
+                Some(id) => id,
+                None => {
+                    let t = self.kv_mut()?;
+                    t.next_id += 1;
+                    t.next_id - 1
+                }
+            };
+            entries.push(KvEntry {
+                id,
+                key,
+                ty,
+                content,
+                edited: Some(SystemTime::now()),
+            });
+        }
+        let t = self.kv_mut()?;
+        t.entries = entries;
+        self.kv_settle();
+        self.kv_changed();
+        Ok(None)
     }
 
     /// The keys' generation (a commit's plan notes it).

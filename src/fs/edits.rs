@@ -4,6 +4,11 @@
 use super::*;
 use crate::sync::LockAnyway;
 
+/// A GGUF file's `__metadata__.json` is its keys: not removed or moved away.
+const GGUF_KEYS_STAY: FsError = FsError::NotPermitted(
+    "a GGUF file's __metadata__.json is its keys: remove them one by one in __kv__, or write the file",
+);
+
 impl Fs {
     /// Creates (or opens, unless `exclusive`) a file in a checkpoint directory.
     pub fn create(
@@ -252,6 +257,9 @@ impl Fs {
         if st.find(c, &decoded).is_none() {
             return Err(FsError::NotFound);
         }
+        if decoded == Name::Metadata && st.is_gguf() {
+            return Err(GGUF_KEYS_STAY);
+        }
         let touched = st.files_of(c, &decoded);
         let live = st.live_mut(c);
         match &decoded {
@@ -303,6 +311,9 @@ impl Fs {
         let nc = st.checkpoint_dir(new_parent)?;
         let from = st.decode(c, name)?;
         let to = st.decode(nc, new_name)?;
+        if from == Name::Metadata && to != Name::Metadata && st.is_gguf() {
+            return Err(GGUF_KEYS_STAY);
+        }
         let from_node = st.find(c, &from).ok_or(FsError::NotFound)?;
         let to_node = st.find(nc, &to);
         if to_node == Some(from_node) && c == nc {

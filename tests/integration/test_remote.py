@@ -769,11 +769,11 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
     url = s3.upload(src, "gguf/tiny.gguf")
     s3.reset()
     m = mount(url, *s3.options)
-    assert "mounted read-only (GGUF files cannot be edited through stfs yet)" in m.result.stderr
+    assert "mounted read-only (GGUF objects cannot be committed to S3 yet)" in m.result.stderr
     assert s3.count("GET") == requests
     for t in reader.tensors:
         assert read(os.path.join(m.path, t.name)) == t.data.tobytes(), t.name
-    assert read(os.path.join(m.path, "__kv__", "general.name")) == b"remote"
+    assert read(os.path.join(m.path, "__kv__", "general.name")) == b"remote\n"
     # The file itself, made from the kept header and the tensors (with their padding).
     assert read(os.path.join(m.path, "__views__", "model.gguf")) == src.read_bytes()
     assert json.loads(read(os.path.join(m.path, "__kv__", "tokenizer.ggml.tokens")))[-1] == f"token-{tokens - 1}"
@@ -791,7 +791,7 @@ def test_a_remote_gguf_mounts_read_only_its_header_read_in_doubling_ranges(tmp_p
         os.unlink(os.path.join(s3_other.path, "token_embd.weight"))
     assert e.value.errno == errno.EROFS
     # Found to be GGUF once opened: said, and read-only at the kernel too.
-    assert "mounted read-only (GGUF files cannot be edited" in s3_other.result.stderr
+    assert "mounted read-only (GGUF objects cannot be committed" in s3_other.result.stderr
     assert os.statvfs(s3_other.path).f_flag & os.ST_RDONLY
 
 

@@ -267,6 +267,29 @@ impl Live {
                 object_gen: state.generation,
             });
         }
+        if self.source.header().is_gguf() {
+            // A GGUF file keeps its order: a tensor where its bytes (or its
+            // name) were, new ones last.
+            let header = self.source.header();
+            let place = |k: usize| match &inputs[k] {
+                Bytes::Source(src, i) if Arc::ptr_eq(src, &self.source) => (*i as u64, 0),
+                _ => {
+                    let name = self.entry(members[k].entry).map_or("", |e| e.name);
+                    match header.index_of(name) {
+                        Some(i) => (i as u64, 1),
+                        None => (u64::MAX, members[k].entry),
+                    }
+                }
+            };
+            let mut order: Vec<usize> = (0..inputs.len()).collect();
+            order.sort_by_key(|&k| place(k));
+            let mut slots: Vec<Option<(Bytes, Member)>> =
+                inputs.into_iter().zip(members).map(Some).collect();
+            (inputs, members) = order
+                .iter()
+                .map(|&k| slots[k].take().expect("each once"))
+                .unzip();
+        }
         (inputs, members)
     }
 
