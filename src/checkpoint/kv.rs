@@ -567,22 +567,28 @@ impl Live {
     /// `__metadata__.json` of the keys as edited.
     pub(super) fn kv_metadata_json(&self) -> std::io::Result<Vec<u8>> {
         let t = self.kv().expect("a GGUF file");
-        let read = |at, len| self.source.read_range(at, len);
-        let h = header(&self.source);
-        let entries = t.entries.iter().map(|e| {
-            let entry = match &e.content {
-                Content::Source(i) => crate::format::gguf::entry_json(&h.kvs[*i].1, &read)?,
-                Content::Written { value: Ok(v), .. } => write::encoded_entry(v),
-                Content::Written {
-                    value: Err(why), ..
-                } => serde_json::json!({
-                    "type": e.ty.value.name(),
-                    "invalid": why,
-                }),
-            };
-            Ok((e.key.as_str(), entry))
-        });
+        let entries = t
+            .entries
+            .iter()
+            .map(|e| Ok((e.key.as_str(), self.kv_entry_json(e)?)));
         crate::format::gguf::metadata_json_of(entries)
+    }
+
+    /// A key's entry in `__metadata__.json`.
+    fn kv_entry_json(&self, e: &KvEntry) -> std::io::Result<serde_json::Value> {
+        let read = |at, len| self.source.read_range(at, len);
+        Ok(match &e.content {
+            Content::Source(i) => {
+                crate::format::gguf::entry_json(&header(&self.source).kvs[*i].1, &read)?
+            }
+            Content::Written { value: Ok(v), .. } => write::encoded_entry(v),
+            Content::Written {
+                value: Err(why), ..
+            } => serde_json::json!({
+                "type": e.ty.value.name(),
+                "invalid": why,
+            }),
+        })
     }
 
     /// `__metadata__.json` written: every key with its type and value
@@ -598,25 +604,33 @@ impl Live {
             if key.is_empty() || key == ROOM_KEY {
                 return Err(EditError::Invalid(format!("{key:?} cannot be a key")));
             }
-            // (null: a float JSON cannot write, NaN or an infinity: the value as it is.)
-            let content = match (value, self.kv_find(&key)) {
-                (serde_json::Value::Null, Some(id))
-                    if self
-                        .kv()
-                        .and_then(|t| t.by_id(id))
-                        .is_some_and(|e| e.ty == ty) =>
-                {
-                    let e = self.kv().and_then(|t| t.by_id(id)).expect("found").clone();
+            // A value as shown stays as it is (a string that is not UTF-8
+            // shows lossily, and must not become what it shows).
+            let current = self
+                .kv()
+                .and_then(|t| t.position(&key).map(|p| t.entries[p].clone()))
+                .filter(|e| e.ty == ty);
+            if let Some(e) = current {
+                let shown = self.kv_entry_json(&e).ok();
+                if shown.and_then(|j| j.get("value").cloned()).as_ref() == Some(&value) {
                     entries.push(e);
                     continue;
                 }
-                (serde_json::Value::String(s), _) if ty.value == ValueType::String => {
+            }
+            let content = match value {
+                // (Floats JSON has not: "NaN", "inf", "-inf".)
+                serde_json::Value::String(s)
+                    if matches!(
+                        ty.value,
+                        ValueType::String | ValueType::F32 | ValueType::F64
+                    ) =>
+                {
                     parse(ty, s.as_bytes())
                 }
-                (v, _) if ty.value == ValueType::Array => parse(ty, v.to_string().as_bytes()),
-                (serde_json::Value::Bool(b), _) => parse(ty, b.to_string().as_bytes()),
-                (serde_json::Value::Number(n), _) => parse(ty, n.to_string().as_bytes()),
-                (v, _) => Content::Written {
+                v if ty.value == ValueType::Array => parse(ty, v.to_string().as_bytes()),
+                serde_json::Value::Bool(b) => parse(ty, b.to_string().as_bytes()),
+                serde_json::Value::Number(n) => parse(ty, n.to_string().as_bytes()),
+                v => Content::Written {
                     text: v.to_string().into_bytes(),
                     value: Err(format!("{v} is not a {}", ty.name())),
                 },

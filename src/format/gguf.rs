@@ -663,14 +663,16 @@ pub fn array_items(a: &Array, read: ReadRange) -> std::io::Result<Vec<Value>> {
 }
 
 /// A scalar as JSON: a float by its shortest text (0.1, not
-/// 0.10000000149011612), strings as lossy UTF-8, non-finite floats null.
+/// 0.10000000149011612), strings as lossy UTF-8, non-finite floats (which
+/// JSON has not) as the strings "NaN", "inf" and "-inf", which a write reads
+/// back (`write::parse_text`).
 fn scalar_json(v: &Value) -> serde_json::Value {
     use serde_json::Value as J;
     let float = |text: String| {
         text.parse::<f64>()
             .ok()
             .and_then(serde_json::Number::from_f64)
-            .map_or(J::Null, J::Number)
+            .map_or(J::String(text), J::Number)
     };
     match v {
         Value::U8(x) => (*x).into(),

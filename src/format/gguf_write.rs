@@ -205,6 +205,26 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
+/// A float of type `t` (FLOAT32 or FLOAT64) from its text: a number within
+/// the type's range, or NaN, inf, -inf (an overflow to infinity is refused).
+fn float(s: &str, t: ValueType) -> Result<f64, String> {
+    let bad = || format!("{s:?} is not a {}", t.name());
+    let x: f64 = match t {
+        ValueType::F32 => s.parse::<f32>().map_err(|_| bad())? as f64,
+        _ => s.parse::<f64>().map_err(|_| bad())?,
+    };
+    let named = matches!(
+        s.trim_start_matches(['+', '-'])
+            .to_ascii_lowercase()
+            .as_str(),
+        "inf" | "infinity" | "nan"
+    );
+    if !x.is_finite() && !named {
+        return Err(format!("{s:?} is past the range of a {}", t.name()));
+    }
+    Ok(x)
+}
+
 /// A number or bool of type `t` from its text.
 fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
     fn int<T: std::str::FromStr>(
@@ -225,8 +245,8 @@ fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
         I32 => Value::I32(int(s, t, "-2147483648 to 2147483647")?),
         U64 => Value::U64(int(s, t, "0 to 18446744073709551615")?),
         I64 => Value::I64(int(s, t, "-9223372036854775808 to 9223372036854775807")?),
-        F32 => Value::F32(s.parse().map_err(|_| format!("{s:?} is not a FLOAT32"))?),
-        F64 => Value::F64(s.parse().map_err(|_| format!("{s:?} is not a FLOAT64"))?),
+        F32 => Value::F32(float(s, t)? as f32),
+        F64 => Value::F64(float(s, t)?),
         Bool => Value::Bool(match s {
             "true" | "1" => 1,
             "false" | "0" => 0,

@@ -385,6 +385,13 @@ impl Fs {
                 }
                 Ok(Node::Metadata(c)) => {
                     let kept_invalid = st.live_mut(c).set_metadata(&text, false)?;
+                    // (A GGUF file's: every key's file may show another value.)
+                    touched = st
+                        .live(c)
+                        .kv_keys()
+                        .into_iter()
+                        .map(|(id, _)| st.ino_of(Node::KvFile(c, id)))
+                        .collect();
                     (c, METADATA_FILE.to_string(), kept_invalid)
                 }
                 Ok(Node::KvFile(c, id)) => {
