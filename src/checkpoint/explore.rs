@@ -229,6 +229,7 @@ fn record(old: &[u8], new: &[u8], inserted: u64, writes: Vec<RangeWrite>) -> InP
         inserted,
         header_write: 0,
         header_from: 0,
+        header_len: 0,
         old_start: None,
         writes,
         old_header_sum: super::in_place::sha256_hex(&[&old[..(PREFIX_LEN + old_prefix) as usize]]),

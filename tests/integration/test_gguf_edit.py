@@ -179,11 +179,13 @@ def test_compact_writes_what_gguf_writer_writes(tmp_path, mount, run):
     (mnt / "__kv__/general.name").write_text("renamed\n")
     (mnt / "__kv__/general.author").write_text("someone")
     os.rename(mnt / "output_norm.weight", mnt / "norm.weight")
+    # The edited state shows as a file before the commit: what --compact writes.
+    view = (mnt / "__views__/model.gguf").read_bytes()
     c = run("commit", "--compact", m.path)
     assert c.returncode == 0, c.stderr
     expected = tmp_path / "expected.gguf"
     rebuild(path, expected)
-    assert path.read_bytes() == expected.read_bytes()
+    assert path.read_bytes() == expected.read_bytes() == view
     assert "stfs.room" not in gguf.GGUFReader(str(path)).fields
     # A rewrite leaves room (a key readers ignore), and the next key edit is in place.
     os.unlink(mnt / "token_embd.weight")

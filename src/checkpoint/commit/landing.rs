@@ -303,7 +303,7 @@ impl Landing for InPlaceJob {
 
     fn record(&self, renames: &mut Renames, dir: &StagingDir) -> Result<(), CommitError> {
         let name = &self.record.header_file;
-        dir.write_atomic(name, &self.header)
+        dir.write_atomic(name, &self.record.stored_header(&self.header))
             .map_err(io_err(format!("{}/{name}", dir.path().display())))?;
         renames.in_place.push(self.record.clone());
         Ok(())

@@ -307,6 +307,49 @@ impl Live {
             .collect()
     }
 
+    /// A GGUF checkpoint's edited state as a file (`__views__/model.gguf`),
+    /// laid out as `--compact` writes it; what a commit would refuse, if
+    /// anything.
+    pub fn gguf_file(&self) -> Result<super::view::GeneratedFile, Problem> {
+        let lost = |rule: String| Problem { tensor: None, rule };
+        if let Some(p) = self.problems().first() {
+            return Err(p.clone());
+        }
+        let format = self
+            .gguf_writer()
+            .map_err(|e| lost(format!("reading its keys: {e}")))?
+            .ok_or_else(|| lost("not a GGUF file".into()))?;
+        let (inputs, members) = self.commit_inputs(false);
+        let specs = self.commit_specs(&members);
+        let layout = format
+            .layout(specs.len(), &|k| specs[k], true)
+            .map_err(|e| Problem {
+                tensor: e.tensor().map(str::to_string),
+                rule: e.to_string(),
+            })?;
+        let data_start = layout.header.len() as u64;
+        let len = layout.file_len();
+        let tensors = layout
+            .tensors
+            .iter()
+            .zip(&layout.source_index)
+            .map(|(t, &k)| {
+                let tensor = super::view::ViewTensor {
+                    name: t.name.to_string(),
+                    dtype: t.dtype,
+                    shape: t.shape.to_vec(),
+                    bytes: inputs[k].clone(),
+                };
+                (data_start + t.data_offsets.0, tensor)
+            })
+            .collect();
+        Ok(super::view::GeneratedFile::placed(
+            layout.header,
+            tensors,
+            len,
+        ))
+    }
+
     /// What a commit would do now (for `stfs status`): its way, in words,
     /// and whether it writes a new file beside the source (a rewrite).
     pub fn commit_preview(&self, held: &[Bytes]) -> Option<(String, bool)> {

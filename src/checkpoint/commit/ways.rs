@@ -121,6 +121,11 @@ impl PlannedWay for InPlacePlan {
             inserted: layout.inserted,
             header_write: layout.header_write,
             header_from: layout.header_from,
+            // (Only what is written, when that is not the whole header.)
+            header_len: match layout.header_from > crate::format::PREFIX_LEN {
+                true => plan.layout.header.len() as u64,
+                false => 0,
+            },
             writes: layout.writes.iter().map(|(w, _)| w.clone()).collect(),
             old_header_sum: in_place::sha256_hex(&[&old_header]),
             sum: String::new(),

@@ -595,6 +595,13 @@ pub struct InPlaceRecord {
     /// in last): the bytes before it are the same in the old header.
     #[serde(default)]
     pub header_from: u64,
+    /// The new header's length when its file holds only what is written
+    /// (its first 8 bytes, then `header_from..header_write`): the rest is
+    /// the file's own bytes, which the commit does not change (0: the file
+    /// holds the whole header). A template edit of a file with a large
+    /// vocabulary records kilobytes, not the vocabulary.
+    #[serde(default)]
+    pub header_len: u64,
     pub writes: Vec<RangeWrite>,
     /// SHA-256 (hex) of the file's first `8 + old_prefix` bytes before the
     /// commit (its old header): a file whose time changed but whose old
@@ -720,6 +727,45 @@ impl InPlaceRecord {
     /// Seals the record with its header (`sum`).
     pub fn seal(&mut self, header: &[u8]) {
         self.sum = self.digest(header);
+    }
+
+    /// What the header file holds of `header` (see `header_len`).
+    pub fn stored_header(&self, header: &[u8]) -> Vec<u8> {
+        match self.header_len {
+            0 => header.to_vec(),
+            _ => {
+                let (from, end) = (self.header_from as usize, self.header_write as usize);
+                [&header[..PREFIX_LEN as usize], &header[from..end]].concat()
+            }
+        }
+    }
+
+    /// The whole header from what its file holds and the file's own bytes
+    /// (checked by the record's sum before anything uses it).
+    fn whole_header(&self, stored: Vec<u8>, file: &File) -> std::io::Result<Vec<u8>> {
+        if self.header_len == 0 {
+            return Ok(stored);
+        }
+        let bad = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "a header file of another length",
+            )
+        };
+        let (from, end) = (self.header_from as usize, self.header_write as usize);
+        let len = self.header_len as usize;
+        if from < PREFIX_LEN as usize
+            || from > end
+            || end > len
+            || stored.len() != PREFIX_LEN as usize + end - from
+        {
+            return Err(bad());
+        }
+        let mut header = vec![0u8; len];
+        file.read_exact_at(&mut header, 0)?;
+        header[..PREFIX_LEN as usize].copy_from_slice(&stored[..PREFIX_LEN as usize]);
+        header[from..end].copy_from_slice(&stored[PREFIX_LEN as usize..]);
+        Ok(header)
     }
 
     /// Why the record cannot be applied to a file of `len` bytes now, if it
@@ -1102,6 +1148,13 @@ impl InPlaceRecord {
             .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
             .map_err(io)?;
         std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
+        if header.len() < PREFIX_LEN as usize {
+            return Err(RecoveryError::Refused(format!(
+                "{}: a redo record without a header",
+                path.display()
+            )));
+        }
+        let header = self.whole_header(header, &file).map_err(io)?;
         if header.len() < PREFIX_LEN as usize {
             return Err(RecoveryError::Refused(format!(
                 "{}: a redo record without a header",

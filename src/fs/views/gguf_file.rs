@@ -1,9 +1,9 @@
 //! The GGUF file of a GGUF mount as a file of `__views__`: `model.gguf` (or
 //! `PART.gguf` for each part of a split file), byte for byte what the file
 //! holds now: its keys and tensor infos, then each tensor at its offset,
-//! padded to the alignment with zeros. GGUF mounts are read-only, so this is
-//! the source file itself (served by kernel passthrough where allowed);
-//! once GGUF edits exist, it is where they show before a commit.
+//! padded to the alignment with zeros: while nothing is edited, the source
+//! file itself (served by kernel passthrough where allowed); once edited,
+//! the edited state as `--compact` writes it.
 
 use super::{Draws, Entry, Formats, Found, ViewError, ViewFolder};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
@@ -49,6 +49,12 @@ impl ViewFolder for GgufFile {
             return Err(ViewError::NotAView);
         };
         let c = checkpoint_named(st, name).ok_or(ViewError::NotAView)?;
+        if st.live(c).is_dirty() {
+            return st
+                .live(c)
+                .gguf_file()
+                .map_err(|p| ViewError::Invalid(p.to_string()));
+        }
         let source = st.live(c).source();
         let h = source.header();
         let g = h.gguf.as_ref().ok_or(ViewError::NotAView)?;
