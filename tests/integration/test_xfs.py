@@ -137,3 +137,41 @@ def test_xfs_overwrites_appends_and_patches_share_blocks_instead_of_copying(xfs,
     assert_checkpoint(src, t)
     for name, v in t.items():
         assert open(os.path.join(m.path, name), "rb").read() == v.tobytes(), name
+
+
+def test_xfs_gguf_commits_insert_blocks_and_share_extents(xfs, mount, run):
+    """A GGUF file on XFS: a template past the header's room grows it in place (blocks
+    inserted, in multiples of the alignment too), and a tensor dropped from the middle is
+    a rewrite sharing the kept tensors' blocks; gguf-py reads every result."""
+    gguf = pytest.importorskip("gguf")
+    from gguf_models import write
+    src = xfs / "m.gguf"
+    rng = np.random.default_rng(4)
+    t = {f"blk.{i}.w": np.frombuffer(rng.bytes(16 * MIB), np.float32).copy() for i in range(6)}
+
+    def fill(w):
+        w.add_chat_template("{{ short }}")
+        w.add_custom_alignment(64)
+        for name, a in t.items():
+            w.add_tensor(name, a)
+    write(src, fill)
+    m = mount(src)
+    (xfs / "big.txt").write_text("{{ x }}\n" * 5000)
+    sh(f"cp {xfs}/big.txt {m.path}/__kv__/tokenizer.chat_template")
+    p = run("commit", m.path)
+    assert "committed in place (header grown by" in p.stdout, p.stdout
+    r = gguf.GGUFReader(str(src))
+    assert r.fields["tokenizer.chat_template"].contents() == "{{ x }}\n" * 4999 + "{{ x }}"
+    assert r.data_offset % 64 == 0 and all(x.data.tobytes() == t[x.name].tobytes() for x in r.tensors)
+    del r
+    os.unlink(os.path.join(m.path, "blk.2.w"))
+    del t["blk.2.w"]
+    os.sync()
+    before_written = written_by(m.pid)
+    p = run("commit", m.path)
+    assert "committed by a rewrite that shares extents" in p.stdout and "80.0 MiB shared" in p.stdout, p.stdout
+    os.sync()
+    assert written_by(m.pid) - before_written < 4 * MIB, "the kept tensors' blocks were copied, not shared"
+    r = gguf.GGUFReader(str(src))
+    assert [x.name for x in r.tensors] == list(t)
+    assert all(x.data.tobytes() == t[x.name].tobytes() for x in r.tensors)
