@@ -11,7 +11,7 @@ use crate::format::Metadata;
 #[command(
     name = "stfs",
     version,
-    about = "A safetensors checkpoint as a directory of tensor files"
+    about = "A safetensors or GGUF checkpoint as a directory of tensor files"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -105,9 +105,10 @@ enum Command {
             help_heading = "Remote cache"
         )]
         cache_size: u64,
-        /// A .safetensors file, a folder of them (with *.index.json), or a URL:
-        /// s3://bucket/key.safetensors, s3://bucket/prefix/ (a folder of shards),
-        /// https://host/path.safetensors, gs://, az://.
+        /// A .safetensors or .gguf file, a folder of them (with *.index.json; the
+        /// parts of a split GGUF file), or a URL: s3://bucket/key.safetensors,
+        /// s3://bucket/prefix/ (a folder of shards), https://host/path.safetensors,
+        /// gs://, az:// (GGUF objects read-only).
         #[arg(value_hint = clap::ValueHint::AnyPath)]
         source: PathBuf,
         /// An empty folder: the checkpoint's directory (a folder of shards: one

@@ -20,6 +20,7 @@ use super::{EditError, Live, Problem, next_gen};
 use crate::format::gguf::write::{self, KvType, ROOM_KEY};
 use crate::format::gguf::{GgufHeader, Value, ValueType};
 use crate::source::SourceFile;
+use tracing::info;
 
 /// A key's value: the source's key `i` as the file has it, or text written.
 #[derive(Clone)]
@@ -50,6 +51,10 @@ pub struct KvTable {
     generation: u64,
     /// What `__kv__` shows of each source key, made when first read.
     shown: Vec<OnceLock<Vec<u8>>>,
+    /// The type each name had when its key was removed or moved away: a
+    /// key made again under that name has it (a tool that keeps a backup
+    /// renames the file, then writes a new one).
+    gone: std::collections::HashMap<String, KvType>,
 }
 
 /// A key in the journal: the source's value under the same name, or text.
@@ -118,6 +123,7 @@ impl KvTable {
             next_id: h.kvs.len() as u64,
             generation: 0,
             shown: (0..h.kvs.len()).map(|_| OnceLock::new()).collect(),
+            gone: Default::default(),
         }
     }
 
@@ -276,13 +282,17 @@ impl Live {
         })
     }
 
-    /// A new key named `key`: an empty string until written.
+    /// A new key named `key`, empty until written: of the type the source
+    /// has under that name, or the name had when it was removed or moved
+    /// away during the mount (a tool keeping a backup: `sed -i.bak`,
+    /// `install`, `rsync --backup`), else a string.
     pub fn kv_create(&mut self, key: &str) -> Result<u64, EditError> {
         if key.is_empty() || key == ROOM_KEY {
             return Err(EditError::Invalid(format!(
                 "{key:?} cannot be a key (stfs keeps {ROOM_KEY:?} for the header's room)"
             )));
         }
+        let ty = self.kv_name_type(key).unwrap_or(KvType::STRING);
         let t = self.kv_mut()?;
         if t.position(key).is_some() {
             return Err(EditError::Exists);
@@ -292,8 +302,8 @@ impl Live {
         t.entries.push(KvEntry {
             id,
             key: key.to_string(),
-            ty: KvType::STRING,
-            content: parse(KvType::STRING, b""),
+            ty,
+            content: parse(ty, b""),
             edited: Some(SystemTime::now()),
         });
         self.kv_changed();
@@ -325,15 +335,18 @@ impl Live {
     pub fn kv_remove(&mut self, key: &str) -> Result<(), EditError> {
         let t = self.kv_mut()?;
         let p = t.position(key).ok_or(EditError::NotFound)?;
-        t.entries.remove(p);
+        let gone = t.entries.remove(p);
+        t.gone.insert(gone.key, gone.ty);
         self.kv_changed();
         Ok(())
     }
 
     /// `mv FROM TO` in `__kv__`: the value moves to TO, which keeps its own
     /// type and place if it was there (a tool's temp file renamed over a
-    /// key gives it a new value), else keeps FROM's. Fails (EINVAL, nothing
-    /// changed) when the value does not fit TO's type.
+    /// key gives it a new value); a TO the source has, or that was a key
+    /// during the mount, takes that type (a tool that moved the key to a
+    /// backup first); else FROM's type stays. Fails (EINVAL, nothing
+    /// changed) when the value does not fit the type.
     pub fn kv_rename(&mut self, from: &str, to: &str) -> Result<(), EditError> {
         if to.is_empty() || to == ROOM_KEY {
             return Err(EditError::Invalid(format!("{to:?} cannot be a key")));
@@ -342,31 +355,38 @@ impl Live {
             let id = self.kv_find(from).ok_or(EditError::NotFound)?;
             self.kv_text(id).unwrap_or_default()
         };
-        let t = self.kv_mut()?;
-        let p = t.position(from).ok_or(EditError::NotFound)?;
         if from == to {
             return Ok(());
         }
+        let name_type = self.kv_name_type(to);
+        let t = self.kv_mut()?;
+        let p = t.position(from).ok_or(EditError::NotFound)?;
+        let target = t.position(to);
         let mut moved = t.entries[p].clone();
+        // The type is the name's: the key there, or the one the name had.
+        let ty = target
+            .map(|q| t.entries[q].ty)
+            .or(name_type)
+            .unwrap_or(moved.ty);
+        if ty != moved.ty {
+            let content = parse(ty, &shown);
+            if let Content::Written {
+                value: Err(why), ..
+            } = &content
+            {
+                return Err(EditError::Invalid(format!(
+                    "{from:?} cannot become {to:?} (of type {}): {why}",
+                    ty.name()
+                )));
+            }
+            moved.ty = ty;
+            moved.content = content;
+        }
+        t.gone.insert(from.to_string(), t.entries[p].ty);
         moved.key = to.to_string();
-        match t.position(to) {
+        moved.edited = Some(SystemTime::now());
+        match target {
             Some(q) => {
-                let ty = t.entries[q].ty;
-                if ty != moved.ty {
-                    let content = parse(ty, &shown);
-                    if let Content::Written {
-                        value: Err(why), ..
-                    } = &content
-                    {
-                        return Err(EditError::Invalid(format!(
-                            "{from:?} cannot become {to:?} (an {}): {why}",
-                            ty.name()
-                        )));
-                    }
-                    moved.ty = ty;
-                    moved.content = content;
-                }
-                moved.edited = Some(SystemTime::now());
                 t.entries[q] = moved;
                 t.entries.remove(p);
             }
@@ -375,6 +395,17 @@ impl Live {
         self.kv_settle();
         self.kv_changed();
         Ok(())
+    }
+
+    /// The type a key made under `name` takes: the source's under that
+    /// name, or the one the name had when its key was removed or moved away.
+    fn kv_name_type(&self, name: &str) -> Option<KvType> {
+        let source = header(&self.source)
+            .kvs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| KvType::of(v));
+        source.or_else(|| self.kv()?.gone.get(name).copied())
     }
 
     /// After an edit: a written value that is the source's own under the
@@ -503,9 +534,34 @@ impl Live {
                     tensor: None,
                     rule: format!("__kv__/{}: {why}", crate::format::printable(&e.key)),
                 }),
+                // (ggml takes any bytes, but gguf-py and JSON readers of the
+                // file do not: an editor's swap file is not a key.)
+                Content::Written { text, value: Ok(_) }
+                    if e.ty.value == ValueType::String && std::str::from_utf8(text).is_err() =>
+                {
+                    Some(Problem {
+                        tensor: None,
+                        rule: format!(
+                            "__kv__/{}: a string that is not UTF-8 (gguf-py cannot read it; an \
+                             editor's swap file?): remove the key or write text",
+                            crate::format::printable(&e.key)
+                        ),
+                    })
+                }
                 _ => None,
             })
             .collect();
+        // The tensors, as ggml would read them.
+        for (_, e) in self.entries_from(0) {
+            if let (Some(_), super::MetaView::Valid(dtype, shape)) = (e.data, e.meta) {
+                if let Some(rule) = write::tensor_rule(e.name, dtype, shape) {
+                    problems.push(Problem {
+                        tensor: Some(e.name.to_string()),
+                        rule,
+                    });
+                }
+            }
+        }
         if let Some(e) = t.entries.iter().find(|e| e.key == "general.alignment") {
             let ok = e.ty.value == ValueType::U32
                 && self
@@ -601,7 +657,10 @@ impl Live {
         let doc = parse_document(text).map_err(EditError::Invalid)?;
         let mut entries = Vec::with_capacity(doc.len());
         for (key, ty, value) in doc {
-            if key.is_empty() || key == ROOM_KEY {
+            if key == ROOM_KEY {
+                continue; // (stfs's own: sized by each commit)
+            }
+            if key.is_empty() {
                 return Err(EditError::Invalid(format!("{key:?} cannot be a key")));
             }
             // A value as shown stays as it is (a string that is not UTF-8
@@ -671,6 +730,39 @@ impl Live {
         Ok(None)
     }
 
+    /// The tensors of the state: names with bytes and a valid meta.
+    pub fn tensor_count(&self) -> u64 {
+        self.entries_from(0)
+            .filter(|(_, e)| e.data.is_some() && matches!(e.meta, super::MetaView::Valid(..)))
+            .count() as u64
+    }
+
+    /// A part of a split GGUF file: its `split.tensors.count` set to
+    /// `total` (the tensors of all parts) where it says otherwise, as an
+    /// edit of the key (its type kept).
+    pub fn kv_set_split_count(&mut self, total: u64) {
+        let Some(id) = self.kv_find("split.tensors.count") else {
+            return;
+        };
+        if self
+            .kv_text(id)
+            .is_some_and(|t| t.trim_ascii() == total.to_string().as_bytes())
+        {
+            return;
+        }
+        match self.kv_set(id, format!("{total}\n").as_bytes()) {
+            Ok(None) => {
+                info!(file = %self.source.path().display(), total, "split.tensors.count set")
+            }
+            Ok(Some(why)) | Err(EditError::Invalid(why)) => {
+                tracing::warn!(file = %self.source.path().display(), "split.tensors.count: {why}")
+            }
+            Err(e) => {
+                tracing::warn!(file = %self.source.path().display(), "split.tensors.count: {e}")
+            }
+        }
+    }
+
     /// The keys' generation (a commit's plan notes it).
     pub(super) fn kv_generation(&self) -> u64 {
         self.kv().map_or(0, |t| t.generation)
@@ -687,6 +779,11 @@ impl Live {
             let shown = crate::format::printable(&e.key);
             match (&e.content, h.kvs.iter().position(|(k, _)| *k == e.key)) {
                 (Content::Source(i), Some(j)) if *i == j => {}
+                (_, Some(j)) if KvType::of(&h.kvs[j].1) != e.ty => out.push(format!(
+                    "key        {shown}: set, its type changed from {} to {}",
+                    KvType::of(&h.kvs[j].1).name(),
+                    e.ty.name()
+                )),
                 (_, Some(_)) => out.push(format!("key        {shown}: set")),
                 (_, None) => out.push(format!("key        {shown}: added ({})", e.ty.name())),
             }

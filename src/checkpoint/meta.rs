@@ -95,7 +95,7 @@ fn parse_meta(text: &[u8]) -> Result<(Dtype, Vec<u64>), MetaError> {
         .get("dtype")
         .and_then(|d| d.as_str())
         .ok_or(MetaError::NoDtype)?;
-    let dtype = Dtype::from_name(dtype).ok_or_else(|| MetaError::UnknownDtype {
+    let dtype = Dtype::from_any_name(dtype).ok_or_else(|| MetaError::UnknownDtype {
         name: dtype.to_string(),
     })?;
     let shape = v

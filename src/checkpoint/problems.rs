@@ -129,6 +129,13 @@ impl Live {
                     Some("has no dtype and shape: write its .meta.json, or remove the file".into())
                 }
                 (_, MetaView::Invalid(_, why)) => Some(format!("has an invalid .meta.json: {why}")),
+                (Some(_), MetaView::Valid(dtype, _))
+                    if dtype.is_quantized_block() && !self.source.header().is_gguf() =>
+                {
+                    Some(format!(
+                        "{dtype} is a ggml block type: a safetensors file cannot hold it"
+                    ))
+                }
                 (Some(d), MetaView::Valid(dtype, shape)) => {
                     let len = self.object_len(d).unwrap_or(0);
                     match crate::format::byte_len(dtype, shape) {

@@ -299,6 +299,12 @@ impl Transactions {
             // (Nothing staged: an index that disagrees with the shards is
             // rewritten alone, unless a tensor is in two of them.)
             let alone = !writes && in_two_shards(shards()).is_empty();
+            // The parts of a split GGUF file each say how many tensors all
+            // of them hold (llama.cpp refuses a model whose count is off).
+            if writes && st.count() > 1 {
+                let total: u64 = st.lives().map(Live::tensor_count).sum();
+                (0..st.count()).for_each(|c| st.live_mut(c).kv_set_split_count(total));
+            }
             let held = held(&st);
             let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
             for c in 0..st.count() {

@@ -284,6 +284,12 @@ impl Dtype {
     pub fn from_name(name: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.name() == name)
     }
+
+    /// Any type by its name, ggml's block types too (a `.meta.json`: a
+    /// commit refuses a type its file's format cannot hold).
+    pub fn from_any_name(name: &str) -> Option<Dtype> {
+        Dtype::from_name(name).or_else(|| Dtype::GGML_BLOCKS.into_iter().find(|d| d.name() == name))
+    }
 }
 
 impl fmt::Display for Dtype {

@@ -731,6 +731,7 @@ pub fn metadata_json(h: &GgufHeader, read: ReadRange) -> std::io::Result<Vec<u8>
     let entries = h
         .kvs
         .iter()
+        .filter(|(key, _)| key != write::ROOM_KEY)
         .map(|(key, v)| Ok((key.as_str(), entry_json(v, read)?)));
     metadata_json_of(entries)
 }

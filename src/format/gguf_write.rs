@@ -190,7 +190,7 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
                     (ValueType::F32 | ValueType::F64, serde_json::Value::String(s)) => {
                         scalar(item, s).map_err(|e| format!("item {i}: {e}"))?
                     }
-                    _ => Err(format!("item {i} is not a {}", item.name()))?,
+                    _ => Err(format!("item {i} is not a valid {}", item.name()))?,
                 };
                 put_scalar(&mut out, &v);
             }
@@ -208,7 +208,7 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
 /// A float of type `t` (FLOAT32 or FLOAT64) from its text: a number within
 /// the type's range, or NaN, inf, -inf (an overflow to infinity is refused).
 fn float(s: &str, t: ValueType) -> Result<f64, String> {
-    let bad = || format!("{s:?} is not a {}", t.name());
+    let bad = || format!("{s:?} is not a valid {}", t.name());
     let x: f64 = match t {
         ValueType::F32 => s.parse::<f32>().map_err(|_| bad())? as f64,
         _ => s.parse::<f64>().map_err(|_| bad())?,
@@ -233,7 +233,7 @@ fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
         range: &str,
     ) -> Result<T, std::string::String> {
         s.parse::<T>()
-            .map_err(|_| format!("{s:?} is not a {} (whole numbers from {range})", t.name()))
+            .map_err(|_| format!("{s:?} is not a valid {} (whole numbers from {range})", t.name()))
     }
     use ValueType::*;
     Ok(match t {
@@ -250,7 +250,7 @@ fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
         Bool => Value::Bool(match s {
             "true" | "1" => 1,
             "false" | "0" => 0,
-            _ => return Err(format!("{s:?} is not a BOOL (true, false, 1 or 0)")),
+            _ => return Err(format!("{s:?} is not a valid BOOL (true, false, 1 or 0)")),
         }),
         String | Array => unreachable!("not scalars"),
     })
@@ -324,6 +324,35 @@ impl HeaderOut<'_> {
     }
 }
 
+/// Why ggml would refuse a tensor of this name, type and shape, if it would.
+pub fn tensor_rule(name: &str, dtype: Dtype, shape: &[u64]) -> Option<String> {
+    if name.len() > super::MAX_NAME {
+        return Some(format!(
+            "a name of {} bytes (ggml's limit is {})",
+            name.len(),
+            super::MAX_NAME
+        ));
+    }
+    if ggml_id(dtype).is_none() {
+        return Some(format!(
+            "{} is not a ggml type (GGUF cannot hold it)",
+            dtype.name()
+        ));
+    }
+    if shape.len() > 4 {
+        return Some(format!("{} dimensions (ggml has at most 4)", shape.len()));
+    }
+    let ne0 = shape.last().copied().unwrap_or(1);
+    let (block, _) = dtype.block();
+    if ne0 % block != 0 {
+        return Some(format!(
+            "its innermost dimension {ne0} is not a multiple of {}'s block of {block} elements",
+            dtype.name()
+        ));
+    }
+    None
+}
+
 /// Lays out a new GGUF file: the tensors `spec(k)` (name, dtype, shape) in
 /// the order given, each at an offset that is a multiple of the alignment,
 /// each padded to it (the last too, as gguf-py pads). Refuses what ggml's
@@ -346,41 +375,11 @@ pub fn layout<'a>(
     let mut offset = 0u64;
     for k in 0..count {
         let (name, dtype, shape) = spec(k);
-        if name.len() > super::MAX_NAME {
-            return Err(bad(
-                name,
-                format!(
-                    "a name of {} bytes (ggml's limit is {})",
-                    name.len(),
-                    super::MAX_NAME
-                ),
-            ));
+        if let Some(rule) = tensor_rule(name, dtype, shape) {
+            return Err(bad(name, rule));
         }
         if !names.insert(name) {
             return Err(bad(name, "the name appears twice".into()));
-        }
-        if ggml_id(dtype).is_none() {
-            return Err(bad(
-                name,
-                format!("{} is not a ggml type (GGUF cannot hold it)", dtype.name()),
-            ));
-        }
-        if shape.len() > 4 {
-            return Err(bad(
-                name,
-                format!("{} dimensions (ggml has at most 4)", shape.len()),
-            ));
-        }
-        let ne0 = shape.last().copied().unwrap_or(1);
-        let (block, _) = dtype.block();
-        if ne0 % block != 0 {
-            return Err(bad(
-                name,
-                format!(
-                    "its innermost dimension {ne0} is not a multiple of {}'s block of {block} elements",
-                    dtype.name()
-                ),
-            ));
         }
         let fits_i64 = shape
             .iter()

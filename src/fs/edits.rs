@@ -300,9 +300,11 @@ impl Fs {
                 return self.edit_keys(c, name, Some((new_name, no_replace)));
             }
             (None, None) => {}
+            // (Not EXDEV: `mv` would copy, making a tensor of a key's text
+            // or a key of a tensor's bytes.)
             _ => {
-                return Err(FsError::CrossDevice(
-                    "a key moves only within its own __kv__",
+                return Err(FsError::NotPermitted(
+                    "a key moves only within its own __kv__, and a tensor only among tensors",
                 ));
             }
         }

@@ -48,10 +48,6 @@ pub enum FsError {
     /// looks the name up again and retries).
     #[error("stale: the view is another file now")]
     Stale,
-    /// A rename between `__kv__` and a folder of tensors (EXDEV: `mv`
-    /// copies instead, which makes a key of a file or a file of a key).
-    #[error("keys and tensors live apart: {0}")]
-    CrossDevice(&'static str),
     /// A limit of the daemon's memory: what is buffered for open JSON files (ENOSPC).
     #[error("no space: {0}")]
     NoSpace(&'static str),
@@ -99,7 +95,6 @@ impl ToErrno for FsError {
             FsError::Interrupted => libc::EINTR,
             FsError::Stale => libc::ESTALE,
             FsError::NoSpace(_) => libc::ENOSPC,
-            FsError::CrossDevice(_) => libc::EXDEV,
             FsError::Edit(e) => e.to_errno(),
             FsError::Commit(e) => e.to_errno(),
             FsError::Staging(e) => e.to_errno(),

@@ -106,7 +106,7 @@ def test_keys_edited_with_shell_tools_commit_in_place_and_readers_agree(tmp_path
     assert close_error(kv / "test.u8", "300\n") == errno.EINVAL
     assert (kv / "test.u8").read_text() == "300\n"
     st = run("status", m.path).stdout
-    assert 'problem' in st and "__kv__/test.u8" in st and "not a UINT8" in st, st
+    assert 'problem' in st and "__kv__/test.u8" in st and "not a valid UINT8" in st, st
     c = run("commit", m.path)
     assert c.returncode != 0 and "__kv__/test.u8" in c.stderr, c.stderr
     assert fields(path) == before
@@ -238,6 +238,26 @@ def test_tensor_edits_commit_as_gguf(tmp_path, mount, run):
         assert ggml_verdicts([path]) == {str(path): True}
 
 
+@pytest.mark.parametrize("tool", [
+    "perl -pi.bak -e 's/1/7/' tokenizer.ggml.eos_token_id && rm tokenizer.ggml.eos_token_id.bak",
+    "sed -i.orig 's/1/7/' tokenizer.ggml.eos_token_id && rm tokenizer.ggml.eos_token_id.orig",
+    "mv tokenizer.ggml.eos_token_id old && echo 7 > tokenizer.ggml.eos_token_id && rm old",
+    "echo 7 > /tmp/stfs-seven-$$ && install /tmp/stfs-seven-$$ tokenizer.ggml.eos_token_id; rm -f /tmp/stfs-seven-$$",
+])
+def test_tools_that_keep_a_backup_keep_the_keys_type(tmp_path, mount, run, tool):
+    """A tool that renames the key away (a backup) and writes a new file under its name
+    gives the key its value, of the key's type: a key made under a name the file has, or
+    had during the mount, takes that name's type."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path)
+    m = mount(path)
+    p = subprocess.run(["sh", "-c", tool], cwd=pathlib.Path(m.path) / "__kv__", capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "its type changed" not in run("status", m.path).stdout
+    assert run("commit", m.path).returncode == 0
+    assert fields(path)["tokenizer.ggml.eos_token_id"] == (["UINT32"], 7)
+
+
 def test_what_keys_cannot_be(tmp_path, mount, run):
     path = tmp_path / "tiny.gguf"
     write_model(path)
@@ -246,9 +266,13 @@ def test_what_keys_cannot_be(tmp_path, mount, run):
     with pytest.raises(OSError) as e:
         (kv / "stfs.room").write_text("1")
     assert e.value.errno == errno.EINVAL
+    # (EPERM, not EXDEV: mv would copy, making a tensor of the key's text.)
     with pytest.raises(OSError) as e:
         os.rename(kv / "general.name", mnt / "general.name")
-    assert e.value.errno == errno.EXDEV
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError) as e:
+        os.rename(mnt / "token_embd.weight", kv / "token_embd.weight")
+    assert e.value.errno == errno.EPERM
     with pytest.raises(OSError) as e:
         os.mkdir(kv / "sub")
     assert e.value.errno in (errno.ENOTSUP, errno.EPERM, errno.EROFS)
@@ -286,10 +310,14 @@ def test_key_edits_survive_a_killed_daemon(tmp_path, mount, run):
     assert (kv / "tokenizer.chat_template").read_text() == "{{ kept }}\n"
     assert (kv / "general.new").read_bytes() == b"\xff\xfe not utf-8"
     assert not (kv / "general.name").exists()
+    # A string that is not UTF-8 (an editor's swap file, say) is kept, and refused at commit.
+    c = run("commit", m2.path)
+    assert c.returncode != 0 and "__kv__/general.new: a string that is not UTF-8" in c.stderr, c.stderr
+    os.unlink(kv / "general.new")
     assert run("commit", m2.path).returncode == 0
     got = fields(path)
     assert got["tokenizer.chat_template"][1] == "{{ kept }}" and "general.name" not in got
-    assert got["general.new"] == (["STRING"], b"\xff\xfe not utf-8")
+    assert "general.new" not in got
 
 
 STEPS = ["in-place:recorded", "in-place:marked", "in-place:inserted", "in-place:data", "in-place:header",
@@ -398,3 +426,30 @@ def test_a_gguf_commit_that_fails_after_its_marker_puts_the_file_back(tmp_path, 
     assert "key        general.name: set" in run("status", m.path).stdout
     assert run("commit", m.path).returncode == 0
     assert fields(path)["general.name"] == (["STRING"], "after")
+
+
+def test_the_parts_of_a_split_file_keep_their_tensor_count(tmp_path, mount, run):
+    """Each part of a split GGUF file says how many tensors all parts hold
+    (split.tensors.count): a tensor added to one part, or removed, changes it in every
+    part at the commit, as llama.cpp checks it."""
+    from test_gguf import write_split
+    folder = tmp_path / "split"
+    folder.mkdir()
+    write_split(folder)
+    parts = sorted(p.name for p in folder.iterdir())
+    mnt = pathlib.Path(mount(folder).path)
+    second = mnt / parts[1][:-len(".gguf")]
+    (second / "extra.w").write_bytes(np.zeros(4, np.float32).tobytes())
+    (second / "extra.w.meta.json").write_text('{"dtype": "F32", "shape": [4]}')
+    os.unlink(mnt / parts[0][:-len(".gguf")] / "blk.0.w")
+    assert run("commit", mnt).returncode == 0
+    for part in parts:
+        assert fields(folder / part)["split.tensors.count"][1] == 5, part
+    if have_llama():
+        verdicts = ggml_verdicts([folder / p for p in parts])
+        assert all(verdicts.values()), verdicts
+    # Keys of one part are its own: a template edit of the first changes no other.
+    (mnt / parts[0][:-len(".gguf")] / "__kv__/tokenizer.chat_template").write_text("{{ one }}")
+    assert run("commit", mnt).returncode == 0
+    assert fields(folder / parts[0])["tokenizer.chat_template"][1] == "{{ one }}"
+    assert "tokenizer.chat_template" not in fields(folder / parts[1])

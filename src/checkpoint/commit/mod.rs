@@ -96,6 +96,20 @@ pub struct CommitPlan {
     _pins: PlanPins,
 }
 
+/// What a commit refuses of a layout, naming the tensor once.
+fn problem_of(e: FormatError) -> Problem {
+    match e {
+        FormatError::Gguf(g) => Problem {
+            tensor: g.tensor,
+            rule: g.rule,
+        },
+        e => Problem {
+            tensor: e.tensor().map(str::to_string),
+            rule: e.to_string(),
+        },
+    }
+}
+
 /// Staging files a plan copies from, pinned (see `DataObject::take_for_commit`).
 struct PlanPins(Vec<Arc<StagedFile>>);
 
@@ -186,12 +200,7 @@ impl Live {
             let specs = self.commit_specs(&members);
             let reference = format
                 .layout(specs.len(), &|i| specs[i], options.compact)
-                .map_err(|e: FormatError| {
-                    refused(vec![Problem {
-                        tensor: e.tensor().map(str::to_string),
-                        rule: e.to_string(),
-                    }])
-                })?;
+                .map_err(|e: FormatError| refused(vec![problem_of(e)]))?;
             choose(&NewState {
                 source: &self.source,
                 specs: &specs,
@@ -323,10 +332,7 @@ impl Live {
         let specs = self.commit_specs(&members);
         let layout = format
             .layout(specs.len(), &|k| specs[k], true)
-            .map_err(|e| Problem {
-                tensor: e.tensor().map(str::to_string),
-                rule: e.to_string(),
-            })?;
+            .map_err(problem_of)?;
         let data_start = layout.header.len() as u64;
         let len = layout.file_len();
         let tensors = layout

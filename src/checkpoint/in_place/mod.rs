@@ -133,6 +133,14 @@ pub fn layout<'a>(
 ) -> Result<InPlaceLayout, Declined> {
     let old = source.header();
     let n_old = old.tensors.len();
+    let old_align = old.gguf.as_ref().map_or(1, |g| g.alignment);
+    if format.alignment() != old_align {
+        return Err(format!(
+            "the alignment changes from {old_align} to {}: the data is laid out again",
+            format.alignment()
+        )
+        .into());
+    }
     // Offsets in the file as it is now (earlier in-place commits may have
     // inserted bytes at its start since `source` was made).
     let data_start = old.data_start() + source.shift();
