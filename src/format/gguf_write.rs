@@ -232,8 +232,12 @@ fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
         t: ValueType,
         range: &str,
     ) -> Result<T, std::string::String> {
-        s.parse::<T>()
-            .map_err(|_| format!("{s:?} is not a valid {} (whole numbers from {range})", t.name()))
+        s.parse::<T>().map_err(|_| {
+            format!(
+                "{s:?} is not a valid {} (whole numbers from {range})",
+                t.name()
+            )
+        })
     }
     use ValueType::*;
     Ok(match t {
