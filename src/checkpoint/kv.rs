@@ -3,8 +3,9 @@
 //! it. A key keeps its type through every edit (a number written into a
 //! UINT32 key is read as one); a value that does not fit the type is kept as
 //! written, refused at close (EINVAL) and listed by `stfs status`, and a
-//! commit refuses it. A new key is a string. `__metadata__.json` shows the
-//! same state, every key with its type.
+//! commit refuses it. A new key takes its name's type (the source's, or
+//! the one the name had during the mount), else is a string.
+//! `__metadata__.json` shows the same state, every key with its type.
 //!
 //! The table is `Live`'s (`Live::kv`); its journal record is the whole
 //! table (`Record::Keys`), self-contained: a key whose value is the
@@ -164,7 +165,7 @@ fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)
     let Ordered(keys) = serde_json::from_slice(text).map_err(|e| format!("not JSON: {e}"))?;
     let type_named = |v: Option<&serde_json::Value>| {
         let name = v.and_then(|v| v.as_str())?;
-        TYPES.iter().find(|t| t.name() == name).copied()
+        ValueType::ALL.into_iter().find(|t| t.name() == name)
     };
     let mut seen = std::collections::HashSet::new();
     keys.into_iter()
@@ -187,22 +188,6 @@ fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)
         })
         .collect()
 }
-
-const TYPES: [ValueType; 13] = [
-    ValueType::U8,
-    ValueType::I8,
-    ValueType::U16,
-    ValueType::I16,
-    ValueType::U32,
-    ValueType::I32,
-    ValueType::F32,
-    ValueType::Bool,
-    ValueType::String,
-    ValueType::Array,
-    ValueType::U64,
-    ValueType::I64,
-    ValueType::F64,
-];
 
 /// The value of source key `i`, encoded (arrays read from the file).
 fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {

@@ -107,6 +107,23 @@ pub enum ValueType {
 }
 
 impl ValueType {
+    /// Every type, in id order.
+    pub const ALL: [ValueType; 13] = [
+        ValueType::U8,
+        ValueType::I8,
+        ValueType::U16,
+        ValueType::I16,
+        ValueType::U32,
+        ValueType::I32,
+        ValueType::F32,
+        ValueType::Bool,
+        ValueType::String,
+        ValueType::Array,
+        ValueType::U64,
+        ValueType::I64,
+        ValueType::F64,
+    ];
+
     fn from_id(id: i32) -> Option<ValueType> {
         use ValueType::*;
         Some(match id {
