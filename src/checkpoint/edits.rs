@@ -224,7 +224,7 @@ impl Live {
         }
         if self.kv.is_some() {
             // (A GGUF file's keys: one state with `__kv__`.)
-            return self.kv_set_document(text);
+            return self.kv_set_document(text).map(|()| None);
         }
         if replace || self.metadata == MetadataDoc::Removed {
             self.metadata_file = self.new_id();

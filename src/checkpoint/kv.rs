@@ -638,7 +638,7 @@ impl Live {
     /// removed, a type there is the key's type from now on (how a new key
     /// gets a type other than STRING). Text that is not such a document is
     /// refused (EINVAL), and nothing changes.
-    pub fn kv_set_document(&mut self, text: &[u8]) -> Result<Option<String>, EditError> {
+    pub fn kv_set_document(&mut self, text: &[u8]) -> Result<(), EditError> {
         let doc = parse_document(text).map_err(EditError::Invalid)?;
         let mut entries = Vec::with_capacity(doc.len());
         for (key, ty, value) in doc {
@@ -712,7 +712,7 @@ impl Live {
         t.entries = entries;
         self.kv_settle();
         self.kv_changed();
-        Ok(None)
+        Ok(())
     }
 
     /// The tensors of the state: names with bytes and a valid meta.

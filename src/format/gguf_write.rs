@@ -359,13 +359,12 @@ pub fn tensor_rule(name: &str, dtype: Dtype, shape: &[u64]) -> Option<String> {
 
 /// Lays out a new GGUF file: the tensors `spec(k)` (name, dtype, shape) in
 /// the order given, each at an offset that is a multiple of the alignment,
-/// each padded to it (the last too, as gguf-py pads). Refuses what ggml's
-/// reader would, naming the tensor.
+/// each padded to it (the last too, as gguf-py pads), the header without
+/// room (`Room::Compact`). Refuses what ggml's reader would, naming the tensor.
 pub fn layout<'a>(
     out: &HeaderOut,
     count: usize,
     spec: impl Fn(usize) -> (&'a str, Dtype, &'a [u64]),
-    room: Room,
 ) -> Result<Layout, FormatError> {
     let bad = |name: &str, rule: String| {
         FormatError::Gguf(GgufError {
@@ -404,7 +403,7 @@ pub fn layout<'a>(
             .ok_or_else(|| bad(name, "the data section's size overflows".into()))?;
     }
     let header = out
-        .header(&tensors, room)
+        .header(&tensors, Room::Compact)
         .expect("only Room::Exactly fails");
     let data_len = tensors.last().map_or(0, |t| t.data_offsets.1);
     Ok(Layout {
@@ -552,16 +551,16 @@ mod tests {
         };
         let shape = [3u64, 100];
         let specs = [("q", Dtype::Q4_K, &shape[..])];
-        let e = layout(&out, 1, |k| specs[k], Room::Compact).unwrap_err();
+        let e = layout(&out, 1, |k| specs[k]).unwrap_err();
         assert!(e.to_string().contains("multiple of Q4_K"), "{e}");
         let specs = [("b", Dtype::BOOL, &shape[..])];
-        let e = layout(&out, 1, |k| specs[k], Room::Compact).unwrap_err();
+        let e = layout(&out, 1, |k| specs[k]).unwrap_err();
         assert!(e.to_string().contains("not a ggml type"), "{e}");
         let long = "x".repeat(64);
         let specs = [(long.as_str(), Dtype::F32, &shape[..])];
-        assert!(layout(&out, 1, |k| specs[k], Room::Compact).is_err());
+        assert!(layout(&out, 1, |k| specs[k]).is_err());
         let specs = [("a", Dtype::F32, &shape[..]), ("b", Dtype::F16, &shape[..])];
-        let l = layout(&out, 2, |k| specs[k], Room::Compact).unwrap();
+        let l = layout(&out, 2, |k| specs[k]).unwrap();
         assert_eq!(l.tensors.get(1).data_offsets, (1216, 1816));
         assert_eq!(l.file_len() % 32, 0);
         let mut file = l.header.clone();

@@ -129,8 +129,7 @@ impl FormatWriter for Gguf {
         spec: &dyn Fn(usize) -> Spec<'a>,
         compact: bool,
     ) -> Result<Layout, FormatError> {
-        let mut layout =
-            super::gguf::write::layout(&self.out(compact), count, spec, Room::Compact)?;
+        let mut layout = super::gguf::write::layout(&self.out(compact), count, spec)?;
         if !compact {
             // Room as for safetensors (a quarter of the header again, at
             // least 4 KiB), and the data on a 4 KiB boundary.

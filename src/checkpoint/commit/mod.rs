@@ -186,17 +186,11 @@ impl Live {
             self.staging.base().clone(),
             remote::record_name(self.staging.stem(), commit, self.source.file_name()),
         ));
-        let gguf = self
-            .gguf_writer()
-            .map_err(io_err(format!("{}: reading its keys", file.display())))?;
-        let safetensors = crate::format::writer::Safetensors {
-            metadata: metadata.as_ref(),
-        };
-        let format: &dyn FormatWriter = match &gguf {
-            Some(g) => g,
-            None => &safetensors,
-        };
         let (layout, way) = {
+            let writer = self
+                .format_writer(metadata.as_ref())
+                .map_err(io_err(format!("{}: reading its keys", file.display())))?;
+            let format = &*writer;
             let specs = self.commit_specs(&members);
             let reference = format
                 .layout(specs.len(), &|i| specs[i], options.compact)
@@ -316,6 +310,19 @@ impl Live {
             .collect()
     }
 
+    /// What writes the headers of this checkpoint's format: safetensors'
+    /// with `metadata`, or GGUF's with the keys as edited (read from the
+    /// file where unchanged).
+    fn format_writer<'m>(
+        &self,
+        metadata: Option<&'m crate::format::Metadata>,
+    ) -> std::io::Result<Box<dyn FormatWriter + 'm>> {
+        Ok(match self.gguf_writer()? {
+            Some(g) => Box::new(g),
+            None => Box::new(crate::format::writer::Safetensors { metadata }),
+        })
+    }
+
     /// A GGUF checkpoint's edited state as a file (`__views__/model.gguf`),
     /// laid out as `--compact` writes it; what a commit would refuse, if
     /// anything.
@@ -367,14 +374,8 @@ impl Live {
         }
         let (inputs, members) = self.commit_inputs(false);
         let metadata = self.metadata()?.cloned();
-        let gguf = self.gguf_writer().ok()?;
-        let safetensors = crate::format::writer::Safetensors {
-            metadata: metadata.as_ref(),
-        };
-        let format: &dyn FormatWriter = match &gguf {
-            Some(g) => g,
-            None => &safetensors,
-        };
+        let format = self.format_writer(metadata.as_ref()).ok()?;
+        let format = &*format;
         let specs = self.commit_specs(&members);
         let reference = format.layout(specs.len(), &|i| specs[i], false).ok()?;
         let unchanged = !self.source_changed();
