@@ -451,6 +451,32 @@ mod tests {
         assert!(read(&bad).is_err());
     }
 
+    /// A GGUF tensor's block type comes back from the journal (a line that
+    /// did not parse was taken for a torn one: the edit was lost).
+    #[test]
+    fn every_dtype_comes_back() {
+        let begin = Record::Begin {
+            version: VERSION,
+            source: "/m.gguf".into(),
+            stat: stat(1),
+        };
+        let entries: Vec<Record> = Dtype::ALL
+            .into_iter()
+            .chain(Dtype::GGML_BLOCKS)
+            .map(|dtype| Record::Entry {
+                name: dtype.name().into(),
+                meta: Meta::Valid {
+                    dtype,
+                    shape: vec![256],
+                },
+                data: Some(DataRef::Staged { file: "s1".into() }),
+            })
+            .collect();
+        let r = read(&text(&[vec![begin], entries.clone()])).unwrap();
+        assert!(!r.torn);
+        assert_eq!(r.records, entries);
+    }
+
     #[test]
     fn after_a_landed_commit_only_later_edits_count() {
         let records = vec![

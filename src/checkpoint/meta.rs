@@ -20,14 +20,29 @@ pub enum Meta {
     /// No `.meta.json`: a file that is not (yet) a tensor.
     None,
     Valid {
+        // (By name, so that the journal takes back a GGUF tensor's block
+        // type, which a safetensors header may not name.)
+        #[serde(with = "dtype_by_name")]
         dtype: Dtype,
         shape: Vec<u64>,
     },
     /// Written, but not a usable meta: kept as written, with the reason.
-    Invalid {
-        text: Vec<u8>,
-        error: String,
-    },
+    Invalid { text: Vec<u8>, error: String },
+}
+
+/// A dtype by its name, any of stfs's (ggml's block types too).
+mod dtype_by_name {
+    use super::Dtype;
+
+    pub fn serialize<S: serde::Serializer>(d: &Dtype, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(d.name())
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Dtype, D::Error> {
+        let name = <std::borrow::Cow<str> as serde::Deserialize>::deserialize(d)?;
+        Dtype::from_any_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown dtype {name:?}")))
+    }
 }
 
 impl Meta {

@@ -106,6 +106,8 @@ impl Fs {
         let metadata = {
             let mut st = self.write_state();
             let key = st.kv_key_of(c, name).map_err(|_| FsError::NotFound)?;
+            // (No such key is ENOENT before any rule about the target.)
+            st.live(c).kv_find(&key).ok_or(FsError::NotFound)?;
             match to {
                 None => st.live_mut(c).kv_remove(&key)?,
                 Some((new_name, no_replace)) => {

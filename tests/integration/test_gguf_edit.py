@@ -292,24 +292,35 @@ def test_what_keys_cannot_be(tmp_path, mount, run):
     assert p.returncode != 0 and "general.alignment" in p.stderr, p.stderr
 
 
-def test_key_edits_survive_a_killed_daemon(tmp_path, mount, run):
+def test_edits_survive_a_killed_daemon(tmp_path, mount, run):
+    """Keys, and writes into quantized tensors (whose block types a safetensors
+    header cannot name: the journal once lost them), come back after kill -9."""
     path = tmp_path / "tiny.gguf"
     write_model(path)
     before = path.read_bytes()
     m = mount(path)
-    kv = pathlib.Path(m.path) / "__kv__"
+    mnt = pathlib.Path(m.path)
+    kv = mnt / "__kv__"
     (kv / "tokenizer.chat_template").write_text("{{ kept }}\n")
     (kv / "general.new").write_bytes(b"\xff\xfe not utf-8")
     os.unlink(kv / "general.name")
+    subprocess.run(["dd", "of=" + str(mnt / "blk.0.attn_q.weight"), "conv=notrunc", "bs=1", "seek=3",
+                    "status=none"], input=b"\x07\x07", check=True)
+    q8 = (mnt / "blk.0.attn_q.weight").read_bytes()
+    os.rename(mnt / "blk.0.ffn_up.weight", mnt / "blk.0.ffn_down.weight")
     subprocess.run(["sync"])
     os.kill(m.pid, 9)
     m.close()
     assert path.read_bytes() == before
     m2 = mount(path)
-    kv = pathlib.Path(m2.path) / "__kv__"
+    mnt = pathlib.Path(m2.path)
+    kv = mnt / "__kv__"
     assert (kv / "tokenizer.chat_template").read_text() == "{{ kept }}\n"
     assert (kv / "general.new").read_bytes() == b"\xff\xfe not utf-8"
     assert not (kv / "general.name").exists()
+    assert (mnt / "blk.0.attn_q.weight").read_bytes() == q8 and q8[3:5] == b"\x07\x07"
+    assert json.loads((mnt / "blk.0.ffn_down.weight.meta.json").read_text())["dtype"] == "Q4_K"
+    assert not (mnt / "blk.0.ffn_up.weight").exists()
     # A string that is not UTF-8 (an editor's swap file, say) is kept, and refused at commit.
     c = run("commit", m2.path)
     assert c.returncode != 0 and "__kv__/general.new: a string that is not UTF-8" in c.stderr, c.stderr
@@ -318,6 +329,12 @@ def test_key_edits_survive_a_killed_daemon(tmp_path, mount, run):
     got = fields(path)
     assert got["tokenizer.chat_template"][1] == "{{ kept }}" and "general.name" not in got
     assert "general.new" not in got
+    import gguf
+    r = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in r.tensors}
+    assert bytes(tensors["blk.0.attn_q.weight"].data.tobytes()) == q8
+    assert tensors["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_K
+    del r, tensors
 
 
 STEPS = ["in-place:recorded", "in-place:marked", "in-place:inserted", "in-place:data", "in-place:header",

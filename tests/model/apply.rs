@@ -23,6 +23,9 @@ pub(super) fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
         | Op::Fstat(_)
         | Op::Close(_)
         | Op::Fsync(_) => apply_handle_op(m, model, op),
+        Op::KvWrite { .. } | Op::KvUnlink(_) | Op::KvRename { .. } | Op::KvDocument(_) => {
+            apply_key_op(m, model, op)
+        }
         _ => apply_checkpoint_op(m, model, op),
     }
 }
@@ -388,6 +391,21 @@ fn apply_checkpoint_op(m: &mut Mounted, model: &mut Model, op: &Op) {
         Op::Commit { force, other_user } => commit(m, model, *force, *other_user, false),
         Op::CompactCommit => commit(m, model, false, false, true),
         Op::Discard => discard(m, model),
+        Op::ReplaceSource { dir, in_place } if model.gguf.is_some() => {
+            assert!(!in_place, "GGUF runs replace their source by a rename");
+            let path = model.dirs[*dir].path.clone();
+            let tmp = path.with_extension("tmp");
+            let keys = [(
+                "general.architecture".to_string(),
+                MVal::Str(b"other".to_vec()),
+            )];
+            let disk = write_gguf(&keys, &[("other".into(), 5, vec![1], vec![7])]);
+            std::fs::write(&tmp, &disk).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+            model.dirs[*dir].disk = disk;
+            model.dirs[*dir].detached = true;
+            model.dirs[*dir].replaced = true;
+        }
         Op::ReplaceSource { dir, in_place } => {
             let path = model.dirs[*dir].path.clone();
             if *in_place {
@@ -444,6 +462,9 @@ fn apply_checkpoint_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                             Some(k) => l[..k + " has an invalid .meta.json:".len()].to_string(),
                             None if l.starts_with("problem    __metadata__.json ") => {
                                 "problem    __metadata__.json".to_string()
+                            }
+                            None if l.starts_with("problem    __kv__/") => {
+                                l[..l.find(':').expect("a rule") + 1].to_string()
                             }
                             None if l.contains(CHANGED) => {
                                 l[..l.find(CHANGED).expect("there") + CHANGED.len()].to_string()
@@ -542,6 +563,15 @@ pub(super) fn apply_read_only(m: &Mounted, model: &mut Model, op: &Op) {
             errno(fs.create(m.dir_ino(*dir), "__metadata__.json", true, false))
         }
         Op::Unlink(f) => errno(fs.unlink(m.dir_ino(f.dir), &Mounted::file_name(f))),
+        Op::KvWrite { key, .. } => errno(fs.create(m.kv_dir(), KEYS[*key], true, false)),
+        Op::KvUnlink(key) => errno(fs.unlink(m.kv_dir(), KEYS[*key])),
+        Op::KvRename { from, to, .. } => {
+            errno(fs.rename(m.kv_dir(), KEYS[*from], m.kv_dir(), KEYS[*to], false))
+        }
+        Op::KvDocument(_) => {
+            let ino = m.lookup(&metadata(0)).unwrap();
+            errno(fs.open(ino, true, true))
+        }
         Op::Rename { from, to, .. } => errno(fs.rename(
             m.dir_ino(from.dir),
             &Mounted::file_name(from),
@@ -659,4 +689,127 @@ pub(super) fn rename(
         }
     };
     assert_eq!(got, want, "{what}");
+}
+
+/// Operations on a GGUF file's keys: through `__kv__` and `__metadata__.json`.
+fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
+    let fs = m.fs();
+    let kv = m.kv_dir();
+    let next = &mut model.next;
+    let g = model.gguf.as_mut().expect("a GGUF run");
+    match op {
+        Op::KvWrite { key, text } => {
+            let name = KEYS[*key];
+            let made = g.position(name).is_none();
+            let (a, o) = fs.create(kv, name, true, false).unwrap();
+            if made {
+                // A new key takes its name's type, else is a string; empty.
+                let ty = g.name_type(name).unwrap_or(KTy::Str);
+                g.keys.push(MKey {
+                    name: name.into(),
+                    ty,
+                    value: parse_text(ty, b""),
+                    shown: Vec::new(),
+                    kid: fresh(next),
+                });
+            }
+            model.dirs[0].dirty = true;
+            let bytes = text.bytes();
+            if !bytes.is_empty() {
+                fs.write(a.ino, o.fh, 0, &bytes).unwrap();
+            }
+            // The text is the key's value at close: refused (EINVAL, kept as
+            // written) if it is not one of the key's type.
+            let p = g.position(name).unwrap();
+            let k = &mut g.keys[p];
+            k.value = parse_text(k.ty, &bytes);
+            k.shown = bytes.clone();
+            let invalid = if k.value.is_none() { libc::EINVAL } else { 0 };
+            g.settle();
+            // (A shell's `>` closes a duplicate first: nothing written yet is
+            // the last close's to apply.)
+            let (flush, release) = match bytes.is_empty() {
+                false => (invalid, 0),
+                true => (0, invalid),
+            };
+            assert_eq!(errno(fs.flush(o.fh)), flush, "{op:?}: flush");
+            assert_eq!(errno(fs.release(o.fh)), release, "{op:?}: release");
+        }
+        Op::KvUnlink(key) => {
+            let name = KEYS[*key];
+            let want = match g.position(name) {
+                None => libc::ENOENT,
+                Some(p) => {
+                    let k = g.keys.remove(p);
+                    g.gone.insert(k.name, k.ty);
+                    model.dirs[0].dirty = true;
+                    0
+                }
+            };
+            assert_eq!(errno(fs.unlink(kv, name)), want, "{op:?}");
+        }
+        Op::KvRename {
+            from,
+            to,
+            no_replace,
+        } => {
+            let (from, to) = (KEYS[*from], KEYS[*to]);
+            let got = errno(fs.rename(kv, from, kv, to, *no_replace));
+            let want = match (g.position(from), g.position(to)) {
+                (None, _) => libc::ENOENT,
+                (Some(_), Some(_)) if *no_replace && from != to => libc::EEXIST,
+                _ if from == to => 0,
+                (Some(p), target) => {
+                    // The name's type: the key there, or the one the name had.
+                    let ty = target
+                        .map(|q| g.keys[q].ty)
+                        .or_else(|| g.name_type(to))
+                        .unwrap_or(g.keys[p].ty);
+                    let mut moved = g.keys[p].clone();
+                    let fits = ty == moved.ty || parse_text(ty, &moved.shown).is_some();
+                    if !fits {
+                        libc::EINVAL
+                    } else {
+                        if ty != moved.ty {
+                            moved.value = parse_text(ty, &moved.shown);
+                            moved.ty = ty;
+                        }
+                        g.gone.insert(from.into(), g.keys[p].ty);
+                        moved.name = to.into();
+                        match target {
+                            Some(q) => {
+                                g.keys[q] = moved;
+                                g.keys.remove(p);
+                            }
+                            None => g.keys[p] = moved,
+                        }
+                        g.settle();
+                        model.dirs[0].dirty = true;
+                        0
+                    }
+                }
+            };
+            assert_eq!(got, want, "{op:?}");
+        }
+        Op::KvDocument(edit) => {
+            let doc = g.document(edit);
+            let text = document_text(&doc);
+            let applied = g.set_document(&doc, next);
+            if applied {
+                model.dirs[0].dirty = true;
+            }
+            let ino = m.lookup(&metadata(0)).unwrap();
+            let o = fs.open(ino, true, true).unwrap();
+            fs.write(ino, o.fh, 0, &text).unwrap();
+            let want = if applied { 0 } else { libc::EINVAL };
+            assert_eq!(
+                errno(fs.flush(o.fh)),
+                want,
+                "{op:?}: {}",
+                String::from_utf8_lossy(&text)
+            );
+            assert_eq!(errno(fs.release(o.fh)), 0, "{op:?}: release");
+        }
+        _ => unreachable!("{op:?} is not one of these"),
+    }
 }

@@ -72,6 +72,9 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
         if model.dirs[dir].metadata != MMetadata::Removed {
             want.push("__metadata__.json".into());
         }
+        if model.gguf.is_some() {
+            want.push("__kv__".into());
+        }
         for (name, e) in &model.dirs[dir].entries {
             if e.data.is_some() {
                 want.push(TensorFile::Data.file_name(name));
@@ -96,16 +99,23 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             let views = fs.lookup(top, "__views__").unwrap();
             let name = if model.folder {
                 format!("s{dir}.safetensors")
+            } else if model.gguf.is_some() {
+                "model.gguf".into()
             } else {
                 "model.safetensors".into()
             };
             let view = fs.lookup(views.ino, &name).unwrap();
-            let want = model.serialized(dir);
-            assert_eq!(
-                view.size,
-                want.len() as u64,
-                "the export view's size after {after:?}"
-            );
+            let want = match model.gguf {
+                Some(_) => Vec::new(),
+                None => model.serialized(dir),
+            };
+            if model.gguf.is_none() {
+                assert_eq!(
+                    view.size,
+                    want.len() as u64,
+                    "the export view's size after {after:?}"
+                );
+            }
             let opened = fs.open(view.ino, false, false).unwrap();
             let mut got = Vec::new();
             loop {
@@ -118,10 +128,17 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 got.extend(part);
             }
             fs.release(opened.fh).unwrap();
-            assert!(
-                got == want,
-                "the export view differs from the model's state after {after:?}"
-            );
+            if model.gguf.is_some() {
+                // (The edited state as `--compact` writes it; unedited, the file.)
+                assert_eq!(view.size, got.len() as u64, "the view's size");
+                let what = format!("the export view after {after:?}");
+                model.assert_same_gguf(&got, dir, model.dirs[dir].dirty, &what);
+            } else {
+                assert!(
+                    got == want,
+                    "the export view differs from the model's state after {after:?}"
+                );
+            }
             // Each tensor's .npy view: numpy's header, then its bytes.
             let mut npy = fs.lookup(views.ino, "npy").unwrap();
             if model.folder {
@@ -135,9 +152,12 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             .unwrap();
             let mut want_files = Vec::new();
             for (name, e) in &model.dirs[dir].entries {
-                let (MMeta::Valid(..), Some(o), false) = (&e.meta, e.data, e.hidden) else {
+                let (MMeta::Valid(dt, _), Some(o), false) = (&e.meta, e.data, e.hidden) else {
                     continue;
                 };
+                if DTYPES[*dt].1 > 1 {
+                    continue; // (a block type has no array)
+                }
                 let file = TensorFile::Data.file_name(name) + ".npy";
                 let a = fs.lookup(npy.ino, &file).unwrap();
                 let opened = fs.open(a.ino, false, false).unwrap();
@@ -182,6 +202,47 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             after,
         );
     }
+    if model.gguf.is_some() {
+        check_keys(m, model, after, step);
+    }
+}
+
+/// `__kv__`: a file per key, each showing its value, each its own inode
+/// for its life (until a commit, discard or crash).
+fn check_keys(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
+    let fs = m.fs();
+    let kv = m.kv_dir();
+    let listed = list_paged(fs, kv, 2 + step % 3);
+    let g = model.gguf.as_mut().unwrap();
+    let mut names: Vec<&str> = listed.iter().skip(2).map(|(n, _)| n.as_str()).collect();
+    let mut want: Vec<&str> = g.keys.iter().map(|k| k.name.as_str()).collect();
+    names.sort();
+    want.sort();
+    assert_eq!(names, want, "__kv__ after {after:?}");
+    for (name, ino) in listed.iter().skip(2) {
+        let what = format!("__kv__/{name} after {after:?}");
+        assert_eq!(fs.lookup(kv, name).unwrap().ino, *ino, "{what}: lookup");
+        let k = g.keys.iter().find(|k| k.name == *name).unwrap();
+        if let Some(&seen) = g.ino_of.get(&k.kid) {
+            assert_eq!(seen, *ino, "{what}: its inode changed");
+        }
+        if let Some(&other) = g.key_of.get(ino) {
+            assert_eq!(other, k.kid, "{what}: inode {ino} was another key's");
+        }
+        g.ino_of.insert(k.kid, *ino);
+        g.key_of.insert(*ino, k.kid);
+        let got = m.cat(*ino).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(&k.shown),
+            "{what}: its text"
+        );
+        assert_eq!(
+            fs.getattr(*ino, None).unwrap().size,
+            got.len() as u64,
+            "{what}: size"
+        );
+    }
 }
 
 /// One file: absent, or present with its identity, bytes and attributes.
@@ -204,13 +265,20 @@ pub(super) fn check_file(m: &Mounted, model: &mut Model, f: &FileRef, after: &Op
         let file = model_open_json(model, f, false);
         forget_json(model, file);
     }
-    match m.cat(ino) {
+    let read = m.cat(ino);
+    let read_len = read.as_ref().map_or(0, Vec::len);
+    match read {
         Err(e) => assert!(
             unreadable && e == libc::EIO,
             "{what}: read failed with errno {e}"
         ),
         Ok(got) => {
             assert!(!unreadable, "{what}: read a source rewritten in place");
+            // (A GGUF file's keys: a reason's words are the mount's own.)
+            let got = match (&model.gguf, f.part) {
+                (Some(_), Part::Metadata) => metadata_cut(&got),
+                _ => got,
+            };
             assert_eq!(
                 got,
                 want,
@@ -222,6 +290,7 @@ pub(super) fn check_file(m: &Mounted, model: &mut Model, f: &FileRef, after: &Op
     let a = m.fs().getattr(ino, None).unwrap();
     let size = match f.part {
         Part::Data => want.len(),
+        Part::Metadata if model.gguf.is_some() => read_len,
         // A JSON file being written shows its writers' text.
         _ => match model.json_by_key.get(&key).map(|id| &model.json[id]) {
             Some(j) if j.written => j.text.len(),

@@ -3,11 +3,18 @@
 use super::*;
 
 pub(super) fn dtype_of(name: &str) -> Option<usize> {
-    DTYPES.iter().position(|(n, _)| *n == name)
+    DTYPES.iter().position(|d| d.0 == name)
 }
 
+/// Bytes of `dtype` x `shape` (a whole number of blocks: `sized`).
 pub(super) fn byte_len(dtype: usize, shape: &[u64]) -> u64 {
-    shape.iter().product::<u64>() * DTYPES[dtype].1 / 8
+    shape.iter().product::<u64>() / DTYPES[dtype].1 * DTYPES[dtype].2
+}
+
+/// Whether `shape` is a whole number of `dtype`'s blocks (a meta that is
+/// not is invalid: it has no size).
+pub(super) fn sized(dtype: usize, shape: &[u64]) -> bool {
+    shape.iter().product::<u64>() % DTYPES[dtype].1 == 0
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,12 +131,28 @@ pub(super) enum Op {
     Fsync(Option<usize>),
     /// The daemon is killed and the source mounted again.
     Remount,
+    /// `echo TEXT > __kv__/KEY` (a key of `KEYS`): a new key if absent.
+    KvWrite {
+        key: usize,
+        text: KvText,
+    },
+    KvUnlink(usize),
+    /// `mv __kv__/FROM __kv__/TO`.
+    KvRename {
+        from: usize,
+        to: usize,
+        no_replace: bool,
+    },
+    /// `__metadata__.json` of a GGUF file written: the keys as shown, edited.
+    KvDocument(DocEdit),
 }
 
 pub(super) fn shape() -> impl Strategy<Value = Vec<u64>> {
     prop_oneof![
         4 => prop::collection::vec(0u64..4, 0..4),
         1 => prop::collection::vec(0u64..40, 1..2),
+        // (Q8_0's block: 32 elements, innermost or not.)
+        1 => (0u64..3, any::<bool>()).prop_map(|(k, inner)| if inner { vec![k, 32] } else { vec![32, k] }),
     ]
 }
 
@@ -150,6 +173,16 @@ pub(super) fn metadata_text() -> impl Strategy<Value = Text> {
 
 pub(super) fn any_text() -> impl Strategy<Value = Text> {
     prop_oneof![meta_text(), metadata_text()]
+}
+
+/// A data or meta file (a GGUF file's `__metadata__.json` is its keys:
+/// `Op::KvDocument` writes it).
+pub(super) fn tensor_file_ref() -> impl Strategy<Value = FileRef> {
+    (0..NAMES.len(), any::<bool>()).prop_map(|(name, data)| FileRef {
+        dir: 0,
+        name,
+        part: if data { Part::Data } else { Part::Meta },
+    })
 }
 
 pub(super) fn file_ref(dirs: usize) -> impl Strategy<Value = FileRef> {
@@ -196,6 +229,44 @@ pub(super) fn op(dirs: usize) -> impl Strategy<Value = Op> {
         1 => (d, any::<bool>()).prop_map(|(dir, in_place)| Op::ReplaceSource { dir, in_place }),
         1 => Just(Op::Status),
         1 => prop::option::of(h).prop_map(Op::Fsync),
+        1 => Just(Op::Remount),
+    ]
+}
+
+/// The operations on a GGUF file mount: those on tensors, and on keys.
+pub(super) fn op_gguf() -> impl Strategy<Value = Op> {
+    let n = 0..NAMES.len();
+    let bytes = prop::collection::vec(any::<u8>(), 1..12);
+    let h = 0..MAX_HANDLES;
+    let k = 0..KEYS.len();
+    prop_oneof![
+        2 => (n.clone(), any::<bool>())
+            .prop_map(|(name, exclusive)| Op::Create { dir: 0, name, exclusive }),
+        3 => (n.clone(), 0u64..40, bytes.clone())
+            .prop_map(|(name, offset, data)| Op::Write { dir: 0, name, offset, data }),
+        2 => (n.clone(), 0u64..40).prop_map(|(name, len)| Op::Truncate { dir: 0, name, len }),
+        1 => (n.clone(), meta_text()).prop_map(|(name, text)| Op::WriteJson { dir: 0, name, text }),
+        4 => (n, meta_text()).prop_map(|(name, text)| Op::SetMeta { dir: 0, name, text }),
+        2 => tensor_file_ref().prop_map(Op::Unlink),
+        3 => (tensor_file_ref(), tensor_file_ref(), any::<bool>())
+            .prop_map(|(from, to, no_replace)| Op::Rename { from, to, no_replace }),
+        2 => (tensor_file_ref(), any::<bool>(), prop::bool::weighted(0.2))
+            .prop_map(|(file, write, truncate)| Op::Open { file, write: write || truncate, truncate }),
+        1 => (h.clone(), 0u64..40, 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
+        1 => (h.clone(), 0u64..8, bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
+        1 => h.clone().prop_map(Op::Fstat),
+        1 => h.prop_map(Op::Close),
+        6 => (k.clone(), kv_text()).prop_map(|(key, text)| Op::KvWrite { key, text }),
+        2 => k.clone().prop_map(Op::KvUnlink),
+        2 => (k.clone(), k, any::<bool>())
+            .prop_map(|(from, to, no_replace)| Op::KvRename { from, to, no_replace }),
+        2 => doc_edit().prop_map(Op::KvDocument),
+        3 => (any::<bool>(), prop::bool::weighted(0.1))
+            .prop_map(|(force, other_user)| Op::Commit { force, other_user }),
+        1 => Just(Op::CompactCommit),
+        1 => Just(Op::Discard),
+        1 => Just(Op::ReplaceSource { dir: 0, in_place: false }),
+        2 => Just(Op::Status),
         1 => Just(Op::Remount),
     ]
 }

@@ -8,12 +8,18 @@ pub(super) struct Mounted {
     pub(super) fs: Option<Fs>,
     pub(super) folder: bool,
     pub(super) read_only: bool,
+    pub(super) gguf: bool,
     pub(super) dir: tempfile::TempDir,
 }
 
 impl Mounted {
     pub(super) fn fs(&self) -> &Fs {
         self.fs.as_ref().unwrap()
+    }
+
+    /// A GGUF file mount's `__kv__`.
+    pub(super) fn kv_dir(&self) -> Ino {
+        self.fs().lookup(ROOT_INO, "__kv__").unwrap().ino
     }
 
     pub(super) fn dir_ino(&self, dir: usize) -> Ino {
@@ -83,10 +89,15 @@ pub(super) fn write_file(path: &Path, tensors: &[Tensor]) -> Vec<u8> {
 
 /// Opened as the daemon opens them (for writing too unless read-only), so
 /// that commits take every way: in place and rewrite.
-pub(super) fn open_sources(dir: &Path, count: usize, writable: bool) -> Vec<(String, SourceFile)> {
+pub(super) fn open_sources(
+    dir: &Path,
+    count: usize,
+    writable: bool,
+    ext: &str,
+) -> Vec<(String, SourceFile)> {
     (0..count)
         .map(|k| {
-            let path = dir.join(format!("s{k}.safetensors"));
+            let path = dir.join(format!("s{k}.{ext}"));
             (
                 format!("s{k}"),
                 SourceFile::open_with(&path, writable).unwrap(),
@@ -95,12 +106,18 @@ pub(super) fn open_sources(dir: &Path, count: usize, writable: bool) -> Vec<(Str
         .collect()
 }
 
-/// Mounts the sources in `dir`, taking back the edits a killed daemon left.
+/// Mounts the sources in `dir` (`s0.gguf` when `gguf`), taking back the
+/// edits a killed daemon left.
 pub(super) fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
+    mount_of(dir, folder, read_only, false)
+}
+
+pub(super) fn mount_of(dir: &Path, folder: bool, read_only: bool, gguf: bool) -> Fs {
     let base = Arc::new(Folder::open(dir).unwrap());
     recover::finish_renames(&base, "m");
     let staging = Arc::new(Staging::new(base.clone(), "m"));
-    let mut sources = open_sources(dir, if folder { 2 } else { 1 }, !read_only);
+    let ext = if gguf { "gguf" } else { "safetensors" };
+    let mut sources = open_sources(dir, if folder { 2 } else { 1 }, !read_only, ext);
     let source = if folder {
         let bytes = std::fs::read(dir.join(INDEX)).unwrap();
         let file = std::fs::File::open(dir.join(INDEX)).unwrap();
@@ -128,9 +145,11 @@ pub(super) fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
     fs
 }
 
-pub(super) fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
+/// A mount of one or two safetensors files, or (`gguf`) of one GGUF file.
+pub(super) fn setup_of(folder: bool, read_only: bool, gguf: bool) -> (Mounted, Model) {
+    assert!(!(gguf && folder), "GGUF runs mount one file");
     let dir = tempfile::tempdir().unwrap();
-    let initial: Vec<Vec<Tensor>> = vec![
+    let mut initial: Vec<Vec<Tensor>> = vec![
         vec![
             ("a", 0, vec![1, 2, 3], &[3]),
             ("b", 1, vec![9, 8, 7, 6], &[2]),
@@ -140,6 +159,9 @@ pub(super) fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
             ("c/d", 0, vec![4, 2], &[2]),
         ],
     ];
+    if gguf {
+        initial[0] = source_tensors();
+    }
     let count = if folder { 2 } else { 1 };
     let mut model = Model {
         dirs: Vec::new(),
@@ -156,10 +178,21 @@ pub(super) fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
         uid: 0,
         gid: 0,
         index: serde_json::json!({"metadata": {"format": "pt", "total_size": 0}, "weight_map": {}}),
+        gguf: None,
     };
+    if gguf {
+        model.gguf = Some(GState::new(&mut model.next));
+    }
     for (k, tensors) in initial.into_iter().take(count).enumerate() {
-        let path = dir.path().join(format!("s{k}.safetensors"));
-        let disk = write_file(&path, &tensors);
+        let (path, disk) = if gguf {
+            let path = dir.path().join(format!("s{k}.gguf"));
+            let disk = Model::write_gguf_source(&path, &tensors);
+            (path, disk)
+        } else {
+            let path = dir.path().join(format!("s{k}.safetensors"));
+            let disk = write_file(&path, &tensors);
+            (path, disk)
+        };
         let mut entries = BTreeMap::new();
         for (name, dtype, bytes, shape) in tensors {
             let o = model.new_object(bytes);
@@ -208,12 +241,13 @@ pub(super) fn setup(folder: bool, read_only: bool) -> (Mounted, Model) {
         text.push(b'\n');
         std::fs::write(dir.path().join(INDEX), text).unwrap();
     }
-    let fs = mount(dir.path(), folder, read_only);
+    let fs = mount_of(dir.path(), folder, read_only, gguf);
     (
         Mounted {
             fs: Some(fs),
             folder,
             read_only,
+            gguf,
             dir,
         },
         model,
@@ -357,11 +391,24 @@ pub(super) fn writes(op: &Op) -> bool {
             | Op::Open { write: true, .. }
             | Op::HandleWrite(..)
             | Op::HandleSetText(..)
+            | Op::KvWrite { .. }
+            | Op::KvUnlink(_)
+            | Op::KvRename { .. }
+            | Op::KvDocument(_)
     )
 }
 
 pub(super) fn run_with(folder: bool, read_only: bool, ops: &[Op]) {
-    let (mut m, mut model) = setup(folder, read_only);
+    run_of(folder, read_only, false, ops)
+}
+
+/// A run on a GGUF source (a file mount).
+pub(super) fn run_gguf(read_only: bool, ops: &[Op]) {
+    run_of(false, read_only, true, ops)
+}
+
+pub(super) fn run_of(folder: bool, read_only: bool, gguf: bool, ops: &[Op]) {
+    let (mut m, mut model) = setup_of(folder, read_only, gguf);
     check(&m, &mut model, &Op::Status, 0);
     for (step, op) in ops.iter().enumerate() {
         apply(&mut m, &mut model, op);
@@ -393,7 +440,9 @@ pub(super) fn run_with(folder: bool, read_only: bool, ops: &[Op]) {
     assert_eq!(result.is_err(), refused, "unmount: {result:?}");
     for (dir, &changed) in changed.iter().enumerate() {
         let got = std::fs::read(&model.dirs[dir].path).unwrap();
-        if changed && !refused {
+        if changed && !refused && gguf {
+            model.assert_same_gguf(&got, dir, false, "the file after unmount");
+        } else if changed && !refused {
             assert_same_checkpoint(&got, &model.serialized(dir), dir);
         } else {
             assert_eq!(got, model.dirs[dir].disk, "shard {dir} after unmount");

@@ -2,7 +2,8 @@
 //! (after mountpoint-s3's `tests/reftests`): random sequences of operations
 //! run both against `Fs` and against a plain model of the documented file
 //! model (docs/SEMANTICS.md, "Editing"), in a file mount or a folder mount of
-//! two shards with an index file, writable or `-o ro`.
+//! two shards with an index file, writable or `-o ro`, and in a file mount of
+//! a GGUF file with its keys (`gguf.rs`; docs/SEMANTICS.md, "GGUF").
 //!
 //! The model decides every expected result from its own knowledge, errno
 //! included: its own dtype table, its own parser and renderer of `.meta.json`
@@ -27,7 +28,7 @@
 //! order (a list renamer, a glob of `mv`) end as `mv` of the tensor alone.
 //!
 //! Bugs planted one at a time (by a script over this list, each a small
-//! edit of the code named), all 25 caught by this file's tests:
+//! edit of the code named), all 28 caught by this file's tests:
 //! 1. RENAME_NOREPLACE ignored (`Fs::rename`);
 //! 2. a handle of a removed tensor not reading it (`Fs::read` from the state);
 //! 3. a wrong shape in a generated `.meta.json` (`meta::render_meta`);
@@ -56,7 +57,15 @@
 //! 23. a half-written JSON file reported to one of two writers
 //!     (`Fs::apply_json`);
 //! 24. a scalar shape `[]` refused (`meta::parse_meta`);
-//! 25. a meta renamed onto a data name losing its last byte (`Fs::rename_parts`).
+//! 25. a meta renamed onto a data name losing its last byte (`Fs::rename_parts`);
+//! 26. a written key's value not settling back to the file's (`Live::kv_settle`);
+//! 27. a removed key's name forgetting its type (`Live::kv_remove`);
+//! 28. ggml's block rule checked on the outermost dimension (`tensor_rule`).
+//!
+//! Found by the GGUF runs when they were added: the journal refusing a GGUF
+//! tensor's block type (a write into a Q8_0 tensor lost at a crash, and with
+//! it every later edit: `Meta`'s dtype is kept by name now), and `mv` of a key
+//! that is not there answering EEXIST before ENOENT.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -68,6 +77,7 @@ mod apply;
 mod cases;
 mod checks;
 mod generators;
+mod gguf;
 mod harness;
 mod lifecycle;
 mod reference;
@@ -75,6 +85,7 @@ mod reference;
 use apply::*;
 use checks::*;
 use generators::*;
+use gguf::*;
 use harness::*;
 use lifecycle::*;
 use reference::*;
@@ -85,13 +96,17 @@ use stfs::source::Folder;
 use stfs::source::{FileStat, SourceFile};
 
 const NAMES: [&str; 5] = ["a", "b", "c/d", "x.meta.json", ""];
-/// The model's own dtype table: name, bits per element.
-const DTYPES: [(&str, u64); 5] = [
-    ("U8", 8),
-    ("I16", 16),
-    ("F32", 32),
-    ("BF16", 16),
-    ("F64", 64),
+/// The model's own dtype table: name, elements per block, bytes per block,
+/// ggml's type id (None: GGUF cannot hold it). Q8_0 is a ggml block type,
+/// which a safetensors file cannot hold.
+const DTYPES: [(&str, u64, u64, Option<u32>); 7] = [
+    ("U8", 1, 1, None),
+    ("I16", 1, 2, Some(25)),
+    ("F32", 1, 4, Some(0)),
+    ("BF16", 1, 2, Some(30)),
+    ("F64", 1, 8, Some(28)),
+    ("I8", 1, 1, Some(24)),
+    ("Q8_0", 32, 34, Some(8)),
 ];
 const MAX_HANDLES: usize = 3;
 const OTHER_USER: u32 = 4242;

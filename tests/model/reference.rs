@@ -23,7 +23,7 @@ impl MMeta {
                 .iter()
                 .map(|x| x.as_u64())
                 .collect::<Option<Vec<u64>>>()?;
-            Some(MMeta::Valid(d, shape))
+            sized(d, &shape).then_some(MMeta::Valid(d, shape))
         })();
         valid.unwrap_or_else(|| MMeta::Invalid(text.to_vec()))
     }
@@ -84,12 +84,18 @@ pub(super) fn render_meta(
     offsets: Option<(u64, u64, u64)>,
     nbytes: u64,
     name: &str,
+    gguf: bool,
 ) -> Vec<u8> {
     let mut out = format!(
         r#"{{"dtype":"{}","shape":{}"#,
         DTYPES[dtype].0,
         serde_json::to_string(shape).unwrap()
     );
+    if gguf {
+        // (ggml's dims: innermost first.)
+        let ne: Vec<u64> = shape.iter().rev().copied().collect();
+        out += &format!(r#","ne":{}"#, serde_json::to_string(&ne).unwrap());
+    }
     if let Some((b, e, f)) = offsets {
         out += &format!(r#","data_offsets":[{b},{e}],"file_offset":{f}"#);
     }
@@ -226,6 +232,8 @@ pub(super) struct Model {
     pub(super) uid: u32,
     pub(super) gid: u32,
     pub(super) index: serde_json::Value,
+    /// A GGUF source's keys (file mounts of a GGUF file).
+    pub(super) gguf: Option<GState>,
 }
 
 pub(super) fn fresh(next: &mut u64) -> u64 {
@@ -425,11 +433,13 @@ impl Model {
         match &e.meta {
             MMeta::Invalid(t) => t.clone(),
             MMeta::Valid(d, s) => {
-                let offsets = e
-                    .data
-                    .and_then(|o| self.objects[&o].origin.as_ref())
-                    .map(|(sd, sn)| offsets_in(&self.dirs[*sd].mapped, sn));
-                render_meta(*d, s, offsets, byte_len(*d, s), name)
+                let offsets = e.data.and_then(|o| self.objects[&o].origin.as_ref()).map(
+                    |(sd, sn)| match self.gguf {
+                        Some(_) => gguf_offsets_in(&self.dirs[*sd].mapped, sn),
+                        None => offsets_in(&self.dirs[*sd].mapped, sn),
+                    },
+                );
+                render_meta(*d, s, offsets, byte_len(*d, s), name, self.gguf.is_some())
             }
             MMeta::None => unreachable!(),
         }
@@ -457,8 +467,53 @@ impl Model {
                 self.objects[&o].bytes.clone()
             }
             Part::Meta => self.meta_text(f.dir, NAMES[f.name]),
-            Part::Metadata => self.dirs[f.dir].metadata.text().unwrap(),
+            Part::Metadata => match &self.gguf {
+                Some(g) => g.metadata_text(),
+                None => self.dirs[f.dir].metadata.text().unwrap(),
+            },
         }
+    }
+
+    /// Why a tensor of this dtype and shape with `len` bytes cannot be
+    /// committed, if it cannot: (its bytes, the format).
+    pub(super) fn tensor_problems(&self, dtype: usize, shape: &[u64], len: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        let block_type = DTYPES[dtype].1 > 1;
+        if block_type && self.gguf.is_none() {
+            // (The safetensors rule, before any size.)
+            return vec![format!(
+                "{} is a ggml block type: a safetensors file cannot hold it",
+                DTYPES[dtype].0
+            )];
+        }
+        if byte_len(dtype, shape) != len {
+            out.push(format!(
+                "holds {len} bytes but {} [{}] needs {}",
+                DTYPES[dtype].0,
+                shape
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                byte_len(dtype, shape)
+            ));
+        }
+        if self.gguf.is_some() {
+            if ggml_id(dtype).is_none() {
+                out.push(format!(
+                    "{} is not a ggml type (GGUF cannot hold it)",
+                    DTYPES[dtype].0
+                ));
+            } else if shape.last().copied().unwrap_or(1) % DTYPES[dtype].1 != 0 {
+                out.push(format!(
+                    "its innermost dimension {} is not a multiple of {}'s block of {} elements",
+                    shape.last().unwrap(),
+                    DTYPES[dtype].0,
+                    DTYPES[dtype].1
+                ));
+            }
+        }
+        out
     }
 
     /// Per directory: the problems a commit would refuse.
@@ -472,14 +527,15 @@ impl Model {
                 match (meta, e.data) {
                     (MMeta::Invalid(_), _) => true,
                     (MMeta::None, Some(_)) => true,
-                    (MMeta::Valid(dt, s), Some(o)) => {
-                        byte_len(*dt, s) != self.objects[&o].bytes.len() as u64
-                    }
+                    (MMeta::Valid(dt, s), Some(o)) => !self
+                        .tensor_problems(*dt, s, self.objects[&o].bytes.len() as u64)
+                        .is_empty(),
                     (_, None) => false,
                 }
             })
             .count();
-        tensors + usize::from(matches!(d.metadata, MMetadata::Invalid(_)))
+        let keys = self.gguf.as_ref().map_or(0, |g| g.status_lines().1.len());
+        tensors + usize::from(matches!(d.metadata, MMetadata::Invalid(_))) + keys
     }
 
     pub(super) fn problems(&self) -> bool {
@@ -518,6 +574,7 @@ impl Model {
     pub(super) fn net_changed(&self, dir: usize) -> bool {
         let d = &self.dirs[dir];
         d.metadata_touched
+            || self.gguf.as_ref().is_some_and(|g| !g.unchanged())
             || d.entries.iter().any(|(n, e)| !self.untouched(dir, n, e))
             || d.committed
                 .tensors
@@ -558,11 +615,11 @@ impl Model {
                 (MMeta::Invalid(_), _) => {
                     problems.push(format!("problem    tensor {name:?} has an invalid .meta.json:"))
                 }
-                (MMeta::Valid(dt, s), Some(len)) if byte_len(*dt, s) != len => problems.push(format!(
-                    "problem    tensor {name:?} holds {len} bytes but {} needs {}",
-                    shape_of(meta),
-                    byte_len(*dt, s)
-                )),
+                (MMeta::Valid(dt, s), Some(len)) => {
+                    for rule in self.tensor_problems(*dt, s, len) {
+                        problems.push(format!("problem    tensor {name:?} {rule}"));
+                    }
+                }
                 _ => {}
             }
             let origin = d
@@ -646,6 +703,11 @@ impl Model {
         if matches!(d.metadata, MMetadata::Invalid(_)) {
             problems.push("problem    __metadata__.json".to_string());
         }
+        if let Some(g) = &self.gguf {
+            let (changes, key_problems) = g.status_lines();
+            lines.extend(changes);
+            problems.extend(key_problems);
+        }
         lines.extend(problems);
         lines
     }
@@ -726,6 +788,19 @@ impl Model {
             _ => None,
         };
         d.committed = Committed { tensors, metadata };
+        if let Some(g) = self.gguf.as_mut() {
+            // The file's keys now: each value shown as the file has it.
+            for k in &mut g.keys {
+                k.shown = k
+                    .value
+                    .as_ref()
+                    .expect("committed keys are valid")
+                    .file_text();
+            }
+            g.committed = g.keys.clone();
+            g.gone.clear();
+            g.renew(&mut self.next);
+        }
         d.dirty = false;
         d.replaced = false;
         d.rewritten = false;
