@@ -234,20 +234,23 @@ impl Live {
     }
 
     /// What `__kv__/KEY` shows: the value's text (`gguf::kv_file_text`,
-    /// strings with a final newline), or what was written.
-    pub fn kv_text(&self, id: u64) -> Option<Vec<u8>> {
+    /// strings with a final newline), or what was written; an error when
+    /// the value is an array in a file that cannot be read now (rewritten
+    /// in place since the mount, say).
+    pub fn kv_text(&self, id: u64) -> Option<std::io::Result<Vec<u8>>> {
         let t = self.kv()?;
         match &t.by_id(id)?.content {
-            Content::Written { text, .. } => Some(text.clone()),
-            Content::Source(i) => Some(self.shown_source_key(t, *i).to_vec()),
+            Content::Written { text, .. } => Some(Ok(text.clone())),
+            Content::Source(i) => Some(self.shown_source_key(t, *i).map(<[u8]>::to_vec)),
         }
     }
 
+    /// (0 when it cannot be read now: reads fail.)
     pub fn kv_len(&self, id: u64) -> Option<u64> {
         let t = self.kv()?;
         Some(match &t.by_id(id)?.content {
             Content::Written { text, .. } => text.len() as u64,
-            Content::Source(i) => self.shown_source_key(t, *i).len() as u64,
+            Content::Source(i) => self.shown_source_key(t, *i).map_or(0, |s| s.len() as u64),
         })
     }
 
@@ -256,15 +259,18 @@ impl Live {
         self.kv()?.by_id(id)?.edited
     }
 
-    fn shown_source_key<'t>(&self, t: &'t KvTable, i: usize) -> &'t [u8] {
-        t.shown[i].get_or_init(|| {
-            let read = |at, len| self.source.read_range(at, len);
-            let text = crate::format::gguf::kv_file_text(&header(&self.source).kvs[i].1, &read);
-            text.unwrap_or_else(|e| {
+    fn shown_source_key<'t>(&self, t: &'t KvTable, i: usize) -> std::io::Result<&'t [u8]> {
+        if let Some(shown) = t.shown[i].get() {
+            return Ok(shown);
+        }
+        let read = |at, len| self.source.read_range(at, len);
+        match crate::format::gguf::kv_file_text(&header(&self.source).kvs[i].1, &read) {
+            Ok(text) => Ok(t.shown[i].get_or_init(|| text)),
+            Err(e) => {
                 tracing::warn!(file = %self.source.path().display(), "reading a key's value: {e}");
-                Vec::new()
-            })
-        })
+                Err(e)
+            }
+        }
     }
 
     /// A new key named `key`, empty until written: of the type the source
@@ -338,7 +344,7 @@ impl Live {
         }
         let shown = {
             let id = self.kv_find(from).ok_or(EditError::NotFound)?;
-            self.kv_text(id).unwrap_or_default()
+            self.kv_text(id).ok_or(EditError::NotFound)??
         };
         if from == to {
             return Ok(());
@@ -453,7 +459,11 @@ impl Live {
                 ty: e.ty,
                 text: match &e.content {
                     Content::Source(i) if h.kvs[*i].0 == e.key => None,
-                    _ => Some(Text::of(&self.kv_text(e.id).unwrap_or_default())),
+                    // (A key moved to another name was read by the move:
+                    // its text is at hand.)
+                    _ => Some(Text::of(
+                        &self.kv_text(e.id).and_then(Result::ok).unwrap_or_default(),
+                    )),
                 },
             })
             .collect()
@@ -731,6 +741,7 @@ impl Live {
         };
         if self
             .kv_text(id)
+            .and_then(Result::ok)
             .is_some_and(|t| t.trim_ascii() == total.to_string().as_bytes())
         {
             return;
@@ -780,6 +791,14 @@ impl Live {
                     crate::format::printable(key)
                 ));
             }
+        }
+        // (An order is an edit too: `__metadata__.json` written so, or a
+        // key removed and made again, which puts it last.)
+        let kept = |key: &String| t.position(key).is_some();
+        let was = h.kvs.iter().map(|(k, _)| k).filter(|k| kept(k));
+        let is = (t.entries.iter().map(|e| &e.key)).filter(|k| h.kvs.iter().any(|(s, _)| s == *k));
+        if !was.eq(is) {
+            out.push("keys       in another order".into());
         }
         out
     }

@@ -681,45 +681,46 @@ impl Live {
 
     /// The size of `__metadata__.json`, without a copy of a GGUF file's
     /// (which holds its vocabulary).
+    /// (0 when a GGUF file's keys cannot be read now: reads fail.)
     pub fn metadata_len(&self) -> Option<u64> {
         if !self.kv_unchanged() {
-            return self.metadata_text().map(|t| t.len() as u64);
+            return self
+                .metadata_text()
+                .map_or(Some(0), |t| t.map(|t| t.len() as u64));
         }
         match self.source.gguf_metadata_json() {
-            Some(shown) => Some(shown.map_or(NO_KEYS_READ.len(), <[u8]>::len) as u64),
-            None => self.metadata_text().map(|t| t.len() as u64),
+            Some(shown) => Some(shown.map_or(0, <[u8]>::len) as u64),
+            None => self
+                .metadata_text()
+                .map_or(Some(0), |t| t.map(|t| t.len() as u64)),
         }
     }
 
     /// What `__metadata__.json` shows; None while it is removed. A GGUF
-    /// file's: its typed keys and values (an empty object, and a warning in
-    /// the log, if its arrays cannot be read now).
-    pub fn metadata_text(&self) -> Option<Vec<u8>> {
+    /// file's: its typed keys and values, or the error reading its arrays
+    /// from the file (rewritten in place since the mount, say): a reader
+    /// gets EIO, never a file that looks like one without keys.
+    pub fn metadata_text(&self) -> std::io::Result<Option<Vec<u8>>> {
+        let unreadable = |e: std::io::Error| {
+            tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
+            e
+        };
         if !self.kv_unchanged() {
-            return Some(self.kv_metadata_json().unwrap_or_else(|e| {
-                tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
-                NO_KEYS_READ.to_vec()
-            }));
+            return self.kv_metadata_json().map(Some).map_err(unreadable);
         }
         if let Some(shown) = self.source.gguf_metadata_json() {
-            return Some(match shown {
-                Ok(text) => text.to_vec(),
-                Err(e) => {
-                    tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
-                    NO_KEYS_READ.to_vec()
-                }
-            });
+            return match shown {
+                Ok(text) => Ok(Some(text.to_vec())),
+                Err(e) => Err(unreadable(e)),
+            };
         }
-        match &self.metadata {
+        Ok(match &self.metadata {
             MetadataDoc::Removed => None,
             MetadataDoc::Invalid { text, .. } => Some(text.clone()),
             _ => Some(meta::render_metadata(self.metadata().flatten())),
-        }
+        })
     }
 }
-
-/// What a GGUF file's `__metadata__.json` shows while its keys cannot be read.
-const NO_KEYS_READ: &[u8] = b"{}\n";
 
 fn view(m: &Meta) -> MetaView<'_> {
     match m {

@@ -171,12 +171,12 @@ pub(super) fn read_view<R>(
 pub(super) fn state_text(st: &State, node: Node) -> Result<Vec<u8>, FsError> {
     Ok(match node {
         Node::Index(i) => st.indexes[i].0.bytes.clone(),
-        Node::Metadata(c) => st.live(c).metadata_text().unwrap_or_default(),
+        Node::Metadata(c) => st.live(c).metadata_text()?.unwrap_or_default(),
         Node::File(c, file, TensorFile::Meta) => {
             let id = st.meta_entry(c, file)?;
             st.live(c).meta_text(id).unwrap_or_default()
         }
-        Node::KvFile(c, id) => st.live(c).kv_text(id).ok_or(FsError::NotFound)?,
+        Node::KvFile(c, id) => st.live(c).kv_text(id).ok_or(FsError::NotFound)??,
         _ => return Err(FsError::IsADirectory),
     })
 }
@@ -311,7 +311,12 @@ impl Fs {
     ) -> Result<Opened, FsError> {
         let (attr, text) = {
             let st = self.read_state();
-            (self.attr_of(&st, node)?, state_text(&st, node)?)
+            // (What cannot be read now, O_TRUNC does not need.)
+            let text = match state_text(&st, node) {
+                Err(FsError::Io(_)) if truncate => Ok(Vec::new()),
+                text => text,
+            };
+            (self.attr_of(&st, node)?, text?)
         };
         let limit = match node {
             Node::File(..) => MAX_META,
@@ -540,7 +545,7 @@ impl Fs {
                     Node::FolderRoot | Node::CheckpointDir(_) | Node::KvDir(_) => {
                         return Err(FsError::IsADirectory);
                     }
-                    Node::KvFile(c, id) => st.live(c).kv_text(id),
+                    Node::KvFile(c, id) => st.live(c).kv_text(id).transpose()?,
                     Node::Views(v) if st.is_view_folder(v) => return Err(FsError::IsADirectory),
                     Node::Views(v) => {
                         let file = self.view(&st, &st.view_path(v)?)?;
@@ -555,7 +560,7 @@ impl Fs {
                         drop(st);
                         return read_view(&file, offset, size, reply);
                     }
-                    Node::Metadata(c) => st.live(c).metadata_text(),
+                    Node::Metadata(c) => st.live(c).metadata_text()?,
                     Node::File(c, file, TensorFile::Meta) => {
                         st.live(c).meta_text(st.meta_entry(c, file)?)
                     }

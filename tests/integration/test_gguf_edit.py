@@ -234,6 +234,20 @@ def test_tensor_edits_commit_as_gguf(tmp_path, mount, run):
     r = gguf.GGUFReader(str(path))
     assert [t.name for t in r.tensors] == ["output_norm.weight", "blk.0.ffn_up.weight", "extra.weight"]
     assert bytes(r.tensors[1].data) == bytes(np.arange(2 * 144, dtype=np.uint8) % 251)
+    del r
+    if have_llama():
+        assert ggml_verdicts([path]) == {str(path): True}
+    # An empty tensor last, by a rewrite: it lies past the padding of the one
+    # before, which the file holds (it once ended before it: ggml refused it).
+    (mnt / "z.weight").touch()
+    (mnt / "z.weight.meta.json").write_text('{"dtype": "F32", "shape": [0]}')
+    os.unlink(mnt / "output_norm.weight")
+    c = run("commit", m.path)
+    assert c.returncode == 0 and "by a rewrite" in c.stdout, c.stdout + c.stderr
+    r = gguf.GGUFReader(str(path))
+    assert [t.name for t in r.tensors] == ["blk.0.ffn_up.weight", "extra.weight", "z.weight"]
+    assert os.path.getsize(path) == int(r.tensors[2].data_offset)  # (absolute)
+    del r
     if have_llama():
         assert ggml_verdicts([path]) == {str(path): True}
 

@@ -265,7 +265,7 @@ pub(super) fn op_gguf() -> impl Strategy<Value = Op> {
             .prop_map(|(force, other_user)| Op::Commit { force, other_user }),
         1 => Just(Op::CompactCommit),
         1 => Just(Op::Discard),
-        1 => Just(Op::ReplaceSource { dir: 0, in_place: false }),
+        1 => any::<bool>().prop_map(|in_place| Op::ReplaceSource { dir: 0, in_place }),
         2 => Just(Op::Status),
         1 => Just(Op::Remount),
     ]

@@ -201,6 +201,9 @@ pub(super) struct MKey {
     /// Identity of its `__kv__` file (its inode) until the next commit,
     /// discard or crash.
     pub(super) kid: u64,
+    /// Its value is the committed file's (under this name or another):
+    /// read from the file when needed.
+    pub(super) from_file: bool,
 }
 
 /// The keys of the GGUF checkpoint, and what the model knows of them.
@@ -263,6 +266,7 @@ impl GState {
                 shown: v.file_text(),
                 value: Some(v),
                 kid: fresh(next),
+                from_file: true,
             })
             .collect();
         GState {
@@ -288,14 +292,19 @@ impl GState {
     }
 
     /// A written value that is the committed one under the same name and
-    /// type shows as the file's value again.
-    pub(super) fn settle(&mut self) {
+    /// type shows as the file's value again (an array only while the file
+    /// can be read: not once `rewritten` in place).
+    pub(super) fn settle(&mut self, rewritten: bool) {
         for k in &mut self.keys {
+            if rewritten && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr) {
+                continue;
+            }
             let same = self.committed.iter().find(|c| c.name == k.name);
             if let Some(c) =
                 same.filter(|c| c.ty == k.ty && k.value.is_some() && c.value == k.value)
             {
                 k.shown = c.shown.clone();
+                k.from_file = true;
             }
         }
     }
@@ -304,8 +313,17 @@ impl GState {
     pub(super) fn unchanged(&self) -> bool {
         self.keys.len() == self.committed.len()
             && self.keys.iter().zip(&self.committed).all(|(k, c)| {
-                (&k.name, k.ty, &k.value, &k.shown) == (&c.name, c.ty, &c.value, &c.shown)
+                k.from_file
+                    && (&k.name, k.ty, &k.value, &k.shown) == (&c.name, c.ty, &c.value, &c.shown)
             })
+    }
+
+    /// Whether a key's value is an array the file holds: after the file is
+    /// rewritten in place, reading it may fail (EIO), and a commit must.
+    pub(super) fn reads_file_arrays(&self) -> bool {
+        self.keys
+            .iter()
+            .any(|k| k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr))
     }
 
     /// A new epoch of key files (after a commit, discard or crash): each
@@ -338,7 +356,8 @@ impl GState {
         let mut problems = Vec::new();
         for k in &self.keys {
             match self.committed.iter().find(|c| c.name == k.name) {
-                Some(c) if c.ty == k.ty && c.value == k.value && c.shown == k.shown => {}
+                Some(c)
+                    if k.from_file && (c.ty, &c.value, &c.shown) == (k.ty, &k.value, &k.shown) => {}
                 Some(c) if c.ty != k.ty => changes.push(format!(
                     "key        {}: set, its type changed from {} to {}",
                     k.name,
@@ -361,6 +380,13 @@ impl GState {
             if self.position(&c.name).is_none() {
                 changes.push(format!("key        {}: removed", c.name));
             }
+        }
+        let in_both = |a: &[MKey], b: &[MKey]| -> Vec<String> {
+            let names = a.iter().map(|k| k.name.clone());
+            names.filter(|n| b.iter().any(|k| k.name == *n)).collect()
+        };
+        if in_both(&self.keys, &self.committed) != in_both(&self.committed, &self.keys) {
+            changes.push("keys       in another order".into());
         }
         (changes, problems)
     }
@@ -521,12 +547,17 @@ impl GState {
         &mut self,
         doc: &[(String, KTy, Option<serde_json::Value>)],
         next: &mut u64,
+        rewritten: bool,
     ) -> bool {
         let mut keys = Vec::new();
         for (name, ty, value) in doc {
             let Some(value) = value else { return false };
-            // A value as shown stays as it is.
-            if let Some(k) = self.keys.iter().find(|k| k.name == *name && k.ty == *ty) {
+            // A value as shown stays as it is (an array the file holds, as
+            // long as the file can be read).
+            let readable =
+                |k: &MKey| !(rewritten && k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr));
+            let same = self.keys.iter().find(|k| k.name == *name && k.ty == *ty);
+            if let Some(k) = same.filter(|k| readable(k)) {
                 if k.value.as_ref().map(MVal::json).as_ref() == Some(value) {
                     keys.push(k.clone());
                     continue;
@@ -553,10 +584,11 @@ impl GState {
                 shown: v.file_text(),
                 value: Some(v),
                 kid,
+                from_file: false,
             });
         }
         self.keys = keys;
-        self.settle();
+        self.settle(rewritten);
         true
     }
 }

@@ -423,10 +423,11 @@ pub(super) fn run_of(folder: bool, read_only: bool, gguf: bool, ops: &[Op]) {
         .map(|k| model.dirs[k].dirty && model.net_changed(k))
         .collect();
     let dirty = changed.iter().any(|&c| c);
-    let unreadable = model.dirs.iter().zip(&changed).any(|(d, &c)| {
-        c && d.entries.values().any(
+    let unreadable = model.dirs.iter().zip(&changed).enumerate().any(|(k, (d, &c))| {
+        c && (model.keys_unreadable(k)
+            || d.entries.values().any(
                 |e| matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o)),
-            )
+            ))
     });
     let refused = dirty
         && (model.problems()

@@ -37,9 +37,11 @@ pub(super) fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bo
         .collect();
     // Bytes a commit must read from a source rewritten in place.
     let unreadable = model.dirs.iter().enumerate().any(|(k, d)| {
-        dirty[k] && d.entries.values().any(|e| {
-            matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o))
-        })
+        dirty[k]
+            && (model.keys_unreadable(k)
+                || d.entries.values().any(|e| {
+                    matches!((&e.meta, e.data, e.hidden), (MMeta::Valid(..), Some(o), false) if model.unreadable(o))
+                }))
     });
     let want = if other_user {
         libc::EACCES

@@ -418,6 +418,11 @@ impl Model {
         self.unreadable(o) && keep.min(self.objects[&o].bytes.len() as u64) > 0
     }
 
+    /// A commit must read a GGUF file's arrays from a source rewritten in place.
+    pub(super) fn keys_unreadable(&self, dir: usize) -> bool {
+        self.dirs[dir].rewritten && self.gguf.as_ref().is_some_and(GState::reads_file_arrays)
+    }
+
     /// Reading the bytes of `o` fails: they are in a source rewritten in place.
     pub(super) fn unreadable(&self, o: ObjId) -> bool {
         !self.objects[&o].bytes.is_empty()
@@ -791,6 +796,7 @@ impl Model {
         if let Some(g) = self.gguf.as_mut() {
             // The file's keys now: each value shown as the file has it.
             for k in &mut g.keys {
+                k.from_file = true;
                 k.shown = k
                     .value
                     .as_ref()

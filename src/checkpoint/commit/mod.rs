@@ -681,14 +681,13 @@ impl CommitPlan {
                 self.source.path().display()
             )))?;
         }
-        // (Padding after the last tensor, as the format's writer leaves it.)
-        if self.layout.end_pad > 0 {
-            file.set_len(self.layout.file_len())
-                .map_err(io_err(format!(
-                    "writing the commit of {}",
-                    self.source.path().display()
-                )))?;
-        }
+        // (Padding after the last tensor, as the format's writer leaves it;
+        // a GGUF file's empty last tensor lies past the previous one's.)
+        file.set_len(self.layout.file_len())
+            .map_err(io_err(format!(
+                "writing the commit of {}",
+                self.source.path().display()
+            )))?;
         if share.is_some() {
             info!(
                 file = %self.source.path().display(),
