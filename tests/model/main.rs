@@ -64,8 +64,11 @@
 //!
 //! Found by the GGUF runs when they were added: the journal refusing a GGUF
 //! tensor's block type (a write into a Q8_0 tensor lost at a crash, and with
-//! it every later edit: `Meta`'s dtype is kept by name now), and `mv` of a key
-//! that is not there answering EEXIST before ENOENT.
+//! it every later edit: `Meta`'s dtype is kept by name now); `mv` of a key
+//! that is not there answering EEXIST before ENOENT; keys of a file rewritten
+//! in place shown as empty values and `{}` (EIO now); a pure reorder of the
+//! keys never committed; and a rewrite whose last tensor is empty ending the
+//! file before it (ggml refused the file).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
