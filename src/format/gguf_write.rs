@@ -206,7 +206,8 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// A float of type `t` (FLOAT32 or FLOAT64) from its text: a number within
-/// the type's range, or NaN, inf, -inf (an overflow to infinity is refused).
+/// the type's range, or NaN, inf, -inf (an overflow to infinity is refused,
+/// and so is a number too small for the type, which would become 0).
 fn float(s: &str, t: ValueType) -> Result<f64, String> {
     let bad = || format!("{s:?} is not a valid {}", t.name());
     let x: f64 = match t {
@@ -221,6 +222,13 @@ fn float(s: &str, t: ValueType) -> Result<f64, String> {
     );
     if !x.is_finite() && !named {
         return Err(format!("{s:?} is past the range of a {}", t.name()));
+    }
+    let mantissa = s.split(['e', 'E']).next().unwrap_or("");
+    if x == 0.0 && mantissa.bytes().any(|b| matches!(b, b'1'..=b'9')) {
+        return Err(format!(
+            "{s:?} is too small for a {} (it would be 0)",
+            t.name()
+        ));
     }
     Ok(x)
 }
@@ -512,6 +520,23 @@ mod tests {
         };
         assert!(
             matches!(decode(&parse_text(f32t, b"NaN").unwrap()), Some(Value::F32(x)) if x.is_nan())
+        );
+        // Past the range either way: refused, not made infinite or 0.
+        assert!(
+            parse_text(f32t, b"1e39")
+                .unwrap_err()
+                .contains("past the range")
+        );
+        assert!(
+            parse_text(f32t, b"1e-50")
+                .unwrap_err()
+                .contains("too small")
+        );
+        assert!(
+            matches!(decode(&parse_text(f32t, b"1e-40").unwrap()), Some(Value::F32(x)) if x > 0.0)
+        );
+        assert!(
+            matches!(decode(&parse_text(f32t, b"-0.0e-9").unwrap()), Some(Value::F32(x)) if x == 0.0)
         );
         let s = parse_text(KvType::STRING, b"{{ x }}\n").unwrap();
         assert_eq!(decode(&s), Some(Value::String(b"{{ x }}".to_vec())));
