@@ -189,10 +189,15 @@ fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)
         .collect()
 }
 
-/// The value of source key `i`, encoded (arrays read from the file).
+/// The value of source key `i`, encoded (arrays read from the file: EIO
+/// once it changed behind the mount).
 fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {
+    let value = &header(source).kvs[i].1;
+    if matches!(value, Value::Array(_)) {
+        source.check_unchanged()?;
+    }
     let read = |at, len| source.read_range(at, len);
-    write::encode(&header(source).kvs[i].1, &read)
+    write::encode(value, &read)
 }
 
 fn parse(ty: KvType, text: &[u8]) -> Content {
@@ -259,15 +264,23 @@ impl Live {
         self.kv()?.by_id(id)?.edited
     }
 
+    /// A source key's text; an array's (read from the file when first
+    /// shown) fails with EIO once the file changed behind the mount, as its
+    /// tensors' bytes do, shown before or not.
     fn shown_source_key<'t>(&self, t: &'t KvTable, i: usize) -> std::io::Result<&'t [u8]> {
+        let value = &header(&self.source).kvs[i].1;
+        if matches!(value, Value::Array(_)) {
+            self.source.check_unchanged()?;
+        }
         if let Some(shown) = t.shown[i].get() {
             return Ok(shown);
         }
         let read = |at, len| self.source.read_range(at, len);
-        match crate::format::gguf::kv_file_text(&header(&self.source).kvs[i].1, &read) {
+        match crate::format::gguf::kv_file_text(value, &read) {
             Ok(text) => Ok(t.shown[i].get_or_init(|| text)),
             Err(e) => {
-                tracing::warn!(file = %self.source.path().display(), "reading a key's value: {e}");
+                // (Asked at every stat: the source logs the cause once.)
+                tracing::debug!(file = %self.source.path().display(), "reading a key's value: {e}");
                 Err(e)
             }
         }
@@ -342,13 +355,11 @@ impl Live {
         if to.is_empty() || to == ROOM_KEY {
             return Err(EditError::Invalid(format!("{to:?} cannot be a key")));
         }
-        let shown = {
-            let id = self.kv_find(from).ok_or(EditError::NotFound)?;
-            self.kv_text(id).ok_or(EditError::NotFound)??
-        };
+        let id = self.kv_find(from).ok_or(EditError::NotFound)?;
         if from == to {
             return Ok(());
         }
+        let shown = self.kv_text(id).ok_or(EditError::NotFound)??;
         let name_type = self.kv_name_type(to);
         let t = self.kv_mut()?;
         let p = t.position(from).ok_or(EditError::NotFound)?;
@@ -372,6 +383,10 @@ impl Live {
             }
             moved.ty = ty;
             moved.content = content;
+        } else if let Content::Source(_) = moved.content {
+            // The file's value under another name is text from now on (the
+            // journal keeps it without reading the file again).
+            moved.content = parse(ty, &shown);
         }
         t.gone.insert(from.to_string(), t.entries[p].ty);
         moved.key = to.to_string();
@@ -459,8 +474,8 @@ impl Live {
                 ty: e.ty,
                 text: match &e.content {
                     Content::Source(i) if h.kvs[*i].0 == e.key => None,
-                    // (A key moved to another name was read by the move:
-                    // its text is at hand.)
+                    // (A source key is under its own name: a move makes its
+                    // value text, so this reads no file.)
                     _ => Some(Text::of(
                         &self.kv_text(e.id).and_then(Result::ok).unwrap_or_default(),
                     )),
@@ -630,7 +645,11 @@ impl Live {
         let read = |at, len| self.source.read_range(at, len);
         Ok(match &e.content {
             Content::Source(i) => {
-                crate::format::gguf::entry_json(&header(&self.source).kvs[*i].1, &read)?
+                let value = &header(&self.source).kvs[*i].1;
+                if matches!(value, Value::Array(_)) {
+                    self.source.check_unchanged()?;
+                }
+                crate::format::gguf::entry_json(value, &read)?
             }
             Content::Written { value: Ok(v), .. } => write::encoded_entry(v),
             Content::Written {
@@ -794,33 +813,57 @@ impl Live {
         }
         // (An order is an edit too: `__metadata__.json` written so, or a
         // key removed and made again, which puts it last.)
-        let kept = |key: &String| t.position(key).is_some();
-        let was = h.kvs.iter().map(|(k, _)| k).filter(|k| kept(k));
-        let is = (t.entries.iter().map(|e| &e.key)).filter(|k| h.kvs.iter().any(|(s, _)| s == *k));
-        if !was.eq(is) {
+        let in_file: std::collections::HashSet<&str> =
+            h.kvs.iter().map(|(k, _)| k.as_str()).collect();
+        let file_order = h
+            .kvs
+            .iter()
+            .map(|(k, _)| k)
+            .filter(|k| t.position(k).is_some());
+        let order_now = t
+            .entries
+            .iter()
+            .map(|e| &e.key)
+            .filter(|k| in_file.contains(k.as_str()));
+        if !file_order.eq(order_now) {
             out.push("keys       in another order".into());
         }
         out
     }
 
+    /// The ids of the keys in order: a commit's plan notes which key it
+    /// writes where.
+    pub(super) fn kv_ids(&self) -> Vec<u64> {
+        self.kv()
+            .map(|t| t.entries.iter().map(|e| e.id).collect())
+            .unwrap_or_default()
+    }
+
     /// After a commit: the table of the new file, keeping the edits made
-    /// since the plan (`planned`: the generation the plan wrote) as text.
-    pub(super) fn kv_after_commit(&mut self, old: &SourceFile, planned: u64) {
+    /// since the plan (`planned`: the generation the plan wrote; `written`:
+    /// the ids of the keys it wrote, in the new file's order). A key whose
+    /// value is still the old file's is the new file's key written in its
+    /// place: the old file is never read again (an in-place commit has
+    /// rewritten it, and its bytes there are others now).
+    pub(super) fn kv_after_commit(&mut self, planned: u64, written: &[u64]) {
         let Some(t) = self.kv.take() else { return };
         let mut fresh = KvTable::of(&self.source);
         if t.generation != planned {
-            let read = |at, len| old.read_range(at, len);
             fresh.next_id = fresh.next_id.max(t.next_id);
             fresh.entries = t
                 .entries
                 .into_iter()
                 .map(|mut e| {
-                    if let Content::Source(i) = e.content {
-                        let v = &header(old).kvs[i].1;
-                        let text = crate::format::gguf::kv_file_text(v, &read).unwrap_or_default();
-                        e.content = Content::Written {
-                            value: write::encode(v, &read).map_err(|e| e.to_string()),
-                            text,
+                    if let Content::Source(_) = e.content {
+                        e.content = match written.iter().position(|&id| id == e.id) {
+                            Some(k) => Content::Source(k),
+                            // (Not reached: a key the old file had was in the plan.)
+                            None => Content::Written {
+                                text: Vec::new(),
+                                value: Err("its value was in the file a commit replaced; \
+                                            write it again"
+                                    .into()),
+                            },
                         };
                     }
                     e

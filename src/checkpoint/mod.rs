@@ -683,17 +683,12 @@ impl Live {
     /// (which holds its vocabulary).
     /// (0 when a GGUF file's keys cannot be read now: reads fail.)
     pub fn metadata_len(&self) -> Option<u64> {
-        if !self.kv_unchanged() {
-            return self
-                .metadata_text()
-                .map_or(Some(0), |t| t.map(|t| t.len() as u64));
+        // (An unedited GGUF file's text is kept: no copy of it.)
+        if let (true, Some(shown)) = (self.kv_unchanged(), self.source.gguf_metadata_json()) {
+            return Some(shown.map_or(0, <[u8]>::len) as u64);
         }
-        match self.source.gguf_metadata_json() {
-            Some(shown) => Some(shown.map_or(0, <[u8]>::len) as u64),
-            None => self
-                .metadata_text()
-                .map_or(Some(0), |t| t.map(|t| t.len() as u64)),
-        }
+        self.metadata_text()
+            .map_or(Some(0), |t| t.map(|t| t.len() as u64))
     }
 
     /// What `__metadata__.json` shows; None while it is removed. A GGUF

@@ -7,6 +7,7 @@ second user made by the test. See "Who may do what" in docs/SEMANTICS.md."""
 import errno
 import json
 import os
+import pathlib
 import pty
 import select
 import shutil
@@ -869,3 +870,35 @@ def test_progress_with_no_commit_running_answers_every_field(tmp_path, mount):
         os.close(fd)
     size, active, done, total = struct.unpack_from("<IIQQ", buf)
     assert (size, active, done, total, bytes(buf[24:29])) == (4096, 0, 0, 0, b"\0" * 5)
+
+
+def test_a_gguf_key_edited_during_an_in_place_commit_leaves_the_others_as_they_were(
+        tmp_path, mount, pauses, run, stfs):
+    """A key edited while an in-place commit runs stays an edit, and the keys nobody
+    touched are the new file's. (They were read again from the old file, which the
+    commit had rewritten: the vocabulary read back empty, and the next commit planned
+    it as garbage.)"""
+    import gguf
+    from gguf_models import write_model
+    path = tmp_path / "tiny.gguf"
+    write_model(path)
+    p = pauses("in-place:recorded")
+    m = mount(path)
+    kv = pathlib.Path(m.path) / "__kv__"
+    (kv / "tokenizer.chat_template").write_text("{{ first }}\n")
+    commit = background(stfs, "commit", m.path)
+    p.wait("in-place:recorded", commit)
+    (kv / "tokenizer.chat_template").write_text("{{ second }}\n")
+    p.go("in-place:recorded")
+    out, err = commit.communicate(timeout=60)
+    assert commit.returncode == 0 and "in place" in out, out + err
+    assert json.loads((kv / "tokenizer.ggml.tokens").read_text()) == ["<s>", "</s>", "hello"]
+    status = run("status", m.path).stdout
+    assert "tokenizer.chat_template: set" in status and "tokens" not in status, status
+    assert run("commit", m.path).returncode == 0
+    r = gguf.GGUFReader(str(path))
+    tokens = r.fields["tokenizer.ggml.tokens"]
+    assert [bytes(tokens.parts[i]).decode() for i in tokens.data] == ["<s>", "</s>", "hello"]
+    template = r.fields["tokenizer.chat_template"]
+    assert bytes(template.parts[template.data[0]]).decode() == "{{ second }}"
+    del r, tokens, template

@@ -767,20 +767,13 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
         } => {
             let (from, to) = (KEYS[*from], KEYS[*to]);
             let got = errno(fs.rename(kv, from, kv, to, *no_replace));
-            // (A move reads the value: an array in a file rewritten in place
-            // may not be read now, and nothing changes.)
-            let unreadable = rewritten
-                && g.position(from).is_some_and(|p| {
-                    let k = &g.keys[p];
-                    k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr)
-                });
-            if unreadable && got == libc::EIO {
-                return;
-            }
             let want = match (g.position(from), g.position(to)) {
                 (None, _) => libc::ENOENT,
                 (Some(_), Some(_)) if *no_replace && from != to => libc::EEXIST,
                 _ if from == to => 0,
+                // A move reads the value: not an array of a file rewritten
+                // in place (nothing moves).
+                (Some(p), _) if rewritten && g.keys[p].array_from_file() => libc::EIO,
                 (Some(p), target) => {
                     // The name's type: the key there, or the one the name had.
                     let ty = target
@@ -792,11 +785,13 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                     if !fits {
                         libc::EINVAL
                     } else {
+                        // (Text from now on, unless it is the value the
+                        // file has under the new name: `settle`.)
                         if ty != moved.ty {
                             moved.value = parse_text(ty, &moved.shown);
                             moved.ty = ty;
-                            moved.from_file = false;
                         }
+                        moved.from_file = false;
                         g.gone.insert(from.into(), g.keys[p].ty);
                         moved.name = to.into();
                         match target {

@@ -133,6 +133,12 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 assert_eq!(view.size, got.len() as u64, "the view's size");
                 let what = format!("the export view after {after:?}");
                 model.assert_same_gguf(&got, dir, model.dirs[dir].dirty, &what);
+                if !model.dirs[dir].dirty {
+                    assert!(
+                        got == model.dirs[dir].mapped,
+                        "{what}: not the file as it is"
+                    );
+                }
             } else {
                 assert!(
                     got == want,
@@ -232,14 +238,21 @@ fn check_keys(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
         }
         g.ino_of.insert(k.kid, *ino);
         g.key_of.insert(*ino, k.kid);
-        // An array the file holds, in a file rewritten in place: its text
-        // as it was, or EIO, never another.
+        // An array the file holds, in a file rewritten in place: EIO (as
+        // its tensors), shown before or not.
         let got = match m.cat(*ino) {
-            Err(e) if rewritten && k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr) => {
+            Err(e) => {
+                assert!(rewritten && k.array_from_file(), "{what}: errno {e}");
                 assert_eq!(e, libc::EIO, "{what}");
                 continue;
             }
-            got => got.unwrap(),
+            Ok(got) => {
+                assert!(
+                    !(rewritten && k.array_from_file()),
+                    "{what}: read from a file rewritten in place"
+                );
+                got
+            }
         };
         assert_eq!(
             String::from_utf8_lossy(&got),
@@ -268,8 +281,8 @@ pub(super) fn check_file(m: &Mounted, model: &mut Model, f: &FileRef, after: &Op
     same_inode(model, key, ino, &what);
     let unreadable = f.part == Part::Data
         && model.unreadable(model.entry(f.dir, NAMES[f.name]).unwrap().data.unwrap());
-    // (A GGUF file's keys in a file rewritten in place: as they were, or EIO.)
-    let may_fail = f.part == Part::Metadata && model.keys_unreadable(f.dir);
+    // (A GGUF file's keys, arrays of a file rewritten in place among them: EIO.)
+    let keys_unreadable = f.part == Part::Metadata && model.keys_unreadable(f.dir);
     let want = model.content(f);
     if f.part != Part::Data {
         // `cat` opens the file as any reader does.
@@ -280,11 +293,14 @@ pub(super) fn check_file(m: &Mounted, model: &mut Model, f: &FileRef, after: &Op
     let read_len = read.as_ref().map_or(0, Vec::len);
     match read {
         Err(e) => assert!(
-            (unreadable || may_fail) && e == libc::EIO,
+            (unreadable || keys_unreadable) && e == libc::EIO,
             "{what}: read failed with errno {e}"
         ),
         Ok(got) => {
-            assert!(!unreadable, "{what}: read a source rewritten in place");
+            assert!(
+                !unreadable && !keys_unreadable,
+                "{what}: read a source rewritten in place"
+            );
             // (A GGUF file's keys: a reason's words are the mount's own.)
             let got = match (&model.gguf, f.part) {
                 (Some(_), Part::Metadata) => metadata_cut(&got),

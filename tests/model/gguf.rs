@@ -206,6 +206,14 @@ pub(super) struct MKey {
     pub(super) from_file: bool,
 }
 
+impl MKey {
+    /// An array the committed file holds: read from it when shown (EIO
+    /// once it is rewritten in place).
+    pub(super) fn array_from_file(&self) -> bool {
+        self.from_file && matches!(self.ty, KTy::ArrI32 | KTy::ArrStr)
+    }
+}
+
 /// The keys of the GGUF checkpoint, and what the model knows of them.
 #[derive(Debug, Clone)]
 pub(super) struct GState {
@@ -321,9 +329,7 @@ impl GState {
     /// Whether a key's value is an array the file holds: after the file is
     /// rewritten in place, reading it may fail (EIO), and a commit must.
     pub(super) fn reads_file_arrays(&self) -> bool {
-        self.keys
-            .iter()
-            .any(|k| k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr))
+        self.keys.iter().any(MKey::array_from_file)
     }
 
     /// A new epoch of key files (after a commit, discard or crash): each
@@ -554,8 +560,7 @@ impl GState {
             let Some(value) = value else { return false };
             // A value as shown stays as it is (an array the file holds, as
             // long as the file can be read).
-            let readable =
-                |k: &MKey| !(rewritten && k.from_file && matches!(k.ty, KTy::ArrI32 | KTy::ArrStr));
+            let readable = |k: &MKey| !(rewritten && k.array_from_file());
             let same = self.keys.iter().find(|k| k.name == *name && k.ty == *ty);
             if let Some(k) = same.filter(|k| readable(k)) {
                 if k.value.as_ref().map(MVal::json).as_ref() == Some(value) {

@@ -83,8 +83,10 @@ pub struct CommitPlan {
     pub described: String,
     metadata: Option<crate::format::Metadata>,
     metadata_gen: u64,
-    /// The generation of a GGUF file's keys that the plan wrote.
+    /// The generation of a GGUF file's keys that the plan wrote, and the
+    /// ids of the keys it wrote, in the new file's order.
     kv_gen: u64,
+    kv_ids: Vec<u64>,
     inputs: Vec<Bytes>,
     members: Vec<Member>,
     /// Edits with a generation below this were made before the plan.
@@ -236,6 +238,7 @@ impl Live {
             metadata,
             metadata_gen: self.metadata_gen,
             kv_gen: self.kv_generation(),
+            kv_ids: self.kv_ids(),
             inputs,
             members,
             mark: next_gen(),
@@ -528,7 +531,7 @@ impl Live {
                 self.entries[id] = EntrySlot::Gone;
             }
         }
-        self.kv_after_commit(&old, plan.kv_gen);
+        self.kv_after_commit(plan.kv_gen, &plan.kv_ids);
         if self.metadata_gen == plan.metadata_gen {
             if self.metadata == MetadataDoc::Removed {
                 // Shown again (as the new file has it): a new file.

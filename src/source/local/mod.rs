@@ -761,6 +761,14 @@ impl SourceFile {
     /// (None for safetensors).
     pub fn gguf_metadata_json(&self) -> Option<std::io::Result<&[u8]>> {
         let g = self.header.gguf.as_ref()?;
+        // (Arrays are the file's bytes: EIO once it changed, as its tensors.)
+        let arrays = g
+            .kvs
+            .iter()
+            .any(|(_, v)| matches!(v, crate::format::gguf::Value::Array(_)));
+        if let Err(e) = arrays.then(|| self.check_unchanged()).transpose() {
+            return Some(Err(e));
+        }
         if let Some(shown) = self.gguf_shown.get() {
             return Some(Ok(shown));
         }
