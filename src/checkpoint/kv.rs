@@ -738,6 +738,13 @@ impl Live {
             });
         }
         let t = self.kv_mut()?;
+        // (A key the document left out keeps its type for its name, as `rm`
+        // of its file does.)
+        for e in &t.entries {
+            if !entries.iter().any(|n| n.key == e.key) {
+                t.gone.insert(e.key.clone(), e.ty);
+            }
+        }
         t.entries = entries;
         self.kv_settle();
         self.kv_changed();

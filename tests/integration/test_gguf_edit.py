@@ -484,3 +484,30 @@ def test_the_parts_of_a_split_file_keep_their_tensor_count(tmp_path, mount, run)
     assert run("commit", mnt).returncode == 0
     assert fields(folder / parts[0])["tokenizer.chat_template"][1] == "{{ one }}"
     assert "tokenizer.chat_template" not in fields(folder / parts[1])
+
+
+def test_create_makes_an_empty_gguf_that_mounts_and_grows(tmp_path, mount, run):
+    """`stfs create NAME.gguf` writes GGUF (a .gguf name is always read as one): what
+    GGUFWriter writes for the same keys; tensors copied in commit as a model."""
+    made = tmp_path / "made.gguf"
+    run("create", made, "--metadata", "general.architecture=llama", "--metadata", "general.name=new",
+        check=True)
+    ref = tmp_path / "ref.gguf"
+    write(ref, lambda w: w.add_name("new"))  # (GGUFWriter adds the architecture first)
+    assert made.read_bytes() == ref.read_bytes()
+    assert run("verify", made).returncode == 0
+    src = tmp_path / "tiny.gguf"
+    write_model(src)
+    m = mount(made)
+    mnt = pathlib.Path(m.path)
+    s = mount(src)
+    for name in ["token_embd.weight", "blk.0.attn_q.weight"]:
+        shutil.copyfile(pathlib.Path(s.path) / f"{name}.meta.json", mnt / f"{name}.meta.json")
+        shutil.copyfile(pathlib.Path(s.path) / name, mnt / name)
+    assert run("commit", m.path).returncode == 0
+    r = gguf.GGUFReader(str(made))
+    assert [t.name for t in r.tensors] == ["token_embd.weight", "blk.0.attn_q.weight"]
+    assert r.tensors[1].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    del r
+    if have_llama():
+        assert ggml_verdicts([made]) == {str(made): True}

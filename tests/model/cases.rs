@@ -134,8 +134,18 @@ fn gguf_key_types_follow_names_and_the_document() {
     run_gguf(
         false,
         &[
-            // A name the file has not keeps the type its key had.
+            // A name the file has not keeps the type its key had, whether
+            // its file or the document removed it.
             Op::KvDocument(DocEdit::Put(8, KTy::I32, serde_json::json!(7))),
+            Op::KvDocument(DocEdit::Drop(8)),
+            Op::KvWrite {
+                key: 8,
+                text: KvText::Str("x"),
+            },
+            Op::KvWrite {
+                key: 8,
+                text: KvText::Int(-7),
+            },
             Op::KvUnlink(8),
             Op::KvWrite {
                 key: 8,
@@ -711,4 +721,29 @@ proptest! {
             prop_assert!(fs.lookup(ROOT_INO, &TensorFile::Meta.file_name(name)).is_err());
         }
     }
+}
+
+/// New tensors of a GGUF file go last in the order they were made, by every
+/// way of committing (an in-place append once wrote them in name order,
+/// unlike the `model.gguf` view and a rewrite).
+#[test]
+fn gguf_tensors_added_keep_the_order_they_were_made_in() {
+    let mut ops = Vec::new();
+    for name in [3, 4] {
+        ops.push(Op::Create {
+            dir: 0,
+            name,
+            exclusive: true,
+        });
+        ops.push(Op::SetMeta {
+            dir: 0,
+            name,
+            text: Text::Meta(1, vec![2]),
+        });
+    }
+    ops.push(Op::Commit {
+        force: false,
+        other_user: false,
+    });
+    run_gguf(false, &ops);
 }

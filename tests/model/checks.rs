@@ -94,6 +94,9 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 .entries
                 .values()
                 .all(|e| e.data.is_none_or(|o| !model.unreadable(o)));
+        if let Some(g) = model.gguf.as_mut() {
+            g.view_order = None; // (read again below, if there is a view)
+        }
         if model.problem_count(dir) == 0 && readable {
             let top = if model.folder { ROOT_INO } else { dino };
             let views = fs.lookup(top, "__views__").unwrap();
@@ -132,7 +135,10 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                 // (The edited state as `--compact` writes it; unedited, the file.)
                 assert_eq!(view.size, got.len() as u64, "the view's size");
                 let what = format!("the export view after {after:?}");
-                model.assert_same_gguf(&got, dir, model.dirs[dir].dirty, &what);
+                let order = model.assert_same_gguf(&got, dir, model.dirs[dir].dirty, &what);
+                if let Some(g) = model.gguf.as_mut() {
+                    g.view_order = Some(order);
+                }
                 if !model.dirs[dir].dirty {
                     assert!(
                         got == model.dirs[dir].mapped,

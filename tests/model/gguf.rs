@@ -222,6 +222,9 @@ pub(super) struct GState {
     pub(super) committed: Vec<MKey>,
     /// The type a name had when its key was removed or moved away.
     pub(super) gone: HashMap<String, KTy>,
+    /// The tensor order `__views__/model.gguf` showed at the last check:
+    /// every way of committing writes that order.
+    pub(super) view_order: Option<Vec<String>>,
     /// Inode identities of key files seen in this epoch.
     pub(super) ino_of: HashMap<u64, Ino>,
     pub(super) key_of: HashMap<Ino, u64>,
@@ -281,6 +284,7 @@ impl GState {
             committed: keys.clone(),
             keys,
             gone: HashMap::new(),
+            view_order: None,
             ino_of: HashMap::new(),
             key_of: HashMap::new(),
         }
@@ -592,6 +596,11 @@ impl GState {
                 from_file: false,
             });
         }
+        for k in &self.keys {
+            if !keys.iter().any(|n: &MKey| n.name == k.name) {
+                self.gone.insert(k.name.clone(), k.ty);
+            }
+        }
         self.keys = keys;
         self.settle(rewritten);
         true
@@ -791,7 +800,14 @@ impl Model {
     /// unless `compact`), and its tensors (names, types, dims, bytes); with
     /// `compact`, byte for byte what `GGUFWriter` writes for them in the
     /// file's tensor order.
-    pub(super) fn assert_same_gguf(&self, got: &[u8], dir: usize, compact: bool, what: &str) {
+    /// Returns the file's tensor names in order.
+    pub(super) fn assert_same_gguf(
+        &self,
+        got: &[u8],
+        dir: usize,
+        compact: bool,
+        what: &str,
+    ) -> Vec<String> {
         let g = self.gguf.as_ref().unwrap();
         let file = read_gguf(got).unwrap_or_else(|e| panic!("{what}: not a GGUF file: {e}"));
         let mut keys = file.keys.clone();
@@ -839,10 +855,10 @@ impl Model {
                 .map(|k| (k.name.clone(), k.value.clone().unwrap()))
                 .collect();
             let tensors: Vec<_> = order
-                .into_iter()
+                .iter()
                 .map(|n| {
-                    let (d, s, b) = want.remove(&n).unwrap();
-                    (n, d, s, b)
+                    let (d, s, b) = want.remove(n).unwrap();
+                    (n.clone(), d, s, b)
                 })
                 .collect();
             assert!(
@@ -850,5 +866,6 @@ impl Model {
                 "{what}: not what GGUFWriter writes for the model's state"
             );
         }
+        order
     }
 }

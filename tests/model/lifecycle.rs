@@ -117,7 +117,11 @@ pub(super) fn commit(m: &Mounted, model: &mut Model, force: bool, other_user: bo
             });
             let got = std::fs::read(&model.dirs[dir].path).unwrap();
             if model.gguf.is_some() {
-                model.assert_same_gguf(&got, dir, compact, &format!("the file after {line}"));
+                let what = format!("the file after {line}");
+                let order = model.assert_same_gguf(&got, dir, compact, &what);
+                if let Some(shown) = model.gguf.as_ref().and_then(|g| g.view_order.as_ref()) {
+                    assert_eq!(&order, shown, "{what}: the tensors' order");
+                }
             } else if compact {
                 let expected = model.serialized(dir);
                 assert_eq!(

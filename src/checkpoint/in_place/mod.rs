@@ -300,11 +300,16 @@ pub fn layout<'a>(
             ));
         }
     }
-    // 4. Everything else goes at the end, in name order (each at an offset
-    //    the format aligns).
+    // 4. Everything else goes at the end (each at an offset the format
+    //    aligns): in name order, as the reference serializer orders; a GGUF
+    //    file's in the order given (its order: new tensors as they were
+    //    made), as a rewrite and the `model.gguf` view lay them out.
     let align = format.alignment();
+    let by_name = old.gguf.is_none();
     let mut rest: Vec<usize> = (0..count).filter(|&k| place[k].is_none()).collect();
-    rest.sort_by(|&a, &b| spec(a).0.cmp(spec(b).0));
+    if by_name {
+        rest.sort_by(|&a, &b| spec(a).0.cmp(spec(b).0));
+    }
     let mut end = kept_end;
     let mut appended = 0;
     for &k in &rest {
@@ -319,9 +324,11 @@ pub fn layout<'a>(
     // 5. The header, in file order, in the old header's space.
     let mut order: Vec<usize> = (0..count).collect();
     order.sort_by(|&a, &b| {
-        place[a]
-            .cmp(&place[b])
-            .then_with(|| spec(a).0.cmp(spec(b).0))
+        let names = || match by_name {
+            true => spec(a).0.cmp(spec(b).0),
+            false => a.cmp(&b),
+        };
+        place[a].cmp(&place[b]).then_with(names)
     });
     let mut tensors = Tensors::with_capacity(count);
     for &k in &order {
