@@ -189,6 +189,21 @@ fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)
         .collect()
 }
 
+/// Names no key may have: empty, stfs's room, and those gguf-py's reader
+/// gives its own fields (a file with one is a file it cannot read).
+fn refuse_name(key: &str) -> Result<(), EditError> {
+    const GGUF_PY: [&str; 3] = ["GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"];
+    let why = match key {
+        "" => "a key has a name",
+        ROOM_KEY => "stfs keeps it for the header's room",
+        k if GGUF_PY.contains(&k) => "gguf-py reads the file's own counts under that name",
+        _ => return Ok(()),
+    };
+    Err(EditError::Invalid(format!(
+        "{key:?} cannot be a key: {why}"
+    )))
+}
+
 /// The value of source key `i`, encoded (arrays read from the file: EIO
 /// once it changed behind the mount).
 fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {
@@ -291,11 +306,7 @@ impl Live {
     /// away during the mount (a tool keeping a backup: `sed -i.bak`,
     /// `install`, `rsync --backup`), else a string.
     pub fn kv_create(&mut self, key: &str) -> Result<u64, EditError> {
-        if key.is_empty() || key == ROOM_KEY {
-            return Err(EditError::Invalid(format!(
-                "{key:?} cannot be a key (stfs keeps {ROOM_KEY:?} for the header's room)"
-            )));
-        }
+        refuse_name(key)?;
         let ty = self.kv_name_type(key).unwrap_or(KvType::STRING);
         let t = self.kv_mut()?;
         if t.position(key).is_some() {
@@ -352,9 +363,7 @@ impl Live {
     /// backup first); else FROM's type stays. Fails (EINVAL, nothing
     /// changed) when the value does not fit the type.
     pub fn kv_rename(&mut self, from: &str, to: &str) -> Result<(), EditError> {
-        if to.is_empty() || to == ROOM_KEY {
-            return Err(EditError::Invalid(format!("{to:?} cannot be a key")));
-        }
+        refuse_name(to)?;
         let id = self.kv_find(from).ok_or(EditError::NotFound)?;
         if from == to {
             return Ok(());
@@ -405,13 +414,22 @@ impl Live {
 
     /// The type a key made under `name` takes: the source's under that
     /// name, or the one the name had when its key was removed or moved away.
+    /// (Else a key ggml reads with a type of its own has that type.)
     fn kv_name_type(&self, name: &str) -> Option<KvType> {
         let source = header(&self.source)
             .kvs
             .iter()
             .find(|(k, _)| k == name)
             .map(|(_, v)| KvType::of(v));
-        source.or_else(|| self.kv()?.gone.get(name).copied())
+        let known = || {
+            (name == "general.alignment").then_some(KvType {
+                value: ValueType::U32,
+                item: None,
+            })
+        };
+        source
+            .or_else(|| self.kv()?.gone.get(name).copied())
+            .or_else(known)
     }
 
     /// After an edit: a written value that is the source's own under the
@@ -674,9 +692,7 @@ impl Live {
             if key == ROOM_KEY {
                 continue; // (stfs's own: sized by each commit)
             }
-            if key.is_empty() {
-                return Err(EditError::Invalid(format!("{key:?} cannot be a key")));
-            }
+            refuse_name(&key)?;
             // A value as shown stays as it is (a string that is not UTF-8
             // shows lossily, and must not become what it shows).
             let current = self

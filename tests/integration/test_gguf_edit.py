@@ -277,9 +277,15 @@ def test_what_keys_cannot_be(tmp_path, mount, run):
     write_model(path)
     mnt = pathlib.Path(mount(path).path)
     kv = mnt / "__kv__"
-    with pytest.raises(OSError) as e:
-        (kv / "stfs.room").write_text("1")
-    assert e.value.errno == errno.EINVAL
+    for name in ["stfs.room", "GGUF.tensor_count", "GGUF.kv_count", "GGUF.version"]:
+        with pytest.raises(OSError) as e:
+            (kv / name).write_text("1")  # (gguf-py could not read the file)
+        assert e.value.errno == errno.EINVAL, name
+    # A key ggml reads as a UINT32 is made one.
+    (kv / "general.alignment").write_text("64\n")
+    assert json.loads((mnt / "__metadata__.json").read_text())["general.alignment"] == {
+        "type": "UINT32", "value": 64}
+    os.unlink(kv / "general.alignment")
     # (EPERM, not EXDEV: mv would copy, making a tensor of the key's text.)
     with pytest.raises(OSError) as e:
         os.rename(kv / "general.name", mnt / "general.name")

@@ -301,6 +301,8 @@ impl GState {
         committed
             .map(|k| k.ty)
             .or_else(|| self.gone.get(name).copied())
+            // (ggml's own type for a key it reads.)
+            .or((name == "general.alignment").then_some(KTy::U32))
     }
 
     /// A written value that is the committed one under the same name and
