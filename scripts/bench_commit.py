@@ -51,6 +51,24 @@ def said_bytes(out):
     return copied, shared
 
 
+def staged_bytes(work):
+    """Bytes allocated on disk in the mount's staging folder (what the edits staged)."""
+    total = 0
+    for d in os.listdir(work):
+        if d.startswith(".model.safetensors.stfs-"):
+            for f in os.scandir(os.path.join(work, d)):
+                total += f.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+def patch(path, data, offset):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
 def dd_time(work, nbytes):
     """Time to write `nbytes` to a new file in the same folder and fsync it (the edit's own bytes)."""
     path = os.path.join(work, "dd.bin")
@@ -124,7 +142,10 @@ def run(a, fs_name):
         rows = []
         with Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True) as m:
             def row(label, edit, own_bytes=0):
+                t = time.perf_counter()
                 edit()
+                edit_seconds = time.perf_counter() - t
+                staged = staged_bytes(work)
                 os.sync()  # staged bytes reach the disk before the commit is timed
                 before = written_by(m.pid)
                 t = time.perf_counter()
@@ -134,7 +155,7 @@ def run(a, fs_name):
                 way = ("in place" if "committed in place" in out
                        else "shared" if "shares extents" in out else "rewrite")
                 base = dd_time(work, own_bytes) if own_bytes else None
-                rows.append((label, seconds, wrote, way, base, out.strip()))
+                rows.append((label, seconds, wrote, way, base, edit_seconds, staged, out.strip()))
 
             def meta_edit(value):
                 def go():
@@ -167,6 +188,9 @@ def run(a, fs_name):
             def rewrite_one():
                 dd_write(os.path.join(mnt, names[count // 2]), 128 * MIB, "/dev/urandom", fsync=False, notrunc=True)
 
+            def patch_one():
+                patch(os.path.join(mnt, names[count // 4]), b"\x01\x02\x03\x04", 100 * MIB + 3)
+
             def drop_middle():
                 os.unlink(os.path.join(mnt, names[count // 3]))
 
@@ -187,14 +211,21 @@ def run(a, fs_name):
             row("one 64 MiB tensor added", add, 64 * MIB)
             row("last tensor removed", drop_tail)
             row("one 128 MiB tensor rewritten (dd conv=notrunc)", rewrite_one, 128 * MIB)
+            row("4 bytes patched into a 128 MiB tensor (pwrite)", patch_one)
             row("a tensor removed from the middle", drop_middle)
         print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), {fs_name} in {a.dir}")
         print(f"baselines: cp + fsync {cp_time:.2f} s", end="")
         print(f"; Python load_file + edit + save_file {python_time:.2f} s" if python_time else "")
+        # The same edits into a plain file (a copy of one tensor's bytes), for the edit's own time.
+        plain = os.path.join(work, "plain.bin")
+        dd_write(plain, 128 * MIB, fsync=True)
+        plain_dd = timed(lambda: dd_write(plain, 128 * MIB, "/dev/urandom", fsync=False, notrunc=True))
+        plain_patch = timed(lambda: patch(plain, b"\x01\x02\x03\x04", 100 * MIB + 3))
+        os.unlink(plain)
         print(f"{'edit':52} {'way':9} {'seconds':>8} {'x cp':>7} {'x py':>7} {'written':>10} {'x own bytes':>11}"
-              f" {'said copied':>12} {'said shared':>12} io")
+              f" {'said copied':>12} {'said shared':>12} io {'edit s':>8} {'staged':>10}")
         mismatches = 0
-        for label, seconds, wrote, way, base, out in rows:
+        for label, seconds, wrote, way, base, edit_seconds, staged, out in rows:
             py = f"{seconds / python_time:7.4f}" if python_time else "      -"
             own = f"{seconds / base:11.2f}" if base else "          -"
             copied, shared = said_bytes(out)
@@ -204,12 +235,17 @@ def run(a, fs_name):
             io_ok = abs(wrote - copied) <= 2 * MIB + copied / 10
             mismatches += not io_ok
             print(f"{label:52} {way:9} {seconds:8.3f} {seconds / cp_time:7.4f} {py} {wrote / MIB:7.1f} MiB {own}"
-                  f" {copied / MIB:8.1f} MiB {shared / MIB:8.1f} MiB {'ok' if io_ok else 'MISMATCH'}")
+                  f" {copied / MIB:8.1f} MiB {shared / MIB:8.1f} MiB {'ok' if io_ok else 'MISMATCH'}"
+                  f" {edit_seconds:8.3f} {staged / MIB:6.2f} MiB")
         print(f"bytes stfs said it copied vs the daemon's write_bytes: {mismatches} mismatch(es)")
         if grown:
             print(f"page cache of the source around the first header growth (fincore): "
                   f"{cached_before / MIB:.0f} MiB before, {cached_after / MIB:.0f} MiB after "
                   f"({100 * cached_after / max(cached_before, 1):.1f}%)")
+        print(f"the edits' own time through the mount vs into a plain file: dd over 128 MiB "
+              f"{rows[-3][5]:.3f} s vs {plain_dd:.3f} s ({rows[-3][5] / plain_dd:.2f}x); "
+              f"a 4-byte pwrite {rows[-2][5] * 1e3:.2f} ms vs {plain_patch * 1e3:.3f} ms, "
+              f"staging {rows[-2][6] / 1024:.0f} KiB")
         print("\nwhat stfs said:")
         for *_, out in rows:
             print("  " + out)

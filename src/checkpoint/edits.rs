@@ -365,6 +365,13 @@ impl Live {
         }
     }
 
+    /// Blocks of a partly staged tensor written (`Changed::patched`): the
+    /// journal adds them to that staging file's runs.
+    pub fn object_patched(&mut self, file: String, runs: Vec<(u64, u64)>) {
+        self.dirty = true;
+        self.log(vec![Record::Patch { file, runs }]);
+    }
+
     // ---- journal ----
 
     /// The journal records of the edits until `end_batch` go in one line:

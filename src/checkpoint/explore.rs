@@ -260,7 +260,10 @@ fn scenarios() -> Vec<Scenario> {
     let w = RangeWrite {
         at: data_start + 5000,
         len: 300,
-        from: WriteFrom::Staged { file: "s1".into() },
+        from: WriteFrom::Staged {
+            file: "s1".into(),
+            offset: 0,
+        },
     };
     out.push(Scenario {
         name: "overwrite",
@@ -276,7 +279,10 @@ fn scenarios() -> Vec<Scenario> {
     let w = RangeWrite {
         at: roomy.len() as u64,
         len: 4500,
-        from: WriteFrom::Staged { file: "s2".into() },
+        from: WriteFrom::Staged {
+            file: "s2".into(),
+            offset: 0,
+        },
     };
     out.push(Scenario {
         name: "append",
@@ -333,6 +339,57 @@ fn scenarios() -> Vec<Scenario> {
         staged: Vec::new(),
     });
 
+    // A tensor written in part: only its staged blocks go over it.
+    let mut a2 = a.clone();
+    a2[..100].fill(0xa5);
+    a2[4096..].fill(0x5a);
+    let (header, new) = checkpoint(&[("a", &a2), ("b", &b), ("c", &c)], "v0", 400);
+    let blocks = [(0, 100), (4096, 5000 - 4096)].map(|(offset, len)| RangeWrite {
+        at: data_start + offset,
+        len,
+        from: WriteFrom::Staged {
+            file: "s3".into(),
+            offset,
+        },
+    });
+    out.push(Scenario {
+        name: "blocks of a tensor written in part",
+        record: record(&roomy, &new, 0, blocks.to_vec()),
+        old: roomy.clone(),
+        new,
+        header,
+        staged: vec![("s3", a2)],
+    });
+
+    // A hole filled by a tensor written in part: moved, then its blocks.
+    let mut e2 = e.clone();
+    e2[10..50].fill(0xee);
+    let (_, four) = checkpoint(&[("a", &a), ("b", &b), ("c", &c), ("e", &e)], "v0", 400);
+    let (header, new) = checkpoint(&[("a", &a), ("e", &e2), ("c", &c)], "v0", 400);
+    let moved = RangeWrite {
+        at: data_start + 5000,
+        len: 300,
+        from: WriteFrom::Here {
+            offset: data_start + 5400,
+        },
+    };
+    let block = RangeWrite {
+        at: data_start + 5010,
+        len: 40,
+        from: WriteFrom::Staged {
+            file: "s4".into(),
+            offset: 10,
+        },
+    };
+    out.push(Scenario {
+        name: "a hole filled from the end by a tensor written in part",
+        record: record(&four, &new, 0, vec![moved, block]),
+        old: four,
+        new,
+        header,
+        staged: vec![("s4", e2)],
+    });
+
     // The same with no room: the header grows by a block inserted at the
     // start too (the copy's offsets count the insertion).
     let tight = 320;
@@ -371,7 +428,10 @@ fn scenarios() -> Vec<Scenario> {
     let w = RangeWrite {
         at: old.len() as u64 + BLOCK,
         len: 4500,
-        from: WriteFrom::Staged { file: "s2".into() },
+        from: WriteFrom::Staged {
+            file: "s2".into(),
+            offset: 0,
+        },
     };
     out.push(Scenario {
         name: "header grown by an insertion, and an append",

@@ -43,6 +43,14 @@ pub enum DataRef {
     Staged {
         file: String,
     },
+    /// A source tensor (`base`, a `Source`) with the blocks `runs` (ranges
+    /// of the tensor) written in staging file `file`; `Record::Patch`
+    /// records add to the runs.
+    Patched {
+        file: String,
+        base: Box<DataRef>,
+        runs: Vec<(u64, u64)>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +78,12 @@ pub enum Record {
     /// A GGUF file's keys, the whole table (replaces what came before).
     Keys {
         keys: Vec<super::kv::KeyRecord>,
+    },
+    /// More blocks of a partly staged tensor were written (in its staging
+    /// file, by name): add these runs to the ones recorded for the file.
+    Patch {
+        file: String,
+        runs: Vec<(u64, u64)>,
     },
     /// A commit took its plan: edits before this are in it.
     Plan {
@@ -293,6 +307,33 @@ pub struct Folded {
     pub keys: Option<Vec<super::kv::KeyRecord>>,
     /// References to tensors that the landed commit did not keep.
     pub dropped: Vec<String>,
+    /// Runs that `Record::Patch` records add to the partly staged tensor
+    /// in each staging file.
+    pub patches: std::collections::HashMap<String, Vec<(u64, u64)>>,
+}
+
+/// A source reference as it is in the file a commit landed (its index
+/// there), or None if the commit did not keep it.
+fn at_commit(data: &DataRef) -> Option<DataRef> {
+    match data {
+        DataRef::Source {
+            shard,
+            version,
+            committed,
+            ..
+        } => committed.map(|j| DataRef::Source {
+            shard: shard.clone(),
+            version: *version,
+            index: j,
+            committed: None,
+        }),
+        DataRef::Patched { file, base, runs } => Some(DataRef::Patched {
+            file: file.clone(),
+            base: Box::new(at_commit(base)?),
+            runs: runs.clone(),
+        }),
+        other => Some(other.clone()),
+    }
 }
 
 pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
@@ -308,25 +349,13 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
     let mut metadata = None;
     let mut keys = None;
     let mut dropped = Vec::new();
+    let mut patches = std::collections::HashMap::new();
     for r in &records[start..] {
         let (name, value) = match r {
             Record::Entry { name, meta, data } => {
                 let data = match (data, after_plan) {
-                    (
-                        Some(DataRef::Source {
-                            shard,
-                            version,
-                            committed,
-                            ..
-                        }),
-                        Some(_),
-                    ) => match committed {
-                        Some(j) => Some(DataRef::Source {
-                            shard: shard.clone(),
-                            version: *version,
-                            index: *j,
-                            committed: None,
-                        }),
+                    (Some(d), Some(_)) => match at_commit(d) {
+                        Some(d) => Some(d),
                         None => {
                             dropped.push(name.clone());
                             continue;
@@ -343,6 +372,13 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
             }
             Record::Keys { keys: k } => {
                 keys = Some(k.clone());
+                continue;
+            }
+            Record::Patch { file, runs } => {
+                patches
+                    .entry(file.clone())
+                    .or_insert_with(Vec::new)
+                    .extend_from_slice(runs);
                 continue;
             }
             _ => continue,
@@ -363,6 +399,7 @@ pub fn fold(records: &[Record], after_plan: Option<u64>) -> Folded {
         metadata,
         keys,
         dropped,
+        patches,
     }
 }
 

@@ -14,20 +14,67 @@ impl Live {
         match bytes {
             Bytes::Empty => DataRef::Empty,
             Bytes::Staged(s) => DataRef::Staged { file: s.name() },
-            Bytes::Source(src, index) => {
-                let own = Arc::ptr_eq(&src, &self.source);
-                DataRef::Source {
-                    shard: (!own).then(|| src.file_name().to_string_lossy().into_owned()),
-                    version: (!own).then(|| *src.stat()),
-                    index,
-                    committed: self
-                        .committing
-                        .as_ref()
-                        .filter(|_| own)
-                        .and_then(|(_, moved)| moved.get(index as usize).copied())
-                        .filter(|&j| j != u32::MAX),
-                }
+            Bytes::Source(src, index) => self.source_ref(&src, index),
+            Bytes::Patched(p) => DataRef::Patched {
+                file: p.staged().name(),
+                base: Box::new(self.source_ref(p.base().0, p.base().1)),
+                runs: p.runs(),
+            },
+        }
+    }
+
+    fn source_ref(&self, src: &Arc<SourceFile>, index: u32) -> DataRef {
+        let own = Arc::ptr_eq(src, &self.source);
+        DataRef::Source {
+            shard: (!own).then(|| src.file_name().to_string_lossy().into_owned()),
+            version: (!own).then(|| *src.stat()),
+            index,
+            committed: self
+                .committing
+                .as_ref()
+                .filter(|_| own)
+                .and_then(|(_, moved)| moved.get(index as usize).copied())
+                .filter(|&j| j != u32::MAX),
+        }
+    }
+
+    /// The source tensor a journal's `DataRef::Source` names, or why it
+    /// cannot be had (for the user's notes).
+    fn source_of(
+        &self,
+        name: &str,
+        data: &DataRef,
+        shard: &dyn Fn(&str) -> Option<Arc<SourceFile>>,
+    ) -> Result<Bytes, String> {
+        match data {
+            DataRef::Source {
+                shard: None, index, ..
+            } if (*index as usize) < self.source_ids.len() => {
+                Ok(Bytes::Source(self.source.clone(), *index))
             }
+            DataRef::Source {
+                shard: Some(s),
+                version,
+                index,
+                ..
+            } => match shard(s) {
+                // The index is of a version of that shard: not of another.
+                Some(src)
+                    if (*index as usize) < src.header().tensors.len()
+                        && version.is_none_or(|v| v.same_version(src.stat())) =>
+                {
+                    Ok(Bytes::Source(src, *index))
+                }
+                _ => Err(format!(
+                    "tensor {name:?}: its bytes were in {s}, which is gone or changed since; not restored"
+                )),
+            },
+            DataRef::Source { index, .. } => Err(format!(
+                "tensor {name:?}: source tensor {index} does not exist; not restored"
+            )),
+            _ => Err(format!(
+                "tensor {name:?}: not a source tensor; not restored"
+            )),
         }
     }
 
@@ -231,36 +278,39 @@ impl Live {
                         continue;
                     }
                 },
-                Some(DataRef::Source {
-                    shard: None, index, ..
-                }) if (index as usize) < self.source_ids.len() => {
-                    Some(Bytes::Source(self.source.clone(), index))
+                Some(source @ DataRef::Source { .. }) => {
+                    match self.source_of(&name, &source, shard) {
+                        Ok(bytes) => Some(bytes),
+                        Err(note) => {
+                            notes.push(note);
+                            continue;
+                        }
+                    }
                 }
-                Some(DataRef::Source {
-                    shard: Some(s),
-                    version,
-                    index,
-                    ..
-                }) => match shard(&s) {
-                    // The index is of a version of that shard: not of another.
-                    Some(src)
-                        if (index as usize) < src.header().tensors.len()
-                            && version.is_none_or(|v| v.same_version(src.stat())) =>
-                    {
-                        Some(Bytes::Source(src, index))
+                Some(DataRef::Patched { file, base, runs }) => {
+                    let mut runs = runs;
+                    runs.extend(folded.patches.get(&file).into_iter().flatten());
+                    let patched = self.source_of(&name, &base, shard).and_then(|base| {
+                        let staged = dir.existing(&file).map_err(|e| {
+                            format!("tensor {name:?}: staged file {file}: {e}; not restored")
+                        })?;
+                        let Bytes::Source(src, index) = base else {
+                            unreachable!("source_of gives source tensors")
+                        };
+                        crate::source::Patched::existing(src, index, staged, &runs).ok_or_else(|| {
+                            format!(
+                                "tensor {name:?}: staged file {file} does not fit the tensor it \
+                                 patches; not restored"
+                            )
+                        })
+                    });
+                    match patched {
+                        Ok(p) => Some(Bytes::Patched(Arc::new(p))),
+                        Err(note) => {
+                            notes.push(note);
+                            continue;
+                        }
                     }
-                    _ => {
-                        notes.push(format!(
-                            "tensor {name:?}: its bytes were in {s}, which is gone or changed since; not restored"
-                        ));
-                        continue;
-                    }
-                },
-                Some(DataRef::Source { index, .. }) => {
-                    notes.push(format!(
-                        "tensor {name:?}: source tensor {index} does not exist; not restored"
-                    ));
-                    continue;
                 }
             };
             let (entry, _) = self.entry_for(&name);

@@ -9,7 +9,7 @@ use std::time::SystemTime;
 
 use super::staging::Staging;
 use super::{EditError, Id, next_gen};
-use crate::source::{Bytes, SourceFile};
+use crate::source::{Bytes, Patched, SourceFile};
 
 pub struct DataObject {
     state: RwLock<ObjectState>,
@@ -54,12 +54,15 @@ impl ObjectState {
 }
 
 /// What a write or a truncation did to an object's bytes.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Changed {
     /// They moved to a new staging file: the journal must say so.
     pub moved: bool,
     /// Their length changed: every view of the checkpoint is laid out anew.
     pub resized: bool,
+    /// Blocks of a partly staged source tensor staged by this write (its
+    /// staging file, the ranges): the journal must say so.
+    pub patched: Option<(String, Vec<(u64, u64)>)>,
 }
 
 impl DataObject {
@@ -115,17 +118,69 @@ impl DataObject {
         *self.state.write_anyway() = ObjectState::of(bytes, None, 0);
     }
 
-    /// Writes at `offset`, first copying the bytes into a private staging file
-    /// if they are not in one (or a commit is copying from it).
+    /// A partly staged tensor over `old`'s tensor `index`, whose bytes a
+    /// commit put at `fresh`'s tensor `to`: the staged blocks now lie over
+    /// those (still an edit). Its staged blocks must include every block
+    /// the commit wrote over the source's bytes (a copy of what it took).
+    pub fn rebase_patch(
+        &self,
+        old: &Arc<SourceFile>,
+        index: u32,
+        fresh: &Arc<SourceFile>,
+        to: u32,
+    ) {
+        let mut state = self.state.write_anyway();
+        if let Bytes::Patched(p) = &state.bytes {
+            if Arc::ptr_eq(p.base().0, old) && p.base().1 == index {
+                state.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
+                state.origin = Some((fresh.clone(), to));
+            }
+        }
+    }
+
+    /// Writes at `offset`. Within a source tensor, only the blocks written
+    /// are staged (`Patched`); otherwise the bytes are first copied into a
+    /// private staging file if they are not in one (or a commit or a view
+    /// is reading it).
     pub fn write(&self, staging: &Staging, offset: u64, data: &[u8]) -> Result<Changed, EditError> {
         let _writer = self.writer.lock_anyway();
-        let before = self.bytes().len();
+        let state = self.state();
+        let before = state.bytes.len();
+        let end = offset.saturating_add(data.len() as u64);
+        if !data.is_empty() && end <= before {
+            let patched = match &state.bytes {
+                Bytes::Source(src, i) => Some((
+                    Arc::new(Patched::new(&staging.dir()?, src.clone(), *i)?),
+                    true,
+                )),
+                Bytes::Patched(p) if p.staged().pinned() => {
+                    Some((Arc::new(p.copy(&staging.dir()?)?), true))
+                }
+                Bytes::Patched(p) => Some((p.clone(), false)),
+                _ => None,
+            };
+            if let Some((p, moved)) = patched {
+                let fresh = p.write_at(data, offset)?;
+                // Every block staged: the staging file alone is the tensor.
+                let (bytes, moved) = match p.whole() {
+                    true => (Bytes::Staged(p.staged().clone()), true),
+                    false => (Bytes::Patched(p.clone()), moved),
+                };
+                self.set(bytes, Some(SystemTime::now()), next_gen());
+                return Ok(Changed {
+                    moved,
+                    resized: false,
+                    patched: (!moved && !fresh.is_empty()).then(|| (p.staged().name(), fresh)),
+                });
+            }
+        }
         let (staged, moved) = self.private_copy(staging, u64::MAX)?;
         staged.write_at(data, offset)?;
         self.set(Bytes::Staged(staged), Some(SystemTime::now()), next_gen());
         Ok(Changed {
             moved,
-            resized: offset + data.len() as u64 > before,
+            resized: end > before,
+            patched: None,
         })
     }
 
@@ -139,6 +194,7 @@ impl DataObject {
             return Ok(Changed {
                 moved: !was_empty,
                 resized: !before.is_empty(),
+                patched: None,
             });
         }
         if len == before.len() {
@@ -150,6 +206,7 @@ impl DataObject {
         Ok(Changed {
             moved,
             resized: true,
+            patched: None,
         })
     }
 
@@ -176,7 +233,7 @@ impl DataObject {
     pub fn take_for_commit(&self) -> ObjectState {
         let _writer = self.writer.lock_anyway();
         let state = self.state();
-        if let Bytes::Staged(s) = &state.bytes {
+        if let Some(s) = state.bytes.staging_file() {
             s.pin();
         }
         state
@@ -184,9 +241,9 @@ impl DataObject {
 
     /// Makes written bytes durable.
     pub fn sync(&self) -> std::io::Result<()> {
-        match self.bytes() {
-            Bytes::Staged(s) => s.sync(),
-            _ => Ok(()),
+        match self.bytes().staging_file() {
+            Some(s) => s.sync(),
+            None => Ok(()),
         }
     }
 }

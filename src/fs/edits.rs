@@ -146,6 +146,13 @@ impl Fs {
     pub(super) fn note_write(&self, object: &Arc<DataObject>, changed: crate::checkpoint::Changed) {
         self.meta_changed(object);
         let moved = changed.moved;
+        if let Some((file, runs)) = changed.patched {
+            let mut st = self.write_state();
+            if let Some(c) = st.home(object) {
+                st.live_mut(c).object_patched(file, runs);
+            }
+            return;
+        }
         if !moved {
             let st = self.read_state();
             let home = st.home(object);

@@ -123,12 +123,10 @@ pub(super) struct ViewPins(Vec<Arc<crate::source::StagedFile>>);
 
 impl ViewPins {
     pub(super) fn of(file: &GeneratedFile) -> ViewPins {
-        let staged = file.bytes().filter_map(|b| match b {
-            crate::source::Bytes::Staged(s) => {
-                s.pin();
-                Some(s.clone())
-            }
-            _ => None,
+        let staged = file.bytes().filter_map(|b| {
+            let s = b.staging_file()?;
+            s.pin();
+            Some(s.clone())
         });
         ViewPins(staged.collect())
     }

@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::source::Backing;
+use crate::source::{Backing, Bytes};
 
 /// Chunk read by each worker at a time.
 const CHUNK: u64 = 8 << 20;
@@ -41,6 +41,20 @@ pub fn to_page_cache(
                 .as_ref()
                 .map_or(0, |(source, seen)| source.shift() - seen);
             (&**file, *offset + moved, *sparse)
+        }
+        // A source tensor with blocks staged: the source's, then the staged ones.
+        Backing::Patched(p) => {
+            let (base, index) = p.base();
+            let both = [
+                Bytes::Source(base.clone(), index).backing()?,
+                Bytes::Staged(p.staged().clone()).backing()?,
+            ];
+            let mut got = (end, 0);
+            for backing in both.iter().flatten() {
+                let (reached, resident) = to_page_cache(backing, start, end, keep_going)?;
+                got = (got.0.min(reached), got.1.max(resident));
+            }
+            return Ok(got);
         }
         // A remote tensor goes into the local disk cache, by parallel GETs.
         Backing::Remote { source, offset, .. } => {

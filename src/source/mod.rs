@@ -8,6 +8,7 @@ pub mod access;
 mod aws_profile;
 pub mod folder;
 pub mod local;
+pub mod patched;
 pub mod remote;
 pub mod staged;
 pub mod store;
@@ -17,6 +18,7 @@ use std::sync::Arc;
 
 pub use folder::{FileStat, Folder, FolderError};
 pub use local::{SourceError, SourceFile};
+pub use patched::Patched;
 pub use staged::{StagedFile, StagingDir};
 
 /// A tensor's bytes, wherever they are now. Cheap to clone.
@@ -28,6 +30,8 @@ pub enum Bytes {
     Source(Arc<SourceFile>, u32),
     /// A (possibly sparse) staging file.
     Staged(Arc<StagedFile>),
+    /// A source tensor with some blocks written (in a staging file).
+    Patched(Arc<Patched>),
 }
 
 /// Where the bytes a prefetch reads are: a range of a local file, or of a
@@ -48,6 +52,8 @@ pub enum Backing {
         offset: u64,
         len: u64,
     },
+    /// A source tensor with some blocks staged: read through both.
+    Patched(Arc<Patched>),
 }
 
 impl Backing {
@@ -57,6 +63,7 @@ impl Backing {
             Backing::File { offset, len, .. } | Backing::Remote { offset, len, .. } => {
                 (*offset, *len)
             }
+            Backing::Patched(p) => (0, p.len()),
         }
     }
 
@@ -70,6 +77,10 @@ impl Backing {
             } => source.read_shifted(buf, pos, *seen),
             Backing::File { file, .. } => file.read_at(buf, pos),
             Backing::Remote { source, .. } => source.read_at(buf, pos),
+            Backing::Patched(p) => {
+                let n = (buf.len() as u64).min(p.len().saturating_sub(pos)) as usize;
+                p.read_exact_at(pos, &mut buf[..n]).map(|()| n)
+            }
         }
     }
 }
@@ -80,6 +91,7 @@ impl Bytes {
             Bytes::Empty => 0,
             Bytes::Source(s, i) => s.header().tensors.nbytes(*i as usize),
             Bytes::Staged(s) => s.len(),
+            Bytes::Patched(p) => p.len(),
         }
     }
 
@@ -99,10 +111,12 @@ impl Bytes {
     /// mapping in the daemon: a file cut short behind the mount gives EIO
     /// here, where a copy from the mapping would kill the daemon (SIGBUS).
     pub fn read_exact_at(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        if let Bytes::Source(s, i) = self {
-            if s.file().is_some() {
+        match self {
+            Bytes::Source(s, i) if s.file().is_some() => {
                 return s.read_tensor_exact(*i as usize, offset, out);
             }
+            Bytes::Patched(p) => return p.read_exact_at(offset, out),
+            _ => {}
         }
         let mut done = 0;
         while done < out.len() {
@@ -130,8 +144,8 @@ impl Bytes {
         match self {
             Bytes::Empty => Ok(reply(&[])),
             Bytes::Source(s, i) => s.serve(*i as usize, offset, size, reply),
-            Bytes::Staged(s) => {
-                let want = (size as u64).min(s.len().saturating_sub(offset)) as usize;
+            Bytes::Staged(_) | Bytes::Patched(_) => {
+                let want = (size as u64).min(self.len().saturating_sub(offset)) as usize;
                 // A buffer kept by the thread: a fresh 1 MiB buffer per read
                 // costs its page faults, which cost more than the copy here.
                 thread_local! {
@@ -147,7 +161,12 @@ impl Bytes {
                     if buf.len() < want {
                         buf.resize(want, 0);
                     }
-                    let got = s.read_at(&mut buf[..want], offset)?;
+                    let got = match self {
+                        Bytes::Staged(s) => s.read_at(&mut buf[..want], offset)?,
+                        _ => self
+                            .read_exact_at(offset, &mut buf[..want])
+                            .map(|()| want)?,
+                    };
                     Ok(reply(&buf[..got]))
                 })
             }
@@ -170,6 +189,19 @@ impl Bytes {
                 s.copy_tensor(*i as usize, from, to, to_off, len)
             }
             Bytes::Staged(s) => copy_range(&*s.file()?, s.pad() + from, to, to_off, len),
+            Bytes::Patched(p) if from == 0 && len == p.len() => {
+                p.copy_to(to, to_off, None).map(|_| ())
+            }
+            Bytes::Patched(p) => {
+                p.check_source()?;
+                copy_through(
+                    |buf, pos| p.read_exact_at(pos, buf).map(|()| buf.len()),
+                    from,
+                    to,
+                    to_off,
+                    len,
+                )
+            }
         }
     }
 
@@ -183,6 +215,7 @@ impl Bytes {
                 s.share_tensor(*i as usize, to, to_off, block)
             }
             Bytes::Staged(s) => copy_sharing(&*s.file()?, s.pad(), to, to_off, s.len(), block),
+            Bytes::Patched(p) => p.copy_to(to, to_off, Some(block)),
             _ => self.copy_to(0, to, to_off, self.len()).map(|_| 0),
         }
     }
@@ -196,6 +229,7 @@ impl Bytes {
                 (s.tensor_range(*i as usize).start + s.shift()) % staged::STAGING_ALIGN
             }
             Bytes::Staged(s) => s.pad(),
+            Bytes::Patched(p) => p.staged().pad(),
             _ => 0,
         }
     }
@@ -231,7 +265,18 @@ impl Bytes {
                 sparse: true,
                 moves_with: None,
             }),
+            Bytes::Patched(p) => Some(Backing::Patched(p.clone())),
         })
+    }
+
+    /// The staging file holding (some of) the bytes: pinned by a commit or
+    /// a view that reads it, synced on fsync.
+    pub fn staging_file(&self) -> Option<&Arc<StagedFile>> {
+        match self {
+            Bytes::Staged(s) => Some(s),
+            Bytes::Patched(p) => Some(p.staged()),
+            _ => None,
+        }
     }
 
     /// Whether both are the same bytes (the same source tensor or staging file).
@@ -240,6 +285,7 @@ impl Bytes {
             (Bytes::Empty, Bytes::Empty) => true,
             (Bytes::Source(a, i), Bytes::Source(b, j)) => Arc::ptr_eq(a, b) && i == j,
             (Bytes::Staged(a), Bytes::Staged(b)) => Arc::ptr_eq(a, b),
+            (Bytes::Patched(a), Bytes::Patched(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
     }

@@ -302,10 +302,10 @@ def test_a_reader_of_the_source_keeps_its_bytes_and_the_commit_says_why(tmp_path
         del mapped
     t["z_tail"] = np.zeros(4096, np.uint8)
     assert_checkpoint(src, t, {"format": "pt"})
-    # Nobody holds it now: in place again.
+    # Nobody holds it now: in place again (only the block written).
     sh(f"dd if=/dev/zero of={m.path}/embed bs=4096 count=1 conv=notrunc status=none")
     p = run("commit", m.path)
-    assert "committed in place (header, 1 tensor overwritten" in p.stdout, p.stdout
+    assert "committed in place (header, 1 tensor written in part; 4.0 KiB written)" in p.stdout, p.stdout
 
 
 def test_an_open_descriptor_through_the_mount_keeps_its_bytes(tmp_path, mount, run):

@@ -902,3 +902,41 @@ def test_a_gguf_key_edited_during_an_in_place_commit_leaves_the_others_as_they_w
     template = r.fields["tokenizer.chat_template"]
     assert bytes(template.parts[template.data[0]]).decode() == "{{ second }}"
     del r, tokens, template
+
+
+def test_a_tensor_written_in_part_during_its_in_place_commit_keeps_both_writes(tmp_path, mount, pauses, run, stfs):
+    """A write into a tensor written in part while a commit writes its blocks
+    back goes to a copy of its staged blocks: the commit writes what it took,
+    the mount shows both writes, and the next commit (in place again: the
+    copy lies over the new file's tensor) writes the second."""
+    rng = np.random.default_rng(3)
+    src = tmp_path / "m.safetensors"
+    a = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    save_file({"a": a, "b": np.arange(10, dtype=np.uint8)}, str(src))
+    p = pauses("in-place:recorded")
+    m = mount(src)
+    path = os.path.join(m.path, "a")
+    first, second = a.copy(), a.copy()
+
+    def patch(at, data, expected):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, at)
+        finally:
+            os.close(fd)
+        for e in expected:
+            e[at:at + len(data)] = np.frombuffer(data, np.uint8)
+
+    patch(100, b"first", [first, second])
+    commit = background(stfs, "commit", m.path)
+    p.wait("in-place:recorded", commit)
+    patch(2 << 20, b"second", [second])
+    patch(102, b"XY", [second])
+    p.go("in-place:recorded")
+    code, out, err = finished(commit)
+    assert code == 0 and "in place" in out and "written in part" in out, out + err
+    assert load_file(str(src))["a"].tobytes() == first.tobytes()
+    assert open(path, "rb").read() == second.tobytes()
+    out = run("commit", m.path)
+    assert out.returncode == 0 and "in place" in out.stdout, out.stdout + out.stderr
+    assert load_file(str(src))["a"].tobytes() == second.tobytes()

@@ -233,7 +233,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             };
             let (fh, ino, want) = match h {
                 MHandle::Data { fh, obj, ino, .. } => {
-                    if model.unreadable(obj) && *offset < model.objects[&obj].bytes.len() as u64 {
+                    if model.unreadable_at(obj, *offset, *size as u64) {
                         let got = fs.read(ino, fh, *offset, *size, |b| b.concat());
                         assert_eq!(errno(got), libc::EIO, "{op:?}: a source rewritten in place");
                         return;

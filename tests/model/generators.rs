@@ -197,15 +197,35 @@ pub(super) fn file_ref(dirs: usize) -> impl Strategy<Value = FileRef> {
     })
 }
 
+/// Where a write goes: mostly near the start, sometimes at the block edges
+/// of the large source tensor "b" (a write into it stages only the blocks
+/// it touches: `BIG` bytes, over three blocks).
+pub(super) fn write_offset(near: u64) -> impl Strategy<Value = u64> + Clone {
+    prop_oneof![
+        6 => 0..near,
+        1 => 4085u64..4100,
+        1 => 8185u64..8200,
+        1 => (BIG - 20)..BIG + 4,
+    ]
+}
+
+/// What a write writes: mostly a few bytes, sometimes more than a block.
+pub(super) fn write_bytes() -> impl Strategy<Value = Vec<u8>> + Clone {
+    prop_oneof![
+        9 => prop::collection::vec(any::<u8>(), 1..12),
+        1 => prop::collection::vec(any::<u8>(), 4000..4200),
+    ]
+}
+
 pub(super) fn op(dirs: usize) -> impl Strategy<Value = Op> {
     let d = 0..dirs;
     let n = 0..NAMES.len();
-    let bytes = prop::collection::vec(any::<u8>(), 1..12);
+    let bytes = write_bytes();
     let h = 0..MAX_HANDLES;
     prop_oneof![
         3 => (d.clone(), n.clone(), any::<bool>())
             .prop_map(|(dir, name, exclusive)| Op::Create { dir, name, exclusive }),
-        3 => (d.clone(), n.clone(), 0u64..16, bytes.clone())
+        3 => (d.clone(), n.clone(), write_offset(16), bytes.clone())
             .prop_map(|(dir, name, offset, data)| Op::Write { dir, name, offset, data }),
         2 => (d.clone(), n.clone(), 0u64..16).prop_map(|(dir, name, len)| Op::Truncate { dir, name, len }),
         2 => (d.clone(), n.clone(), any_text())
@@ -217,8 +237,8 @@ pub(super) fn op(dirs: usize) -> impl Strategy<Value = Op> {
             .prop_map(|(from, to, no_replace)| Op::Rename { from, to, no_replace }),
         3 => (file_ref(dirs), any::<bool>(), prop::bool::weighted(0.2))
             .prop_map(|(file, write, truncate)| Op::Open { file, write: write || truncate, truncate }),
-        2 => (h.clone(), 0u64..40, 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
-        2 => (h.clone(), 0u64..8, bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
+        2 => (h.clone(), write_offset(40), 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
+        2 => (h.clone(), write_offset(8), bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
         1 => (h.clone(), any_text()).prop_map(|(k, t)| Op::HandleSetText(k, t)),
         2 => h.clone().prop_map(Op::Fstat),
         1 => h.clone().prop_map(Op::Close),
@@ -236,13 +256,13 @@ pub(super) fn op(dirs: usize) -> impl Strategy<Value = Op> {
 /// The operations on a GGUF file mount: those on tensors, and on keys.
 pub(super) fn op_gguf() -> impl Strategy<Value = Op> {
     let n = 0..NAMES.len();
-    let bytes = prop::collection::vec(any::<u8>(), 1..12);
+    let bytes = write_bytes();
     let h = 0..MAX_HANDLES;
     let k = 0..KEYS.len();
     prop_oneof![
         2 => (n.clone(), any::<bool>())
             .prop_map(|(name, exclusive)| Op::Create { dir: 0, name, exclusive }),
-        3 => (n.clone(), 0u64..40, bytes.clone())
+        3 => (n.clone(), write_offset(40), bytes.clone())
             .prop_map(|(name, offset, data)| Op::Write { dir: 0, name, offset, data }),
         2 => (n.clone(), 0u64..40).prop_map(|(name, len)| Op::Truncate { dir: 0, name, len }),
         1 => (n.clone(), meta_text()).prop_map(|(name, text)| Op::WriteJson { dir: 0, name, text }),
@@ -252,8 +272,8 @@ pub(super) fn op_gguf() -> impl Strategy<Value = Op> {
             .prop_map(|(from, to, no_replace)| Op::Rename { from, to, no_replace }),
         2 => (tensor_file_ref(), any::<bool>(), prop::bool::weighted(0.2))
             .prop_map(|(file, write, truncate)| Op::Open { file, write: write || truncate, truncate }),
-        1 => (h.clone(), 0u64..40, 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
-        1 => (h.clone(), 0u64..8, bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
+        1 => (h.clone(), write_offset(40), 1u32..40).prop_map(|(k, o, s)| Op::HandleRead(k, o, s)),
+        1 => (h.clone(), write_offset(8), bytes).prop_map(|(k, o, b)| Op::HandleWrite(k, o, b)),
         1 => h.clone().prop_map(Op::Fstat),
         1 => h.prop_map(Op::Close),
         6 => (k.clone(), kv_text()).prop_map(|(key, text)| Op::KvWrite { key, text }),

@@ -262,7 +262,7 @@ pub(super) fn source_keys() -> Vec<(&'static str, MVal)> {
 pub(super) fn source_tensors() -> Vec<Tensor<'static>> {
     vec![
         ("a", 5, vec![1, 2, 3], &[3]),
-        ("b", 1, vec![9, 8, 7, 6], &[2]),
+        ("b", 1, big_bytes(), &[BIG / 2]),
         ("c/d", 6, (0..34).collect(), &[32]),
     ]
 }

@@ -205,6 +205,7 @@ pub(super) fn discard(m: &Mounted, model: &mut Model) {
             let obj = model.objects.get_mut(&o).unwrap();
             obj.source = Some((dir, name.clone()));
             obj.origin = obj.source.clone();
+            obj.patched = None;
             committed.tensors.get_mut(&name).unwrap().2 = o;
             // A meta shown now keeps its file; one not shown is a new file.
             let shown = model.dirs[dir]

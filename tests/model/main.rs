@@ -60,7 +60,16 @@
 //! 25. a meta renamed onto a data name losing its last byte (`Fs::rename_parts`);
 //! 26. a written key's value not settling back to the file's (`Live::kv_settle`);
 //! 27. a removed key's name forgetting its type (`Live::kv_remove`);
-//! 28. ggml's block rule checked on the outermost dimension (`tensor_rule`).
+//! 28. ggml's block rule checked on the outermost dimension (`tensor_rule`);
+//! 29. the blocks a write stages past the first not journaled (`Record::Patch`);
+//! 30. a write's first block not filled from the source (`Patched::write_at`);
+//! 31. an in-place commit putting a tensor's staged blocks at the data's start.
+//!
+//! Source tensor "b" spans three blocks and writes go to its block edges, so
+//! that a write into a source tensor stages some of its blocks (`Patched`)
+//! and leaves the rest to the source: the model predicts which blocks are
+//! staged, and that reads of the others fail once the source is rewritten
+//! in place behind the mount.
 //!
 //! Found by the GGUF runs when they were added: the journal refusing a GGUF
 //! tensor's block type (a write into a Q8_0 tensor lost at a crash, and with
@@ -99,6 +108,13 @@ use stfs::source::Folder;
 use stfs::source::{FileStat, SourceFile};
 
 const NAMES: [&str; 5] = ["a", "b", "c/d", "x.meta.json", ""];
+/// Bytes of source tensor "b" (I16): over three blocks, so that a write
+/// into it stages some of its blocks and leaves the others to the source.
+const BIG: u64 = 12400;
+
+fn big_bytes() -> Vec<u8> {
+    (0..BIG).map(|i| (i * 7 % 251) as u8).collect()
+}
 /// The model's own dtype table: name, elements per block, bytes per block,
 /// ggml's type id (None: GGUF cannot hold it). Q8_0 is a ggml block type,
 /// which a safetensors file cannot hold.

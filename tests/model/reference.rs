@@ -131,6 +131,26 @@ pub(super) struct MObject {
     /// The same, kept through edits: where the tensor lies on disk, as its
     /// meta shows.
     pub(super) origin: Option<(usize, String)>,
+    /// Written in part: the source tensor under it (as `source`), and the
+    /// 4 KiB blocks staged (numbered from the block the tensor starts in:
+    /// its byte x is in block (x + pad) / 4096, `pad` its offset in the
+    /// file within a block). The other bytes are read from the source.
+    pub(super) patched: Option<MPatch>,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct MPatch {
+    pub(super) base: (usize, String),
+    pub(super) pad: u64,
+    pub(super) blocks: std::collections::BTreeSet<u64>,
+}
+
+impl MPatch {
+    /// Whether bytes `a..b` are all staged.
+    pub(super) fn staged(&self, a: u64, b: u64) -> bool {
+        a >= b
+            || ((a + self.pad) / 4096..=(b - 1 + self.pad) / 4096).all(|k| self.blocks.contains(&k))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -254,6 +274,7 @@ impl Model {
                 moved_away: false,
                 source: None,
                 origin: None,
+                patched: None,
             },
         );
         id
@@ -385,12 +406,45 @@ impl Model {
             obj.bytes.resize(len as usize, 0);
             obj.edited = true;
             obj.source = None;
+            obj.patched = None;
         }
     }
 
+    /// A write: into a source tensor (or one written in part), within its
+    /// length, only the blocks it touches are staged; else the bytes are
+    /// copied whole first.
     pub(super) fn write(&mut self, o: ObjId, offset: u64, data: &[u8]) {
+        let gguf = self.gguf.is_some();
+        let pad_of = |(d, n): &(usize, String), model: &Model| {
+            let mapped = &model.dirs[*d].mapped;
+            let at = match gguf {
+                true => gguf_offsets_in(mapped, n).2,
+                false => offsets_in(mapped, n).2,
+            };
+            at % 4096
+        };
+        let len = self.objects[&o].bytes.len() as u64;
+        let end = offset + data.len() as u64;
+        let base = self.objects[&o].source.clone();
+        let pad = base.as_ref().map(|b| pad_of(b, self));
         let obj = self.objects.get_mut(&o).unwrap();
-        let end = offset as usize + data.len();
+        if data.is_empty() || end > len {
+            obj.patched = None;
+        } else if let (Some(base), Some(pad)) = (base, pad) {
+            obj.patched = Some(MPatch {
+                base,
+                pad,
+                blocks: Default::default(),
+            });
+        }
+        if let Some(p) = &mut obj.patched {
+            p.blocks
+                .extend((offset + p.pad) / 4096..=(end - 1 + p.pad) / 4096);
+            if p.staged(0, len) {
+                obj.patched = None;
+            }
+        }
+        let end = end as usize;
         if obj.bytes.len() < end {
             obj.bytes.resize(end, 0);
         }
@@ -423,13 +477,25 @@ impl Model {
         self.dirs[dir].rewritten && self.gguf.as_ref().is_some_and(GState::reads_file_arrays)
     }
 
-    /// Reading the bytes of `o` fails: they are in a source rewritten in place.
+    /// Reading the bytes of `o` fails: they are (some of them, written in
+    /// part) in a source rewritten in place.
     pub(super) fn unreadable(&self, o: ObjId) -> bool {
-        !self.objects[&o].bytes.is_empty()
-            && self.objects[&o]
-                .source
-                .as_ref()
-                .is_some_and(|(d, _)| self.dirs[*d].rewritten)
+        let obj = &self.objects[&o];
+        let base = obj
+            .source
+            .as_ref()
+            .or(obj.patched.as_ref().map(|p| &p.base));
+        !obj.bytes.is_empty() && base.is_some_and(|(d, _)| self.dirs[*d].rewritten)
+    }
+
+    /// Reading `n` bytes of `o` at `offset` fails: some of them are read
+    /// from a source rewritten in place.
+    pub(super) fn unreadable_at(&self, o: ObjId, offset: u64, n: u64) -> bool {
+        let obj = &self.objects[&o];
+        let end = (offset + n).min(obj.bytes.len() as u64);
+        self.unreadable(o)
+            && offset < end
+            && obj.patched.as_ref().is_none_or(|p| !p.staged(offset, end))
     }
 
     /// What `<name>.meta.json` shows.
@@ -785,6 +851,7 @@ impl Model {
                 obj.moved_away = false;
                 obj.source = Some((dir, name.clone()));
                 obj.origin = obj.source.clone();
+                obj.patched = None;
                 tensors.insert(name.clone(), (*dt, s.clone(), o, e.eid, obj.bytes.clone()));
             }
         }

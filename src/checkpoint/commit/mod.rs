@@ -155,10 +155,7 @@ impl Live {
         let pins = PlanPins(
             inputs
                 .iter()
-                .filter_map(|b| match b {
-                    Bytes::Staged(s) => Some(s.clone()),
-                    _ => None,
-                })
+                .filter_map(|b| b.staging_file().cloned())
                 .collect(),
         );
         let metadata = self
@@ -448,7 +445,7 @@ impl Live {
         let (mut entry_done, mut object_done) = (vec![false; len], vec![false; len]);
         let mut source_ids = vec![0; plan.members.len()];
         let mut source_objects = vec![0; plan.members.len()];
-        for (m, &j) in plan.members.iter().zip(&new_index) {
+        for (k, (m, &j)) in plan.members.iter().zip(&new_index).enumerate() {
             source_ids[j as usize] = m.entry;
             source_objects[j as usize] = m.object;
             let object_same = match &self.objects[m.object as usize] {
@@ -466,6 +463,17 @@ impl Live {
                 match &self.objects[m.object as usize] {
                     ObjectSlot::Live(o) => o.rebase(Bytes::Source(fresh.clone(), j)),
                     _ => self.objects[m.object as usize] = ObjectSlot::Source(j),
+                }
+            } else if let ObjectSlot::Live(o) = &self.objects[m.object as usize] {
+                // Blocks written during the commit, over what it took: those
+                // lie over the tensor's bytes in the new file now.
+                let took = match &plan.inputs[k] {
+                    Bytes::Source(src, i) => Some((src.clone(), *i)),
+                    Bytes::Patched(p) => Some((p.base().0.clone(), p.base().1)),
+                    _ => None,
+                };
+                if let Some((src, i)) = took.filter(|(src, _)| Arc::ptr_eq(src, &old)) {
+                    o.rebase_patch(&src, i, &fresh, j);
                 }
             }
             if entry_same && object_same {
@@ -578,12 +586,18 @@ impl Live {
         let mut rebased = false;
         for slot in &self.objects {
             let ObjectSlot::Live(o) = slot else { continue };
-            if let Bytes::Source(src, i) = o.bytes() {
-                let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
-                if Arc::ptr_eq(&src, old) && j != u32::MAX {
-                    o.rebase(Bytes::Source(fresh.clone(), j));
-                    rebased = true;
+            let (src, i, patched) = match o.bytes() {
+                Bytes::Source(src, i) => (src, i, false),
+                Bytes::Patched(p) => (p.base().0.clone(), p.base().1, true),
+                _ => continue,
+            };
+            let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
+            if Arc::ptr_eq(&src, old) && j != u32::MAX {
+                match patched {
+                    true => o.rebase_patch(old, i, fresh, j),
+                    false => o.rebase(Bytes::Source(fresh.clone(), j)),
                 }
+                rebased = true;
             }
         }
         if rebased {

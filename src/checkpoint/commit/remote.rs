@@ -400,22 +400,39 @@ fn pieces_of(new: &NewState, layout: &Layout) -> (Vec<Piece>, Vec<Arc<SourceFile
     let mut pieces = vec![Piece::Header(0..layout.header.len() as u64)];
     for (placed, &k) in layout.tensors.iter().zip(&layout.source_index) {
         let len = placed.nbytes();
-        let piece = match &new.inputs[k] {
-            Bytes::Source(src, i) => match from_of(src) {
-                Some(from) => {
-                    let at = src.tensor_range(*i as usize).start;
-                    Piece::Old {
-                        from,
-                        range: at..at + len,
-                    }
-                }
-                None => Piece::Input { k, range: 0..len },
-            },
-            _ => Piece::Input { k, range: 0..len },
+        // A source tensor is the server's to copy; so is a partly staged
+        // one, but for its staged blocks.
+        let (base, runs) = match &new.inputs[k] {
+            Bytes::Source(src, i) => (Some((src, *i)), Vec::new()),
+            Bytes::Patched(p) => (Some(p.base()), p.runs()),
+            _ => (None, Vec::new()),
         };
-        let last = pieces.last_mut().expect("the header");
-        if !last.join(&piece) {
-            pieces.push(piece);
+        let old =
+            base.and_then(|(src, i)| Some((from_of(src)?, src.tensor_range(i as usize).start)));
+        let mut these = Vec::new();
+        match old {
+            Some((from, at)) => {
+                let mut done = 0;
+                for (a, b) in runs.into_iter().chain(std::iter::once((len, len))) {
+                    if a > done {
+                        these.push(Piece::Old {
+                            from,
+                            range: at + done..at + a,
+                        });
+                    }
+                    if b > a {
+                        these.push(Piece::Input { k, range: a..b });
+                    }
+                    done = b;
+                }
+            }
+            None => these.push(Piece::Input { k, range: 0..len }),
+        }
+        for piece in these {
+            let last = pieces.last_mut().expect("the header");
+            if !last.join(&piece) {
+                pieces.push(piece);
+            }
         }
     }
     (pieces, others)

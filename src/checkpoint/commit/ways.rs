@@ -68,7 +68,7 @@ impl PlannedWay for InPlacePlan {
         // one by one, or (many small ones) the whole filesystem at once.
         let mut staged = std::collections::HashMap::new();
         for (_, k) in &layout.writes {
-            if let Bytes::Staged(s) = &plan.inputs[*k] {
+            if let Some(s) = plan.inputs[*k].staging_file() {
                 staged.insert(s.name(), s.clone());
             }
         }
@@ -321,10 +321,14 @@ impl CommitWay for InPlaceWay {
         let mut readers = vec![0i64; source.header().tensors.len()];
         let mut count = |bytes: &[Bytes], by: i64| {
             for b in bytes {
-                if let Bytes::Source(src, i) = b {
-                    if Arc::ptr_eq(src, source) {
-                        readers[*i as usize] += by;
-                    }
+                // (A partly staged tensor reads its source tensor too.)
+                let base = match b {
+                    Bytes::Source(src, i) => Some((src, *i)),
+                    Bytes::Patched(p) => Some(p.base()),
+                    _ => None,
+                };
+                if let Some((_, i)) = base.filter(|(src, _)| Arc::ptr_eq(src, source)) {
+                    readers[i as usize] += by;
                 }
             }
         };
@@ -448,10 +452,16 @@ pub(super) fn source_order(
     let mut kept = Vec::new();
     let mut others = Vec::new();
     for (k, input) in new.inputs.iter().enumerate() {
-        match input {
-            Bytes::Source(src, i) if Arc::ptr_eq(src, new.source) && !claimed[*i as usize] => {
-                claimed[*i as usize] = true;
-                kept.push((old.tensors.get(*i as usize).data_offsets.0, k));
+        // (A partly staged tensor is mostly its source tensor's bytes.)
+        let base = match input {
+            Bytes::Source(src, i) => Some((src, *i)),
+            Bytes::Patched(p) => Some(p.base()),
+            _ => None,
+        };
+        match base {
+            Some((src, i)) if Arc::ptr_eq(src, new.source) && !claimed[i as usize] => {
+                claimed[i as usize] = true;
+                kept.push((old.tensors.get(i as usize).data_offsets.0, k));
             }
             _ => others.push(k),
         }

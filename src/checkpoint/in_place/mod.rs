@@ -60,8 +60,13 @@ pub struct RangeWrite {
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub enum WriteFrom {
-    /// A staging file (by its name in the staging folder), from its start.
-    Staged { file: String },
+    /// A staging file (by its name in the staging folder), from `offset`
+    /// bytes into its tensor (a block of a partly staged tensor; else 0).
+    Staged {
+        file: String,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        offset: u64,
+    },
     /// Another range of the same file, which this commit does not change.
     Here { offset: u64 },
 }
@@ -98,11 +103,17 @@ impl InPlaceLayout {
             .writes
             .iter()
             .filter_map(|(w, _)| match &w.from {
-                WriteFrom::Staged { file } => Some(shareable_blocks(staged_pad(file), w.at, w.len)),
+                WriteFrom::Staged { file, offset } => {
+                    Some(shareable_blocks(staged_pad(file) + offset, w.at, w.len))
+                }
                 WriteFrom::Here { .. } => None,
             })
             .sum();
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The whole blocks of `len` bytes at `from` copied to `to` that a clone can
@@ -149,12 +160,34 @@ pub fn layout<'a>(
         byte_len(dtype, shape).map_err(|_| format!("tensor {name:?} has no valid size"))
     };
     // 1. Tensors whose bytes are the source's own stay where they are (the
-    //    first name that has them; a second is a copy).
+    //    first name that has them; a second is a copy), and so do source
+    //    tensors with some blocks staged (after those: a copy reads the
+    //    source's bytes where they are, which their blocks would change;
+    //    and only where nothing else reads them), written block by block.
     let mut claimed = vec![false; n_old];
     let mut place: Vec<Option<(u64, u64)>> = vec![None; count];
     let mut from: Vec<Option<WriteFrom>> = vec![None; count];
+    let base_of = |k: usize| match &inputs[k] {
+        Bytes::Source(src, i) => Some((src, *i)),
+        Bytes::Patched(p) => Some(p.base()),
+        _ => None,
+    };
+    // (Inputs reading each source tensor: one written in part changes its
+    // bytes only where it is the only one.)
+    let mut readers = vec![0usize; n_old];
     for k in 0..count {
-        if let Bytes::Source(src, i) = &inputs[k] {
+        if let Some((_, i)) =
+            base_of(k).filter(|(src, i)| Arc::ptr_eq(src, source) && (*i as usize) < n_old)
+        {
+            readers[i as usize] += 1;
+        }
+    }
+    for (k, patched) in (0..count)
+        .map(|k| (k, false))
+        .chain((0..count).map(|k| (k, true)))
+    {
+        let base = base_of(k).filter(|_| patched == matches!(inputs[k], Bytes::Patched(_)));
+        if let Some((src, i)) = base {
             if !Arc::ptr_eq(src, source) {
                 return Err(format!(
                     "tensor {:?} comes from another file ({})",
@@ -163,7 +196,7 @@ pub fn layout<'a>(
                 )
                 .into());
             }
-            let i = *i as usize;
+            let i = i as usize;
             let t = old.tensors.get(i);
             if len_of(k)? != t.nbytes() {
                 return Err(format!("tensor {:?} changes size", spec(k).0).into());
@@ -171,7 +204,7 @@ pub fn layout<'a>(
             if t.nbytes() == 0 {
                 continue; // no bytes to keep: placed at the end
             }
-            if claimed[i] {
+            if claimed[i] || (patched && (held[i] || readers[i] > 1)) {
                 // (Data-relative here; made a file offset once the header's size is known.)
                 from[k] = Some(WriteFrom::Here {
                     offset: t.data_offsets.0,
@@ -283,7 +316,9 @@ pub fn layout<'a>(
             // (New bytes are written at their new place from their staging
             // file: they overwrite nothing now.)
             match &inputs[k] {
-                Bytes::Source(..) => from[k] = Some(WriteFrom::Here { offset: start }),
+                Bytes::Source(..) | Bytes::Patched(..) => {
+                    from[k] = Some(WriteFrom::Here { offset: start })
+                }
                 _ if overwrote.contains(&k) => overwritten -= 1,
                 _ => {}
             }
@@ -408,6 +443,7 @@ pub fn layout<'a>(
     // 6. The writes: every placed input whose bytes are not already there.
     let mut writes = Vec::new();
     let mut bytes = header_write - header_from;
+    let mut patched = 0;
     for k in 0..count {
         let (start, stop) = place[k].expect("placed");
         if stop == start {
@@ -418,12 +454,19 @@ pub fn layout<'a>(
         if kept {
             continue;
         }
-        let from = match (&from[k], &inputs[k]) {
-            (Some(WriteFrom::Here { offset }), _) => WriteFrom::Here {
+        let whole = match (&from[k], &inputs[k]) {
+            (Some(WriteFrom::Here { offset }), _) => Some(WriteFrom::Here {
                 offset: data_start + offset,
-            },
-            (None, Bytes::Staged(s)) if s.len() == stop - start => {
-                WriteFrom::Staged { file: s.name() }
+            }),
+            (None, Bytes::Staged(s)) if s.len() == stop - start => Some(WriteFrom::Staged {
+                file: s.name(),
+                offset: 0,
+            }),
+            // (Over its own bytes, where they are: only its blocks.)
+            (None, Bytes::Patched(p))
+                if old.tensors.get(p.base().1 as usize).data_offsets == (start, stop) =>
+            {
+                None
             }
             _ => {
                 return Err(format!(
@@ -433,15 +476,36 @@ pub fn layout<'a>(
                 .into());
             }
         };
-        bytes += stop - start;
-        writes.push((
-            RangeWrite {
-                at: data_start + start,
-                len: stop - start,
-                from,
-            },
-            k,
-        ));
+        if let Some(from) = whole {
+            bytes += stop - start;
+            writes.push((
+                RangeWrite {
+                    at: data_start + start,
+                    len: stop - start,
+                    from,
+                },
+                k,
+            ));
+        }
+        // A partly staged tensor's blocks go over its source bytes (after
+        // them, where those are copied).
+        if let Bytes::Patched(p) = &inputs[k] {
+            patched += 1;
+            for (a, b) in p.runs() {
+                bytes += b - a;
+                writes.push((
+                    RangeWrite {
+                        at: data_start + start + a,
+                        len: b - a,
+                        from: WriteFrom::Staged {
+                            file: p.staged().name(),
+                            offset: a,
+                        },
+                    },
+                    k,
+                ));
+            }
+        }
     }
     let mut summary = vec![match inserted {
         0 => "header".to_string(),
@@ -449,6 +513,7 @@ pub fn layout<'a>(
     }];
     for (n, what) in [
         (overwritten, "overwritten"),
+        (patched, "written in part"),
         (appended, "appended"),
         (
             dropped,
@@ -534,15 +599,20 @@ fn fill_holes(
         if stop <= new_end {
             continue;
         }
-        let movable = match &inputs[k] {
-            Bytes::Source(src, i) => {
+        let base = match &inputs[k] {
+            Bytes::Source(src, i) => Some((src, *i)),
+            Bytes::Patched(p) => Some(p.base()),
+            _ => None,
+        };
+        let movable = match (base, &inputs[k]) {
+            (Some((src, i)), _) => {
                 Arc::ptr_eq(src, source)
                     && from[k].is_none()
-                    && old.tensors.get(*i as usize).data_offsets == (start, stop)
-                    && !held[*i as usize]
+                    && old.tensors.get(i as usize).data_offsets == (start, stop)
+                    && !held[i as usize]
             }
-            Bytes::Staged(_) => true,
-            Bytes::Empty => false,
+            (None, Bytes::Staged(_)) => true,
+            (None, _) => false,
         };
         if !movable {
             return Err("a tensor at the end that would fill it is still read, or a copy");
@@ -858,7 +928,7 @@ impl InPlaceRecord {
                         )));
                     }
                 }
-                WriteFrom::Staged { file } => {
+                WriteFrom::Staged { file, offset } => {
                     if file.contains('/') || file.is_empty() || file == "." || file == ".." {
                         return Err(BadRecord(format!(
                             "{file:?} is not a plain name of a staging file"
@@ -866,9 +936,9 @@ impl InPlaceRecord {
                     }
                     let have = staged_len(file)
                         .map_err(|e| BadRecord(format!("its staging file {file}: {e}")))?;
-                    if have < w.len {
+                    if offset.checked_add(w.len).is_none_or(|end| have < end) {
                         return Err(BadRecord(format!(
-                            "its staging file {file} holds {have} bytes, not the {} it writes",
+                            "its staging file {file} holds {have} bytes, not the {} it writes from {offset}",
                             w.len
                         )));
                     }
@@ -1026,10 +1096,12 @@ impl InPlaceRecord {
         for (n, w) in self.writes.iter().enumerate() {
             point("in-place:write").map_err(after)?;
             match &w.from {
-                WriteFrom::Staged { file: name } => {
+                WriteFrom::Staged { file: name, offset } => {
                     let staged = (steps.open_staged)(name).map_err(after)?;
                     let pad = staged_pad(name);
-                    shared += file.copy_in(&staged, pad, w.at, w.len).map_err(after)?;
+                    shared += file
+                        .copy_in(&staged, pad + offset, w.at, w.len)
+                        .map_err(after)?;
                 }
                 WriteFrom::Here { .. } if cut_already && from_cut(w) => {}
                 WriteFrom::Here { offset } => {

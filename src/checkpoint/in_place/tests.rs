@@ -127,6 +127,7 @@ fn recovery_reads_a_padded_staging_file_from_its_pad() {
         len: 4,
         from: WriteFrom::Staged {
             file: "s2+1234".into(),
+            offset: 0,
         },
     }];
     short_record.seal(&header);
@@ -140,6 +141,7 @@ fn recovery_reads_a_padded_staging_file_from_its_pad() {
         len: 4,
         from: WriteFrom::Staged {
             file: "s1+1234".into(),
+            offset: 0,
         },
     }];
     record.seal(&header);
@@ -196,6 +198,7 @@ fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
                     len: 4,
                     from: WriteFrom::Staged {
                         file: "short".into(),
+                        offset: 0,
                     },
                 }];
             }),
@@ -208,6 +211,7 @@ fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
                     len: 4,
                     from: WriteFrom::Staged {
                         file: "../short".into(),
+                        offset: 0,
                     },
                 }];
             }),
