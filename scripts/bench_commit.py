@@ -230,9 +230,12 @@ def run(a, fs_name):
             own = f"{seconds / base:11.2f}" if base else "          -"
             copied, shared = said_bytes(out)
             # What stfs says it copied against what the daemon wrote (/proc/PID/io):
-            # within 2 MiB and 10% (the journal, the redo record, metadata; an XFS
-            # overwrite by clones showed 1.1 MiB of write_bytes not yet explained).
-            io_ok = abs(wrote - copied) <= 2 * MIB + copied / 10
+            # within 4 MiB and 10% (the journal, the redo record, metadata; and the
+            # kernel counts a whole page-cache folio per write into a file, up to
+            # 2 MiB each on ext4 with large folios: a 4 KiB pwrite into an existing
+            # file counted 2.0 MiB here, which was the unexplained write_bytes of
+            # earlier runs).
+            io_ok = abs(wrote - copied) <= 4 * MIB + copied / 10
             mismatches += not io_ok
             print(f"{label:52} {way:9} {seconds:8.3f} {seconds / cp_time:7.4f} {py} {wrote / MIB:7.1f} MiB {own}"
                   f" {copied / MIB:8.1f} MiB {shared / MIB:8.1f} MiB {'ok' if io_ok else 'MISMATCH'}"

@@ -369,7 +369,8 @@ impl Live {
     /// journal adds them to that staging file's runs.
     pub fn object_patched(&mut self, file: String, runs: Vec<(u64, u64)>) {
         self.dirty = true;
-        self.log(vec![Record::Patch { file, runs }]);
+        self.touch();
+        self.journal_records(vec![Record::Patch { file, runs }]);
     }
 
     // ---- journal ----

@@ -14,27 +14,38 @@ impl Live {
         match bytes {
             Bytes::Empty => DataRef::Empty,
             Bytes::Staged(s) => DataRef::Staged { file: s.name() },
-            Bytes::Source(src, index) => self.source_ref(&src, index),
-            Bytes::Patched(p) => DataRef::Patched {
-                file: p.staged().name(),
-                base: Box::new(self.source_ref(p.base().0, p.base().1)),
-                runs: p.runs(),
-            },
+            Bytes::Source(src, index) => self.source_ref(&src, index, None),
+            Bytes::Patched(p) => {
+                // (A commit in flight took these blocks: they lie over its
+                // tensor in the new file, not over the source tensor's place.)
+                let took = self
+                    .committing
+                    .as_ref()
+                    .and_then(|c| c.patched.get(&id).copied());
+                DataRef::Patched {
+                    file: p.staged().name(),
+                    base: Box::new(self.source_ref(p.base().0, p.base().1, took)),
+                    runs: p.runs(),
+                }
+            }
         }
     }
 
-    fn source_ref(&self, src: &Arc<SourceFile>, index: u32) -> DataRef {
+    /// A reference to tensor `index` of `src`; `committed`: its index in
+    /// the file of the commit in flight, if not the source tensor's own.
+    fn source_ref(&self, src: &Arc<SourceFile>, index: u32, committed: Option<u32>) -> DataRef {
         let own = Arc::ptr_eq(src, &self.source);
         DataRef::Source {
             shard: (!own).then(|| src.file_name().to_string_lossy().into_owned()),
             version: (!own).then(|| *src.stat()),
             index,
-            committed: self
-                .committing
-                .as_ref()
-                .filter(|_| own)
-                .and_then(|(_, moved)| moved.get(index as usize).copied())
-                .filter(|&j| j != u32::MAX),
+            committed: committed.filter(|_| own).or_else(|| {
+                self.committing
+                    .as_ref()
+                    .filter(|_| own)
+                    .and_then(|c| c.moved.get(index as usize).copied())
+                    .filter(|&j| j != u32::MAX)
+            }),
         }
     }
 
@@ -98,9 +109,15 @@ impl Live {
         }
     }
 
-    pub(super) fn log(&mut self, mut records: Vec<Record>) {
+    pub(super) fn log(&mut self, records: Vec<Record>) {
         self.version += 1;
         self.touch();
+        self.journal_records(records);
+    }
+
+    /// Appends `records` to the journal (or the batch being made), without
+    /// a new version of the state: bytes written, nothing laid out anew.
+    pub(super) fn journal_records(&mut self, mut records: Vec<Record>) {
         if let Some(batch) = &mut self.batch {
             batch.append(&mut records);
             return;

@@ -298,8 +298,8 @@ pub struct Live {
     kv: Option<kv::KvTable>,
     staging: Arc<Staging>,
     journal: Journal,
-    /// The commit in flight, if any: source index -> index in its new file.
-    committing: Option<(u64, Arc<Vec<u32>>)>,
+    /// The commit in flight, if any.
+    committing: Option<Committing>,
     /// Some edit since the last commit, discard or mount.
     dirty: bool,
     /// Journal records of an operation of several steps, written as one line.
@@ -318,6 +318,17 @@ pub struct Live {
     /// Writes that changed a tensor's length in place (its staging file
     /// grew or shrank): views lay the file out again (`views_version`).
     resized: std::sync::atomic::AtomicU64,
+}
+
+/// A commit in flight, as the journal names tensors while it runs: where
+/// each source tensor it keeps goes in the new file, and where the tensor
+/// written in part that each object held goes (the object's staged blocks,
+/// if written again during the commit, lie over that tensor then).
+struct Committing {
+    /// Source index -> index in the new file (u32::MAX: not kept as it is).
+    moved: Arc<Vec<u32>>,
+    /// Object id -> index in the new file of the tensor written in part it held.
+    patched: HashMap<Id, u32>,
 }
 
 fn source_name(source: &SourceFile, i: u32) -> &str {

@@ -112,29 +112,58 @@ impl DataObject {
         state.generation = generation;
     }
 
-    /// The same bytes, found elsewhere (a commit put them in the new file):
-    /// not an edit.
-    pub fn rebase(&self, bytes: Bytes) {
-        *self.state.write_anyway() = ObjectState::of(bytes, None, 0);
+    /// After a commit that took these bytes at `generation` and put them at
+    /// `fresh`'s tensor `to` (under the writer's lock: a write in flight
+    /// finishes first, and is not undone). Unchanged since: they are that
+    /// tensor now, not an edit (true). Written since, over the source
+    /// tensor the commit took them from (`took`), in part: the staged
+    /// blocks lie over the new file's tensor now (they include every block
+    /// the commit wrote, being a copy of what it took), still an edit.
+    pub fn settle_after_commit(
+        &self,
+        generation: u64,
+        took: Option<(&Arc<SourceFile>, u32)>,
+        fresh: &Arc<SourceFile>,
+        to: u32,
+    ) -> bool {
+        let _writer = self.writer.lock_anyway();
+        let mut state = self.state.write_anyway();
+        if state.generation == generation {
+            *state = ObjectState::of(Bytes::Source(fresh.clone(), to), None, 0);
+            return true;
+        }
+        if let (Bytes::Patched(p), Some((old, index))) = (&state.bytes, took) {
+            if Arc::ptr_eq(p.base().0, old) && p.base().1 == index {
+                state.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
+                state.origin = Some((fresh.clone(), to));
+            }
+        }
+        false
     }
 
-    /// A partly staged tensor over `old`'s tensor `index`, whose bytes a
-    /// commit put at `fresh`'s tensor `to`: the staged blocks now lie over
-    /// those (still an edit). Its staged blocks must include every block
-    /// the commit wrote over the source's bytes (a copy of what it took).
-    pub fn rebase_patch(
+    /// Another checkpoint's commit put `old`'s tensor `index` at `fresh`'s
+    /// tensor `to`, the same bytes: these bytes, if they are (or lie over)
+    /// that tensor, are read from there now. Returns whether they were.
+    pub fn rebase_from(
         &self,
         old: &Arc<SourceFile>,
         index: u32,
         fresh: &Arc<SourceFile>,
         to: u32,
-    ) {
+    ) -> bool {
+        let _writer = self.writer.lock_anyway();
         let mut state = self.state.write_anyway();
-        if let Bytes::Patched(p) = &state.bytes {
-            if Arc::ptr_eq(p.base().0, old) && p.base().1 == index {
+        match &state.bytes {
+            Bytes::Source(src, i) if Arc::ptr_eq(src, old) && *i == index => {
+                *state = ObjectState::of(Bytes::Source(fresh.clone(), to), None, 0);
+                true
+            }
+            Bytes::Patched(p) if Arc::ptr_eq(p.base().0, old) && p.base().1 == index => {
                 state.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
                 state.origin = Some((fresh.clone(), to));
+                true
             }
+            _ => false,
         }
     }
 

@@ -189,9 +189,7 @@ impl Bytes {
                 s.copy_tensor(*i as usize, from, to, to_off, len)
             }
             Bytes::Staged(s) => copy_range(&*s.file()?, s.pad() + from, to, to_off, len),
-            Bytes::Patched(p) if from == 0 && len == p.len() => {
-                p.copy_to(to, to_off, None).map(|_| ())
-            }
+            Bytes::Patched(p) if from == 0 => p.copy_to(to, to_off, len, None).map(|_| ()),
             Bytes::Patched(p) => {
                 p.check_source()?;
                 copy_through(
@@ -215,7 +213,7 @@ impl Bytes {
                 s.share_tensor(*i as usize, to, to_off, block)
             }
             Bytes::Staged(s) => copy_sharing(&*s.file()?, s.pad(), to, to_off, s.len(), block),
-            Bytes::Patched(p) => p.copy_to(to, to_off, Some(block)),
+            Bytes::Patched(p) => p.copy_to(to, to_off, p.len(), Some(block)),
             _ => self.copy_to(0, to, to_off, self.len()).map(|_| 0),
         }
     }

@@ -11,6 +11,7 @@
 //! offsets, whole blocks but at the tensor's two ends) says which they are.
 //! The journal records each run as it is staged (`Record::Patch`).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::sync::{Arc, Mutex};
 
@@ -22,8 +23,51 @@ pub struct Patched {
     base: Arc<SourceFile>,
     index: u32,
     staged: Arc<StagedFile>,
-    /// Ranges of the tensor staged (sorted, apart, not touching).
-    runs: Mutex<Vec<(u64, u64)>>,
+    runs: Mutex<Runs>,
+}
+
+/// Ranges of a tensor staged: start -> end, apart and not touching (a
+/// range added next to one merges with it), found in log time.
+#[derive(Clone, Default)]
+struct Runs(BTreeMap<u64, u64>);
+
+impl Runs {
+    /// The runs that overlap `a..b`, in order.
+    fn overlapping(&self, a: u64, b: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let first = self.0.range(..=a).next_back().map_or(a, |(&x, _)| x);
+        self.0
+            .range(first..b)
+            .map(|(&x, &y)| (x, y))
+            .filter(move |&(_, y)| y > a)
+    }
+
+    fn contains(&self, at: u64) -> bool {
+        self.overlapping(at, at + 1).next().is_some()
+    }
+
+    /// Adds `a..b`; returns its parts that were not in.
+    fn add(&mut self, a: u64, b: u64) -> Vec<(u64, u64)> {
+        let mut fresh = Vec::new();
+        let mut at = a;
+        // (Touching runs merge too.)
+        let joined: Vec<(u64, u64)> = self.overlapping(a.saturating_sub(1), b + 1).collect();
+        for &(x, y) in &joined {
+            if x > at && at < b {
+                fresh.push((at, x.min(b)));
+            }
+            at = at.max(y);
+        }
+        if at < b {
+            fresh.push((at, b));
+        }
+        let (mut lo, mut hi) = (a, b);
+        for (x, y) in joined {
+            self.0.remove(&x);
+            (lo, hi) = (lo.min(x), hi.max(y));
+        }
+        self.0.insert(lo, hi);
+        fresh
+    }
 }
 
 impl Patched {
@@ -40,7 +84,7 @@ impl Patched {
             base,
             index,
             staged,
-            runs: Mutex::new(Vec::new()),
+            runs: Mutex::default(),
         })
     }
 
@@ -56,16 +100,16 @@ impl Patched {
         if staged.len() != len || runs.iter().any(|&(a, b)| a >= b || b > len) {
             return None;
         }
-        let patched = Patched {
+        let mut all = Runs::default();
+        for &(a, b) in runs {
+            all.add(a, b);
+        }
+        Some(Patched {
             base,
             index,
             staged,
-            runs: Mutex::new(Vec::new()),
-        };
-        for &run in runs {
-            patched.add_run(run);
-        }
-        Some(patched)
+            runs: Mutex::new(all),
+        })
     }
 
     /// The source tensor under the staged blocks.
@@ -80,7 +124,7 @@ impl Patched {
             base,
             index,
             staged: self.staged.clone(),
-            runs: Mutex::new(self.runs()),
+            runs: Mutex::new(self.runs.lock_anyway().clone()),
         }
     }
 
@@ -98,14 +142,22 @@ impl Patched {
 
     /// The ranges of the tensor that are staged.
     pub fn runs(&self) -> Vec<(u64, u64)> {
-        self.runs.lock_anyway().clone()
+        self.runs_in(0, self.len())
+    }
+
+    /// The staged ranges that overlap `a..b`, cut to it.
+    fn runs_in(&self, a: u64, b: u64) -> Vec<(u64, u64)> {
+        let runs = self.runs.lock_anyway();
+        runs.overlapping(a, b)
+            .map(|(x, y)| (x.max(a), y.min(b)))
+            .collect()
     }
 
     /// Every byte is staged: the staging file alone is the tensor.
     pub fn whole(&self) -> bool {
         let len = self.len();
         let runs = self.runs.lock_anyway();
-        len == 0 || runs.as_slice() == [(0, len)]
+        len == 0 || (runs.0.len() == 1 && runs.0.get(&0) == Some(&len))
     }
 
     /// The whole blocks around `start..end` (tensor offsets), cut to the tensor.
@@ -117,10 +169,7 @@ impl Patched {
     }
 
     fn staged_at(&self, at: u64) -> bool {
-        self.runs
-            .lock_anyway()
-            .iter()
-            .any(|&(a, b)| a <= at && at < b)
+        self.runs.lock_anyway().contains(at)
     }
 
     /// Writes `data` at `offset` (within the tensor: the caller makes a
@@ -168,31 +217,8 @@ impl Patched {
     }
 
     /// Marks `run` staged; returns its parts that were not.
-    fn add_run(&self, (mut a, mut b): (u64, u64)) -> Vec<(u64, u64)> {
-        let mut runs = self.runs.lock_anyway();
-        let mut new = Vec::new();
-        let mut at = a;
-        for &(x, y) in runs.iter().filter(|&&(x, y)| y > a && x < b) {
-            if x > at {
-                new.push((at, x));
-            }
-            at = at.max(y);
-        }
-        if at < b {
-            new.push((at, b));
-        }
-        // Merge every run that touches or overlaps.
-        runs.retain(|&(x, y)| {
-            let joins = y >= a && x <= b;
-            if joins {
-                a = a.min(x);
-                b = b.max(y);
-            }
-            !joins
-        });
-        let place = runs.partition_point(|&(x, _)| x < a);
-        runs.insert(place, (a, b));
-        new
+    fn add_run(&self, (a, b): (u64, u64)) -> Vec<(u64, u64)> {
+        self.runs.lock_anyway().add(a, b)
     }
 
     /// Fills `out` with the bytes at `offset`: staged ones from the staging
@@ -200,13 +226,14 @@ impl Patched {
     pub fn read_exact_at(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
         let end = offset
             .checked_add(out.len() as u64)
-            .filter(|&e| e <= self.len())
+            .filter(|&e| e <= self.len() || out.is_empty())
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EIO))?;
-        let runs = self.runs();
+        if out.is_empty() {
+            return Ok(());
+        }
         let source = Bytes::Source(self.base.clone(), self.index);
         let mut at = offset;
-        for (a, b) in runs.into_iter().filter(|&(a, b)| b > offset && a < end) {
-            let (a, b) = (a.max(offset), b.min(end));
+        for (a, b) in self.runs_in(offset, end) {
             if a > at {
                 source
                     .read_exact_at(at, &mut out[(at - offset) as usize..(a - offset) as usize])?;
@@ -223,21 +250,28 @@ impl Patched {
         Ok(())
     }
 
-    /// Copies the whole tensor to `to` at `to_off`: the source's bytes
-    /// (sharing blocks where `share`, see `copy_sharing`), then the staged
-    /// runs over them. Returns the bytes shared.
-    pub fn copy_to(&self, to: &File, to_off: u64, share: Option<u64>) -> std::io::Result<u64> {
+    /// Copies the first `len` bytes to `to` at `to_off`: the source's
+    /// bytes (sharing blocks where `share`, see `copy_sharing`: the whole
+    /// tensor only), then the staged runs over them. Returns the bytes shared.
+    pub fn copy_to(
+        &self,
+        to: &File,
+        to_off: u64,
+        len: u64,
+        share: Option<u64>,
+    ) -> std::io::Result<u64> {
         let source = Bytes::Source(self.base.clone(), self.index);
+        let share = share.filter(|_| len == self.len());
         let mut shared = match share {
             Some(block) => source.copy_sharing_to(to, to_off, block)?,
             None => {
-                source.copy_to(0, to, to_off, self.len())?;
+                source.copy_to(0, to, to_off, len)?;
                 0
             }
         };
         let file = self.staged.file()?;
         let pad = self.staged.pad();
-        for (a, b) in self.runs() {
+        for (a, b) in self.runs_in(0, len) {
             shared += match share {
                 Some(block) => copy_sharing(&file, pad + a, to, to_off + a, b - a, block)?,
                 None => {
@@ -256,8 +290,8 @@ impl Patched {
         staged.set_len(self.len())?;
         let (from, to) = (self.staged.file()?, staged.file()?);
         let pad = self.staged.pad();
-        let runs = self.runs();
-        for &(a, b) in &runs {
+        let runs = self.runs.lock_anyway().clone();
+        for (a, b) in runs.overlapping(0, self.len()) {
             copy_range(&from, pad + a, &to, pad + a, b - a)?;
         }
         Ok(Patched {
@@ -357,7 +391,7 @@ mod tests {
             );
             // Copied whole into a file.
             let out = tempfile::tempfile().unwrap();
-            p.copy_to(&out, 3, None).unwrap();
+            p.copy_to(&out, 3, len, None).unwrap();
             let mut back = vec![0u8; model.len()];
             use std::os::unix::fs::FileExt;
             out.read_exact_at(&mut back, 3).unwrap();

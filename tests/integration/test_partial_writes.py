@@ -189,3 +189,38 @@ def test_a_failed_partial_write_changes_nothing(tmp_path, mount, run, monkeypatc
     assert open(path, "rb").read() == bytes(expected)
     assert run("commit", m.path).returncode == 0
     assert_checkpoint(src, {"a": np.frombuffer(bytes(expected), np.uint8)})
+
+
+def test_an_open_descriptor_does_not_stop_an_in_place_commit_a_view_does(tmp_path, mount, run):
+    """A descriptor on the tensor reads what the tensor is, so its staged blocks
+    go in place while it is open; a view opened before the write keeps the old
+    bytes, so the commit is a rewrite then, and says why."""
+    rng = np.random.default_rng(4)
+    src = tmp_path / "m.safetensors"
+    a = rng.integers(0, 255, 1 << 20, dtype=np.uint8)
+    save_file({"a": a, "b": np.arange(10, dtype=np.uint8)}, str(src))
+    m = mount(src)
+    path = os.path.join(m.path, "a")
+    reader = os.open(path, os.O_RDONLY)
+    try:
+        pwrite(path, b"held", 5000)
+        p = run("commit", m.path)
+        assert "committed in place" in p.stdout and "written in part" in p.stdout, p.stdout + p.stderr
+        assert os.pread(reader, 4, 5000) == b"held"
+    finally:
+        os.close(reader)
+    views = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(m.path, "__views__")) for f in fs
+             if f == "model.safetensors"]
+    view = os.open(views[0], os.O_RDONLY)
+    try:
+        before = os.pread(view, os.fstat(view).st_size, 0)
+        pwrite(path, b"view", 9000)
+        p = run("commit", m.path)
+        assert "committed by a rewrite" in p.stdout and "still read" in p.stdout, p.stdout + p.stderr
+        assert os.pread(view, len(before), 0) == before
+    finally:
+        os.close(view)
+    want = a.copy()
+    want[5000:5004] = np.frombuffer(b"held", np.uint8)
+    want[9000:9004] = np.frombuffer(b"view", np.uint8)
+    assert_checkpoint(src, {"a": want, "b": np.arange(10, dtype=np.uint8)})

@@ -940,3 +940,48 @@ def test_a_tensor_written_in_part_during_its_in_place_commit_keeps_both_writes(t
     out = run("commit", m.path)
     assert out.returncode == 0 and "in place" in out.stdout, out.stdout + out.stderr
     assert load_file(str(src))["a"].tobytes() == second.tobytes()
+
+
+def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mount, pauses, run, stfs,
+                                                                     monkeypatch):
+    """A tensor written in part, written again while its in-place commit runs,
+    and the daemon killed once the file landed, before the journal was
+    rewritten: the next mount takes the second write back over the tensor in
+    the new file (it was dropped as "not in the committed file")."""
+    rng = np.random.default_rng(8)
+    src = tmp_path / "m.safetensors"
+    a = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    save_file({"a": a, "b": np.arange(10, dtype=np.uint8)}, str(src))
+    p = pauses("in-place:recorded")
+    monkeypatch.setenv("STFS_CRASH_AT", "in-place:landed")
+    m = mount(src)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    path = os.path.join(m.path, "a")
+    want = a.copy()
+    for at, data in [(100, b"first"), (2 << 20, b"second")]:
+        if at != 100:
+            commit = background(stfs, "commit", m.path)
+            p.wait("in-place:recorded", commit)
+        # (No fsync: it would wait for the commit; a killed daemon's edits
+        # are in the journal's page cache.)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, at)
+        finally:
+            os.close(fd)
+        want[at:at + len(data)] = np.frombuffer(data, np.uint8)
+    p.go("in-place:recorded")
+    code, out, err = finished(commit)
+    assert code != 0, out + err
+    wait_for_exit(m.pid, 20)
+    assert run("umount", m.path).returncode == 0
+    m.pid = None
+    first = a.copy()
+    first[100:105] = np.frombuffer(b"first", np.uint8)
+    assert load_file(str(src))["a"].tobytes() == first.tobytes(), "the commit landed"
+    p.release_all()  # (no pause in the next mount)
+    m2 = mount(src)
+    assert "took back" in m2.result.stderr and "not restored" not in m2.result.stderr, m2.result.stderr
+    assert open(os.path.join(m2.path, "a"), "rb").read() == want.tobytes()
+    assert run("commit", m2.path).returncode == 0
+    assert load_file(str(src))["a"].tobytes() == want.tobytes()

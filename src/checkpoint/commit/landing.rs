@@ -379,6 +379,22 @@ impl InPlaceJob {
                 error: std::io::Error::from_raw_os_error(libc::EAGAIN),
             });
         }
+        // (Checked as recovery checks it: a plan that breaks a rule of the
+        // record, a copy reading a range another write changes, writes nothing.)
+        let unmarked = |error| in_place::ApplyError {
+            marked: false,
+            error,
+        };
+        let len = self.file.metadata().map_err(unmarked)?.len();
+        let staged_len = |name: &str| {
+            self.staged
+                .get(name)
+                .map(|s| s.len())
+                .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))
+        };
+        self.record
+            .check(&self.header, len, &staged_len)
+            .map_err(|why| unmarked(std::io::Error::other(format!("internal: {why}"))))?;
         let open_staged = |name: &str| {
             self.staged
                 .get(name)

@@ -223,7 +223,19 @@ impl Live {
             }
         }
         let moved = Arc::new(moved);
-        self.committing = Some((commit, moved.clone()));
+        let patched = layout
+            .source_index
+            .iter()
+            .enumerate()
+            .filter(|&(_, &k)| {
+                matches!(&inputs[k], Bytes::Patched(p) if Arc::ptr_eq(p.base().0, &self.source))
+            })
+            .map(|(j, &k)| (members[k].object, j as u32))
+            .collect();
+        self.committing = Some(super::Committing {
+            moved: moved.clone(),
+            patched,
+        });
         self.log(vec![Record::Plan { commit }]);
         let described = way.describe(layout.file_len());
         Ok(Some(CommitPlan {
@@ -276,6 +288,10 @@ impl Live {
             let header = self.source.header();
             let place = |k: usize| match &inputs[k] {
                 Bytes::Source(src, i) if Arc::ptr_eq(src, &self.source) => (*i as u64, 0),
+                // (Written in part: its bytes are mostly where they were.)
+                Bytes::Patched(p) if Arc::ptr_eq(p.base().0, &self.source) => {
+                    (p.base().1 as u64, 0)
+                }
                 _ => {
                     let name = self.entry(members[k].entry).map_or("", |e| e.name);
                     match header.index_of(name) {
@@ -450,7 +466,16 @@ impl Live {
             source_objects[j as usize] = m.object;
             let object_same = match &self.objects[m.object as usize] {
                 ObjectSlot::Source(_) => m.object_gen == 0,
-                ObjectSlot::Live(o) => o.generation() == m.object_gen,
+                ObjectSlot::Live(o) => {
+                    // (Written since, in part: what it took lies in the new file now.)
+                    let took = match &plan.inputs[k] {
+                        Bytes::Source(src, i) => Some((src, *i)),
+                        Bytes::Patched(p) => Some(p.base()),
+                        _ => None,
+                    };
+                    let took = took.filter(|(src, _)| Arc::ptr_eq(src, &old));
+                    o.settle_after_commit(m.object_gen, took, &fresh, j)
+                }
                 ObjectSlot::Gone => false,
             };
             let entry_same = match &self.entries[m.entry as usize] {
@@ -460,20 +485,8 @@ impl Live {
             };
             if object_same {
                 object_done[m.object as usize] = true;
-                match &self.objects[m.object as usize] {
-                    ObjectSlot::Live(o) => o.rebase(Bytes::Source(fresh.clone(), j)),
-                    _ => self.objects[m.object as usize] = ObjectSlot::Source(j),
-                }
-            } else if let ObjectSlot::Live(o) = &self.objects[m.object as usize] {
-                // Blocks written during the commit, over what it took: those
-                // lie over the tensor's bytes in the new file now.
-                let took = match &plan.inputs[k] {
-                    Bytes::Source(src, i) => Some((src.clone(), *i)),
-                    Bytes::Patched(p) => Some((p.base().0.clone(), p.base().1)),
-                    _ => None,
-                };
-                if let Some((src, i)) = took.filter(|(src, _)| Arc::ptr_eq(src, &old)) {
-                    o.rebase_patch(&src, i, &fresh, j);
+                if let ObjectSlot::Source(_) = self.objects[m.object as usize] {
+                    self.objects[m.object as usize] = ObjectSlot::Source(j);
                 }
             }
             if entry_same && object_same {
@@ -586,17 +599,14 @@ impl Live {
         let mut rebased = false;
         for slot in &self.objects {
             let ObjectSlot::Live(o) = slot else { continue };
-            let (src, i, patched) = match o.bytes() {
-                Bytes::Source(src, i) => (src, i, false),
-                Bytes::Patched(p) => (p.base().0.clone(), p.base().1, true),
+            let i = match o.bytes() {
+                Bytes::Source(src, i) if Arc::ptr_eq(&src, old) => i,
+                Bytes::Patched(p) if Arc::ptr_eq(p.base().0, old) => p.base().1,
                 _ => continue,
             };
             let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
-            if Arc::ptr_eq(&src, old) && j != u32::MAX {
-                match patched {
-                    true => o.rebase_patch(old, i, fresh, j),
-                    false => o.rebase(Bytes::Source(fresh.clone(), j)),
-                }
+            // (Checked again under the object's writer: a write in between.)
+            if j != u32::MAX && o.rebase_from(old, i, fresh, j) {
                 rebased = true;
             }
         }

@@ -318,23 +318,37 @@ impl CommitWay for InPlaceWay {
         // longer named): the inputs are among `new.held` too (this
         // checkpoint's edited objects), and a renamed tensor, or one read
         // once, is no reason not to move it.
+        // (A tensor written in part reads its source tensor too; counted
+        // apart, the inputs' own: a descriptor on one reads what it reads.)
+        let own_patches: std::collections::HashSet<*const crate::source::Patched> = new
+            .inputs
+            .iter()
+            .filter_map(|b| match b {
+                Bytes::Patched(p) => Some(Arc::as_ptr(p)),
+                _ => None,
+            })
+            .collect();
         let mut readers = vec![0i64; source.header().tensors.len()];
+        let mut readers_apart = readers.clone();
         let mut count = |bytes: &[Bytes], by: i64| {
             for b in bytes {
-                // (A partly staged tensor reads its source tensor too.)
-                let base = match b {
-                    Bytes::Source(src, i) => Some((src, *i)),
-                    Bytes::Patched(p) => Some(p.base()),
-                    _ => None,
+                let (base, own) = match b {
+                    Bytes::Source(src, i) => (Some((src, *i)), false),
+                    Bytes::Patched(p) => (Some(p.base()), own_patches.contains(&Arc::as_ptr(p))),
+                    _ => (None, false),
                 };
                 if let Some((_, i)) = base.filter(|(src, _)| Arc::ptr_eq(src, source)) {
                     readers[i as usize] += by;
+                    if !own {
+                        readers_apart[i as usize] += by;
+                    }
                 }
             }
         };
         count(new.held, 1);
         count(new.inputs, -1);
         let held: Vec<bool> = readers.iter().map(|&n| n > 0).collect();
+        let held_apart: Vec<bool> = readers_apart.iter().map(|&n| n > 0).collect();
         let specs = new.specs;
         let layout = in_place::layout(
             source,
@@ -343,6 +357,7 @@ impl CommitWay for InPlaceWay {
             new.inputs,
             new.format,
             &held,
+            &held_apart,
             crate::source::local::inserts_blocks(&file),
         )?;
         let mut layout = layout;

@@ -129,7 +129,10 @@ pub fn shareable_blocks(from: u64, to: u64, len: u64) -> u64 {
 /// Lays out the new state in the source's own file, or says why it cannot
 /// be: `spec(k)` is input `k`'s name, dtype and shape, `inputs[k]` its bytes;
 /// `held[i]`: source tensor `i`'s bytes are read by a descriptor or another
-/// shard, so they must stay where they are. `block`: the filesystem can
+/// shard, so they must stay where they are; `held_apart[i]`: by a reader
+/// other than an input written in part over it (whose reads do not change
+/// when its blocks are written over the tensor where it is), so they must
+/// stay as they are too. `block`: the filesystem can
 /// insert blocks of this size at the file's start, to grow the header.
 /// `format` writes the header (and says how tensors are aligned).
 #[allow(clippy::too_many_arguments)]
@@ -140,6 +143,7 @@ pub fn layout<'a>(
     inputs: &[Bytes],
     format: &dyn FormatWriter,
     held: &[bool],
+    held_apart: &[bool],
     block: Option<u64>,
 ) -> Result<InPlaceLayout, Declined> {
     let old = source.header();
@@ -204,7 +208,16 @@ pub fn layout<'a>(
             if t.nbytes() == 0 {
                 continue; // no bytes to keep: placed at the end
             }
-            if claimed[i] || (patched && (held[i] || readers[i] > 1)) {
+            if patched && !claimed[i] && (held_apart[i] || readers[i] > 1) {
+                // (Its blocks would change bytes another reader reads where they are.)
+                return Err(format!(
+                    "tensor {:?} is written in part over source bytes that are still read (an \
+                     open view, or another tensor written over the same source tensor)",
+                    spec(k).0
+                )
+                .into());
+            }
+            if claimed[i] {
                 // (Data-relative here; made a file offset once the header's size is known.)
                 from[k] = Some(WriteFrom::Here {
                     offset: t.data_offsets.0,
@@ -856,8 +869,9 @@ impl InPlaceRecord {
     /// Why the record cannot be applied to a file of `len` bytes now, if it
     /// cannot: its sum, the new header against the new length, every range
     /// within the file and its staging file. Checked before anything is
-    /// written, so a record that does not hold leaves the file as it is.
-    fn check(
+    /// written, so a record that does not hold leaves the file as it is
+    /// (by recovery, and by a commit before it applies its own).
+    pub(crate) fn check(
         &self,
         header: &[u8],
         len: u64,

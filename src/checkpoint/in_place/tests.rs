@@ -367,6 +367,7 @@ mod planner {
                 metadata: meta.as_ref(),
             },
             held,
+            held,
             block,
         )
     }
