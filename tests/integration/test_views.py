@@ -313,6 +313,16 @@ def read_while_daemon_stopped(m, fd, n, off):
     got = []
     os.kill(m.pid, signal.SIGSTOP)
     try:
+        # (The signal takes effect a moment later: every thread stopped
+        # first, or a busy machine lets the daemon answer in between.)
+        def stopped():
+            tasks = os.listdir(f"/proc/{m.pid}/task")
+            return all(open(f"/proc/{m.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] in "Tt"
+                       for t in tasks)
+        deadline = time.monotonic() + 10
+        while not stopped():
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.01)
         t = threading.Thread(target=lambda: got.append(os.pread(fd, n, off)), daemon=True)
         t.start()
         t.join(5)
