@@ -344,7 +344,8 @@ pub fn layout<'a>(
         // (New tensors would go where the moved ones are read from.)
         if (0..count).any(|k| place[k].is_none() && len_of(k).is_ok_and(|n| n > 0)) {
             return Err(hole_err(
-                "tensors are added too, where the ones that would fill it are read from",
+                "new bytes (a tensor added, or one of another size) go at the end too, where \
+                 the ones that would fill it are read from",
             ));
         }
     }
