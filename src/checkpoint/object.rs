@@ -53,6 +53,29 @@ impl ObjectState {
     }
 }
 
+impl ObjectState {
+    /// Written in part over `old`'s tensor `index`, whose bytes are now
+    /// `fresh`'s tensor `to`: the staged blocks lie over that (still an
+    /// edit). Returns whether they did.
+    fn patch_over(
+        &mut self,
+        old: &Arc<SourceFile>,
+        index: u32,
+        fresh: &Arc<SourceFile>,
+        to: u32,
+    ) -> bool {
+        let Bytes::Patched(p) = &self.bytes else {
+            return false;
+        };
+        if !Arc::ptr_eq(p.base().0, old) || p.base().1 != index {
+            return false;
+        }
+        self.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
+        self.origin = Some((fresh.clone(), to));
+        true
+    }
+}
+
 /// What a write or a truncation did to an object's bytes.
 #[derive(Debug, Default, Clone)]
 pub struct Changed {
@@ -132,11 +155,8 @@ impl DataObject {
             *state = ObjectState::of(Bytes::Source(fresh.clone(), to), None, 0);
             return true;
         }
-        if let (Bytes::Patched(p), Some((old, index))) = (&state.bytes, took) {
-            if Arc::ptr_eq(p.base().0, old) && p.base().1 == index {
-                state.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
-                state.origin = Some((fresh.clone(), to));
-            }
+        if let Some((old, index)) = took {
+            state.patch_over(old, index, fresh, to);
         }
         false
     }
@@ -158,12 +178,7 @@ impl DataObject {
                 *state = ObjectState::of(Bytes::Source(fresh.clone(), to), None, 0);
                 true
             }
-            Bytes::Patched(p) if Arc::ptr_eq(p.base().0, old) && p.base().1 == index => {
-                state.bytes = Bytes::Patched(Arc::new(p.rebased(fresh.clone(), to)));
-                state.origin = Some((fresh.clone(), to));
-                true
-            }
-            _ => false,
+            _ => state.patch_over(old, index, fresh, to),
         }
     }
 

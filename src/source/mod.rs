@@ -267,6 +267,15 @@ impl Bytes {
         })
     }
 
+    /// The source tensor these bytes are, or lie over (written in part).
+    pub fn source_tensor(&self) -> Option<(&Arc<SourceFile>, u32)> {
+        match self {
+            Bytes::Source(src, i) => Some((src, *i)),
+            Bytes::Patched(p) => Some(p.base()),
+            _ => None,
+        }
+    }
+
     /// The staging file holding (some of) the bytes: pinned by a commit or
     /// a view that reads it, synced on fsync.
     pub fn staging_file(&self) -> Option<&Arc<StagedFile>> {

@@ -286,12 +286,9 @@ impl Live {
             // A GGUF file keeps its order: a tensor where its bytes (or its
             // name) were, new ones last.
             let header = self.source.header();
-            let place = |k: usize| match &inputs[k] {
-                Bytes::Source(src, i) if Arc::ptr_eq(src, &self.source) => (*i as u64, 0),
-                // (Written in part: its bytes are mostly where they were.)
-                Bytes::Patched(p) if Arc::ptr_eq(p.base().0, &self.source) => {
-                    (p.base().1 as u64, 0)
-                }
+            // (A tensor written in part: its bytes are mostly where they were.)
+            let place = |k: usize| match inputs[k].source_tensor() {
+                Some((src, i)) if Arc::ptr_eq(src, &self.source) => (i as u64, 0),
                 _ => {
                     let name = self.entry(members[k].entry).map_or("", |e| e.name);
                     match header.index_of(name) {
@@ -468,12 +465,9 @@ impl Live {
                 ObjectSlot::Source(_) => m.object_gen == 0,
                 ObjectSlot::Live(o) => {
                     // (Written since, in part: what it took lies in the new file now.)
-                    let took = match &plan.inputs[k] {
-                        Bytes::Source(src, i) => Some((src, *i)),
-                        Bytes::Patched(p) => Some(p.base()),
-                        _ => None,
-                    };
-                    let took = took.filter(|(src, _)| Arc::ptr_eq(src, &old));
+                    let took = plan.inputs[k]
+                        .source_tensor()
+                        .filter(|(src, _)| Arc::ptr_eq(src, &old));
                     o.settle_after_commit(m.object_gen, took, &fresh, j)
                 }
                 ObjectSlot::Gone => false,
@@ -599,10 +593,12 @@ impl Live {
         let mut rebased = false;
         for slot in &self.objects {
             let ObjectSlot::Live(o) = slot else { continue };
-            let i = match o.bytes() {
-                Bytes::Source(src, i) if Arc::ptr_eq(&src, old) => i,
-                Bytes::Patched(p) if Arc::ptr_eq(p.base().0, old) => p.base().1,
-                _ => continue,
+            let bytes = o.bytes();
+            let Some((_, i)) = bytes
+                .source_tensor()
+                .filter(|(src, _)| Arc::ptr_eq(src, old))
+            else {
+                continue;
             };
             let j = moved.get(i as usize).copied().unwrap_or(u32::MAX);
             // (Checked again under the object's writer: a write in between.)

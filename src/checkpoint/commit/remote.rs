@@ -402,13 +402,13 @@ fn pieces_of(new: &NewState, layout: &Layout) -> (Vec<Piece>, Vec<Arc<SourceFile
         let len = placed.nbytes();
         // A source tensor is the server's to copy; so is a partly staged
         // one, but for its staged blocks.
-        let (base, runs) = match &new.inputs[k] {
-            Bytes::Source(src, i) => (Some((src, *i)), Vec::new()),
-            Bytes::Patched(p) => (Some(p.base()), p.runs()),
-            _ => (None, Vec::new()),
+        let runs = match &new.inputs[k] {
+            Bytes::Patched(p) => p.runs(),
+            _ => Vec::new(),
         };
-        let old =
-            base.and_then(|(src, i)| Some((from_of(src)?, src.tensor_range(i as usize).start)));
+        let old = new.inputs[k]
+            .source_tensor()
+            .and_then(|(src, i)| Some((from_of(src)?, src.tensor_range(i as usize).start)));
         let mut these = Vec::new();
         match old {
             Some((from, at)) => {

@@ -332,12 +332,11 @@ impl CommitWay for InPlaceWay {
         let mut readers_apart = readers.clone();
         let mut count = |bytes: &[Bytes], by: i64| {
             for b in bytes {
-                let (base, own) = match b {
-                    Bytes::Source(src, i) => (Some((src, *i)), false),
-                    Bytes::Patched(p) => (Some(p.base()), own_patches.contains(&Arc::as_ptr(p))),
-                    _ => (None, false),
-                };
-                if let Some((_, i)) = base.filter(|(src, _)| Arc::ptr_eq(src, source)) {
+                let own = matches!(b, Bytes::Patched(p) if own_patches.contains(&Arc::as_ptr(p)));
+                if let Some((_, i)) = b
+                    .source_tensor()
+                    .filter(|(src, _)| Arc::ptr_eq(src, source))
+                {
                     readers[i as usize] += by;
                     if !own {
                         readers_apart[i as usize] += by;
@@ -468,12 +467,7 @@ pub(super) fn source_order(
     let mut others = Vec::new();
     for (k, input) in new.inputs.iter().enumerate() {
         // (A partly staged tensor is mostly its source tensor's bytes.)
-        let base = match input {
-            Bytes::Source(src, i) => Some((src, *i)),
-            Bytes::Patched(p) => Some(p.base()),
-            _ => None,
-        };
-        match base {
+        match input.source_tensor() {
             Some((src, i)) if Arc::ptr_eq(src, new.source) && !claimed[i as usize] => {
                 claimed[i as usize] = true;
                 kept.push((old.tensors.get(i as usize).data_offsets.0, k));

@@ -171,26 +171,23 @@ pub fn layout<'a>(
     let mut claimed = vec![false; n_old];
     let mut place: Vec<Option<(u64, u64)>> = vec![None; count];
     let mut from: Vec<Option<WriteFrom>> = vec![None; count];
-    let base_of = |k: usize| match &inputs[k] {
-        Bytes::Source(src, i) => Some((src, *i)),
-        Bytes::Patched(p) => Some(p.base()),
-        _ => None,
-    };
     // (Inputs reading each source tensor: one written in part changes its
     // bytes only where it is the only one.)
     let mut readers = vec![0usize; n_old];
-    for k in 0..count {
-        if let Some((_, i)) =
-            base_of(k).filter(|(src, i)| Arc::ptr_eq(src, source) && (*i as usize) < n_old)
-        {
-            readers[i as usize] += 1;
-        }
+    for (_, i) in inputs[..count]
+        .iter()
+        .filter_map(Bytes::source_tensor)
+        .filter(|(src, i)| Arc::ptr_eq(src, source) && (*i as usize) < n_old)
+    {
+        readers[i as usize] += 1;
     }
     for (k, patched) in (0..count)
         .map(|k| (k, false))
         .chain((0..count).map(|k| (k, true)))
     {
-        let base = base_of(k).filter(|_| patched == matches!(inputs[k], Bytes::Patched(_)));
+        let base = inputs[k]
+            .source_tensor()
+            .filter(|_| patched == matches!(inputs[k], Bytes::Patched(_)));
         if let Some((src, i)) = base {
             if !Arc::ptr_eq(src, source) {
                 return Err(format!(
@@ -613,12 +610,7 @@ fn fill_holes(
         if stop <= new_end {
             continue;
         }
-        let base = match &inputs[k] {
-            Bytes::Source(src, i) => Some((src, *i)),
-            Bytes::Patched(p) => Some(p.base()),
-            _ => None,
-        };
-        let movable = match (base, &inputs[k]) {
+        let movable = match (inputs[k].source_tensor(), &inputs[k]) {
             (Some((src, i)), _) => {
                 Arc::ptr_eq(src, source)
                     && from[k].is_none()
