@@ -36,7 +36,7 @@ pub enum ClientError {
 
 fn open(path: &Path) -> Result<File, ClientError> {
     File::open(path).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOTCONN) => ClientError::Dead(path.to_path_buf()),
+        Some(libc::ENOTCONN | libc::ECONNABORTED) => ClientError::Dead(path.to_path_buf()),
         _ => ClientError::Io(path.to_path_buf(), e),
     })
 }

@@ -423,9 +423,14 @@ fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
 }
 
 /// A FUSE mount whose daemon is gone answers ENOTCONN (statfs: never
-/// answered from the kernel's caches).
+/// answered from the kernel's caches), or ECONNABORTED when the request was
+/// sent while the daemon's last thread was still exiting.
 pub fn dead(mountpoint: &Path) -> bool {
-    rustix::fs::statfs(mountpoint).err() == Some(rustix::io::Errno::NOTCONN)
+    use rustix::io::Errno;
+    matches!(
+        rustix::fs::statfs(mountpoint),
+        Err(Errno::NOTCONN | Errno::CONNABORTED)
+    )
 }
 
 /// Where staging folders go, and their stem: beside the source (inside a

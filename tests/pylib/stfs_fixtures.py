@@ -118,12 +118,15 @@ def wait_for(done, what, seconds=60):
 
 
 def wait_for_exit(pid, seconds):
-    """Waits for a daemon we started to exit; kills it by pid if it hangs."""
+    """Waits for a daemon we started to exit; kills it by pid if it hangs.
+
+    The main thread turns zombie before the others have closed their
+    descriptors (/dev/fuse among them): done when it is the last one left."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":
+                if f.read().split()[2] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1:
                     return True
         except FileNotFoundError:
             return True
