@@ -8,7 +8,9 @@ took (in place or a rewrite) and the bytes the daemon wrote during the commit
 (write_bytes of /proc/PID/io). Baselines measured in the same run, on the
 same file: `cp` of the file plus fsync, the Python way (load_file + edit +
 save_file, the same cost for every edit), and dd + fsync of the edit's own
-bytes where it has some.
+bytes where it has some: from /dev/zero ("x own bytes"), and copied from a
+file in the page cache as a commit copies them from staging ("x cached"). The
+data edits (the append, the overwrite) are the median of 3 runs.
 
 The rows run in order on the same file, as a user's session would: the first
 header edit of a save_file file has no room in its header, so it is a
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,11 +72,19 @@ def patch(path, data, offset):
         os.close(fd)
 
 
-def dd_time(work, nbytes):
-    """Time to write `nbytes` to a new file in the same folder and fsync it (the edit's own bytes)."""
+def dd_time(work, nbytes, cached=False):
+    """Time to write `nbytes` to a new file in the same folder and fsync it (the edit's own
+    bytes): from /dev/zero, or (`cached`) copied from a file of as many bytes in the page
+    cache, as a commit copies them from its staging file."""
     path = os.path.join(work, "dd.bin")
-    t = timed(lambda: dd_write(path, nbytes))
+    source = "/dev/zero"
+    if cached:
+        source = os.path.join(work, "dd-source.bin")
+        dd_write(source, nbytes, "/dev/urandom", fsync=True)
+    t = timed(lambda: dd_write(path, nbytes, source))
     os.unlink(path)
+    if cached:
+        os.unlink(source)
     return t
 
 
@@ -141,21 +152,34 @@ def run(a, fs_name):
         os.mkdir(mnt)
         rows = []
         with Mount(a.stfs, src, mnt, log=os.path.join(work, "log"), check=True) as m:
-            def row(label, edit, own_bytes=0):
-                t = time.perf_counter()
-                edit()
-                edit_seconds = time.perf_counter() - t
-                staged = staged_bytes(work)
-                os.sync()  # staged bytes reach the disk before the commit is timed
-                before = written_by(m.pid)
-                t = time.perf_counter()
-                out = subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True, text=True).stdout
-                seconds = time.perf_counter() - t
-                wrote = written_by(m.pid) - before
+            def commit():
+                return subprocess.run([a.stfs, "commit", mnt], check=True, capture_output=True, text=True).stdout
+
+            def row(label, edit, own_bytes=0, repeat=1, undo=None):
+                """Times `edit` and its commit (the median of `repeat` runs, `undo` and a
+                commit between them: a single run of a data edit varies 2x on this disk)."""
+                runs = []
+                for k in range(repeat):
+                    if k and undo:
+                        undo()
+                        commit()
+                    t = time.perf_counter()
+                    edit()
+                    edit_seconds = time.perf_counter() - t
+                    staged = staged_bytes(work)
+                    os.sync()  # staged bytes reach the disk before the commit is timed
+                    before = written_by(m.pid)
+                    t = time.perf_counter()
+                    out = commit()
+                    seconds = time.perf_counter() - t
+                    wrote = written_by(m.pid) - before
+                    base = (statistics.median(dd_time(work, own_bytes) for _ in range(repeat)),
+                            dd_time(work, own_bytes, cached=True)) if own_bytes else None
+                    runs.append((seconds, wrote, base, edit_seconds, staged, out.strip()))
+                seconds, wrote, base, edit_seconds, staged, out = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
                 way = ("in place" if "committed in place" in out
                        else "shared" if "shares extents" in out else "rewrite")
-                base = dd_time(work, own_bytes) if own_bytes else None
-                rows.append((label, seconds, wrote, way, base, edit_seconds, staged, out.strip()))
+                rows.append((label, seconds, wrote, way, base, edit_seconds, staged, out))
 
             def meta_edit(value):
                 def go():
@@ -208,9 +232,9 @@ def run(a, fs_name):
             row("metadata (__metadata__.json)", meta_edit("{{ messages }}"))
             row("mv of one tensor", renames(1))
             row("metadata + 16 renames + an equal-size reshape", header_mix)
-            row("one 64 MiB tensor added", add, 64 * MIB)
+            row("one 64 MiB tensor added", add, 64 * MIB, repeat=3, undo=drop_tail)
             row("last tensor removed", drop_tail)
-            row("one 128 MiB tensor rewritten (dd conv=notrunc)", rewrite_one, 128 * MIB)
+            row("one 128 MiB tensor rewritten (dd conv=notrunc)", rewrite_one, 128 * MIB, repeat=3)
             row("4 bytes patched into a 128 MiB tensor (pwrite)", patch_one)
             row("a tensor removed from the middle", drop_middle)
         print(f"{total / (1 << 30):.1f} GiB checkpoint ({count} tensors of 128 MiB), {fs_name} in {a.dir}")
@@ -223,11 +247,12 @@ def run(a, fs_name):
         plain_patch = timed(lambda: patch(plain, b"\x01\x02\x03\x04", 100 * MIB + 3))
         os.unlink(plain)
         print(f"{'edit':52} {'way':9} {'seconds':>8} {'x cp':>7} {'x py':>7} {'written':>10} {'x own bytes':>11}"
+              f" {'x cached':>8}"
               f" {'said copied':>12} {'said shared':>12} io {'edit s':>8} {'staged':>10}")
         mismatches = 0
         for label, seconds, wrote, way, base, edit_seconds, staged, out in rows:
             py = f"{seconds / python_time:7.4f}" if python_time else "      -"
-            own = f"{seconds / base:11.2f}" if base else "          -"
+            own = f"{seconds / base[0]:11.2f} {seconds / base[1]:8.2f}" if base else "          -        -"
             copied, shared = said_bytes(out)
             # What stfs says it copied against what the daemon wrote (/proc/PID/io):
             # within 4 MiB and 10% (the journal, the redo record, metadata; and the

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import pty
+import re
 import select
 import shutil
 import subprocess
@@ -227,6 +228,35 @@ def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_p
     assert p.returncode == 0, p.stderr
     t["c"] = np.concatenate([t["c"], np.ones(3, np.uint8)])
     assert_checkpoint(src, t, {"note": "y" * 9000})
+
+
+def test_a_commit_returns_before_the_staging_files_it_read_are_removed(tmp_path, mount, run, pauses):
+    """Removing a large staging file frees its blocks and page cache (27 ms for
+    64 MiB on ext4, a third of that append's commit): the commit returns first,
+    the file goes after, and the mount answers meanwhile (no lock is held)."""
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(4, np.float32)}, str(src))
+    pause = pauses("commit:spent")
+    m = mount(src)
+    data = os.urandom(1 << 20)
+    with open(os.path.join(m.path, "new"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(m.path, "new.meta.json"), "w") as f:
+        json.dump({"dtype": "U8", "shape": [len(data)]}, f)
+    [staging] = tmp_path.glob(".m.safetensors.stfs-*")
+    [staged] = [f for f in staging.iterdir() if re.fullmatch(r"s\d+(\+\d+)?", f.name)]
+    p = run("commit", m.path)
+    assert p.returncode == 0, p.stderr
+    pause.wait("commit:spent")
+    assert staged.exists()
+    assert pathlib.Path(m.path, "new").read_bytes() == data
+    assert {"new", "new.meta.json", "w", "w.meta.json"} <= set(os.listdir(m.path))
+    assert_checkpoint(src, {"w": np.ones(4, np.float32), "new": np.frombuffer(data, np.uint8)})
+    pause.go("commit:spent")
+    deadline = time.monotonic() + 30
+    while staged.exists():
+        assert time.monotonic() < deadline, "the spent staging file was never removed"
+        time.sleep(0.01)
 
 
 def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount, run, monkeypatch):

@@ -562,12 +562,19 @@ impl Live {
         } else if let Some(dir) = self.staging.current() {
             self.journal.remove(&dir);
         }
+        // The staging files the plan read are spent. Removing them frees
+        // their blocks and page cache (27 ms for 64 MiB on ext4, a third of
+        // that append's commit), as unmapping the replaced file does: both
+        // wait until the commit has returned, and hold no lock. (The pins go
+        // now: a write into a tensor the plan read copies nothing aside.)
+        let spent = std::mem::take(&mut plan.inputs);
         drop(plan);
-        // Unmapping the replaced file frees its blocks and page cache, which
-        // takes a while for a large file: let the commit return first.
         let _ = std::thread::Builder::new()
             .name("stfs-unmap".into())
             .spawn(move || {
+                // (A test pauses here: the commit has returned.)
+                let _ = crate::testpoint::point("commit:spent");
+                drop(spent);
                 drop(old);
                 super::trim_memory();
             });
