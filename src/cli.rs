@@ -258,6 +258,15 @@ fn absolute(p: PathBuf) -> PathBuf {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A command whose reader went away (`stfs status | head -1`) ends as any
+    // shell tool does, by SIGPIPE, not by a panic of println!. Not the
+    // daemon: a reader of what it writes may go, and it must serve on.
+    if !matches!(cli.command, Command::Mount { .. }) {
+        // SAFETY: restoring a signal's default action, before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let stdout = &mut std::io::stdout().lock();
     let result = match cli.command {
         Command::Inspect { json, file } => crate::inspect::inspect(&file, json, stdout),

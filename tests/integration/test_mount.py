@@ -4,6 +4,7 @@ with real tools (ls, cat, dd, stat) and real syscalls."""
 import hashlib
 import json
 import os
+import signal
 import struct
 import subprocess
 import threading
@@ -198,6 +199,22 @@ def test_twenty_thousand_tensors(tmp_path, mount):
     assert len(out) == 40_001
     for i in (0, 9_999, 19_999):
         assert np.frombuffer(open(os.path.join(m.path, f"blk.{i}.w"), "rb").read(), np.int32).tolist() == [i, i]
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path, mount, stfs):
+    """`stfs status | head -1` and the like: when the reader goes, the
+    command ends by SIGPIPE as shell tools do (it panicked, exit 101), and
+    the daemon serves on."""
+    src = tmp_path / "many.safetensors"
+    save_file({f"blk.{i}.weight": np.zeros(1, np.int8) for i in range(5_000)}, str(src))
+    m = mount(src)
+    for i in range(5_000):  # a status report of about 200 KB
+        os.unlink(os.path.join(m.path, f"blk.{i}.weight"))
+    for args in (["inspect", src], ["inspect", "--json", src], ["status", m.path], ["status", "--json", m.path]):
+        p = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 10 >/dev/null', "-", stfs, *map(str, args)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 128 + signal.SIGPIPE and p.stderr == "", (args, p.returncode, p.stderr)
+    assert "removed    blk.4999.weight" in subprocess.run([stfs, "status", m.path], capture_output=True, text=True).stdout
 
 
 def test_sharded_folder_with_index(tmp_path, mount):

@@ -967,9 +967,39 @@ def test_a_tensor_written_in_part_during_its_in_place_commit_keeps_both_writes(t
     assert code == 0 and "in place" in out and "written in part" in out, out + err
     assert load_file(str(src))["a"].tobytes() == first.tobytes()
     assert open(path, "rb").read() == second.tobytes()
+    # Still the file's tensor "a", written since: not a new one.
+    st = run("status", m.path).stdout
+    assert "rewritten  a" in st and "added" not in st, st
     out = run("commit", m.path)
     assert out.returncode == 0 and "in place" in out.stdout, out.stdout + out.stderr
     assert load_file(str(src))["a"].tobytes() == second.tobytes()
+
+
+def test_a_tensor_written_during_its_commit_then_removed_is_said_removed(tmp_path, mount, pauses, run, stfs):
+    """After a commit that a write into the tensor raced, `rm` of it is a
+    removal (status said "meta ... without a data file" and no removal)."""
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(1 << 20, np.uint8), "b": np.ones(4, np.float32)}, str(src))
+    p = pauses("in-place:data")
+    m = mount(src)
+    path = os.path.join(m.path, "a")
+    with open(path, "r+b") as f:
+        f.write(b"first")
+    commit = background(stfs, "commit", m.path)
+    p.wait("in-place:data", commit)
+    with open(path, "r+b") as f:
+        f.seek(300000)
+        f.write(b"second")
+    p.go("in-place:data")
+    code, out, err = finished(commit)
+    assert code == 0 and "written in part" in out, out + err
+    st = run("status", m.path).stdout
+    assert "rewritten  a" in st and "added" not in st, st
+    os.unlink(path)
+    st = run("status", m.path).stdout
+    assert "removed    a" in st and "without a data file" not in st, st
+    assert run("commit", m.path).returncode == 0
+    assert list(load_file(str(src))) == ["b"]
 
 
 def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mount, pauses, run, stfs,

@@ -483,7 +483,11 @@ impl Live {
                     self.objects[m.object as usize] = ObjectSlot::Source(j);
                 }
             }
-            if entry_same && object_same {
+            // (An entry as the plan took it whose bytes were written since is
+            // still the new file's tensor j, written since: `stfs status`
+            // says rewritten, and `rm` of it a removal, not a new tensor.)
+            let written_since = matches!(self.objects[m.object as usize], ObjectSlot::Live(_));
+            if entry_same && (object_same || written_since) {
                 entry_done[m.entry as usize] = true;
                 let meta_file = self.meta_file_id(m.entry);
                 self.settle(m.entry, m.object, j, meta_file);
