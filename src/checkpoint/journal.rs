@@ -312,6 +312,16 @@ pub struct Folded {
     pub patches: std::collections::HashMap<String, Vec<(u64, u64)>>,
 }
 
+impl Folded {
+    /// No edit to take back.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+            && self.metadata.is_none()
+            && self.keys.is_none()
+            && self.patches.is_empty()
+    }
+}
+
 /// A source reference as it is in the file a commit landed (its index
 /// there), or None if the commit did not keep it.
 fn at_commit(data: &DataRef) -> Option<DataRef> {

@@ -185,6 +185,15 @@ pub fn resume(
     }
     if *how == Resume::Never {
         for d in &found {
+            if spent(d, lives) {
+                let _ = d.remove();
+                notes.push(format!(
+                    "{}: the staging folder of an earlier mount, all of whose edits are in the \
+                     source now (a commit this mount completed): removed",
+                    d.path().display()
+                ));
+                continue;
+            }
             notes.push(format!(
                 "{}: edits of an earlier mount, left as they are (--no-resume)",
                 d.path().display()
@@ -274,6 +283,25 @@ fn newest_journal(dir: &StagingDir) -> std::time::SystemTime {
 }
 
 /// A checkpoint's journal in `dir`, folded for the source as it is now.
+/// Whether a kept staging folder holds nothing the sources lack: no record
+/// of a commit to complete, and a journal of these sources (not another
+/// source's, in a shared --staging-dir) with no edit after what landed.
+fn spent(dir: &StagingDir, lives: &[&mut Live]) -> bool {
+    let names = dir.list().unwrap_or_default();
+    if names.is_empty() || names.iter().any(|n| n == super::staging::RENAMES) {
+        return false;
+    }
+    let mut ours = false;
+    for live in lives {
+        match read_journal(dir, live) {
+            Ok(None) => {}
+            Ok(Some(fold)) if fold.is_empty() => ours = true,
+            _ => return false,
+        }
+    }
+    ours
+}
+
 fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>, RecoveryError> {
     let folder = dir
         .folder()

@@ -345,8 +345,16 @@ impl StagingDir {
     pub fn remove(&self) -> std::io::Result<()> {
         self.open_files.lock_anyway().clear();
         let folder = self.folder()?;
-        for name in self.list()? {
-            folder.unlink(&name)?;
+        let names = self.list()?;
+        // (A test pauses here, to let a spent staging file go first.)
+        let _ = crate::testpoint::point("staging:remove");
+        for name in names {
+            match folder.unlink(&name) {
+                // (Removed meanwhile: a commit lets its spent staging files
+                // go on a thread of their own.)
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                other => other?,
+            }
         }
         let flags = rustix::fs::AtFlags::REMOVEDIR;
         Ok(rustix::fs::unlinkat(&self.parent.fd, &self.name, flags)?)

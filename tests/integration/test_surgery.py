@@ -353,6 +353,52 @@ def test_kept_edits_of_another_version_are_not_taken_back(tmp_path, mount):
     assert not m3.ok and "another version" in m3.result.stderr
 
 
+def test_no_resume_leaves_kept_edits_and_removes_a_spent_staging_folder(tmp_path, mount, run, monkeypatch):
+    """--no-resume leaves the edits of a daemon that died where they are (the
+    next plain mount takes them back), but a staging folder whose edits are
+    all in the source (a commit killed and completed by this mount) goes."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    before = src.read_bytes()
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(b"\x07" * 4)
+    os.kill(m.pid, signal.SIGKILL)
+    wait_for_exit(m.pid, 20)
+    m.pid = None
+    m.close()
+    [kept] = staging_folders(tmp_path)
+    m2 = mount(src, "--no-resume")
+    said = m2.result.stdout + m2.result.stderr
+    assert f"{kept}: edits of an earlier mount, left as they are (--no-resume)" in said, said
+    assert open(os.path.join(m2.path, "a"), "rb").read() == t["a"].tobytes()
+    m2.close()
+    assert kept.exists() and src.read_bytes() == before
+    m3 = mount(src)
+    assert "took back 1 staged change" in m3.result.stderr, m3.result.stderr
+    assert open(os.path.join(m3.path, "a"), "rb").read()[:4] == b"\x07" * 4
+    m3.close(discard=True)
+    # A commit killed half-way, then a --no-resume mount: it completes the
+    # commit, and the folder holds nothing more.
+    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
+    m4 = mount(src)
+    monkeypatch.delenv("STFS_CRASH_AT")
+    with open(os.path.join(m4.path, "a"), "r+b") as f:
+        f.write(b"\x09" * 4)
+    assert run("commit", m4.path).returncode != 0
+    m4.pid = None
+    m4.close()
+    [spent] = staging_folders(tmp_path)
+    m5 = mount(src, "--no-resume")
+    said = m5.result.stdout + m5.result.stderr
+    assert "completed a commit that was interrupted" in said, said
+    assert f"{spent}: the staging folder of an earlier mount, all of whose edits are in the source now" in said, said
+    assert not spent.exists()
+    assert open(os.path.join(m5.path, "a"), "rb").read()[:4] == b"\x09" * 4
+    m5.close()
+    assert staging_folders(tmp_path) == []
+
+
 def test_shards_of_a_folder_mount_share_a_staging_dir(tmp_path, mount, run):
     folder = tmp_path / "f"
     folder.mkdir()
