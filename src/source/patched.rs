@@ -198,15 +198,14 @@ impl Patched {
             false => hi,
         };
         let source = Bytes::Source(self.base.clone(), self.index);
-        let mut buf = Vec::with_capacity((tail - head) as usize);
-        buf.resize((offset - head) as usize, 0);
-        source.read_exact_at(head, &mut buf)?;
-        buf.extend_from_slice(data);
+        let mut before = vec![0u8; (offset - head) as usize];
+        source.read_exact_at(head, &mut before)?;
         let mut after = vec![0u8; (tail - end) as usize];
         source.read_exact_at(end, &mut after)?;
-        buf.extend_from_slice(&after);
         crate::testpoint::point("patch:write")?;
-        self.staged.write_at(&buf, head)?;
+        // (One vectored write: the data is not copied to join the edges;
+        // copying it halved the daemon's CPU for a 1 GiB `dd`, seen in perf.)
+        self.staged.write_parts_at(&[&before, data, &after], head)?;
         Ok(self.add_run((lo, hi)))
     }
 

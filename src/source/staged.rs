@@ -472,6 +472,34 @@ impl StagedFile {
         Ok(())
     }
 
+    /// Writes `parts` one after the other from `offset`, in one `pwritev`
+    /// where it can: a write that needs bytes around it is not copied
+    /// into one buffer with them first.
+    pub fn write_parts_at(&self, parts: &[&[u8]], offset: u64) -> std::io::Result<()> {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFBIG))?;
+        let file = self.file()?;
+        let mut slices: Vec<std::io::IoSlice> = parts
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| std::io::IoSlice::new(p))
+            .collect();
+        let mut left = &mut slices[..];
+        let mut at = self.pad + offset;
+        while !left.is_empty() {
+            let n = rustix::io::pwritev(&*file, left, at)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            at += n as u64;
+            std::io::IoSlice::advance_slices(&mut left, n);
+        }
+        self.len.fetch_max(end, Ordering::Relaxed);
+        Ok(())
+    }
+
     pub fn set_len(&self, len: u64) -> std::io::Result<()> {
         self.file()?.set_len(self.pad + len)?;
         self.len.store(len, Ordering::Relaxed);
@@ -618,5 +646,24 @@ mod tests {
         let mut buf = [0u8; 3];
         copy.read_at(&mut buf, 0).unwrap();
         assert_eq!((&buf, copy.pad()), (b"\0\0h", 7));
+    }
+
+    #[test]
+    fn parts_are_written_one_after_the_other_after_the_pad() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Arc::new(StagingDir::create(parent(tmp.path()), "m").unwrap());
+        let f = dir.new_file(100).unwrap();
+        let big = vec![7u8; 3 << 20];
+        f.write_parts_at(&[b"ab", b"", &big, b"z"], 5).unwrap();
+        assert_eq!(f.len(), 5 + 3 + (3 << 20));
+        let mut buf = vec![0u8; 8];
+        f.read_at(&mut buf, 3).unwrap();
+        assert_eq!(&buf, b"\0\0ab\x07\x07\x07\x07");
+        let mut last = [0u8; 2];
+        f.read_at(&mut last, 5 + 2 + (3 << 20) - 1).unwrap();
+        assert_eq!(&last, b"\x07z");
+        assert_eq!(f.file().unwrap().metadata().unwrap().len(), 100 + f.len());
+        f.write_parts_at(&[], 0).unwrap();
+        assert_eq!(f.len(), 5 + 3 + (3 << 20));
     }
 }
