@@ -156,11 +156,15 @@ def test_kill_9_mid_commit_leaves_old_or_new(tmp_path, stfs, run, monkeypatch, w
                 load_file(str(src))  # the official reader refuses it
         # A later mount is not confused by what the killed daemon left, and
         # completes a commit whose landing was recorded.
-        subprocess.run([stfs, "mount", str(src), str(mnt)], check=True)
+        later_pid = tmp_path / "later.pid"
+        subprocess.run([stfs, "mount", "--pid-file", str(later_pid), str(src), str(mnt)], check=True)
+        later = int(later_pid.read_text())
         try:
             assert sorted(os.listdir(mnt)) == ["__metadata__.json", "big", "big.meta.json", "small", "small.meta.json"]
         finally:
             subprocess.run([stfs, "umount", str(mnt)], check=True)
+            # (Its staging folder goes as the daemon exits, after the unmount.)
+            wait_for_exit(later, 20)
         # (The mount took the edit back from the journal, or found it landed; the unmount committed it.)
         assert sha(src) == new, (step, "the edit did not end in the file")
     # The later mounts removed what the killed daemons left: temp files and staging folders.
