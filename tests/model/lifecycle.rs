@@ -253,6 +253,8 @@ pub(super) fn remount(m: &mut Mounted, model: &mut Model) {
         dir.keep_files(true);
     }
     drop(m.fs.take());
+    // (As a daemon's exit does: what its commits let go of is gone.)
+    stfs::checkpoint::commit::wait_let_go();
     m.fs = Some(mount_of(m.dir.path(), m.folder, m.read_only, m.gguf));
     if let Some(g) = model.gguf.as_mut() {
         // The keys come back from the journal, each as it was.

@@ -112,6 +112,39 @@ fn problem_of(e: FormatError) -> Problem {
     }
 }
 
+/// What commits are still letting go of on threads of their own (spent
+/// staging files, replaced files): while any is, a staging folder may still
+/// be held (its lock too) by a checkpoint that is gone.
+static LETTING_GO: (std::sync::Mutex<usize>, std::sync::Condvar) =
+    (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+/// One commit's letting go, counted while it runs (however it ends).
+struct LettingGo;
+
+impl LettingGo {
+    fn start() -> LettingGo {
+        *LETTING_GO.0.lock_anyway() += 1;
+        LettingGo
+    }
+}
+
+impl Drop for LettingGo {
+    fn drop(&mut self) {
+        *LETTING_GO.0.lock_anyway() -= 1;
+        LETTING_GO.1.notify_all();
+    }
+}
+
+/// Waits until every commit has let go of what it left: for a mount made
+/// again in the same process (the model test), which must find the staging
+/// folder free.
+pub fn wait_let_go() {
+    let mut n = LETTING_GO.0.lock_anyway();
+    while *n > 0 {
+        n = LETTING_GO.1.wait(n).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
 /// Staging files a plan copies from, pinned (see `DataObject::take_for_commit`).
 struct PlanPins(Vec<Arc<StagedFile>>);
 
@@ -573,6 +606,7 @@ impl Live {
         // now: a write into a tensor the plan read copies nothing aside.)
         let spent = std::mem::take(&mut plan.inputs);
         drop(plan);
+        let going = LettingGo::start();
         let _ = std::thread::Builder::new()
             .name("stfs-unmap".into())
             .spawn(move || {
@@ -581,6 +615,7 @@ impl Live {
                 drop(spent);
                 drop(old);
                 super::trim_memory();
+                drop(going);
             });
         Ok(())
     }
