@@ -282,7 +282,6 @@ fn newest_journal(dir: &StagingDir) -> std::time::SystemTime {
         .unwrap_or(std::time::UNIX_EPOCH)
 }
 
-/// A checkpoint's journal in `dir`, folded for the source as it is now.
 /// Whether a kept staging folder holds nothing the sources lack: no record
 /// of a commit to complete, and a journal of these sources (not another
 /// source's, in a shared --staging-dir) with no edit after what landed.
@@ -302,6 +301,7 @@ fn spent(dir: &StagingDir, lives: &[&mut Live]) -> bool {
     ours
 }
 
+/// A checkpoint's journal in `dir`, folded for the source as it is now.
 fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>, RecoveryError> {
     let folder = dir
         .folder()

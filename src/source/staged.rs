@@ -464,12 +464,7 @@ impl StagedFile {
     }
 
     pub fn write_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
-        let end = offset
-            .checked_add(data.len() as u64)
-            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFBIG))?;
-        self.file()?.write_all_at(data, self.pad + offset)?;
-        self.len.fetch_max(end, Ordering::Relaxed);
-        Ok(())
+        self.write_parts_at(&[data], offset)
     }
 
     /// Writes `parts` one after the other from `offset`, in one `pwritev`

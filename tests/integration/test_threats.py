@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from conftest import as_user
-from stfs_fixtures import assert_checkpoint, base, wait_for_exit
+from stfs_fixtures import assert_checkpoint, base, wait_for, wait_for_exit
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user, or a loop filesystem")
 
@@ -230,6 +230,18 @@ def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_p
     assert_checkpoint(src, t, {"note": "y" * 9000})
 
 
+def append_staged(tmp_path, m, data):
+    """Appends tensor "new" holding `data` through mount `m` of
+    tmp_path/m.safetensors: (its staging folder, its staging file)."""
+    with open(os.path.join(m.path, "new"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(m.path, "new.meta.json"), "w") as f:
+        json.dump({"dtype": "U8", "shape": [len(data)]}, f)
+    [staging] = tmp_path.glob(".m.safetensors.stfs-*")
+    [staged] = [f for f in staging.iterdir() if re.fullmatch(r"s\d+(\+\d+)?", f.name)]
+    return staging, staged
+
+
 def test_a_commit_returns_before_the_staging_files_it_read_are_removed(tmp_path, mount, run, pauses):
     """Removing a large staging file frees its blocks and page cache (27 ms for
     64 MiB on ext4, a third of that append's commit): the commit returns first,
@@ -239,12 +251,7 @@ def test_a_commit_returns_before_the_staging_files_it_read_are_removed(tmp_path,
     pause = pauses("commit:spent")
     m = mount(src)
     data = os.urandom(1 << 20)
-    with open(os.path.join(m.path, "new"), "wb") as f:
-        f.write(data)
-    with open(os.path.join(m.path, "new.meta.json"), "w") as f:
-        json.dump({"dtype": "U8", "shape": [len(data)]}, f)
-    [staging] = tmp_path.glob(".m.safetensors.stfs-*")
-    [staged] = [f for f in staging.iterdir() if re.fullmatch(r"s\d+(\+\d+)?", f.name)]
+    _, staged = append_staged(tmp_path, m, data)
     p = run("commit", m.path)
     assert p.returncode == 0, p.stderr
     pause.wait("commit:spent")
@@ -253,10 +260,7 @@ def test_a_commit_returns_before_the_staging_files_it_read_are_removed(tmp_path,
     assert {"new", "new.meta.json", "w", "w.meta.json"} <= set(os.listdir(m.path))
     assert_checkpoint(src, {"w": np.ones(4, np.float32), "new": np.frombuffer(data, np.uint8)})
     pause.go("commit:spent")
-    deadline = time.monotonic() + 30
-    while staged.exists():
-        assert time.monotonic() < deadline, "the spent staging file was never removed"
-        time.sleep(0.01)
+    wait_for(lambda: not staged.exists(), "the spent staging file removed")
 
 
 def test_a_staging_folder_removed_while_a_spent_file_goes_is_removed_whole(tmp_path, mount, run, pauses):
@@ -267,21 +271,13 @@ def test_a_staging_folder_removed_while_a_spent_file_goes_is_removed_whole(tmp_p
     save_file({"w": np.ones(4, np.float32)}, str(src))
     pause = pauses("commit:spent", "staging:remove")
     m = mount(src)
-    with open(os.path.join(m.path, "new"), "wb") as f:
-        f.write(b"\x01" * 4096)
-    with open(os.path.join(m.path, "new.meta.json"), "w") as f:
-        json.dump({"dtype": "U8", "shape": [4096]}, f)
-    [staging] = tmp_path.glob(".m.safetensors.stfs-*")
-    [staged] = [f for f in staging.iterdir() if re.fullmatch(r"s\d+(\+\d+)?", f.name)]
+    staging, staged = append_staged(tmp_path, m, b"\x01" * 4096)
     assert run("commit", m.path).returncode == 0
     pause.wait("commit:spent")
     assert run("umount", m.path).returncode == 0
     pause.wait("staging:remove")  # the folder listed, the spent file in the list
     pause.go("commit:spent")
-    deadline = time.monotonic() + 30
-    while staged.exists():
-        assert time.monotonic() < deadline, "the spent staging file was never removed"
-        time.sleep(0.01)
+    wait_for(lambda: not staged.exists(), "the spent staging file removed")
     pause.go("staging:remove")
     wait_for_exit(m.pid, 20)
     m.pid = None
