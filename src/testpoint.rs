@@ -214,10 +214,146 @@ pub fn fs_event(event: FsEvent) {
 
 /// A sync of `file` done (`result`), told to the hook.
 pub fn synced(file: &std::fs::File, result: std::io::Result<()>) -> std::io::Result<()> {
+    let result = result.and_then(|()| io("sync"));
     if result.is_ok() {
         fs_event(FsEvent::SyncedFile { file });
     }
     result
+}
+
+// ---- A fault at every file operation ----
+//
+// Each file operation of the daemon's own (its staging folder and journal,
+// a commit's writes, syncs and renames, recovery's reads) passes one of
+// `io` or `io_best_effort` first. A fault runner (`tests/fault_runner.rs`)
+// arms a count on its thread, runs a scenario once to learn how many
+// operations it makes, then again failing the N-th, for every N (SQLite's
+// I/O-error tests are the model). Operations on other threads (the
+// background let-go of spent files) are not counted.
+
+/// Whether a failed operation must reach the caller as an error
+/// (`Reported`), or may be logged and passed over (`BestEffort`: removing
+/// what is no longer needed, a cache of the kernel's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoKind {
+    Reported,
+    BestEffort,
+}
+
+/// The operations counted since `arm_io_faults`, and the one that failed.
+#[derive(Debug, Default, Clone)]
+pub struct IoCount {
+    /// Operations counted (the failed one included).
+    pub count: u64,
+    /// The one that failed: its number, name and kind.
+    pub fired: Option<(u64, &'static str, IoKind)>,
+    /// The name of every operation counted, in order (the first 100,000).
+    pub ops: Vec<&'static str>,
+}
+
+struct IoFaults {
+    thread: std::thread::ThreadId,
+    fail_at: Option<u64>,
+    errno: i32,
+    seen: IoCount,
+}
+
+static IO_ARMED: AtomicBool = AtomicBool::new(false);
+static IO_FAULTS: Mutex<Option<IoFaults>> = Mutex::new(None);
+
+/// Counts the file operations of this thread from now on, failing the
+/// `fail_at`-th (from 1) with `errno`, if given.
+pub fn arm_io_faults(fail_at: Option<u64>, errno: i32) {
+    *IO_FAULTS.lock_anyway() = Some(IoFaults {
+        thread: std::thread::current().id(),
+        fail_at,
+        errno,
+        seen: IoCount::default(),
+    });
+    IO_ARMED.store(true, Ordering::SeqCst);
+}
+
+/// Stops counting; what was counted.
+pub fn disarm_io_faults() -> IoCount {
+    IO_ARMED.store(false, Ordering::SeqCst);
+    IO_FAULTS
+        .lock_anyway()
+        .take()
+        .map(|f| f.seen)
+        .unwrap_or_default()
+}
+
+/// What was counted so far (the count goes on).
+pub fn io_count() -> IoCount {
+    IO_FAULTS
+        .lock_anyway()
+        .as_ref()
+        .map(|f| f.seen.clone())
+        .unwrap_or_default()
+}
+
+thread_local! {
+    static PASSED_OVER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// While held, this thread's file operations are ones whose failure may be
+/// passed over (the work after a commit landed: a failure there costs room
+/// or a later retry, never an edit).
+pub struct BestEffort(());
+
+pub fn best_effort() -> BestEffort {
+    PASSED_OVER.with(|d| d.set(d.get() + 1));
+    BestEffort(())
+}
+
+impl Drop for BestEffort {
+    fn drop(&mut self) {
+        PASSED_OVER.with(|d| d.set(d.get() - 1));
+    }
+}
+
+fn io_op(op: &'static str, kind: IoKind) -> std::io::Result<()> {
+    if !IO_ARMED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let kind = match PASSED_OVER.with(|d| d.get()) {
+        0 => kind,
+        _ => IoKind::BestEffort,
+    };
+    let mut faults = IO_FAULTS.lock_anyway();
+    let Some(f) = faults.as_mut() else {
+        return Ok(());
+    };
+    if f.thread != std::thread::current().id() {
+        return Ok(());
+    }
+    f.seen.count += 1;
+    if f.seen.ops.len() < 100_000 {
+        f.seen.ops.push(op);
+    }
+    if f.fail_at == Some(f.seen.count) {
+        f.seen.fired = Some((f.seen.count, op, kind));
+        warn!(
+            "fault runner: failing file operation {} ({op})",
+            f.seen.count
+        );
+        if std::env::var_os("STFS_FAULT_BACKTRACE").is_some() {
+            warn!("at {}", std::backtrace::Backtrace::force_capture());
+        }
+        return Err(std::io::Error::from_raw_os_error(f.errno));
+    }
+    Ok(())
+}
+
+/// A file operation whose failure the caller must report.
+pub fn io(op: &'static str) -> std::io::Result<()> {
+    io_op(op, IoKind::Reported)
+}
+
+/// A file operation whose failure may be passed over (logged), never
+/// losing anything: removing a spent file, a cache.
+pub fn io_best_effort(op: &'static str) -> std::io::Result<()> {
+    io_op(op, IoKind::BestEffort)
 }
 
 #[cfg(test)]

@@ -117,10 +117,10 @@ impl Live {
         }));
     }
 
-    pub(super) fn mark(&mut self, names: &[&str]) {
+    pub(super) fn mark(&mut self, names: &[&str]) -> Result<(), EditError> {
         self.dirty = true;
         let records: Vec<Record> = names.iter().map(|n| self.record_of(n)).collect();
-        self.log(records);
+        self.log(records)
     }
 
     /// A new, empty data file under `name` (which keeps its meta). Exists if
@@ -142,13 +142,13 @@ impl Live {
             object.set_append_pad(end % crate::source::staged::STAGING_ALIGN);
         }
         self.attach(entry, id, Some(object.clone()));
-        self.mark(&[name]);
+        self.mark(&[name])?;
         Ok((id, object))
     }
 
     /// Makes `name.meta.json` exist (empty, so not yet valid) if it does
     /// not: a new file. Returns the entry.
-    pub fn create_meta(&mut self, name: &str) -> Id {
+    pub fn create_meta(&mut self, name: &str) -> Result<Id, EditError> {
         let (id, made) = self.entry_for(name);
         if self.meta_file(id).is_none() {
             if !made {
@@ -157,9 +157,9 @@ impl Live {
             if let Some(e) = self.entry_mut(id) {
                 e.meta = EntryMeta::Own(Meta::parse(b""));
             }
-            self.mark(&[name]);
+            self.mark(&[name])?;
         }
-        id
+        Ok(id)
     }
 
     /// Applies what was written to `name.meta.json`: in place (`replace`
@@ -207,7 +207,7 @@ impl Live {
                 }
             }
         }
-        self.mark(&[name]);
+        self.mark(&[name])?;
         Ok(error)
     }
 
@@ -233,7 +233,7 @@ impl Live {
         self.metadata_gen = next_gen();
         self.dirty = true;
         let doc = self.metadata.clone();
-        self.log(vec![Record::Metadata { doc: doc.clone() }]);
+        self.log(vec![Record::Metadata { doc: doc.clone() }])?;
         Ok(match doc {
             MetadataDoc::Invalid { error, .. } => Some(error),
             _ => None,
@@ -241,20 +241,21 @@ impl Live {
     }
 
     /// `__metadata__.json` made again after a removal: `{}` until written.
-    pub fn create_metadata(&mut self) {
+    pub fn create_metadata(&mut self) -> Result<(), EditError> {
         if self.metadata == MetadataDoc::Removed {
-            let _ = self.set_metadata(b"{}", false);
+            self.set_metadata(b"{}", false)?;
         }
+        Ok(())
     }
 
     /// Removes `__metadata__.json`: no metadata.
-    pub fn remove_metadata(&mut self) {
+    pub fn remove_metadata(&mut self) -> Result<(), EditError> {
         self.metadata = MetadataDoc::Removed;
         self.metadata_gen = next_gen();
         self.dirty = true;
         self.log(vec![Record::Metadata {
             doc: MetadataDoc::Removed,
-        }]);
+        }])
     }
 
     /// Removes the data file of `name`; its meta stays until removed too (or
@@ -270,8 +271,7 @@ impl Live {
             e.data = None;
         }
         self.prune(id);
-        self.mark(&[name]);
-        Ok(())
+        self.mark(&[name])
     }
 
     /// Removes `name.meta.json` (listed or hidden): the data file stays,
@@ -286,8 +286,7 @@ impl Live {
             e.meta_hidden = false;
         }
         self.prune(id);
-        self.mark(&[name]);
-        Ok(())
+        self.mark(&[name])
     }
 
     /// Takes the data file of `name` away (for a rename), with a copy of the
@@ -305,14 +304,19 @@ impl Live {
             e.meta_hidden = meta.is_some();
         }
         self.prune(entry);
-        self.mark(&[name]);
+        self.mark(&[name])?;
         Ok(Taken { id, object, meta })
     }
 
     /// Puts a data file under `name`, replacing its data file; the name keeps
     /// its meta unless the file brings one. `same_checkpoint`: `taken.id` is
     /// an id of this checkpoint and is kept (so is the kernel's inode).
-    pub fn put_data(&mut self, name: &str, taken: Taken, same_checkpoint: bool) {
+    pub fn put_data(
+        &mut self,
+        name: &str,
+        taken: Taken,
+        same_checkpoint: bool,
+    ) -> Result<(), EditError> {
         let (entry, _) = self.entry_for(name);
         let id = if same_checkpoint
             && self
@@ -331,7 +335,7 @@ impl Live {
                 e.meta = EntryMeta::Own(meta);
             }
         }
-        self.mark(&[name]);
+        self.mark(&[name])
     }
 
     /// A new data file holding `data` (a JSON file renamed onto a data name).
@@ -347,10 +351,14 @@ impl Live {
     /// A data write or truncation of `object`, listed here (see
     /// `DataObject::home`): the checkpoint has edits, and if the bytes moved
     /// to a new staging file (`moved`), the journal must say where they are.
-    pub fn object_written(&mut self, object: &Arc<DataObject>, moved: bool) {
+    pub fn object_written(
+        &mut self,
+        object: &Arc<DataObject>,
+        moved: bool,
+    ) -> Result<(), EditError> {
         self.dirty = true;
         if !moved {
-            return;
+            return Ok(());
         }
         let (_, entry) = object.home();
         let listed = self.entry(entry).and_then(|e| e.data).is_some_and(|d| {
@@ -361,16 +369,17 @@ impl Live {
                 .entry(entry)
                 .map(|e| e.name.to_string())
                 .unwrap_or_default();
-            self.mark(&[&name]);
+            self.mark(&[&name])?;
         }
+        Ok(())
     }
 
     /// Blocks of a partly staged tensor written (`Changed::patched`): the
     /// journal adds them to that staging file's runs.
-    pub fn object_patched(&mut self, file: String, runs: Vec<(u64, u64)>) {
+    pub fn object_patched(&mut self, file: String, runs: Vec<(u64, u64)>) -> Result<(), EditError> {
         self.dirty = true;
         self.touch();
-        self.journal_records(vec![Record::Patch { file, runs }]);
+        self.journal_records(vec![Record::Patch { file, runs }])
     }
 
     // ---- journal ----
@@ -381,9 +390,18 @@ impl Live {
         self.batch.get_or_insert_with(Vec::new);
     }
 
-    pub fn end_batch(&mut self) {
-        if let Some(records) = self.batch.take() {
-            self.log(records);
+    /// Forgets the batch (its operation failed half-way): the journal is
+    /// rewritten from the state at the next edit or fsync.
+    pub fn abandon_batch(&mut self) {
+        if self.batch.take().is_some_and(|b| !b.is_empty()) {
+            self.journal.broken = true;
+        }
+    }
+
+    pub fn end_batch(&mut self) -> Result<(), EditError> {
+        match self.batch.take() {
+            Some(records) => self.log(records),
+            None => Ok(()),
         }
     }
 
@@ -393,7 +411,12 @@ impl Live {
     /// keep their ids; bytes that were not edited keep theirs too (their
     /// inodes), edited ones come back under a fresh id, so that no page the
     /// kernel cached of the edited file is served as the source's.
-    pub fn discard(&mut self) {
+    /// The journal goes first: if it cannot, nothing is discarded (a
+    /// journal left would bring the edits back at the next mount).
+    pub fn discard(&mut self) -> Result<(), EditError> {
+        if let Some(dir) = self.staging.current() {
+            self.journal.remove(&dir)?;
+        }
         self.version += 1;
         self.touch();
         let len = self.entries.len();
@@ -455,8 +478,6 @@ impl Live {
             self.kv = Some(kv::KvTable::of(&self.source));
         }
         self.dirty = false;
-        if let Some(dir) = self.staging.current() {
-            self.journal.remove(&dir);
-        }
+        Ok(())
     }
 }

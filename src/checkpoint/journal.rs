@@ -158,6 +158,7 @@ impl Journal {
             )?;
             let mut line = serde_json::to_vec(&[begin()]).expect("records serialize");
             line.push(b'\n');
+            crate::testpoint::io("journal:append")?;
             (&f).write_all(&line)?;
             self.file = Some(std::sync::Arc::new(f));
         }
@@ -165,6 +166,7 @@ impl Journal {
         line.push(b'\n');
         let f = self.file.as_ref().expect("opened above");
         // One write per line: a crash tears at most the last line, which replay skips.
+        crate::testpoint::io("journal:append")?;
         (&**f).write_all(&line)?;
         self.appended += records.len();
         self.appended_bytes += line.len() as u64;
@@ -217,13 +219,22 @@ impl Journal {
         }
     }
 
-    pub fn remove(&mut self, staging: &crate::source::StagingDir) {
+    /// Removes the journal. If that fails it stays, and is `broken`: the
+    /// next edit or fsync rewrites it whole from the state.
+    pub fn remove(&mut self, staging: &crate::source::StagingDir) -> std::io::Result<()> {
         self.file = None;
-        if let Ok(folder) = staging.folder() {
-            let _ = folder.unlink(OsStr::new(&self.name));
-        }
         self.appended = 0;
-        self.broken = false;
+        let removed = staging
+            .folder()
+            .and_then(|folder| folder.unlink(OsStr::new(&self.name)));
+        self.broken = match &removed {
+            Err(e) => e.raw_os_error() != Some(libc::ENOENT),
+            Ok(()) => false,
+        };
+        removed.or_else(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) => Ok(()),
+            _ => Err(e),
+        })
     }
 }
 

@@ -109,47 +109,47 @@ impl Live {
         }
     }
 
-    pub(super) fn log(&mut self, records: Vec<Record>) {
+    pub(super) fn log(&mut self, records: Vec<Record>) -> Result<(), EditError> {
         self.version += 1;
         self.touch();
-        self.journal_records(records);
+        self.journal_records(records)
     }
 
     /// Appends `records` to the journal (or the batch being made), without
     /// a new version of the state: bytes written, nothing laid out anew.
-    pub(super) fn journal_records(&mut self, mut records: Vec<Record>) {
+    /// An edit whose line cannot be written fails with the error (the
+    /// edit stays in memory: the next edit, fsync or close rewrites the
+    /// journal whole, or fails too).
+    pub(super) fn journal_records(&mut self, mut records: Vec<Record>) -> Result<(), EditError> {
         if let Some(batch) = &mut self.batch {
             batch.append(&mut records);
-            return;
+            return Ok(());
         }
         if records.is_empty() {
-            return;
+            return Ok(());
         }
-        let result = self
-            .staging
-            .dir()
-            .map_err(|e| e.to_string())
-            .and_then(|d| d.folder().map_err(|e| e.to_string()))
-            .and_then(|folder| {
-                let begin = self.begin_record();
-                self.journal
-                    .append(&folder, || begin, &records)
-                    .map_err(|e| e.to_string())
-            });
-        if let Err(e) = result {
-            if !self.journal.broken {
-                warn!(file = %self.source.path().display(), "journal of staged edits: {e}; \
-                      edits stay in memory, and are written to the journal again at the next fsync");
-            }
+        if self.journal.broken {
+            // (The snapshot holds this edit too: the state is made already.)
+            return Ok(self.snapshot()?);
+        }
+        let dir = self.staging.dir()?;
+        let folder = dir.folder()?;
+        let begin = self.begin_record();
+        if let Err(e) = self.journal.append(&folder, || begin, &records) {
+            warn!(file = %self.source.path().display(), "journal of staged edits: {e}; \
+                  the edit failed, and the journal is written whole at the next edit, fsync or close");
             self.journal.broken = true;
-            return;
+            return Err(e.into());
         }
-        // Keep the journal within a few times the live edits.
+        // Keep the journal within a few times the live edits (a failure
+        // costs room, not an edit: the journal as it is holds them all).
         if self.committing.is_none() && self.journal.wants_snapshot(self.entries.len()) {
+            let _passed_over = crate::testpoint::best_effort();
             if let Err(e) = self.snapshot() {
                 warn!("rewriting the journal: {e}");
             }
         }
+        Ok(())
     }
 
     /// Every edit, as journal records: the source names gone, then every
@@ -365,9 +365,12 @@ impl Live {
             restored += usize::from(!self.kv_unchanged());
         }
         self.dirty = true;
+        // (The journal read holds the edits: a failure costs a rewrite later.)
+        let passed_over = crate::testpoint::best_effort();
         if let Err(e) = self.snapshot() {
             notes.push(format!("rewriting the journal: {e}"));
         }
+        drop(passed_over);
         self.dirty = !self.overlay().is_empty();
         info!(file = %self.source.path().display(), restored, "edits taken back from the journal");
         (restored, notes)

@@ -321,7 +321,7 @@ impl Live {
             content: parse(ty, b""),
             edited: Some(SystemTime::now()),
         });
-        self.kv_changed();
+        self.kv_changed()?;
         Ok(id)
     }
 
@@ -343,7 +343,7 @@ impl Live {
             _ => None,
         };
         self.kv_settle();
-        self.kv_changed();
+        self.kv_changed()?;
         Ok(why)
     }
 
@@ -352,8 +352,7 @@ impl Live {
         let p = t.position(key).ok_or(EditError::NotFound)?;
         let gone = t.entries.remove(p);
         t.gone.insert(gone.key, gone.ty);
-        self.kv_changed();
-        Ok(())
+        self.kv_changed()
     }
 
     /// `mv FROM TO` in `__kv__`: the value moves to TO, which keeps its own
@@ -408,8 +407,7 @@ impl Live {
             None => t.entries[p] = moved,
         }
         self.kv_settle();
-        self.kv_changed();
-        Ok(())
+        self.kv_changed()
     }
 
     /// The type a key made under `name` takes: the source's under that
@@ -457,13 +455,13 @@ impl Live {
         }
     }
 
-    fn kv_changed(&mut self) {
+    fn kv_changed(&mut self) -> Result<(), EditError> {
         if let Some(t) = self.kv.as_mut() {
             t.generation = next_gen();
         }
         self.dirty = true;
         let keys = self.kv_records();
-        self.log(vec![Record::Keys { keys }]);
+        self.log(vec![Record::Keys { keys }])
     }
 
     /// Whether the keys are the source's, in its order.
@@ -763,8 +761,7 @@ impl Live {
         }
         t.entries = entries;
         self.kv_settle();
-        self.kv_changed();
-        Ok(())
+        self.kv_changed()
     }
 
     /// The tensors of the state: names with bytes and a valid meta.

@@ -67,29 +67,44 @@ pub enum Resume {
 /// Before the sources are opened: finishes a commit that a crash
 /// interrupted: its in-place files are completed from their redo records,
 /// then its renames done (all of its new files were written and fsynced).
-pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
+/// An I/O error on the way stops it: the record is kept, and the mount
+/// fails with the error (a mount that came up anyway would serve a folder
+/// half committed).
+pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Result<Vec<String>, RecoveryError> {
     let mut notes = Vec::new();
     let (dirs, _) = kept(base, stem);
     for dir in dirs {
-        let record = Renames::read(&dir).unwrap_or_else(|why| {
-            // Left as it is: the files it names stay as they are, refused
-            // by readers if a commit of them in place was interrupted.
-            let note = format!(
-                "the record of an interrupted commit cannot be used, {why}: nothing was completed \
-                 from it and it is kept; a file it names that readers refuse stays so"
-            );
-            warn!("{note}");
-            notes.push(note);
-            None
-        });
+        let in_dir = |e: RecoveryError| RecoveryError::In {
+            dir: dir.path().to_path_buf(),
+            source: Box::new(e),
+        };
+        let record = match Renames::read(&dir) {
+            Ok(r) => r,
+            Err(why @ RecoveryError::Io { .. }) => return Err(in_dir(why)),
+            Err(why) => {
+                // Left as it is: the files it names stay as they are, refused
+                // by readers if a commit of them in place was interrupted.
+                let note = format!(
+                    "the record of an interrupted commit cannot be used, {why}: nothing was \
+                     completed from it and it is kept; a file it names that readers refuse stays so"
+                );
+                warn!("{note}");
+                notes.push(note);
+                None
+            }
+        };
         if let Some(r) = record {
-            let (completed, keep) = r.complete_in_place(&dir);
+            let (completed, keep) = r.complete_in_place(&dir).map_err(in_dir)?;
             notes.extend(completed);
             if keep {
                 continue; // the source stays refused: the next mount tries again
             }
-            let done = r.finish();
-            Renames::clear(&dir);
+            let done = r.finish().map_err(in_dir)?;
+            {
+                // (A record left behind is finished again, changing nothing.)
+                let _passed_over = crate::testpoint::best_effort();
+                Renames::clear(&dir);
+            }
             for path in done {
                 notes.push(format!(
                     "{}: finished a commit that was interrupted (renamed its new file into place)",
@@ -98,12 +113,14 @@ pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Vec<String> {
             }
         }
     }
-    notes
+    Ok(notes)
 }
 
 /// Removes the temp files that commits of dead daemons left beside `names`
 /// in `folder`: `.<name>.stfs-tmp-<pid>-*`, owned by this user.
 pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
+    // (One left costs room: the next mount tries again.)
+    let _passed_over = crate::testpoint::best_effort();
     let euid = rustix::process::geteuid().as_raw();
     let mut notes = Vec::new();
     let entries: Vec<OsString> = std::fs::read_dir(&folder.path)
@@ -137,6 +154,15 @@ pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
     notes
 }
 
+/// A kept staging folder that holds nothing to take back is removed; a
+/// failure leaves it (room, not edits), and is logged.
+fn remove_kept(dir: &StagingDir) {
+    let _passed_over = crate::testpoint::best_effort();
+    if let Err(e) = dir.remove() {
+        warn!(dir = %dir.path().display(), "removing a spent staging folder: {e}");
+    }
+}
+
 /// Gone, or a zombie waiting to be reaped.
 /// Whether a process is gone (or a zombie: dead, not yet reaped).
 pub(crate) fn process_gone(pid: u32) -> bool {
@@ -164,7 +190,7 @@ pub fn resume(
             .iter()
             .any(|n| n.as_bytes().ends_with(b".journal"));
         if !has_journal {
-            let _ = d.remove();
+            remove_kept(d);
         }
         has_journal
     });
@@ -186,7 +212,7 @@ pub fn resume(
     if *how == Resume::Never {
         for d in &found {
             if spent(d, lives) {
-                let _ = d.remove();
+                remove_kept(d);
                 notes.push(format!(
                     "{}: the staging folder of an earlier mount, all of whose edits are in the \
                      source now (a commit this mount completed): removed",
@@ -223,6 +249,12 @@ pub fn resume(
             match read_journal(&dir, live) {
                 Ok(Some(f)) => folds.push(Some(f)),
                 Ok(None) => folds.push(None),
+                Err(why @ RecoveryError::Io { .. }) => {
+                    return Err(RecoveryError::In {
+                        dir: dir.path().to_path_buf(),
+                        source: Box::new(why),
+                    });
+                }
                 Err(why) => {
                     refused = Some(why);
                     break;
@@ -313,7 +345,14 @@ fn read_journal(dir: &StagingDir, live: &Live) -> Result<Option<journal::Folded>
         Err(e) => return Err(RecoveryError::io(name)(e)),
     };
     let mut text = Vec::new();
-    std::io::Read::read_to_end(&mut &f, &mut text).map_err(RecoveryError::io(name))?;
+    crate::testpoint::io("read")
+        .and_then(|()| std::io::Read::read_to_end(&mut &f, &mut text))
+        .map_err(RecoveryError::io(name))?;
+    // Not one whole line: the first append was cut short (a crash, a full
+    // disk), so nothing was journaled in it.
+    if !text.contains(&b'\n') {
+        return Ok(None);
+    }
     let replay = journal::read(&text).map_err(|source| RecoveryError::Journal {
         what: name.to_string(),
         source,
@@ -378,7 +417,7 @@ mod tests {
             .write(&staging)
             .unwrap();
         } // the daemon is gone: its folder is unlocked
-        let notes = finish_renames(&folder, "f");
+        let notes = finish_renames(&folder, "f").unwrap();
         assert_eq!(
             std::fs::read(dir.path().join("a.safetensors")).unwrap(),
             b"new a"
@@ -390,7 +429,7 @@ mod tests {
         assert!(!tmp.exists());
         assert_eq!(notes.len(), 1, "{notes:?}");
         // Done once: the record is gone.
-        assert!(finish_renames(&folder, "f").is_empty());
+        assert!(finish_renames(&folder, "f").unwrap().is_empty());
     }
 
     #[test]
@@ -423,7 +462,7 @@ mod tests {
             .write(&staging)
             .unwrap();
         }
-        finish_renames(&folder, "f");
+        finish_renames(&folder, "f").unwrap();
         assert_eq!(
             std::fs::read(&target).unwrap(),
             b"theirs",
@@ -479,7 +518,7 @@ mod tests {
             .write(&staging)
             .unwrap();
         }
-        finish_renames(&folder, "f");
+        finish_renames(&folder, "f").unwrap();
         remove_dead_temps(&folder, &[OsStr::new("a.safetensors")]);
         assert_eq!(
             std::fs::read(&target).unwrap(),

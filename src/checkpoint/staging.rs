@@ -164,6 +164,7 @@ impl Renames {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
             Err(e) => return Err(RecoveryError::io(path.display())(e)),
         };
+        crate::testpoint::io("read").map_err(RecoveryError::io(path.display()))?;
         serde_json::from_reader(std::io::BufReader::new(f))
             .map(Some)
             .map_err(|e| {
@@ -172,12 +173,15 @@ impl Renames {
     }
 
     /// Forgets the record (and the headers of its in-place files).
+    /// (A record left behind names files landed or never begun: the next
+    /// mount finishes it again, changing nothing.)
     pub fn clear(dir: &StagingDir) {
+        let _passed_over = crate::testpoint::best_effort();
         if let Ok(folder) = dir.folder() {
-            let _ = folder.unlink(OsStr::new(RENAMES));
+            folder.unlink_spent(OsStr::new(RENAMES));
             for name in dir.list().unwrap_or_default() {
                 if name.as_bytes().starts_with(b"in-place-") {
-                    let _ = folder.unlink(&name);
+                    folder.unlink_spent(&name);
                 }
             }
             let _ = folder.sync();
@@ -187,16 +191,21 @@ impl Renames {
     /// Completes the in-place commits of the record (`dir` holds it). Returns
     /// notes, and whether the record must stay (a file still refused by
     /// every reader that could not be completed now).
-    pub fn complete_in_place(&self, dir: &StagingDir) -> (Vec<String>, bool) {
+    /// An I/O error stops it (the record is kept, the mount fails).
+    pub fn complete_in_place(
+        &self,
+        dir: &StagingDir,
+    ) -> Result<(Vec<String>, bool), RecoveryError> {
         let mut notes = Vec::new();
         let mut keep = false;
-        let Ok(folder) = dir.folder() else {
-            return (notes, !self.in_place.is_empty());
-        };
+        let folder = dir
+            .folder()
+            .map_err(RecoveryError::io(dir.path().display()))?;
         for r in &self.in_place {
             match r.complete(&folder) {
                 Ok(Some(note)) => notes.push(note),
                 Ok(None) => {}
+                Err((why @ RecoveryError::Io { .. }, _)) => return Err(why),
                 Err((why, marked)) => {
                     warn!("{why}");
                     notes.push(why.to_string());
@@ -204,12 +213,13 @@ impl Renames {
                 }
             }
         }
-        (notes, keep)
+        Ok((notes, keep))
     }
 
     /// Finishes the renames still to do: a temp file is renamed only if it
-    /// is still the file the commit wrote. Returns the targets renamed.
-    pub fn finish(&self) -> Vec<PathBuf> {
+    /// is still the file the commit wrote. Returns the targets renamed; an
+    /// I/O error stops it (the record stays for the next mount).
+    pub fn finish(&self) -> Result<Vec<PathBuf>, RecoveryError> {
         let plain = |n: &str| !n.is_empty() && n != "." && n != ".." && !n.contains('/');
         let mut done = Vec::new();
         for r in &self.files {
@@ -220,13 +230,14 @@ impl Renames {
                 );
                 continue;
             }
-            let folder = match Folder::open(&r.folder) {
-                Ok(f) => f,
-                Err(e) => {
-                    warn!(folder = %r.folder.display(), "finishing an interrupted commit: {e}");
-                    continue;
-                }
+            let io = |source| RecoveryError::Io {
+                what: format!(
+                    "{}: finishing an interrupted commit",
+                    r.folder.join(&r.target).display()
+                ),
+                source,
             };
+            let folder = Folder::open(&r.folder).map_err(&io)?;
             let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
                 continue; // renamed already
             };
@@ -250,14 +261,12 @@ impl Renames {
                     .stat_at(OsStr::new(&r.target))
                     .is_ok_and(|t| is(&t, &r.stat, false));
                 let theirs = r.replaces.is_some_and(|expected| !is(&st, &expected, true));
-                if landed
-                    && theirs
-                    && folder
+                if landed && theirs {
+                    folder
                         .exchange(OsStr::new(&r.tmp), OsStr::new(&r.target))
-                        .is_ok()
-                {
-                    let _ = folder.sync();
-                    keep_aside(&folder, r);
+                        .and_then(|()| folder.sync())
+                        .map_err(&io)?;
+                    keep_aside(&folder, r).map_err(&io)?;
                 } else {
                     warn!(
                         file = r.tmp,
@@ -267,45 +276,38 @@ impl Renames {
                 continue;
             }
             if !target_is_mapped(&folder) {
-                keep_aside(&folder, r);
+                keep_aside(&folder, r).map_err(&io)?;
                 continue;
             }
-            match folder.rename(OsStr::new(&r.tmp), OsStr::new(&r.target)) {
-                Ok(()) => {
-                    let _ = folder.sync();
-                    done.push(folder.path.join(&r.target))
-                }
-                Err(e) => warn!(file = r.tmp, "finishing an interrupted commit: {e}"),
-            }
+            folder
+                .rename(OsStr::new(&r.tmp), OsStr::new(&r.target))
+                .and_then(|()| folder.sync())
+                .map_err(&io)?;
+            done.push(folder.path.join(&r.target))
         }
-        done
+        Ok(done)
     }
 }
 
 /// The new file of an interrupted commit whose target another program
 /// replaced since: renamed `.<target>.stfs-kept-<commit>-<n>` (which the
 /// cleanup of temp files leaves alone), and said.
-fn keep_aside(folder: &Folder, r: &PendingRename) {
+fn keep_aside(folder: &Folder, r: &PendingRename) -> std::io::Result<()> {
     for n in 0..16 {
         let kept = format!(".{}.stfs-kept-{}", r.target, n);
         match folder.rename_noreplace(OsStr::new(&r.tmp), OsStr::new(&kept)) {
             Ok(()) => {
-                let _ = folder.sync();
+                folder.sync()?;
                 warn!(
                     file = r.target,
                     "changed by another program since the interrupted commit: left as it is; the \
                      commit's new file is kept beside it, as {kept}"
                 );
-                return;
+                return Ok(());
             }
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
-            Err(e) => {
-                warn!(
-                    file = r.tmp,
-                    "keeping the new file of an interrupted commit aside: {e}"
-                );
-                return;
-            }
+            Err(e) => return Err(e),
         }
     }
+    Err(std::io::Error::from_raw_os_error(libc::EEXIST))
 }

@@ -182,7 +182,20 @@ impl Transactions {
                 true => format!("{path}: staged edits discarded"),
                 false => format!("{path}: nothing to discard"),
             });
-            live.discard();
+            if let Err(e) = live.discard() {
+                let e = CommitError::Io {
+                    what: format!(
+                        "{path}: discarding (its staged edits are kept{})",
+                        match c {
+                            0 => String::new(),
+                            _ => format!("; those of the {c} files before it were discarded"),
+                        }
+                    ),
+                    source: std::io::Error::from_raw_os_error(crate::errno::ToErrno::to_errno(&e)),
+                };
+                warn!("{e}");
+                return Err(e);
+            }
         }
         info!("staged edits discarded");
         // Counted once done (a commit that waited for this one finds it so).
@@ -392,19 +405,30 @@ impl Transactions {
             }
             let fill = |f: &std::fs::File| {
                 use std::os::unix::fs::FileExt;
-                f.write_all_at(bytes, 0).map_err(|source| CommitError::Io {
-                    what: format!("writing {}", folder.path.join(name).display()),
-                    source,
-                })
+                crate::testpoint::io("write")
+                    .and_then(|()| f.write_all_at(bytes, 0))
+                    .map_err(|source| CommitError::Io {
+                        what: format!("writing {}", folder.path.join(name).display()),
+                        source,
+                    })
             };
             // The index as it is now: its mode, ACLs and attributes are carried over.
-            let now = folder
-                .open_file(
-                    std::ffi::OsStr::new(name),
-                    libc::O_RDONLY | libc::O_NONBLOCK,
-                    0,
-                )
-                .ok();
+            let now = match folder.open_file(
+                std::ffi::OsStr::new(name),
+                libc::O_RDONLY | libc::O_NONBLOCK,
+                0,
+            ) {
+                Ok(f) => Some(f),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+                Err(source) => {
+                    let e = CommitError::Io {
+                        what: format!("reading {}", folder.path.join(name).display()),
+                        source,
+                    };
+                    warn!("commit failed: {e}");
+                    return Err(e);
+                }
+            };
             match Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill) {
                 Ok(w) => pending.written.push(Box::new(w)),
                 Err(e) => {
@@ -418,7 +442,10 @@ impl Transactions {
         {
             let mut st = write(state);
             for ((c, _), w) in plans.iter().zip(&pending.written) {
-                st.live_mut(*c).landing(commit, w.stat());
+                if let Err(e) = st.live_mut(*c).landing(commit, w.stat()) {
+                    warn!("commit failed: {e}");
+                    return Err(e.into());
+                }
             }
         }
         for (c, _) in &plans {
@@ -427,9 +454,13 @@ impl Transactions {
                 return Err(e.into());
             }
         }
-        let mut failed = None;
+        // (Landed but not made durable: finished as landed, and said.)
+        let failed: Option<CommitError>;
         let landed = match land(commit, &pending.written, &self.staging) {
-            Ok(()) => pending.written.len(),
+            Ok(not_durable) => {
+                failed = not_durable;
+                pending.written.len()
+            }
             Err(LandError {
                 changed: false,
                 error,
@@ -469,8 +500,11 @@ impl Transactions {
             }
         };
         // Something landed: what follows finishes each file (or keeps its
-        // record for the next mount), whatever happens.
+        // record for the next mount), whatever happens. (Its file
+        // operations, the journal's rewrite among them, cost a retry when
+        // they fail, never an edit: the journal as it is knows the commit.)
         let written = pending.disarm();
+        let _passed_over = crate::testpoint::best_effort();
         let n_plans = plans.len();
         let mut st = write(state);
         let mut lines = Vec::new();

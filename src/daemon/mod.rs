@@ -563,7 +563,13 @@ pub fn open_local(
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
     let (base, stem) = staging_for(source, staging_dir)?;
-    let mut notes = recover::finish_renames(&base, &stem);
+    let mut notes = recover::finish_renames(&base, &stem).map_err(|e| {
+        format!(
+            "{}: an interrupted commit could not be finished: {e}; its record is kept, and the \
+             next mount tries again",
+            source.display()
+        )
+    })?;
     // Two mounts of one source are allowed; their commits are taken one at
     // a time, and the second is refused if the first changed the file.
     for m in crate::mountinfo::mounts() {
@@ -954,7 +960,7 @@ fn remove_if_same(path: &Path, written: &FileStat) {
             .stat_at(name)
             .is_ok_and(|st| st.dev == written.dev && st.ino == written.ino)
         {
-            let _ = folder.unlink(name);
+            folder.unlink_spent(name);
         }
     }
 }

@@ -34,7 +34,7 @@ impl Fs {
             let node = match (existing, &decoded) {
                 (Some(node), _) => node,
                 (None, Name::Metadata) => {
-                    st.live_mut(c).create_metadata();
+                    st.live_mut(c).create_metadata()?;
                     Node::Metadata(c)
                 }
                 (None, Name::Tensor(TensorFile::Data, tensor)) => {
@@ -54,7 +54,7 @@ impl Fs {
                 }
                 (None, Name::Tensor(TensorFile::Meta, tensor)) => {
                     let live = st.live_mut(c);
-                    let id = live.create_meta(tensor);
+                    let id = live.create_meta(tensor)?;
                     let file = live.meta_file(id).ok_or(FsError::NotFound)?;
                     Node::File(c, file.id, TensorFile::Meta)
                 }
@@ -136,22 +136,25 @@ impl Fs {
         len: u64,
     ) -> Result<(), FsError> {
         let changed = object.truncate(&self.staging, len)?;
-        self.note_write(object, changed);
-        Ok(())
+        self.note_write(object, changed)
     }
 
     /// After a data write: the checkpoint listing the object learns it has
     /// edits, and its journal where the bytes are if they moved; if their
     /// length changed, that its views are laid out anew.
-    pub(super) fn note_write(&self, object: &Arc<DataObject>, changed: crate::checkpoint::Changed) {
+    pub(super) fn note_write(
+        &self,
+        object: &Arc<DataObject>,
+        changed: crate::checkpoint::Changed,
+    ) -> Result<(), FsError> {
         self.meta_changed(object);
         let moved = changed.moved;
         if let Some((file, runs)) = changed.patched {
             let mut st = self.write_state();
             if let Some(c) = st.home(object) {
-                st.live_mut(c).object_patched(file, runs);
+                st.live_mut(c).object_patched(file, runs)?;
             }
-            return;
+            return Ok(());
         }
         if !moved {
             let st = self.read_state();
@@ -163,13 +166,14 @@ impl Fs {
                 }
             }
             if home.is_none_or(|c| st.live(c).is_dirty()) {
-                return;
+                return Ok(());
             }
         }
         let mut st = self.write_state();
         if let Some(c) = st.home(object) {
-            st.live_mut(c).object_written(object, moved);
+            st.live_mut(c).object_written(object, moved)?;
         }
+        Ok(())
     }
 
     /// After a data write, its tensor's meta has other attributes: its
@@ -272,7 +276,7 @@ impl Fs {
         let touched = st.files_of(c, &decoded);
         let live = st.live_mut(c);
         match &decoded {
-            Name::Metadata => live.remove_metadata(),
+            Name::Metadata => live.remove_metadata()?,
             Name::Tensor(TensorFile::Data, tensor) => live.unlink_data(tensor)?,
             Name::Tensor(TensorFile::Meta, tensor) => live.unlink_meta(tensor)?,
         }
@@ -341,7 +345,16 @@ impl Fs {
         // crash between two checkpoints' lines leaves a copy, never a loss).
         st.live_mut(c).begin_batch();
         let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
-        st.live_mut(c).end_batch();
+        // (A rename that failed half-way journals no half of it: the
+        // journal then says the name is where it was, and is rewritten
+        // from the state at the next edit or fsync.)
+        let journaled = match &result {
+            Ok(()) => st.live_mut(c).end_batch(),
+            Err(_) => {
+                st.live_mut(c).abandon_batch();
+                Ok(())
+            }
+        };
         touched.extend(st.files_of(c, &from));
         touched.extend(st.files_of(nc, &to));
         let shards = (c != nc).then(|| {
@@ -355,6 +368,7 @@ impl Fs {
         // (A data file brings its meta; the target's may go.)
         self.kernel.names_changed();
         result?;
+        journaled?;
         match shards {
             Some((from_shard, to_shard)) => {
                 info!(
@@ -405,11 +419,11 @@ impl Fs {
                         let text = self.json_text(st, from_node)?;
                         let live = st.live_mut(c);
                         let object = live.staged_object(&text)?;
-                        live.remove_metadata();
+                        live.remove_metadata()?;
                         object
                     }
                 };
-                st.live_mut(nc).put_data(target, taken, c == nc);
+                st.live_mut(nc).put_data(target, taken, c == nc)?;
             }
             Name::Tensor(TensorFile::Meta, _) | Name::Metadata => {
                 let text = match from {
@@ -448,7 +462,7 @@ impl Fs {
                     match from {
                         Name::Tensor(TensorFile::Data, source) => live.unlink_data(source)?,
                         Name::Tensor(TensorFile::Meta, source) => live.unlink_meta(source)?,
-                        Name::Metadata => live.remove_metadata(),
+                        Name::Metadata => live.remove_metadata()?,
                     }
                 }
                 let live = st.live_mut(nc);

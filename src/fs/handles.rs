@@ -614,7 +614,7 @@ impl Fs {
         };
         let object = target;
         let changed = object.write(&self.staging, offset, data)?;
-        self.note_write(&object, changed);
+        self.note_write(&object, changed)?;
         Ok(data.len() as u32)
     }
 

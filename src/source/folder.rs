@@ -171,6 +171,11 @@ impl Folder {
         let creates = flags & libc::O_CREAT != 0
             && crate::testpoint::fs_hooked()
             && self.stat_at(name).is_err();
+        crate::testpoint::io(if flags & libc::O_CREAT != 0 {
+            "create"
+        } else {
+            "open"
+        })?;
         let flags = oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
         let mode = rustix::fs::Mode::from_raw_mode(mode);
         let fd = rustix::fs::openat(&self.fd, name, flags, mode)?;
@@ -184,6 +189,7 @@ impl Folder {
     }
 
     pub fn rename(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::io("rename")?;
         crate::testpoint::fs_event(FsEvent::Renaming {
             folder: &self.path,
             from,
@@ -194,6 +200,7 @@ impl Folder {
 
     /// Renames, failing with EEXIST if `to` exists (renameat2 RENAME_NOREPLACE).
     pub fn rename_noreplace(&self, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::io("rename")?;
         if crate::testpoint::fs_hooked() && self.stat_at(to).is_err() {
             crate::testpoint::fs_event(FsEvent::Renaming {
                 folder: &self.path,
@@ -209,6 +216,7 @@ impl Folder {
 
     /// Swaps two names atomically (renameat2 RENAME_EXCHANGE).
     pub fn exchange(&self, a: &OsStr, b: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::io("exchange")?;
         crate::testpoint::fs_event(FsEvent::Exchanging {
             folder: &self.path,
             a,
@@ -220,12 +228,34 @@ impl Folder {
 
     /// Removes a file (never a folder, never through a link: unlinkat removes the name only).
     pub fn unlink(&self, name: &OsStr) -> std::io::Result<()> {
+        crate::testpoint::io("unlink")?;
         crate::testpoint::fs_event(FsEvent::Unlinking {
             folder: &self.path,
             name,
         });
         let flags = rustix::fs::AtFlags::empty();
         Ok(rustix::fs::unlinkat(&self.fd, name, flags)?)
+    }
+
+    /// Removes a file no longer needed (a temp file, a spent staging file):
+    /// a failure leaves it there, which costs room, never data; logged.
+    pub fn unlink_spent(&self, name: &OsStr) {
+        let removed = crate::testpoint::io_best_effort("unlink").and_then(|()| {
+            crate::testpoint::fs_event(FsEvent::Unlinking {
+                folder: &self.path,
+                name,
+            });
+            Ok(rustix::fs::unlinkat(
+                &self.fd,
+                name,
+                rustix::fs::AtFlags::empty(),
+            )?)
+        });
+        if let Err(e) = removed {
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                tracing::debug!(file = %self.path.join(name).display(), "not removed: {e}");
+            }
+        }
     }
 
     /// Whether this process may create files in the folder (its effective
@@ -247,6 +277,7 @@ impl Folder {
     }
 
     pub fn sync(&self) -> std::io::Result<()> {
+        crate::testpoint::io("sync-folder")?;
         rustix::fs::fsync(&self.fd)?;
         crate::testpoint::fs_event(FsEvent::SyncedFolder { folder: &self.path });
         Ok(())

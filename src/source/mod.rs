@@ -312,6 +312,9 @@ pub fn copy_range(
     mut to_off: u64,
     len: u64,
 ) -> std::io::Result<()> {
+    if len > 0 {
+        crate::testpoint::io("copy")?;
+    }
     let mut left = len;
     while left > 0 {
         let mut off_in = from_off;
@@ -389,6 +392,7 @@ pub fn copy_sharing(
     copy_range(from, from_off, to, to_off, head)?;
     let mut shared = 0;
     if body > 0 {
+        crate::testpoint::io("clone")?;
         let range = libc::file_clone_range {
             src_fd: from.as_raw_fd() as i64,
             src_offset: from_off + head,
@@ -421,6 +425,9 @@ pub(crate) fn copy_through(
     mut left: u64,
 ) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
+    if left > 0 {
+        crate::testpoint::io("copy")?;
+    }
     let mut buf = vec![0u8; (8 << 20).min(left as usize)];
     while left > 0 {
         let want = left.min(buf.len() as u64) as usize;

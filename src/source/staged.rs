@@ -100,8 +100,15 @@ impl StagingDir {
             let name = OsString::from(format!(".{stem}.stfs-{}", random_suffix()));
             // mkdirat fails if anything (a link included) already has the name.
             let mode = rustix::fs::Mode::from_raw_mode(0o700);
+            crate::testpoint::io("mkdir").map_err(io)?;
             match rustix::fs::mkdirat(&parent.fd, &name, mode) {
-                Ok(()) => return StagingDir::adopt(parent, &name),
+                Ok(()) => {
+                    crate::testpoint::fs_event(crate::testpoint::FsEvent::Created {
+                        folder: &parent.path,
+                        name: &name,
+                    });
+                    return StagingDir::adopt(parent, &name);
+                }
                 Err(rustix::io::Errno::EXIST) => continue,
                 Err(e) => return Err(io(e.into())),
             }
@@ -301,11 +308,18 @@ impl StagingDir {
     }
 
     fn open(&self, name: &str, flags: i32) -> std::io::Result<File> {
-        let flags = super::folder::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        let creates = flags & libc::O_CREAT != 0;
+        crate::testpoint::io(if creates { "create" } else { "open" })?;
+        let oflags = super::folder::oflags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC);
         let mode = rustix::fs::Mode::from_raw_mode(0o600);
-        Ok(File::from(rustix::fs::openat(
-            &self.dir, name, flags, mode,
-        )?))
+        let file = File::from(rustix::fs::openat(&self.dir, name, oflags, mode)?);
+        if creates && flags & libc::O_EXCL != 0 {
+            crate::testpoint::fs_event(crate::testpoint::FsEvent::Created {
+                folder: &self.path,
+                name: OsStr::new(name),
+            });
+        }
+        Ok(file)
     }
 
     fn file(&self, number: u64, pad: u64) -> std::io::Result<Arc<File>> {
@@ -321,12 +335,13 @@ impl StagingDir {
     pub fn write_atomic(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
         let folder = self.folder()?;
         let tmp = format!("{name}.tmp");
-        let _ = folder.unlink(OsStr::new(&tmp));
+        folder.unlink_spent(OsStr::new(&tmp));
         let f = folder.open_file(
             OsStr::new(&tmp),
             libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
             0o600,
         )?;
+        crate::testpoint::io("write")?;
         f.write_all_at(data, 0)?;
         crate::testpoint::synced(&f, f.sync_all())?;
         folder.rename(OsStr::new(&tmp), OsStr::new(name))?;
@@ -348,14 +363,13 @@ impl StagingDir {
         let names = self.list()?;
         // (A test pauses here, to let a spent staging file go first.)
         let _ = crate::testpoint::point("staging:remove");
+        // (A name gone meanwhile is no error: a commit lets its spent
+        // staging files go on a thread of their own. One left behind makes
+        // the folder's removal fail, and says so.)
         for name in names {
-            match folder.unlink(&name) {
-                // (Removed meanwhile: a commit lets its spent staging files
-                // go on a thread of their own.)
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                other => other?,
-            }
+            folder.unlink_spent(&name);
         }
+        crate::testpoint::io_best_effort("rmdir")?;
         let flags = rustix::fs::AtFlags::REMOVEDIR;
         Ok(rustix::fs::unlinkat(&self.parent.fd, &self.name, flags)?)
     }
@@ -476,6 +490,7 @@ impl StagedFile {
             .checked_add(len)
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFBIG))?;
         let file = self.file()?;
+        crate::testpoint::io("write")?;
         let mut slices: Vec<std::io::IoSlice> = parts
             .iter()
             .filter(|p| !p.is_empty())
@@ -496,7 +511,9 @@ impl StagedFile {
     }
 
     pub fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file()?.set_len(self.pad + len)?;
+        let file = self.file()?;
+        crate::testpoint::io("truncate")?;
+        file.set_len(self.pad + len)?;
         self.len.store(len, Ordering::Relaxed);
         Ok(())
     }
@@ -525,7 +542,7 @@ impl Drop for StagedFile {
         self.dir.open_files.lock_anyway().pop(&self.number);
         if !self.dir.keep.load(Ordering::Relaxed) {
             if let Ok(folder) = self.dir.folder() {
-                let _ = folder.unlink(OsStr::new(&self.name()));
+                folder.unlink_spent(OsStr::new(&self.name()));
             }
         }
     }

@@ -120,7 +120,7 @@ pub(super) fn mount(dir: &Path, folder: bool, read_only: bool) -> Fs {
 
 pub(super) fn mount_of(dir: &Path, folder: bool, read_only: bool, gguf: bool) -> Fs {
     let base = Arc::new(Folder::open(dir).unwrap());
-    recover::finish_renames(&base, "m");
+    recover::finish_renames(&base, "m").unwrap();
     let staging = Arc::new(Staging::new(base.clone(), "m"));
     let ext = if gguf { "gguf" } else { "safetensors" };
     let mut sources = open_sources(dir, if folder { 2 } else { 1 }, !read_only, ext);

@@ -137,6 +137,20 @@ pub enum CommitError {
          this commit waited for that discard to end"
     )]
     Discarded,
+    /// Every file landed (the mount serves them), but the sync that makes
+    /// their names durable failed: a crash could take a rename back. The
+    /// record is kept, so the next mount checks each file again (the
+    /// errno of `source`).
+    #[error(
+        "{}: committed, but not made durable ({source}): the record of the commit is kept, and \
+         the next mount checks it",
+        folder.display()
+    )]
+    NotDurable {
+        folder: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// A commit ran while this discard waited for it: the edits it would
     /// have dropped are in the files now (ECANCELED).
     #[error(
@@ -166,6 +180,7 @@ impl crate::errno::ToErrno for CommitError {
                 _ => libc::EIO,
             },
             CommitError::NotLanded { source, .. } => source.to_errno(),
+            CommitError::NotDurable { source, .. } => source.to_errno(),
             CommitError::Discarded | CommitError::CommittedFirst => libc::ECANCELED,
         }
     }

@@ -20,7 +20,7 @@ pub struct Written {
 impl Written {
     /// Removes the temp file (a commit that will not land).
     pub fn remove(&self) {
-        let _ = self.folder.unlink(&self.tmp);
+        self.folder.unlink_spent(&self.tmp);
     }
 
     pub fn stat(&self) -> FileStat {
@@ -53,7 +53,7 @@ impl Written {
         }
         let out = self.folder.stat_at(&self.tmp).map_err(err)?;
         if out.dev == expected.dev && out.ino == expected.ino {
-            let _ = self.folder.unlink(&self.tmp);
+            self.folder.unlink_spent(&self.tmp);
             return Ok(());
         }
         self.folder.exchange(&self.tmp, &self.target).map_err(err)?;
@@ -93,8 +93,10 @@ impl Written {
             use std::os::unix::fs::PermissionsExt;
             // (No set-id bit yet: the file is the daemon user's until chown.)
             let mode = std::fs::Permissions::from_mode(like.mode & 0o777);
+            crate::testpoint::io("chmod").map_err(what)?;
             file.set_permissions(mode).map_err(what)?;
             if rustix::process::geteuid().as_raw() == 0 {
+                crate::testpoint::io("chown").map_err(what)?;
                 std::os::unix::fs::fchown(&file, Some(like.uid), Some(like.gid)).map_err(what)?;
             }
             if let Some(from) = like_file {
@@ -126,6 +128,7 @@ impl Written {
                     made.uid, made.gid, like.uid, like.gid
                 );
             }
+            crate::testpoint::io("chmod").map_err(what)?;
             file.set_permissions(std::fs::Permissions::from_mode(bits))
                 .map_err(what)?;
             crate::testpoint::synced(&file, file.sync_all()).map_err(what)?;
@@ -142,7 +145,7 @@ impl Written {
                 replaces: None,
             }),
             Err(e) => {
-                let _ = folder.unlink(&tmp);
+                folder.unlink_spent(&tmp);
                 Err(e)
             }
         }
@@ -505,11 +508,13 @@ pub struct LandError {
 /// record of the in-place ones, the renames), done in order, then forgotten.
 /// Once a file changed there is no going back: a crash is finished by the
 /// next mount (`staging::Renames`).
+/// `Ok(Some(error))`: every file landed, but the folders' sync after it
+/// failed (`CommitError::NotDurable`; the record stays).
 pub fn land(
     commit: u64,
     landings: &[Box<dyn Landing>],
     staging: &Staging,
-) -> Result<(), LandError> {
+) -> Result<Option<CommitError>, LandError> {
     // Failing before anything changed: what was written goes (the caller
     // takes it that `land` removed it: temp files, uploads).
     let before = |error| {
@@ -582,11 +587,18 @@ pub fn land(
         });
     }
     for folder in landings.iter().filter_map(|l| l.folder()) {
-        if let Err(e) = folder.sync() {
-            warn!("fsync of {} after the commit: {e}", folder.path.display());
+        if let Err(source) = folder.sync() {
+            warn!(
+                "fsync of {} after the commit: {source}",
+                folder.path.display()
+            );
+            return Ok(Some(CommitError::NotDurable {
+                folder: folder.path.clone(),
+                source,
+            }));
         }
     }
     let _ = crate::testpoint::point("in-place:landed");
     Renames::clear(&dir);
-    Ok(())
+    Ok(None)
 }

@@ -125,19 +125,19 @@ impl CommitLock {
         for ((dev, ino), path) in keys {
             let name = OsString::from(format!("{dev}-{ino}.lock"));
             let flags = libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK;
-            let file = match dir.open_file(&name, flags, 0o600) {
-                Ok(f) => f,
-                Err(e) => {
-                    warn!(file = %path.display(), "no commit lock for it: {e}");
-                    continue;
-                }
+            let locking = |source| CommitError::Io {
+                what: format!(
+                    "{}: locking it for the commit, in {}",
+                    path.display(),
+                    dir.path.display()
+                ),
+                source,
             };
+            let file = dir.open_file(&name, flags, 0o600).map_err(locking)?;
             let exclusive = rustix::fs::FlockOperation::NonBlockingLockExclusive;
             while let Err(e) = rustix::fs::flock(&file, exclusive) {
                 if e != rustix::io::Errno::WOULDBLOCK {
-                    let e = std::io::Error::from(e);
-                    warn!(file = %path.display(), "cannot lock it for the commit: {e}");
-                    break;
+                    return Err(locking(e.into()));
                 }
                 if std::time::Instant::now() > deadline {
                     return Err(CommitError::Busy { file: path });

@@ -862,7 +862,7 @@ impl RemoteJob {
         let tmp = format!("{name}.tmp");
         let path = folder.path.join(name);
         let what = |e| io_err(format!("{}: recording the upload", path.display()))(e);
-        let _ = folder.unlink(OsStr::new(&tmp));
+        folder.unlink_spent(OsStr::new(&tmp));
         let f = folder
             .open_file(
                 OsStr::new(&tmp),
@@ -880,7 +880,7 @@ impl RemoteJob {
 
     fn remove_record(&self) {
         let (folder, name) = &self.record;
-        let _ = folder.unlink(OsStr::new(name));
+        folder.unlink_spent(OsStr::new(name));
         let _ = folder.sync();
     }
 }
@@ -1236,7 +1236,7 @@ fn drop_landed_journals(dir: &StagingDir, commit: u64) {
                 .any(|r| !matches!(r, Record::Landing { .. }))
         };
         if planned.is_some_and(|k| !later(k)) {
-            let _ = folder.unlink(&name);
+            folder.unlink_spent(&name);
         }
     }
     let _ = folder.sync();
@@ -1370,7 +1370,7 @@ pub fn abort_interrupted(
         };
         let name = name.to_string_lossy().into_owned();
         if rest.ends_with(".tmp") {
-            let _ = folder.unlink(OsStr::new(&name));
+            folder.unlink_spent(OsStr::new(&name));
             continue;
         }
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
@@ -1394,7 +1394,7 @@ pub fn abort_interrupted(
         if upload.is_empty() || complete.iter().any(|c| c == upload) {
             // Interrupted before the store named the upload (it holds no
             // parts), or completed since (`finish_interrupted`).
-            let _ = folder.unlink(OsStr::new(&name));
+            folder.unlink_spent(OsStr::new(&name));
             continue;
         }
         // (The key as recorded: parsed, not encoded again.)
@@ -1406,7 +1406,7 @@ pub fn abort_interrupted(
         };
         match remote.run(writer.abort(&key, upload)) {
             Ok(()) => {
-                let _ = folder.unlink(OsStr::new(&name));
+                folder.unlink_spent(OsStr::new(&name));
                 notes.push(format!(
                     "{url}: the upload of a commit that was interrupted was aborted (the parts it \
                      held are freed)"

@@ -734,6 +734,7 @@ impl FileOps for File {
         Ok(self.metadata()?.len())
     }
     fn write_at(&self, buf: &[u8], at: u64) -> std::io::Result<()> {
+        crate::testpoint::io("write")?;
         self.write_all_at(buf, at)
     }
     fn copy_in(&self, from: &File, from_off: u64, at: u64, len: u64) -> std::io::Result<u64> {
@@ -745,9 +746,11 @@ impl FileOps for File {
         copy_range(self, from, self, at, len)
     }
     fn set_len(&self, len: u64) -> std::io::Result<()> {
+        crate::testpoint::io("truncate")?;
         File::set_len(self, len)
     }
     fn reserve(&self, at: u64, len: u64) -> std::io::Result<()> {
+        crate::testpoint::io("reserve")?;
         reserve(self, at, len)
     }
     fn sync_data(&self) -> std::io::Result<()> {
@@ -762,9 +765,11 @@ impl FileOps for File {
     }
     fn set_mode(&self, mode: u32) -> std::io::Result<()> {
         use std::os::unix::fs::PermissionsExt;
+        crate::testpoint::io("chmod")?;
         self.set_permissions(std::fs::Permissions::from_mode(mode))
     }
     fn set_mtime(&self, mtime: (i64, i64)) -> std::io::Result<()> {
+        crate::testpoint::io("utimes")?;
         set_mtime(self, mtime)
     }
 }
@@ -1143,9 +1148,16 @@ impl InPlaceRecord {
         point("in-place:written").map_err(after)?;
         file.write_at(&header[..PREFIX_LEN as usize], 0)
             .map_err(after)?;
-        file.sync_data().map_err(after)?;
-        point("in-place:prefix").map_err(after)?;
-        self.finish_time(file).map_err(after)?;
+        // A failure from here on (the prefix's sync, the time) leaves a file
+        // complete but maybe not durable: it is marked again, refused by
+        // every reader until the record completes it, as the commit says.
+        let remarked = |error| {
+            let _ = file.write_at(&IN_PLACE_MARKER, 0);
+            after(error)
+        };
+        file.sync_data().map_err(remarked)?;
+        point("in-place:prefix").map_err(remarked)?;
+        self.finish_time(file).map_err(remarked)?;
         Ok(shared)
     }
 
@@ -1176,13 +1188,14 @@ impl InPlaceRecord {
                 }
             }
         }
-        if let Err(e) = file.set_mtime(self.after_mtime) {
+        match file.set_mtime(self.after_mtime) {
             // Not the owner (a file the daemon may only write): the journal
             // then does not know this version, nothing else changes.
-            warn!(
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)) => warn!(
                 file = self.name,
                 "setting the modification time after an in-place commit: {e}"
-            );
+            ),
+            other => other?,
         }
         file.sync_all()
     }
@@ -1241,7 +1254,9 @@ impl InPlaceRecord {
         let h = dir
             .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
             .map_err(io)?;
-        std::io::Read::read_to_end(&mut &h, &mut header).map_err(io)?;
+        crate::testpoint::io("read")
+            .and_then(|()| std::io::Read::read_to_end(&mut &h, &mut header))
+            .map_err(io)?;
         if header.len() < PREFIX_LEN as usize {
             return Err(RecoveryError::Refused(format!(
                 "{}: a redo record without a header",

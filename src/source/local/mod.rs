@@ -209,12 +209,21 @@ impl SourceFile {
         let (file, writable) = match writable {
             true => match folder.open_file(&name, libc::O_RDWR | flags, 0) {
                 Ok(f) => (f, true),
-                Err(_) => (
-                    folder
-                        .open_file(&name, libc::O_RDONLY | flags, 0)
-                        .map_err(io)?,
-                    false,
-                ),
+                // (Another user's file, a read-only filesystem: commits rewrite it.)
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EACCES | libc::EPERM | libc::EROFS | libc::ETXTBSY)
+                    ) =>
+                {
+                    (
+                        folder
+                            .open_file(&name, libc::O_RDONLY | flags, 0)
+                            .map_err(io)?,
+                        false,
+                    )
+                }
+                Err(e) => return Err(io(e)),
             },
             false => (
                 folder

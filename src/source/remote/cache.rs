@@ -46,7 +46,7 @@ pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, Folder
         // Files keyed by a key that is gone (or none) can never check out.
         for name in folder.entries() {
             if name.to_string_lossy().contains(".chunk") {
-                let _ = folder.unlink(&name);
+                folder.unlink_spent(&name);
             }
         }
         let mut secret = [0u8; 32];
@@ -68,10 +68,10 @@ pub(super) fn cache_key(folder: &Folder, dir: &Path) -> Result<hmac::Key, Folder
             Ok(()) => return Ok(hmac::Key::new(hmac::HMAC_SHA256, &secret)),
             // Another mount made one first: use that.
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                let _ = folder.unlink(OsStr::new(&tmp));
+                folder.unlink_spent(OsStr::new(&tmp));
             }
             Err(e) => {
-                let _ = folder.unlink(OsStr::new(&tmp));
+                folder.unlink_spent(OsStr::new(&tmp));
                 return Err(err(e));
             }
         }
@@ -211,7 +211,7 @@ impl DiskCache {
                 .map_err(|e| FolderError::refused(dir, format!("making it private (0700): {e}")))?;
             // Anything in it, the key too, may have been planted by another user.
             for name in folder.entries() {
-                let _ = folder.unlink(&name);
+                folder.unlink_spent(&name);
             }
             info!(dir = %dir.display(), "cache folder made private (0700), and emptied");
         }
@@ -246,7 +246,7 @@ impl DiskCache {
                     Some((st.mtime, name, st.len))
                 } else {
                     if writer_gone(&name) {
-                        let _ = folder.unlink(OsStr::new(&name));
+                        folder.unlink_spent(OsStr::new(&name));
                     }
                     None
                 }
@@ -356,7 +356,7 @@ impl DiskCache {
     }
 
     pub(super) fn forget(&self, name: &str) {
-        let _ = self.folder.unlink(OsStr::new(name));
+        self.folder.unlink_spent(OsStr::new(name));
         let mut st = self.lock();
         if let Some(len) = st.lru.pop(name) {
             st.used -= len;
@@ -445,7 +445,7 @@ impl DiskCache {
                     None => return,
                 }
             };
-            let _ = self.folder.unlink(OsStr::new(&victim));
+            self.folder.unlink_spent(OsStr::new(&victim));
         }
     }
 
@@ -502,7 +502,7 @@ impl CacheWriter {
             .ok_or_else(|| FetchError::Cache(e.to_string()))?;
         let mut bytes = vec![0u8; self.written as usize];
         let read_back = file.read_exact_at(&mut bytes, 0);
-        let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
+        self.cache.folder.unlink_spent(OsStr::new(&self.tmp));
         read_back.map_err(|r| FetchError::Cache(format!("{e}, then reading back: {r}")))?;
         Ok(bytes)
     }
@@ -550,7 +550,7 @@ impl Drop for CacheWriter {
     fn drop(&mut self) {
         // A fetch that failed half-way leaves no temp file behind.
         if self.file.take().is_some() {
-            let _ = self.cache.folder.unlink(OsStr::new(&self.tmp));
+            self.cache.folder.unlink_spent(OsStr::new(&self.tmp));
         }
     }
 }

@@ -1,0 +1,297 @@
+//! A fault at every file operation (SQLite's I/O-error tests are the
+//! model): each scenario of an edit's life (`scenarios::SCENARIOS`: every
+//! kind of edit, every way of committing, a discard, an unmount, the
+//! recovery of an interrupted commit) is run once counting the daemon's
+//! own file operations (`stfs::testpoint::io`: its staging folder and
+//! journal, a commit's writes, syncs and renames, recovery's reads), then
+//! again failing the N-th of them, for every N, with EIO and with ENOSPC,
+//! each run in a forked child. In every run:
+//! - the step that met the failure reports it (an error, never success),
+//!   unless the operation is one whose failure may be passed over (removing
+//!   a spent file);
+//! - a commit that fails leaves each file it writes as it was, byte for
+//!   byte, or refused by every reader, and says so ("did not land"), or
+//!   says which of a folder's files landed, or that all landed but could
+//!   not be made durable;
+//! - once the mount is killed, the next mount (no fault) succeeds and
+//!   leaves no temp file; the step that failed is done again, as its user
+//!   would, and a commit gives the checkpoint of all the steps so far: no
+//!   acknowledged edit lost, none applied twice.
+//!
+//! Runs in `cargo test` (its own binary, one thread, a fork per run).
+//! `STFS_FAULTS_VERBOSE=1` prints every run.
+
+mod scenarios;
+
+use std::path::Path;
+
+use scenarios::*;
+use serde_json::{Value, json};
+use stfs::testpoint::{IoKind, arm_io_faults, disarm_io_faults, io_count};
+
+/// After the steps, in a new process (the first one ended as a killed
+/// daemon does): mount again without faults, do again the step that
+/// failed (as its user would; its error, if it had taken effect after
+/// all, does not count), commit, and read the files. Returns them and the
+/// problems found.
+fn next_life(root: &Path, sc: &Scenario, redo: Option<usize>) -> Result<Value, String> {
+    in_child(root, || {
+        let mut problems = Vec::new();
+        let mut m = Mount::new(root, sc.folder);
+        if let Err(e) = m.mount() {
+            problems.push(format!("the next mount fails: {e}"));
+            return json!({"problems": problems, "outcome": []});
+        }
+        // (A temp file of the first life's own process: the next mount
+        // leaves it, as that process still lives here; a daemon's is dead.)
+        let ours = format!("-{}-", std::process::id());
+        let left: Vec<String> = m
+            .temps_left()
+            .into_iter()
+            .filter(|t| !t.contains(&ours))
+            .collect();
+        if !left.is_empty() {
+            problems.push(format!("left after the next mount: {left:?}"));
+        }
+        if let Some(step) = redo
+            .map(|i| &sc.steps[i])
+            .filter(|s| s.kind != StepKind::Mount)
+        {
+            let _ = (step.run)(&mut m);
+            if m.fs.is_none() {
+                let _ = m.mount(); // an unmount done again
+            }
+        }
+        if let Err(e) = m.commit() {
+            problems.push(format!("the commit after the next mount fails: {e}"));
+        }
+        let out = m.targets_now();
+        m.kill();
+        json!({"problems": problems, "outcome": bytes_json(&out)})
+    })
+}
+
+/// Runs the steps of `sc` in `root` (in a new process, which ends as a
+/// killed daemon does), failing file operation `fail_at` (None: counting
+/// only) with `errno`. Returns what happened: the step that failed and
+/// its error, the problems found, the operations counted and the one failed.
+fn first_life(
+    root: &Path,
+    sc: &Scenario,
+    fail_at: Option<u64>,
+    errno: i32,
+) -> Result<Value, String> {
+    in_child(root, || {
+        if let Some(setup) = sc.setup {
+            setup(root);
+        }
+        let mut m = Mount::new(root, sc.folder);
+        let mut problems = Vec::new();
+        let mut failed = None;
+        arm_io_faults(fail_at, errno);
+        for (i, step) in sc.steps.iter().enumerate() {
+            let before = m.targets_now();
+            let fired_before = io_count().fired.is_some();
+            let result = (step.run)(&mut m);
+            let fired = io_count().fired;
+            let fired_here = !fired_before && fired.is_some();
+            if let (true, Ok(()), Some((_, op, IoKind::Reported))) = (fired_here, &result, fired) {
+                problems.push(format!(
+                    "step {i} ({}) returned success after its file operation {op} failed",
+                    step.what
+                ));
+            }
+            if let Err(e) = result {
+                if matches!(step.kind, StepKind::Commit | StepKind::Unmount) {
+                    // Each file as it was or refused by every reader, and said;
+                    // some files of a folder landed, and said (the next mount
+                    // lands the rest); or all landed but not made durable.
+                    let landed = e.contains("committed, but not made durable")
+                        || (e.contains("did not land (") && !e.contains("(0 of its"));
+                    for ((t, now), (_, was)) in m.targets_now().iter().zip(&before) {
+                        if now != was && !landed && !(refused(now) && e.contains("did not land")) {
+                            problems.push(format!(
+                                "step {i} ({}) failed ({e}) but changed {t}{}",
+                                step.what,
+                                match refused(now) {
+                                    true => " (refused by readers, and the error does not say it did not land)",
+                                    false => ", which readers accept",
+                                }
+                            ));
+                        }
+                    }
+                }
+                if !fired_here {
+                    problems.push(format!(
+                        "step {i} ({}) failed without a fault: {e}",
+                        step.what
+                    ));
+                }
+                failed = Some((i, e));
+                break;
+            }
+        }
+        let seen = disarm_io_faults();
+        // Killed: nothing of the mount is dropped (its staging files stay).
+        std::mem::forget(m);
+        json!({
+            "failed": failed.map(|(i, e)| json!([i, e])),
+            "problems": problems,
+            "count": seen.count,
+            "ops": seen.ops,
+            "fired": seen.fired.map(|(n, op, kind)| json!([n, op, kind == IoKind::Reported])),
+        })
+    })
+}
+
+/// The outcome of running the first `k` steps without a fault, then the
+/// next life (for every k).
+fn expected(sc: &Scenario) -> Vec<Vec<(String, Vec<u8>)>> {
+    (0..=sc.steps.len())
+        .map(|k| {
+            let root = fresh(sc);
+            in_child(root.path(), || {
+                if let Some(setup) = sc.setup {
+                    setup(root.path());
+                }
+                let mut m = Mount::new(root.path(), sc.folder);
+                for step in &sc.steps[..k] {
+                    (step.run)(&mut m)
+                        .unwrap_or_else(|e| panic!("{}: {}: {e}", sc.name, step.what));
+                }
+                std::mem::forget(m);
+                json!(null)
+            })
+            .unwrap_or_else(|e| panic!("{}: the first {k} steps without faults: {e}", sc.name));
+            let v = next_life(root.path(), sc, None)
+                .unwrap_or_else(|e| panic!("{}: after {k} steps without faults: {e}", sc.name));
+            assert!(
+                v["problems"].as_array().unwrap().is_empty(),
+                "{}: {k} steps: {v}",
+                sc.name
+            );
+            bytes_of_json(&v["outcome"])
+        })
+        .collect()
+}
+
+/// Explores `sc`; returns (runs, problems).
+fn explore(sc: &Scenario) -> (usize, Vec<String>) {
+    let verbose = std::env::var_os("STFS_FAULTS_VERBOSE").is_some();
+    let want = expected(sc);
+    let counted = {
+        let root = fresh(sc);
+        let v = first_life(root.path(), sc, None, 0)
+            .unwrap_or_else(|e| panic!("{}: counting: {e}", sc.name));
+        assert!(
+            v["problems"].as_array().unwrap().is_empty(),
+            "{}: {v}",
+            sc.name
+        );
+        if verbose {
+            println!("{}: {} operations: {}", sc.name, v["count"], v["ops"]);
+        }
+        v["count"].as_u64().unwrap()
+    };
+    let mut problems = Vec::new();
+    let mut runs = 0;
+    // `STFS_FAULTS_ONLY=N`: only the N-th operation, with EIO, and the log.
+    let only: Option<u64> = std::env::var("STFS_FAULTS_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    if only.is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("stfs=debug")
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    for errno in [libc::EIO, libc::ENOSPC] {
+        for n in 1..=counted {
+            if only.is_some_and(|o| o != n) || (only.is_some() && errno != libc::EIO) {
+                continue;
+            }
+            let root = fresh(sc);
+            runs += 1;
+            let first = first_life(root.path(), sc, Some(n), errno);
+            let redo = first.as_ref().ok().and_then(|v| {
+                v["failed"]
+                    .as_array()
+                    .map(|f| f[0].as_u64().unwrap() as usize)
+            });
+            let v = match first.and_then(|mut v| {
+                let next = next_life(root.path(), sc, redo)?;
+                v["problems"]
+                    .as_array_mut()
+                    .unwrap()
+                    .extend(next["problems"].as_array().unwrap().iter().cloned());
+                v["outcome"] = next["outcome"].clone();
+                Ok(v)
+            }) {
+                Ok(v) => v,
+                Err(e) => {
+                    problems.push(format!("{}: fault {n} (errno {errno}): {e}", sc.name));
+                    continue;
+                }
+            };
+            let fired = &v["fired"];
+            let at = |what: &str| {
+                format!(
+                    "{}: file operation {n} of {counted} ({}) failing with errno {errno}: {what}",
+                    sc.name, fired[1]
+                )
+            };
+            if verbose {
+                println!("  {}", at(&v["failed"].to_string()));
+            }
+            for p in v["problems"].as_array().unwrap() {
+                problems.push(at(p.as_str().unwrap()));
+            }
+            let outcome = bytes_of_json(&v["outcome"]);
+            if outcome.is_empty() {
+                continue; // the next mount failed: said above
+            }
+            // The steps acknowledged, and the one that failed, done again.
+            let done = match v["failed"].as_array() {
+                Some(f) => f[0].as_u64().unwrap() as usize + 1,
+                None => sc.steps.len(),
+            };
+            if let Err(why) = same_targets(&outcome, &want[done]) {
+                problems.push(at(&format!(
+                    "after the next mount, the failed step done again and a commit, not the \
+                     checkpoint of the first {done} steps: {why}"
+                )));
+            }
+        }
+    }
+    (runs, problems)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if args.iter().any(|a| !"fault_runner".contains(a.as_str())) {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let mut all = Vec::new();
+    // `STFS_FAULTS_SCENARIO=TEXT`: only the scenarios whose name holds it.
+    let pick = std::env::var("STFS_FAULTS_SCENARIO").unwrap_or_default();
+    for sc in SCENARIOS.iter().filter(|sc| sc.name.contains(&pick)) {
+        let t = std::time::Instant::now();
+        let (runs, problems) = explore(sc);
+        println!(
+            "{}: {runs} runs, {} problems ({:.1} s)",
+            sc.name,
+            problems.len(),
+            t.elapsed().as_secs_f64()
+        );
+        all.extend(problems);
+    }
+    println!("fault runner: {:.1} s", started.elapsed().as_secs_f64());
+    for p in &all {
+        println!("PROBLEM {p}");
+    }
+    assert!(all.is_empty(), "{} runs went wrong", all.len());
+}

@@ -1,0 +1,737 @@
+//! An edit's whole life as a list of steps (mount, edits each made durable
+//! by its `close`, commits, a discard, an unmount, the next mount), driven
+//! through `Fs` in process: the crash explorer (`crash_explorer.rs`) and the
+//! fault runner (`fault_runner.rs`) run the same scenarios, one crashing at
+//! every point, the other failing every file operation.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use stfs::checkpoint::commit::CommitOptions;
+use stfs::checkpoint::recover::Resume;
+use stfs::fs::{Fs, Ino, ROOT_INO, Settings};
+
+pub const INDEX: &str = "model.safetensors.index.json";
+
+pub type Tensor<'a> = (&'a str, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+pub fn floats(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn write_checkpoint(
+    path: &Path,
+    tensors: &[Tensor],
+    metadata: Option<HashMap<String, String>>,
+) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.to_string(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, metadata).unwrap()).unwrap();
+}
+
+/// One file `s0.safetensors`: a [4], b [2], c [3] (F32), metadata format=pt.
+pub fn make_one(dir: &Path) {
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    write_checkpoint(
+        &dir.join("s0.safetensors"),
+        &[
+            (
+                "a",
+                safetensors::Dtype::F32,
+                vec![4],
+                floats(&[1., 2., 3., 4.]),
+            ),
+            ("b", safetensors::Dtype::F32, vec![2], floats(&[5., 6.])),
+            ("c", safetensors::Dtype::F32, vec![3], floats(&[7., 8., 9.])),
+        ],
+        Some(meta),
+    );
+}
+
+/// A folder: `s0` (a, b), `s1` (c, d, e) and their index.
+pub fn make_folder(dir: &Path) {
+    write_checkpoint(
+        &dir.join("s0.safetensors"),
+        &[
+            (
+                "a",
+                safetensors::Dtype::F32,
+                vec![4],
+                floats(&[1., 2., 3., 4.]),
+            ),
+            ("b", safetensors::Dtype::F32, vec![2], floats(&[5., 6.])),
+        ],
+        None,
+    );
+    write_checkpoint(
+        &dir.join("s1.safetensors"),
+        &[
+            ("c", safetensors::Dtype::F32, vec![3], floats(&[7., 8., 9.])),
+            ("d", safetensors::Dtype::F32, vec![1], floats(&[10.])),
+            ("e", safetensors::Dtype::F32, vec![2], floats(&[11., 12.])),
+        ],
+        None,
+    );
+    let index = json!({
+        "metadata": {"total_size": 48},
+        "weight_map": {"a": "s0.safetensors", "b": "s0.safetensors", "c": "s1.safetensors",
+                       "d": "s1.safetensors", "e": "s1.safetensors"}
+    });
+    std::fs::write(dir.join(INDEX), serde_json::to_vec_pretty(&index).unwrap()).unwrap();
+}
+
+pub fn uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// A mount in process: its folder (`root/src`), and the filesystem once mounted.
+pub struct Mount {
+    pub root: PathBuf,
+    pub folder: bool,
+    pub fs: Option<Fs>,
+}
+
+fn failed(what: &str) -> impl Fn(stfs::fs::FsError) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+impl Mount {
+    pub fn new(root: &Path, folder: bool) -> Mount {
+        Mount {
+            root: root.to_path_buf(),
+            folder,
+            fs: None,
+        }
+    }
+
+    /// What is mounted: the folder, or its one file.
+    pub fn source(&self) -> PathBuf {
+        let src = self.root.join("src");
+        if self.folder {
+            src
+        } else {
+            src.join("s0.safetensors")
+        }
+    }
+
+    /// Mounts as the daemon does (recovery first); the notes it gives.
+    pub fn mount(&mut self) -> Result<Vec<String>, String> {
+        let (fs, notes) =
+            stfs::daemon::open_local(&self.source(), None, Settings::default(), &Resume::Auto)
+                .map_err(|e| format!("mount: {e}"))?;
+        self.fs = Some(fs);
+        Ok(notes)
+    }
+
+    pub fn fs(&self) -> Result<&Fs, String> {
+        self.fs.as_ref().ok_or_else(|| "not mounted".to_string())
+    }
+
+    /// As `kill -9` leaves it: no commit, the staging folder kept.
+    pub fn kill(&mut self) {
+        if let Some(fs) = self.fs.take() {
+            if let Some(dir) = fs.staging().current() {
+                dir.keep_files(true);
+            }
+            drop(fs);
+        }
+        // (As a daemon's exit does: what its commits let go of is gone.)
+        stfs::checkpoint::commit::wait_let_go();
+    }
+
+    /// The inode of `path` ("a", or "s1/c" in a folder mount).
+    pub fn ino(&self, path: &str) -> Result<Ino, String> {
+        let fs = self.fs()?;
+        let mut ino = ROOT_INO;
+        for part in path.split('/') {
+            ino = fs.lookup(ino, part).map_err(failed(path))?.ino;
+        }
+        Ok(ino)
+    }
+
+    /// The folder and name of `path`.
+    fn parent_of<'p>(&self, path: &'p str) -> Result<(Ino, &'p str), String> {
+        match path.rsplit_once('/') {
+            Some((dir, name)) => Ok((self.ino(dir)?, name)),
+            None => Ok((ROOT_INO, path)),
+        }
+    }
+
+    /// Writes `data` at `offset` of an existing file (truncated first if
+    /// `truncate`), then closes it: the edit is acknowledged.
+    pub fn write(
+        &self,
+        path: &str,
+        offset: u64,
+        data: &[u8],
+        truncate: bool,
+    ) -> Result<(), String> {
+        let fs = self.fs()?;
+        let ino = self.ino(path)?;
+        let o = fs.open(ino, true, truncate).map_err(failed(path))?;
+        let wrote = fs.write(ino, o.fh, offset, data).map_err(failed(path));
+        let closed = fs.release(o.fh).map_err(failed(path));
+        match wrote? as usize == data.len() {
+            true => closed,
+            false => Err(format!("{path}: a short write")),
+        }
+    }
+
+    /// Makes a new file and writes `data` into it, then closes it; on
+    /// failure removes it, as a careful tool does.
+    pub fn create(&self, path: &str, data: &[u8]) -> Result<(), String> {
+        let fs = self.fs()?;
+        let (parent, name) = self.parent_of(path)?;
+        let (attr, o) = fs.create(parent, name, true, false).map_err(failed(path))?;
+        let wrote = fs.write(attr.ino, o.fh, 0, data).map_err(failed(path));
+        let closed = fs.release(o.fh).map_err(failed(path));
+        let done = wrote.and(closed);
+        if done.is_err() {
+            let _ = fs.unlink(parent, name);
+        }
+        done
+    }
+
+    /// A new tensor: its meta, then its bytes (as `cp x.meta.json` then `cp x` do).
+    pub fn add_tensor(
+        &self,
+        path: &str,
+        dtype: &str,
+        shape: &[u64],
+        data: &[u8],
+    ) -> Result<(), String> {
+        let meta = json!({"dtype": dtype, "shape": shape}).to_string();
+        self.create(&format!("{path}.meta.json"), meta.as_bytes())?;
+        self.create(path, data)
+    }
+
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), String> {
+        let fs = self.fs()?;
+        let (p, a) = self.parent_of(from)?;
+        let (q, b) = self.parent_of(to)?;
+        fs.rename(p, a, q, b, false).map_err(failed(from))
+    }
+
+    pub fn unlink(&self, path: &str) -> Result<(), String> {
+        let fs = self.fs()?;
+        let (p, name) = self.parent_of(path)?;
+        fs.unlink(p, name).map_err(failed(path))
+    }
+
+    /// As `sed -i` writes a file: a temp file beside it, renamed over it.
+    pub fn replace(&self, path: &str, text: &[u8]) -> Result<(), String> {
+        let tmp = match path.rsplit_once('/') {
+            Some((dir, _)) => format!("{dir}/sedXYZ"),
+            None => "sedXYZ".to_string(),
+        };
+        self.create(&tmp, text)?;
+        self.rename(&tmp, path).inspect_err(|_| {
+            let _ = self.unlink(&tmp);
+        })
+    }
+
+    pub fn commit(&self) -> Result<Vec<String>, String> {
+        self.fs()?
+            .commit(CommitOptions::default(), uid())
+            .map_err(|e| format!("commit: {e}"))
+    }
+
+    pub fn discard(&self) -> Result<(), String> {
+        self.fs()?
+            .discard(uid())
+            .map(|_| ())
+            .map_err(|e| format!("discard: {e}"))
+    }
+
+    /// `stfs umount`: commits, and unmounts only if that worked.
+    pub fn unmount(&mut self) -> Result<(), String> {
+        let done = self.fs()?.unmount().map_err(|e| format!("unmount: {e}"));
+        if done.is_ok() {
+            drop(self.fs.take());
+            stfs::checkpoint::commit::wait_let_go();
+        }
+        done
+    }
+
+    /// The bytes of every file a commit writes.
+    pub fn targets_now(&self) -> Vec<(String, Vec<u8>)> {
+        let src = self.root.join("src");
+        targets(self.folder)
+            .into_iter()
+            .map(|t| {
+                (
+                    t.to_string(),
+                    std::fs::read(src.join(t)).unwrap_or_default(),
+                )
+            })
+            .collect()
+    }
+
+    /// Temp files of commits left in the source's folder.
+    pub fn temps_left(&self) -> Vec<String> {
+        std::fs::read_dir(self.root.join("src"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".stfs-tmp-") || n.contains(".stfs-kept-"))
+            .collect()
+    }
+}
+
+/// What a step does to the mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Mount,
+    /// An edit: acknowledged once it returns (each closes what it wrote).
+    Edit,
+    Commit,
+    Discard,
+    /// `stfs umount`: a commit, then the mount goes.
+    Unmount,
+}
+
+pub struct Step {
+    pub what: &'static str,
+    pub kind: StepKind,
+    pub run: fn(&mut Mount) -> Result<(), String>,
+}
+
+pub const MOUNT: Step = Step {
+    what: "mount",
+    kind: StepKind::Mount,
+    run: |m| m.mount().map(|_| ()),
+};
+
+pub const COMMIT: Step = Step {
+    what: "commit",
+    kind: StepKind::Commit,
+    run: |m| m.commit().map(|_| ()),
+};
+
+pub const DISCARD: Step = Step {
+    what: "discard",
+    kind: StepKind::Discard,
+    run: |m| m.discard(),
+};
+
+pub const UNMOUNT: Step = Step {
+    what: "umount",
+    kind: StepKind::Unmount,
+    run: |m| m.unmount(),
+};
+
+pub struct Scenario {
+    pub name: &'static str,
+    pub folder: bool,
+    pub make: fn(&Path),
+    /// Done to the source before the steps (a commit a crash interrupted).
+    pub setup: Option<fn(&Path)>,
+    pub steps: &'static [Step],
+    /// Each target's way, as the last commit says it ("in place", "by a rewrite").
+    pub ways: &'static [(&'static str, &'static str)],
+}
+
+/// The files a commit of the scenario writes.
+pub fn targets(folder: bool) -> Vec<&'static str> {
+    if folder {
+        vec!["s0.safetensors", "s1.safetensors", INDEX]
+    } else {
+        vec!["s0.safetensors"]
+    }
+}
+
+/// A fresh copy of the scenario's source in a new temporary folder.
+pub fn fresh(sc: &Scenario) -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("src")).unwrap();
+    (sc.make)(&root.path().join("src"));
+    root
+}
+
+/// Whether every reader (the reference's parser) refuses `bytes`.
+pub fn refused(bytes: &[u8]) -> bool {
+    safetensors::SafeTensors::deserialize(bytes).is_err()
+}
+
+/// The same checkpoint: tensors (names, dtypes, shapes, bytes) and metadata.
+pub fn same_checkpoint(a: &[u8], b: &[u8]) -> Result<(), String> {
+    use safetensors::SafeTensors;
+    let x = SafeTensors::deserialize(a).map_err(|e| format!("refused: {e:?}"))?;
+    let y =
+        SafeTensors::deserialize(b).map_err(|e| format!("the expected file is refused: {e:?}"))?;
+    let mut names = x.names();
+    let mut want = y.names();
+    names.sort();
+    want.sort();
+    if names != want {
+        return Err(format!("tensors {names:?}, not {want:?}"));
+    }
+    for n in want {
+        let (p, q) = (x.tensor(n).unwrap(), y.tensor(n).unwrap());
+        if (p.dtype(), p.shape(), p.data()) != (q.dtype(), q.shape(), q.data()) {
+            return Err(format!("tensor {n} differs"));
+        }
+    }
+    let meta = |f: &[u8]| SafeTensors::read_metadata(f).unwrap().1.metadata().clone();
+    if meta(a) != meta(b) {
+        return Err("metadata differs".into());
+    }
+    Ok(())
+}
+
+/// The same content for target `t`: an index as JSON, a checkpoint as
+/// tensors and metadata.
+pub fn same_target(t: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+    if t == INDEX {
+        let a: Value = serde_json::from_slice(got).map_err(|e| format!("{t}: {e}"))?;
+        let b: Value = serde_json::from_slice(want).unwrap();
+        return match a == b {
+            true => Ok(()),
+            false => Err(format!("{t}: {a}, not {b}")),
+        };
+    }
+    same_checkpoint(got, want).map_err(|e| format!("{t}: {e}"))
+}
+
+/// Every target the same as in `want`.
+pub fn same_targets(got: &[(String, Vec<u8>)], want: &[(String, Vec<u8>)]) -> Result<(), String> {
+    for ((t, g), (_, w)) in got.iter().zip(want) {
+        same_target(t, g, w)?;
+    }
+    Ok(())
+}
+
+/// Runs `f` in a forked child (the caller must have one thread) and
+/// returns what it gave, as JSON through a file in `dir`; a child that
+/// panicked or died gives an error.
+pub fn in_child(dir: &Path, f: impl FnOnce() -> Value) -> Result<Value, String> {
+    let out = dir.join("child-result.json");
+    let _ = std::fs::remove_file(&out);
+    // SAFETY: the caller runs one thread (harness = false).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(v) => {
+                std::fs::write(&out, serde_json::to_vec(&v).unwrap()).unwrap();
+                0
+            }
+            Err(_) => 101,
+        };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    if !libc::WIFEXITED(status) {
+        return Err(format!(
+            "the child died of signal {}",
+            libc::WTERMSIG(status)
+        ));
+    }
+    match libc::WEXITSTATUS(status) {
+        0 => Ok(
+            serde_json::from_slice(&std::fs::read(&out).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?,
+        ),
+        code => Err(format!("the child panicked (exit {code})")),
+    }
+}
+
+pub fn bytes_json(targets: &[(String, Vec<u8>)]) -> Value {
+    Value::Array(
+        targets
+            .iter()
+            .map(|(t, b)| json!([t, b.iter().map(|x| format!("{x:02x}")).collect::<String>()]))
+            .collect(),
+    )
+}
+
+pub fn bytes_of_json(v: &Value) -> Vec<(String, Vec<u8>)> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let hex = p[1].as_str().unwrap();
+            let bytes = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            (p[0].as_str().unwrap().to_string(), bytes)
+        })
+        .collect()
+}
+
+/// Runs `steps` in a forked child that is killed at testpoint `crash_at`
+/// (`STFS_CRASH_AT`), as `kill -9` there would: what it leaves is the
+/// start of a scenario of recovery.
+pub fn crash_during(root: &Path, folder: bool, steps: &[Step], crash_at: &str) {
+    // SAFETY: the caller runs one thread.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        // (Read once, by the first point this process reaches.)
+        // SAFETY: one thread.
+        unsafe { std::env::set_var("STFS_CRASH_AT", crash_at) };
+        let mut m = Mount::new(root, folder);
+        for step in steps {
+            let _ = (step.run)(&mut m);
+        }
+        // SAFETY: not killed at the point: the caller sees exit 3.
+        unsafe { libc::_exit(3) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL,
+        "the commit was not killed at {crash_at}"
+    );
+}
+
+const EDIT: StepKind = StepKind::Edit;
+
+/// Every scenario, for both explorers.
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "in place: a rename, a same-size overwrite, the metadata by sed -i",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "mv c z",
+                kind: EDIT,
+                run: |m| m.rename("c", "z"),
+            },
+            Step {
+                what: "overwrite a",
+                kind: EDIT,
+                run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
+            },
+            Step {
+                what: "sed -i __metadata__.json",
+                kind: EDIT,
+                run: |m| m.replace("__metadata__.json", br#"{"format":"pt","v":"2"}"#),
+            },
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "in place")],
+    },
+    Scenario {
+        name: "rewrite: a tensor dropped from the middle, a reshape",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "rm b",
+                kind: EDIT,
+                run: |m| m.unlink("b"),
+            },
+            Step {
+                what: "reshape a",
+                kind: EDIT,
+                run: |m| m.write("a.meta.json", 0, br#"{"dtype":"F32","shape":[2,2]}"#, true),
+            },
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "by a rewrite")],
+    },
+    Scenario {
+        name: "in place: a tensor appended, another written in part, one truncated and refilled",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "add d",
+                kind: EDIT,
+                run: |m| m.add_tensor("d", "F32", &[2], &floats(&[13., 14.])),
+            },
+            Step {
+                what: "patch a",
+                kind: EDIT,
+                run: |m| m.write("a", 4, &floats(&[-2.]), false),
+            },
+            Step {
+                what: "rewrite c whole",
+                kind: EDIT,
+                run: |m| m.write("c", 0, &floats(&[-7., -8., -9.]), true),
+            },
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "in place")],
+    },
+    Scenario {
+        name: "in place, the header grown by blocks inserted at the start",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "a long metadata value",
+                kind: EDIT,
+                run: |m| {
+                    let text = json!({"format": "pt", "note": "x".repeat(9000)}).to_string();
+                    m.write("__metadata__.json", 0, text.as_bytes(), true)
+                },
+            },
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "in place (header grown")],
+    },
+    Scenario {
+        name: "folder: one shard in place, one rewritten, the index",
+        folder: true,
+        make: make_folder,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "mv s0/a s0/z",
+                kind: EDIT,
+                run: |m| m.rename("s0/a", "s0/z"),
+            },
+            // (A hole the end cannot fill: e would straddle the new end.)
+            Step {
+                what: "rm s1/d",
+                kind: EDIT,
+                run: |m| m.unlink("s1/d"),
+            },
+            Step {
+                what: "overwrite s1/c",
+                kind: EDIT,
+                run: |m| m.write("s1/c", 0, &floats(&[-7., -8., -9.]), false),
+            },
+            COMMIT,
+        ],
+        ways: &[
+            ("s0.safetensors", "in place"),
+            ("s1.safetensors", "by a rewrite"),
+        ],
+    },
+    Scenario {
+        name: "folder: a tensor moved to the other shard, then unmounted",
+        folder: true,
+        make: make_folder,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "mv s0/b s1/b",
+                kind: EDIT,
+                run: |m| m.rename("s0/b", "s1/b"),
+            },
+            UNMOUNT,
+        ],
+        ways: &[],
+    },
+    Scenario {
+        name: "a discard, then an edit and an unmount",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "rm a",
+                kind: EDIT,
+                run: |m| m.unlink("a"),
+            },
+            Step {
+                what: "patch c",
+                kind: EDIT,
+                run: |m| m.write("c", 0, &floats(&[0.5]), false),
+            },
+            DISCARD,
+            Step {
+                what: "mv b y",
+                kind: EDIT,
+                run: |m| m.rename("b", "y"),
+            },
+            UNMOUNT,
+        ],
+        ways: &[],
+    },
+    Scenario {
+        name: "recovery of an in-place commit killed after its marker",
+        folder: false,
+        make: make_one,
+        setup: Some(|root| {
+            crash_during(
+                root,
+                false,
+                &[
+                    MOUNT,
+                    Step {
+                        what: "add d",
+                        kind: EDIT,
+                        run: |m| m.add_tensor("d", "F32", &[2], &floats(&[13., 14.])),
+                    },
+                    Step {
+                        what: "overwrite a",
+                        kind: EDIT,
+                        run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
+                    },
+                    COMMIT,
+                ],
+                "in-place:data",
+            )
+        }),
+        steps: &[
+            MOUNT,
+            Step {
+                what: "mv b y",
+                kind: EDIT,
+                run: |m| m.rename("b", "y"),
+            },
+            COMMIT,
+        ],
+        ways: &[],
+    },
+    Scenario {
+        name: "recovery of a folder's commit killed between its renames",
+        folder: true,
+        make: make_folder,
+        setup: Some(|root| {
+            crash_during(
+                root,
+                true,
+                &[
+                    MOUNT,
+                    Step {
+                        what: "rm s0/a",
+                        kind: EDIT,
+                        run: |m| m.unlink("s0/a"),
+                    },
+                    Step {
+                        what: "rm s1/d",
+                        kind: EDIT,
+                        run: |m| m.unlink("s1/d"),
+                    },
+                    COMMIT,
+                ],
+                "land:renamed",
+            )
+        }),
+        steps: &[MOUNT, COMMIT],
+        ways: &[],
+    },
+];
