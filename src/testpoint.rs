@@ -95,6 +95,11 @@ fn plan() -> &'static Plan {
 
 /// Marks step `step`: crashes, pauses or fails there if a test asked to.
 pub fn point(step: &str) -> std::io::Result<()> {
+    if POINT_HOOKED.load(Ordering::Relaxed) {
+        if let Some(hook) = &*POINT_HOOK.read_anyway() {
+            hook(step);
+        }
+    }
     let plan = plan();
     if plan.crash.as_deref() == Some(step) {
         warn!("STFS_CRASH_AT={step}: killing the daemon here");
@@ -189,6 +194,18 @@ pub enum FsEvent<'a> {
 }
 
 type FsHook = Box<dyn Fn(&FsEvent) + Send + Sync>;
+
+type PointHook = Box<dyn Fn(&str) + Send + Sync>;
+
+static POINT_HOOKED: AtomicBool = AtomicBool::new(false);
+static POINT_HOOK: RwLock<Option<PointHook>> = RwLock::new(None);
+
+/// Sets (or takes away) the function called at every named point, on the
+/// thread that reaches it: the explorers make an edit there, during a commit.
+pub fn set_point_hook(hook: Option<PointHook>) {
+    POINT_HOOKED.store(hook.is_some(), Ordering::SeqCst);
+    *POINT_HOOK.write_anyway() = hook;
+}
 
 static FS_HOOKED: AtomicBool = AtomicBool::new(false);
 static FS_HOOK: RwLock<Option<FsHook>> = RwLock::new(None);

@@ -29,48 +29,6 @@ use scenarios::*;
 use serde_json::{Value, json};
 use stfs::testpoint::{IoKind, arm_io_faults, disarm_io_faults, io_count};
 
-/// After the steps, in a new process (the first one ended as a killed
-/// daemon does): mount again without faults, do again the step that
-/// failed (as its user would; its error, if it had taken effect after
-/// all, does not count), commit, and read the files. Returns them and the
-/// problems found.
-fn next_life(root: &Path, sc: &Scenario, redo: Option<usize>) -> Result<Value, String> {
-    in_child(root, || {
-        let mut problems = Vec::new();
-        let mut m = Mount::new(root, sc.folder);
-        if let Err(e) = m.mount() {
-            problems.push(format!("the next mount fails: {e}"));
-            return json!({"problems": problems, "outcome": []});
-        }
-        // (A temp file of the first life's own process: the next mount
-        // leaves it, as that process still lives here; a daemon's is dead.)
-        let ours = format!("-{}-", std::process::id());
-        let left: Vec<String> = m
-            .temps_left()
-            .into_iter()
-            .filter(|t| !t.contains(&ours))
-            .collect();
-        if !left.is_empty() {
-            problems.push(format!("left after the next mount: {left:?}"));
-        }
-        if let Some(step) = redo
-            .map(|i| &sc.steps[i])
-            .filter(|s| s.kind != StepKind::Mount)
-        {
-            let _ = (step.run)(&mut m);
-            if m.fs.is_none() {
-                let _ = m.mount(); // an unmount done again
-            }
-        }
-        if let Err(e) = m.commit() {
-            problems.push(format!("the commit after the next mount fails: {e}"));
-        }
-        let out = m.targets_now();
-        m.kill();
-        json!({"problems": problems, "outcome": bytes_json(&out)})
-    })
-}
-
 /// Runs the steps of `sc` in `root` (in a new process, which ends as a
 /// killed daemon does), failing file operation `fail_at` (None: counting
 /// only) with `errno`. Returns what happened: the step that failed and
@@ -142,37 +100,6 @@ fn first_life(
             "fired": seen.fired.map(|(n, op, kind)| json!([n, op, kind == IoKind::Reported])),
         })
     })
-}
-
-/// The outcome of running the first `k` steps without a fault, then the
-/// next life (for every k).
-fn expected(sc: &Scenario) -> Vec<Vec<(String, Vec<u8>)>> {
-    (0..=sc.steps.len())
-        .map(|k| {
-            let root = fresh(sc);
-            in_child(root.path(), || {
-                if let Some(setup) = sc.setup {
-                    setup(root.path());
-                }
-                let mut m = Mount::new(root.path(), sc.folder);
-                for step in &sc.steps[..k] {
-                    (step.run)(&mut m)
-                        .unwrap_or_else(|e| panic!("{}: {}: {e}", sc.name, step.what));
-                }
-                std::mem::forget(m);
-                json!(null)
-            })
-            .unwrap_or_else(|e| panic!("{}: the first {k} steps without faults: {e}", sc.name));
-            let v = next_life(root.path(), sc, None)
-                .unwrap_or_else(|e| panic!("{}: after {k} steps without faults: {e}", sc.name));
-            assert!(
-                v["problems"].as_array().unwrap().is_empty(),
-                "{}: {k} steps: {v}",
-                sc.name
-            );
-            bytes_of_json(&v["outcome"])
-        })
-        .collect()
 }
 
 /// Explores `sc`; returns (runs, problems).

@@ -415,7 +415,10 @@ impl Live {
     /// journal left would bring the edits back at the next mount).
     pub fn discard(&mut self) -> Result<(), EditError> {
         if let Some(dir) = self.staging.current() {
+            // (Durable before anything journaled after it: a journal back
+            // after a crash would bring the edits back.)
             self.journal.remove(&dir)?;
+            dir.folder().and_then(|f| f.sync())?;
         }
         self.version += 1;
         self.touch();

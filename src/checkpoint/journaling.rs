@@ -135,7 +135,12 @@ impl Live {
         let dir = self.staging.dir()?;
         let folder = dir.folder()?;
         let begin = self.begin_record();
-        if let Err(e) = self.journal.append(&folder, || begin, &records) {
+        let made = !self.journal.exists();
+        let appended = self.journal.append(&folder, || begin, &records);
+        if made && self.journal.exists() {
+            dir.made_a_file();
+        }
+        if let Err(e) = appended {
             warn!(file = %self.source.path().display(), "journal of staged edits: {e}; \
                   the edit failed, and the journal is written whole at the next edit, fsync or close");
             self.journal.broken = true;
@@ -245,7 +250,15 @@ impl Live {
         if self.journal.broken {
             self.snapshot()?;
         }
+        if let Some(dir) = self.staging.current() {
+            dir.sync_names()?;
+        }
         Ok(self.journal.sync()?)
+    }
+
+    /// The staging folder, if it was made.
+    pub fn staging_dir(&self) -> Option<Arc<StagingDir>> {
+        self.staging.current()
     }
 
     /// Takes back the edits a journal holds (see `journal::fold`). Source

@@ -106,13 +106,22 @@ fn write<S>(state: &RwLock<S>) -> RwLockWriteGuard<'_, S> {
 
 /// Makes the journal of checkpoint `c` durable, fsyncing outside the lock.
 pub fn sync_journal<S: Shards>(state: &RwLock<S>, c: usize) -> Result<(), EditError> {
-    let (handle, broken) = {
+    let (handle, broken, dir) = {
         let st = read(state);
-        (st.live(c).journal_handle(), st.live(c).journal_broken())
+        let live = st.live(c);
+        (
+            live.journal_handle(),
+            live.journal_broken(),
+            live.staging_dir(),
+        )
     };
     if broken {
         write(state).live_mut(c).sync_journal()?;
     } else if let Some(f) = handle {
+        // (The names of the files it names first: the staging files.)
+        if let Some(dir) = dir {
+            dir.sync_names()?;
+        }
         crate::testpoint::synced(&f, f.sync_data())?;
     }
     Ok(())
@@ -437,6 +446,9 @@ impl Transactions {
                 }
             }
         }
+        // (A test edits here: an edit after the plan, staged until the
+        // next commit, which the next mount must take back on the new file.)
+        let _ = crate::testpoint::point("commit:written");
         // Each journal says which file is landing (appended under a short
         // lock, fsynced outside it); then the renames, under no lock.
         {

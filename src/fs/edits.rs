@@ -344,7 +344,14 @@ impl Fs {
         // Journaled whole: one line per checkpoint, the target's first (a
         // crash between two checkpoints' lines leaves a copy, never a loss).
         st.live_mut(c).begin_batch();
-        let result = self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
+        let mut result =
+            self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));
+        // Between two checkpoints, the target's journal line is durable
+        // before the source's is written: a crash between leaves a copy
+        // (two journals, synced in any order), never a loss.
+        if result.is_ok() && c != nc {
+            result = st.live_mut(nc).sync_journal().map_err(FsError::from);
+        }
         // (A rename that failed half-way journals no half of it: the
         // journal then says the name is where it was, and is rewritten
         // from the state at the next edit or fsync.)

@@ -83,6 +83,8 @@ pub struct StagingDir {
     next_file: AtomicU64,
     /// Set when the edits must outlive the daemon: staged files stay on disk.
     keep: AtomicBool,
+    /// Files were made since the folder was last fsynced.
+    names_changed: AtomicBool,
 }
 
 fn euid() -> u32 {
@@ -107,6 +109,12 @@ impl StagingDir {
                         folder: &parent.path,
                         name: &name,
                     });
+                    // (Its name durable before anything journaled in it is.)
+                    if let Err(e) = parent.sync() {
+                        let rmdir = rustix::fs::AtFlags::REMOVEDIR;
+                        let _ = rustix::fs::unlinkat(&parent.fd, &name, rmdir);
+                        return Err(io(e));
+                    }
                     return StagingDir::adopt(parent, &name);
                 }
                 Err(rustix::io::Errno::EXIST) => continue,
@@ -182,6 +190,7 @@ impl StagingDir {
             )),
             next_file: AtomicU64::new(1),
             keep: AtomicBool::new(false),
+            names_changed: AtomicBool::new(false),
         };
         // New files never take the name of one already there.
         let highest = staging
@@ -314,6 +323,7 @@ impl StagingDir {
         let mode = rustix::fs::Mode::from_raw_mode(0o600);
         let file = File::from(rustix::fs::openat(&self.dir, name, oflags, mode)?);
         if creates && flags & libc::O_EXCL != 0 {
+            self.names_changed.store(true, Ordering::SeqCst);
             crate::testpoint::fs_event(crate::testpoint::FsEvent::Created {
                 folder: &self.path,
                 name: OsStr::new(name),
@@ -329,6 +339,24 @@ impl StagingDir {
         let file = Arc::new(self.open(&staged_name(number, pad), libc::O_RDWR)?);
         self.open_files.lock_anyway().put(number, file.clone());
         Ok(file)
+    }
+
+    /// A file was made in the folder (the journal, by its own descriptor).
+    pub fn made_a_file(&self) {
+        self.names_changed.store(true, Ordering::SeqCst);
+    }
+
+    /// Makes the names of the files made since durable (an fsync of the
+    /// folder, if any was): before a journal that names them is.
+    pub fn sync_names(&self) -> std::io::Result<()> {
+        if !self.names_changed.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let synced = self.folder().and_then(|f| f.sync());
+        if synced.is_err() {
+            self.names_changed.store(true, Ordering::SeqCst);
+        }
+        synced
     }
 
     /// Writes a small file atomically (temp, fsync, rename, fsync the folder).

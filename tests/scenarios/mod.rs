@@ -100,6 +100,8 @@ pub struct Mount {
     pub root: PathBuf,
     pub folder: bool,
     pub fs: Option<Fs>,
+    /// What the commits said, a line per file.
+    pub said: std::cell::RefCell<Vec<String>>,
 }
 
 fn failed(what: &str) -> impl Fn(stfs::fs::FsError) -> String + '_ {
@@ -112,6 +114,7 @@ impl Mount {
             root: root.to_path_buf(),
             folder,
             fs: None,
+            said: Default::default(),
         }
     }
 
@@ -188,6 +191,16 @@ impl Mount {
         }
     }
 
+    /// Writes `data` at `offset` and leaves the descriptor open (not
+    /// closed, not synced: a writer still at work).
+    pub fn write_open(&self, path: &str, offset: u64, data: &[u8]) -> Result<(), String> {
+        let fs = self.fs()?;
+        let ino = self.ino(path)?;
+        let o = fs.open(ino, true, false).map_err(failed(path))?;
+        fs.write(ino, o.fh, offset, data).map_err(failed(path))?;
+        Ok(())
+    }
+
     /// Makes a new file and writes `data` into it, then closes it; on
     /// failure removes it, as a careful tool does.
     pub fn create(&self, path: &str, data: &[u8]) -> Result<(), String> {
@@ -216,17 +229,22 @@ impl Mount {
         self.create(path, data)
     }
 
+    /// `mv`, then an fsync of the folder (a rename is durable from then
+    /// on, as on any filesystem).
     pub fn rename(&self, from: &str, to: &str) -> Result<(), String> {
         let fs = self.fs()?;
         let (p, a) = self.parent_of(from)?;
         let (q, b) = self.parent_of(to)?;
-        fs.rename(p, a, q, b, false).map_err(failed(from))
+        fs.rename(p, a, q, b, false).map_err(failed(from))?;
+        fs.fsync(None).map_err(failed("fsync of the folder"))
     }
 
+    /// `rm`, then an fsync of the folder.
     pub fn unlink(&self, path: &str) -> Result<(), String> {
         let fs = self.fs()?;
         let (p, name) = self.parent_of(path)?;
-        fs.unlink(p, name).map_err(failed(path))
+        fs.unlink(p, name).map_err(failed(path))?;
+        fs.fsync(None).map_err(failed("fsync of the folder"))
     }
 
     /// As `sed -i` writes a file: a temp file beside it, renamed over it.
@@ -242,9 +260,12 @@ impl Mount {
     }
 
     pub fn commit(&self) -> Result<Vec<String>, String> {
-        self.fs()?
+        let lines = self
+            .fs()?
             .commit(CommitOptions::default(), uid())
-            .map_err(|e| format!("commit: {e}"))
+            .map_err(|e| format!("commit: {e}"))?;
+        self.said.borrow_mut().extend(lines.iter().cloned());
+        Ok(lines)
     }
 
     pub fn discard(&self) -> Result<(), String> {
@@ -295,6 +316,9 @@ pub enum StepKind {
     Mount,
     /// An edit: acknowledged once it returns (each closes what it wrote).
     Edit,
+    /// An edit left unsynced (written, its descriptor still open): durable
+    /// only once a commit that holds it landed.
+    Unsynced,
     Commit,
     Discard,
     /// `stfs umount`: a commit, then the mount goes.
@@ -317,6 +341,42 @@ pub const COMMIT: Step = Step {
     what: "commit",
     kind: StepKind::Commit,
     run: |m| m.commit().map(|_| ()),
+};
+
+/// A commit during which (its files written, not yet landed) another
+/// program renames `b` to `y` and fsyncs the folder: staged for the next
+/// commit, on top of this one's file.
+pub const COMMIT_WITH_A_RENAME: Step = Step {
+    what: "commit, with mv b y while it writes",
+    kind: StepKind::Commit,
+    run: |m| {
+        struct Shared(*const Fs);
+        // SAFETY: the hook runs on the commit's own thread, while `m`'s
+        // filesystem lives (it is taken away before the commit returns).
+        unsafe impl Send for Shared {}
+        // SAFETY: as above.
+        unsafe impl Sync for Shared {}
+        impl Shared {
+            fn fs(&self) -> &Fs {
+                // SAFETY: see above.
+                unsafe { &*self.0 }
+            }
+        }
+        let fs = Shared(m.fs()?);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        stfs::testpoint::set_point_hook(Some(Box::new(move |step| {
+            if step == "commit:written" && !done.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                // (Another program's: a failure of its own is not the commit's.)
+                let _theirs = stfs::testpoint::best_effort();
+                let fs = fs.fs();
+                let _ = fs.rename(ROOT_INO, "b", ROOT_INO, "y", false);
+                let _ = fs.fsync(None);
+            }
+        })));
+        let done = m.commit().map(|_| ());
+        stfs::testpoint::set_point_hook(None);
+        done
+    },
 };
 
 pub const DISCARD: Step = Step {
@@ -644,6 +704,38 @@ pub const SCENARIOS: &[Scenario] = &[
         ways: &[],
     },
     Scenario {
+        name: "a rename made while a commit writes, taken back on the new file",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "overwrite a",
+                kind: EDIT,
+                run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
+            },
+            COMMIT_WITH_A_RENAME,
+        ],
+        ways: &[("s0.safetensors", "in place")],
+    },
+    Scenario {
+        name: "in place: a write not yet closed, committed",
+        folder: false,
+        make: make_one,
+        setup: None,
+        steps: &[
+            MOUNT,
+            Step {
+                what: "write c, left open",
+                kind: StepKind::Unsynced,
+                run: |m| m.write_open("c", 0, &floats(&[-7., -8., -9.])),
+            },
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "in place")],
+    },
+    Scenario {
         name: "a discard, then an edit and an unmount",
         folder: false,
         make: make_one,
@@ -735,3 +827,85 @@ pub const SCENARIOS: &[Scenario] = &[
         ways: &[],
     },
 ];
+
+/// After the steps, in a new process (the first one ended as a killed
+/// daemon does): mount again without faults, do again the step that
+/// failed (as its user would; its error, if it had taken effect after
+/// all, does not count), commit, and read the files. Returns them and the
+/// problems found.
+pub fn next_life(root: &Path, sc: &Scenario, redo: Option<usize>) -> Result<Value, String> {
+    in_child(root, || {
+        let mut problems = Vec::new();
+        let mut m = Mount::new(root, sc.folder);
+        if let Err(e) = m.mount() {
+            problems.push(format!("the next mount fails: {e}"));
+            return json!({"problems": problems, "outcome": []});
+        }
+        // (A temp file of the first life's own process: the next mount
+        // leaves it, as that process still lives here; a daemon's is dead.)
+        let ours = format!("-{}-", std::process::id());
+        let left: Vec<String> = m
+            .temps_left()
+            .into_iter()
+            .filter(|t| !t.contains(&ours))
+            .collect();
+        if !left.is_empty() {
+            problems.push(format!("left after the next mount: {left:?}"));
+        }
+        if let Some(step) = redo
+            .map(|i| &sc.steps[i])
+            .filter(|s| s.kind != StepKind::Mount)
+        {
+            let _ = (step.run)(&mut m);
+            if m.fs.is_none() {
+                let _ = m.mount(); // an unmount done again
+            }
+        }
+        if let Err(e) = m.commit() {
+            problems.push(format!("the commit after the next mount fails: {e}"));
+        }
+        let out = m.targets_now();
+        m.kill();
+        json!({"problems": problems, "outcome": bytes_json(&out)})
+    })
+}
+
+/// The outcome of running the first `k` steps without a fault, then the
+/// next life (for every k).
+pub fn expected(sc: &Scenario) -> Vec<Vec<(String, Vec<u8>)>> {
+    expected_without(sc, |_| false)
+}
+
+/// As `expected`, leaving out the steps `skip` picks (the edits not made
+/// durable: a crash may take them back).
+pub fn expected_without(
+    sc: &Scenario,
+    skip: impl Fn(&Step) -> bool,
+) -> Vec<Vec<(String, Vec<u8>)>> {
+    (0..=sc.steps.len())
+        .map(|k| {
+            let root = fresh(sc);
+            in_child(root.path(), || {
+                if let Some(setup) = sc.setup {
+                    setup(root.path());
+                }
+                let mut m = Mount::new(root.path(), sc.folder);
+                for step in sc.steps[..k].iter().filter(|s| !skip(s)) {
+                    (step.run)(&mut m)
+                        .unwrap_or_else(|e| panic!("{}: {}: {e}", sc.name, step.what));
+                }
+                std::mem::forget(m);
+                json!(null)
+            })
+            .unwrap_or_else(|e| panic!("{}: the first {k} steps without faults: {e}", sc.name));
+            let v = next_life(root.path(), sc, None)
+                .unwrap_or_else(|e| panic!("{}: after {k} steps without faults: {e}", sc.name));
+            assert!(
+                v["problems"].as_array().unwrap().is_empty(),
+                "{}: {k} steps: {v}",
+                sc.name
+            );
+            bytes_of_json(&v["outcome"])
+        })
+        .collect()
+}
