@@ -193,6 +193,60 @@ fn explore(sc: &Scenario) -> (usize, Vec<String>) {
     (runs, problems)
 }
 
+/// A commit whose new file the mount's own reader would refuse (here made
+/// so behind its back: its temp file's length prefix spoiled just before
+/// it lands) is refused, says why, leaves the source as it was and the
+/// edits staged, and removes its temp file.
+fn a_file_readers_refuse_never_lands() -> Vec<String> {
+    let sc = &SCENARIOS[1]; // a rewrite
+    let root = fresh(sc);
+    let v = in_child(root.path(), || {
+        let mut m = Mount::new(root.path(), false);
+        m.mount().unwrap();
+        m.unlink("b").unwrap();
+        let before = m.targets_now();
+        let src = root.path().join("src");
+        stfs::testpoint::set_point_hook(Some(Box::new(move |step| {
+            if step != "commit:written" {
+                return;
+            }
+            for e in std::fs::read_dir(&src).unwrap().flatten() {
+                if e.file_name().to_string_lossy().contains(".stfs-tmp-") {
+                    use std::os::unix::fs::FileExt;
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(e.path())
+                        .unwrap();
+                    f.write_all_at(&u64::MAX.to_le_bytes(), 0).unwrap();
+                }
+            }
+        })));
+        let result = m.commit();
+        stfs::testpoint::set_point_hook(None);
+        let mut problems = Vec::new();
+        match &result {
+            Err(e) if e.contains("would be refused by every reader") => {}
+            other => problems.push(format!("the commit of a spoiled file gave {other:?}")),
+        }
+        if m.targets_now() != before {
+            problems.push("the source changed".into());
+        }
+        if !m.temps_left().is_empty() {
+            problems.push(format!("temp files left: {:?}", m.temps_left()));
+        }
+        if !m.fs().unwrap().is_dirty() {
+            problems.push("the edits are not staged any more".into());
+        }
+        if let Err(e) = m.commit() {
+            problems.push(format!("the next commit fails: {e}"));
+        }
+        std::mem::forget(m);
+        json!(problems)
+    })
+    .unwrap_or_else(|e| vec![e].into());
+    serde_json::from_value(v).unwrap()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -216,6 +270,11 @@ fn main() {
         );
         all.extend(problems);
     }
+    all.extend(
+        a_file_readers_refuse_never_lands()
+            .into_iter()
+            .map(|p| format!("a commit of a file readers refuse: {p}")),
+    );
     println!("fault runner: {:.1} s", started.elapsed().as_secs_f64());
     for p in &all {
         println!("PROBLEM {p}");

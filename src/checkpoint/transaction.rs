@@ -466,6 +466,14 @@ impl Transactions {
                 return Err(e.into());
             }
         }
+        // Nothing lands that the mount itself would refuse, or read as other
+        // tensors than the plan's (the state then would not be the file's).
+        for ((_, plan), w) in plans.iter().zip(&pending.written) {
+            if let Err(e) = same_as_planned(plan, &**w) {
+                error!("commit refused: {e}");
+                return Err(e);
+            }
+        }
         // (Landed but not made durable: finished as landed, and said.)
         let failed: Option<CommitError>;
         let landed = match land(commit, &pending.written, &self.staging) {
@@ -586,6 +594,35 @@ impl Transactions {
             None => Ok(lines),
         }
     }
+}
+
+/// Whether the file `w` leaves reads, with the mount's own reader, as the
+/// tensors (and metadata) `plan` laid out.
+fn same_as_planned(plan: &CommitPlan, w: &dyn Landing) -> Result<(), CommitError> {
+    let Some(seen) = w.reads_as() else {
+        return Ok(());
+    };
+    let seen = seen?;
+    let metadata_differs = !seen.is_gguf() && seen.metadata != plan.metadata;
+    if seen.tensors != plan.layout.tensors || metadata_differs {
+        return Err(CommitError::WouldBeRefused {
+            file: w.target(),
+            error: crate::format::FormatError::HeaderJson {
+                tensor: None,
+                message: format!(
+                    "it reads as {} tensors{}, not as the {} planned",
+                    seen.tensors.len(),
+                    if metadata_differs {
+                        " with other metadata"
+                    } else {
+                        ""
+                    },
+                    plan.layout.tensors.len()
+                ),
+            },
+        });
+    }
+    Ok(())
 }
 
 /// An index a commit rewrites.

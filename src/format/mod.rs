@@ -20,6 +20,19 @@ pub use serialize::{Layout, TensorSpec, header_bytes, layout, layout_of, write_e
 pub use tensors::{TensorInfo, TensorRef, Tensors};
 pub use writer::{FormatWriter, NoFit};
 
+/// A whole checkpoint file (`bytes`, typically mapped) as a mount reads it:
+/// a file named `*.gguf` as GGUF (and refused as one) whatever it holds,
+/// else GGUF when it starts with GGUF's magic, else safetensors. Commits
+/// read what they are about to land through it too.
+pub fn read_checkpoint(bytes: &[u8], name: &std::ffi::OsStr) -> Result<Header, FormatError> {
+    match gguf::named_gguf(name) {
+        true => gguf::parse(bytes)
+            .map_err(FormatError::from)
+            .and_then(Header::from_gguf),
+        false => Header::parse_any(bytes),
+    }
+}
+
 /// A tensor name as it may be printed to a terminal: control characters,
 /// quotes and backslashes escaped (as Rust's `{:?}` does), without quotes.
 /// Every listing of names for a person (`inspect`, `stfs status`) uses it,

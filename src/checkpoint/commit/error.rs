@@ -137,6 +137,15 @@ pub enum CommitError {
          this commit waited for that discard to end"
     )]
     Discarded,
+    /// The file a commit wrote would be refused by the mount's own reader
+    /// (so by the reference's too), or read as other tensors than planned:
+    /// nothing landed, the source is unchanged, the edits staged (EIO).
+    #[error(
+        "{}: not committed: the new file would be refused by every reader ({error}); the \
+         source is unchanged and the edits are staged (this is a bug of stfs's: please report it)",
+        file.display()
+    )]
+    WouldBeRefused { file: PathBuf, error: FormatError },
     /// Every file landed (the mount serves them), but the sync that makes
     /// their names durable failed: a crash could take a rename back. The
     /// record is kept, so the next mount checks each file again (the
@@ -181,6 +190,7 @@ impl crate::errno::ToErrno for CommitError {
             },
             CommitError::NotLanded { source, .. } => source.to_errno(),
             CommitError::NotDurable { source, .. } => source.to_errno(),
+            CommitError::WouldBeRefused { .. } => libc::EIO,
             CommitError::Discarded | CommitError::CommittedFirst => libc::ECANCELED,
         }
     }

@@ -222,6 +222,9 @@ pub trait Landing: Send + Sync {
     }
     /// The source once landed (`old`: the one it replaces), with `header`.
     fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError>;
+    /// What the mount's own reader makes of the checkpoint it will leave
+    /// (None: not a checkpoint, an index), checked before anything lands.
+    fn reads_as(&self) -> Option<Result<Header, CommitError>>;
 }
 
 /// Why a landing did not land: whether its target changed all the same
@@ -276,6 +279,30 @@ impl Landing for Written {
         Written::remove(self)
     }
 
+    fn reads_as(&self) -> Option<Result<Header, CommitError>> {
+        if self.target.as_encoded_bytes().ends_with(b".json") {
+            return None;
+        }
+        // As a mount reads a file: the whole of it, mapped.
+        // SAFETY: the temp file is this commit's own, written and synced;
+        // nothing else writes it (O_EXCL, a name of its own).
+        Some(match unsafe { memmap2::Mmap::map(&self.file) } {
+            Ok(map) => crate::format::read_checkpoint(&map, &self.target).map_err(|error| {
+                CommitError::WouldBeRefused {
+                    file: self.target(),
+                    error,
+                }
+            }),
+            Err(source) => Err(CommitError::Io {
+                what: format!(
+                    "reading back {}",
+                    self.folder.path.join(&self.tmp).display()
+                ),
+                source,
+            }),
+        })
+    }
+
     fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError> {
         let target = self.target().display().to_string();
         let what = |e| io_err(target.clone())(e);
@@ -292,6 +319,17 @@ impl Landing for Written {
 }
 
 impl Landing for InPlaceJob {
+    fn reads_as(&self) -> Option<Result<Header, CommitError>> {
+        Some(
+            Header::parse_any_prefix(&self.header, self.record.after_len).map_err(|error| {
+                CommitError::WouldBeRefused {
+                    file: self.source.path().to_path_buf(),
+                    error,
+                }
+            }),
+        )
+    }
+
     fn stat(&self) -> FileStat {
         FileStat {
             len: self.record.after_len,

@@ -81,7 +81,7 @@ pub struct CommitPlan {
     way: Option<Box<dyn PlannedWay>>,
     /// What the commit does, in words (`PlannedWay::describe`).
     pub described: String,
-    metadata: Option<crate::format::Metadata>,
+    pub(super) metadata: Option<crate::format::Metadata>,
     metadata_gen: u64,
     /// The generation of a GGUF file's keys that the plan wrote, and the
     /// ids of the keys it wrote, in the new file's order.

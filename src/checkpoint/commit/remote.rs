@@ -886,6 +886,18 @@ impl RemoteJob {
 }
 
 impl Landing for RemoteJob {
+    fn reads_as(&self) -> Option<Result<Header, CommitError>> {
+        let len = self.parts.parts.iter().map(|p| p.len()).sum();
+        Some(
+            Header::parse_any_prefix(&self.header, len).map_err(|error| {
+                CommitError::WouldBeRefused {
+                    file: self.source.path().to_path_buf(),
+                    error,
+                }
+            }),
+        )
+    }
+
     /// The store names the new version only once it is made: no version
     /// seen later is taken for it (ino 0).
     fn stat(&self) -> FileStat {
@@ -1113,6 +1125,10 @@ impl IndexPut {
 }
 
 impl Landing for IndexPut {
+    fn reads_as(&self) -> Option<Result<Header, CommitError>> {
+        None
+    }
+
     fn stat(&self) -> FileStat {
         FileStat {
             len: self.bytes.len() as u64,

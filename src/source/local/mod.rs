@@ -261,13 +261,7 @@ impl SourceFile {
         if crate::format::interrupted_in_place(map.len() as u64, read_at) {
             return Err(SourceError::Interrupted { path });
         }
-        let header = match named_gguf {
-            true => crate::format::gguf::parse(&map)
-                .map_err(FormatError::from)
-                .and_then(Header::from_gguf),
-            false => Header::parse_any(&map),
-        }
-        .map_err(format)?;
+        let header = crate::format::read_checkpoint(&map, &name).map_err(format)?;
         let shared = OpenFile::new(map, &stat);
         Ok(SourceFile::assemble(
             path,
