@@ -247,6 +247,130 @@ fn a_file_readers_refuse_never_lands() -> Vec<String> {
     serde_json::from_value(v).unwrap()
 }
 
+/// Every leaf of `v` (a number, a string, a bool) changed in turn: the
+/// records a mutation may give, each still well formed.
+fn each_field_changed(v: &Value) -> Vec<Value> {
+    let mut out = Vec::new();
+    match v {
+        Value::Number(n) => {
+            let x = n.as_u64().unwrap_or(0);
+            out.extend([json!(x + 8), json!(x.saturating_sub(1)), json!(x ^ 1)]);
+        }
+        Value::String(t) => out.extend([json!(format!("{t}x")), json!("")]),
+        Value::Bool(b) => out.push(json!(!b)),
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                for changed in each_field_changed(item) {
+                    let mut a = items.clone();
+                    a[i] = changed;
+                    out.push(Value::Array(a));
+                }
+            }
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                for changed in each_field_changed(item) {
+                    let mut o = map.clone();
+                    o.insert(k.clone(), changed);
+                    out.push(Value::Object(o));
+                }
+            }
+        }
+        Value::Null => {}
+    }
+    out.retain(|x| x != v);
+    out
+}
+
+/// Records as a property: the record of an in-place commit killed after
+/// its marker, changed in every way (each of many bytes flipped, cut short
+/// at many lengths, and every field of its redo record changed, the whole
+/// sealed again as stfs seals it), is never applied: the next mount fails
+/// and says why, the file stays as the crash left it, the record is kept.
+fn records_changed_are_refused() -> Vec<String> {
+    let sc = SCENARIOS
+        .iter()
+        .find(|s| s.name.starts_with("recovery of an in-place commit"))
+        .unwrap();
+    let root = fresh(sc);
+    in_child(root.path(), || {
+        (sc.setup.unwrap())(root.path());
+        json!(null)
+    })
+    .unwrap();
+    let src = root.path().join("src");
+    let staging = std::fs::read_dir(&src)
+        .unwrap()
+        .flatten()
+        .find(|e| e.path().is_dir())
+        .unwrap()
+        .path();
+    let record = staging.join("commit.json");
+    let text = std::fs::read(&record).unwrap();
+    let file = src.join("s0.safetensors");
+    let crashed = std::fs::read(&file).unwrap();
+    let seal = text.windows(8).rposition(|w| w == b"\nsha256:").unwrap();
+    let body: Value = serde_json::from_slice(&text[..seal]).unwrap();
+    let resealed = |v: &Value| {
+        let body = serde_json::to_vec_pretty(v).unwrap();
+        let sum = ring::digest::digest(&ring::digest::SHA256, &body);
+        let hex: String = sum.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        [&body[..], b"\nsha256:", hex.as_bytes(), b"\n"].concat()
+    };
+    let mut mutations: Vec<(String, Vec<u8>)> = Vec::new();
+    let step = (text.len() / 150).max(1);
+    for at in (0..text.len()).step_by(step).chain(seal..text.len()) {
+        let mut t = text.clone();
+        t[at] ^= 1;
+        mutations.push((format!("byte {at} flipped"), t));
+    }
+    for len in (0..text.len()).step_by((text.len() / 20).max(1)) {
+        mutations.push((format!("cut at {len}"), text[..len].to_vec()));
+    }
+    for changed in each_field_changed(&body["in_place"]) {
+        let mut v = body.clone();
+        v["in_place"] = changed;
+        mutations.push((format!("resealed with {}", v["in_place"]), resealed(&v)));
+    }
+    let mut problems = Vec::new();
+    for (what, t) in &mutations {
+        std::fs::write(&record, t).unwrap();
+        let v = next_life(root.path(), sc, None).unwrap_or_else(|e| json!({"problems": [e]}));
+        let said = v["problems"].to_string();
+        if !said.contains("the next mount fails") {
+            problems.push(format!("{what}: the next mount did not fail: {said}"));
+        } else if ![
+            "seal",
+            "not a record",
+            "does not hold",
+            "checksum",
+            "No such file",
+            "not a plain name",
+        ]
+        .iter()
+        .any(|w| said.contains(w))
+        {
+            problems.push(format!("{what}: the mount does not say why: {said}"));
+        }
+        if std::fs::read(&file).unwrap() != crashed {
+            problems.push(format!("{what}: the file was changed"));
+            break;
+        }
+        if std::fs::read(&record).ok().as_ref() != Some(t) {
+            problems.push(format!("{what}: the record was not kept as it was"));
+            break;
+        }
+    }
+    // And the record as written completes the commit.
+    std::fs::write(&record, &text).unwrap();
+    let v = next_life(root.path(), sc, None).unwrap();
+    if !v["problems"].as_array().unwrap().is_empty() {
+        problems.push(format!("the record as written does not complete it: {v}"));
+    }
+    println!("records: {} changed records refused", mutations.len());
+    problems
+}
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -274,6 +398,11 @@ fn main() {
         a_file_readers_refuse_never_lands()
             .into_iter()
             .map(|p| format!("a commit of a file readers refuse: {p}")),
+    );
+    all.extend(
+        records_changed_are_refused()
+            .into_iter()
+            .map(|p| format!("a changed record: {p}")),
     );
     println!("fault runner: {:.1} s", started.elapsed().as_secs_f64());
     for p in &all {

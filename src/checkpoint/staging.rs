@@ -3,6 +3,7 @@
 //! record of a commit's renames (`commit.json`) that lets the next mount
 //! finish a commit of several shards that a crash interrupted.
 
+use super::in_place::BadRecord;
 use super::recover::RecoveryError;
 use crate::sync::LockAnyway;
 use std::ffi::OsStr;
@@ -144,12 +145,40 @@ pub struct PendingRename {
 
 pub const RENAMES: &str = "commit.json";
 
+/// The last line of a record: a SHA-256 of everything before it.
+const SEAL: &[u8] = b"\nsha256:";
+
 impl Renames {
+    /// The record as written: its JSON, then its seal.
+    pub fn sealed(&self) -> Vec<u8> {
+        let mut text = serde_json::to_vec_pretty(self).expect("serializes");
+        let sum = super::in_place::sha256_hex(&[&text]);
+        text.extend_from_slice(SEAL);
+        text.extend_from_slice(sum.as_bytes());
+        text.push(b'\n');
+        text
+    }
+
+    /// A record from what `sealed` wrote: any byte changed since, or the
+    /// file cut short, is refused.
+    pub fn unsealed(text: &[u8]) -> Result<Renames, BadRecord> {
+        let bad = |why: &str| BadRecord(why.to_string());
+        let at = text
+            .windows(SEAL.len())
+            .rposition(|w| w == SEAL)
+            .ok_or_else(|| bad("it has no seal"))?;
+        let (body, seal) = (&text[..at], &text[at + SEAL.len()..]);
+        let sum = super::in_place::sha256_hex(&[body]);
+        if seal != [sum.as_bytes(), b"\n"].concat() {
+            return Err(bad(
+                "its seal does not match: changed or cut short since it was written",
+            ));
+        }
+        serde_json::from_slice(body).map_err(|e| bad(&e.to_string()))
+    }
+
     pub fn write(&self, dir: &StagingDir) -> std::io::Result<()> {
-        dir.write_atomic(
-            RENAMES,
-            &serde_json::to_vec_pretty(self).expect("serializes"),
-        )
+        dir.write_atomic(RENAMES, &self.sealed())
     }
 
     /// The record in `dir`: None if there is none, an error saying why if
@@ -164,12 +193,16 @@ impl Renames {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
             Err(e) => return Err(RecoveryError::io(path.display())(e)),
         };
-        crate::testpoint::io("read").map_err(RecoveryError::io(path.display()))?;
-        serde_json::from_reader(std::io::BufReader::new(f))
-            .map(Some)
-            .map_err(|e| {
-                RecoveryError::Refused(format!("{}: not a record stfs wrote ({e})", path.display()))
-            })
+        let mut text = Vec::new();
+        crate::testpoint::io("read")
+            .and_then(|()| std::io::Read::read_to_end(&mut &f, &mut text))
+            .map_err(RecoveryError::io(path.display()))?;
+        Renames::unsealed(&text).map(Some).map_err(|why| {
+            RecoveryError::Refused(format!(
+                "{}: not a record stfs wrote ({why})",
+                path.display()
+            ))
+        })
     }
 
     /// Forgets the record (and the headers of its in-place files).
@@ -178,7 +211,14 @@ impl Renames {
     pub fn clear(dir: &StagingDir) {
         let _passed_over = crate::testpoint::best_effort();
         if let Ok(folder) = dir.folder() {
-            folder.unlink_spent(OsStr::new(RENAMES));
+            // (Its headers only once it is gone: a record left must find them.)
+            match folder.unlink(OsStr::new(RENAMES)) {
+                Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
+                    warn!(dir = %dir.path().display(), "removing the record of a commit: {e}");
+                    return;
+                }
+                _ => {}
+            }
             for name in dir.list().unwrap_or_default() {
                 if name.as_bytes().starts_with(b"in-place-") {
                     folder.unlink_spent(&name);

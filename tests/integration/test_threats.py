@@ -5,6 +5,7 @@ the test lets it go), faults with STFS_FAULT_AT, and the co-user is a real
 second user made by the test. See "Who may do what" in docs/SEMANTICS.md."""
 
 import errno
+import hashlib
 import json
 import os
 import pathlib
@@ -356,13 +357,20 @@ def test_a_tampered_redo_record_is_not_applied(tmp_path, mount, run, monkeypatch
     src, _, _ = killed_mid_commit(tmp_path, mount, run, monkeypatch)
     [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
     record = staging / "commit.json"
-    r = json.loads(record.read_text())
+    body, _, _ = record.read_bytes().rpartition(b"\nsha256:")
+    r = json.loads(body)
+
+    def resealed(r):
+        # (Sealed again as stfs seals it: the redo record's own sum must refuse it.)
+        body = json.dumps(r).encode()
+        return body + b"\nsha256:" + hashlib.sha256(body).hexdigest().encode() + b"\n"
+
     if tamper == "offset past the end":
         r["in_place"][0]["writes"][0]["at"] = 1 << 40
-        record.write_text(json.dumps(r))
+        record.write_bytes(resealed(r))
     elif tamper == "a path for a name":
         r["in_place"][0]["writes"][0]["from"] = {"Staged": {"file": "../../etc/passwd"}}
-        record.write_text(json.dumps(r))
+        record.write_bytes(resealed(r))
     elif tamper == "a staging file gone":
         os.unlink(staging / r["in_place"][0]["writes"][0]["from"]["Staged"]["file"])
     else:

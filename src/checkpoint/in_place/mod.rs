@@ -47,7 +47,7 @@ const HEADER_SPARE: u64 = 64 << 10;
 /// Why a redo record cannot be trusted: checked before anything is written.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct BadRecord(String);
+pub struct BadRecord(pub(crate) String);
 
 /// A range of the new file and where its bytes come from.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -820,9 +820,11 @@ impl InPlaceRecord {
         file.read_exact_at(&mut old, 0).is_ok() && sha256_hex(&[&old]) == self.old_header_sum
     }
 
-    /// Seals the record with its header (`sum`).
+    /// Seals the record with its header (`sum`: of the record and of what
+    /// its header file holds, so that it is checked before anything else
+    /// is read).
     pub fn seal(&mut self, header: &[u8]) {
-        self.sum = self.digest(header);
+        self.sum = self.digest(&self.stored_header(header));
     }
 
     /// What the header file holds of `header` (see `header_len`).
@@ -875,8 +877,7 @@ impl InPlaceRecord {
         len: u64,
         staged_len: &dyn Fn(&str) -> std::io::Result<u64>,
     ) -> Result<(), BadRecord> {
-        // (A record of a version before the seal has none: its structure is checked.)
-        if !self.sum.is_empty() && self.sum != self.digest(header) {
+        if self.sum != self.digest(&self.stored_header(header)) {
             let why = "its checksum does not match: changed or cut short since it was made";
             return Err(BadRecord(why.into()));
         }
@@ -1204,8 +1205,11 @@ impl InPlaceRecord {
     /// was writing (old, marked, or written but for its time), and says what
     /// it did. `dir` is the staging folder holding the record. An error says
     /// whether the record must stay (the file is still refused by readers).
+    /// A record whose seal does not hold tells nothing to trust, not even
+    /// which file it names: it is kept, and nothing is done.
     pub fn complete(&self, dir: &Folder) -> Result<Option<String>, (RecoveryError, bool)> {
-        self.try_complete(dir).map_err(|why| {
+        let stored = self.sealed_header(dir).map_err(|why| (why, true))?;
+        self.try_complete(dir, stored).map_err(|why| {
             let refused = Folder::open(&self.folder)
                 .and_then(|f| f.open_file(OsStr::new(&self.name), libc::O_RDONLY, 0))
                 .map(|f| {
@@ -1217,7 +1221,41 @@ impl InPlaceRecord {
         })
     }
 
-    fn try_complete(&self, dir: &Folder) -> Result<Option<String>, RecoveryError> {
+    /// What the header file holds, if the record's seal holds over it.
+    fn sealed_header(&self, dir: &Folder) -> Result<Vec<u8>, RecoveryError> {
+        let path = self.folder.join(&self.name);
+        let io = |source: std::io::Error| RecoveryError::Io {
+            what: format!(
+                "{}: reading the record of an interrupted commit",
+                path.display()
+            ),
+            source,
+        };
+        if self.header_file.contains('/') || self.header_file.is_empty() {
+            return Err(RecoveryError::Refused(format!(
+                "{}: not a plain name in a redo record",
+                path.display()
+            )));
+        }
+        let mut stored = Vec::new();
+        let h = dir
+            .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
+            .map_err(io)?;
+        crate::testpoint::io("read")
+            .and_then(|()| std::io::Read::read_to_end(&mut &h, &mut stored))
+            .map_err(io)?;
+        if self.sum != self.digest(&stored) {
+            return Err(RecoveryError::Refused(format!(
+                "{}: the record of its interrupted commit does not hold: its checksum does not \
+                 match (changed or cut short since it was made); nothing was done, and the record \
+                 is kept",
+                path.display()
+            )));
+        }
+        Ok(stored)
+    }
+
+    fn try_complete(&self, dir: &Folder, stored: Vec<u8>) -> Result<Option<String>, RecoveryError> {
         let path = self.folder.join(&self.name);
         let plain = !self.name.is_empty()
             && !self.name.contains('/')
@@ -1250,13 +1288,7 @@ impl InPlaceRecord {
         if !marked && st.len == self.after_len && st.mtime == self.after_mtime {
             return Ok(None); // done before the crash
         }
-        let mut header = Vec::new();
-        let h = dir
-            .open_file(OsStr::new(&self.header_file), libc::O_RDONLY, 0)
-            .map_err(io)?;
-        crate::testpoint::io("read")
-            .and_then(|()| std::io::Read::read_to_end(&mut &h, &mut header))
-            .map_err(io)?;
+        let header = stored;
         if header.len() < PREFIX_LEN as usize {
             return Err(RecoveryError::Refused(format!(
                 "{}: a redo record without a header",
