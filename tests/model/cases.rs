@@ -747,3 +747,36 @@ fn gguf_tensors_added_keep_the_order_they_were_made_in() {
     });
     run_gguf(false, &ops);
 }
+
+/// A GGUF tensor written in part, then renamed, then committed in place
+/// (proptest found it: the in-place commit's tensor order against the
+/// model's view order).
+#[test]
+fn gguf_a_tensor_written_in_part_then_renamed_keeps_its_place() {
+    let ops = vec![
+        Op::Write {
+            dir: 0,
+            name: 0,
+            offset: 0,
+            data: vec![7],
+        },
+        Op::Rename {
+            from: FileRef {
+                dir: 0,
+                name: 0,
+                part: Part::Data,
+            },
+            to: FileRef {
+                dir: 0,
+                name: 2,
+                part: Part::Data,
+            },
+            no_replace: false,
+        },
+        Op::Commit {
+            force: false,
+            other_user: false,
+        },
+    ];
+    run_gguf(false, &ops);
+}

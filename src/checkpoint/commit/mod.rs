@@ -298,6 +298,8 @@ impl Live {
     fn commit_inputs(&self, pin: bool) -> (Vec<Bytes>, Vec<Member>) {
         let mut inputs = Vec::new();
         let mut members = Vec::new();
+        // (Where each one's bytes were when mapped: a GGUF file's order.)
+        let mut origins = Vec::new();
         for (id, e) in self.entries_from(0) {
             let (Some(object), super::MetaView::Valid(..)) = (e.data, e.meta) else {
                 continue; // a meta without data: not a tensor
@@ -307,6 +309,13 @@ impl Live {
                 false => self.object(object),
             }
             .expect("an entry's data exists");
+            origins.push(
+                state
+                    .origin
+                    .as_ref()
+                    .filter(|(src, _)| Arc::ptr_eq(src, &self.source))
+                    .map(|(_, i)| *i),
+            );
             inputs.push(state.bytes);
             members.push(Member {
                 entry: id,
@@ -320,12 +329,17 @@ impl Live {
         }
         if self.source.header().is_gguf() {
             // A GGUF file keeps its order: a tensor where its bytes (or its
-            // name) were, new ones last.
+            // name) were, new ones last. (Bytes written since, in part or
+            // whole, are still that tensor's: it keeps its place.)
             let header = self.source.header();
-            // (A tensor written in part: its bytes are mostly where they were.)
-            let place = |k: usize| match inputs[k].source_tensor() {
-                Some((src, i)) if Arc::ptr_eq(src, &self.source) => (i as u64, 0),
-                _ => {
+            let place = |k: usize| match origins[k].or_else(|| {
+                inputs[k]
+                    .source_tensor()
+                    .filter(|(src, _)| Arc::ptr_eq(src, &self.source))
+                    .map(|(_, i)| i)
+            }) {
+                Some(i) => (i as u64, 0),
+                None => {
                     let name = self.entry(members[k].entry).map_or("", |e| e.name);
                     match header.index_of(name) {
                         Some(i) => (i as u64, 1),
