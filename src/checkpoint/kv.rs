@@ -215,11 +215,16 @@ fn source_value(source: &SourceFile, i: usize) -> std::io::Result<Vec<u8>> {
     write::encode(value, &read)
 }
 
+/// What was written to a key's file: a value of its type shows as the
+/// file will after a commit (`printf abc` reads back `abc` and a newline,
+/// before the commit as after); text that is not one is kept as written.
 fn parse(ty: KvType, text: &[u8]) -> Content {
-    Content::Written {
-        value: write::parse_text(ty, text),
-        text: text.to_vec(),
-    }
+    let value = write::parse_text(ty, text);
+    let text = match &value {
+        Ok(encoded) => write::encoded_text(encoded),
+        Err(_) => text.to_vec(),
+    };
+    Content::Written { value, text }
 }
 
 impl Live {

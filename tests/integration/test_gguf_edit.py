@@ -305,7 +305,8 @@ def test_what_keys_cannot_be(tmp_path, mount, run):
     with pytest.raises(OSError) as e:
         os.rename(kv / "word", kv / "tokenizer.ggml.eos_token_id")
     assert e.value.errno == errno.EINVAL
-    assert (kv / "word").exists() and (kv / "tokenizer.ggml.eos_token_id").read_text() == "12"
+    # (A value reads back as it will after a commit: `printf 12` gives 12 and a newline.)
+    assert (kv / "word").exists() and (kv / "tokenizer.ggml.eos_token_id").read_text() == "12\n"
     # A general.alignment that ggml would refuse: listed, and the commit refused.
     (kv / "general.alignment").write_text("24")
     p = run("commit", mnt)
@@ -336,7 +337,7 @@ def test_edits_survive_a_killed_daemon(tmp_path, mount, run):
     mnt = pathlib.Path(m2.path)
     kv = mnt / "__kv__"
     assert (kv / "tokenizer.chat_template").read_text() == "{{ kept }}\n"
-    assert (kv / "general.new").read_bytes() == b"\xff\xfe not utf-8"
+    assert (kv / "general.new").read_bytes() == b"\xff\xfe not utf-8\n"
     assert not (kv / "general.name").exists()
     assert (mnt / "blk.0.attn_q.weight").read_bytes() == q8 and q8[3:5] == b"\x07\x07"
     assert json.loads((mnt / "blk.0.ffn_down.weight.meta.json").read_text())["dtype"] == "Q4_K"
@@ -517,3 +518,18 @@ def test_create_makes_an_empty_gguf_that_mounts_and_grows(tmp_path, mount, run):
     del r
     if have_llama():
         assert ggml_verdicts([made]) == {str(made): True}
+
+
+def test_a_key_reads_the_same_text_after_a_write_as_after_the_commit(tmp_path, mount, run):
+    """`printf abc > __kv__/general.name` (no newline): the file reads back
+    what it will after the commit, before and after."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path)
+    m = mount(path)
+    kv = pathlib.Path(m.path) / "__kv__"
+    subprocess.run(["sh", "-c", f"printf abc > {kv / 'general.name'}"], check=True)
+    subprocess.run(["sh", "-c", f"printf 7 > {kv / 'tokenizer.ggml.bos_token_id'}"], check=True)
+    before = {k: (kv / k).read_bytes() for k in ("general.name", "tokenizer.ggml.bos_token_id")}
+    assert before == {"general.name": b"abc\n", "tokenizer.ggml.bos_token_id": b"7\n"}, before
+    assert run("commit", m.path).returncode == 0
+    assert {k: (kv / k).read_bytes() for k in before} == before

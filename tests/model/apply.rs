@@ -734,7 +734,12 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let p = g.position(name).unwrap();
             let k = &mut g.keys[p];
             k.value = parse_text(k.ty, &bytes);
-            k.shown = bytes.clone();
+            // (A value of the key's type reads back as the file will after
+            // a commit; text that is not one, as written.)
+            k.shown = match &k.value {
+                Some(v) => v.file_text(),
+                None => bytes.clone(),
+            };
             k.from_file = false;
             let invalid = if k.value.is_none() { libc::EINVAL } else { 0 };
             g.settle(rewritten);
@@ -790,6 +795,10 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                         if ty != moved.ty {
                             moved.value = parse_text(ty, &moved.shown);
                             moved.ty = ty;
+                            // (Shown as a value of its new type.)
+                            if let Some(v) = &moved.value {
+                                moved.shown = v.file_text();
+                            }
                         }
                         moved.from_file = false;
                         g.gone.insert(from.into(), g.keys[p].ty);
