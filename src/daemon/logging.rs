@@ -32,8 +32,11 @@ pub fn default_log_file() -> Result<PathBuf, String> {
 }
 
 /// Opens a file to append to, creating it 0600: never through a link, never
-/// one owned by another user. With `private_folder`, its folder is created
-/// 0700 if missing and must not be open to others.
+/// one owned by another user, never anything but a regular file (a FIFO
+/// planted there is refused at once: the open does not wait for a reader),
+/// and never changed before it passed (`truncate` empties it only then).
+/// With `private_folder`, its folder is created 0700 if missing and must not
+/// be open to others.
 pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result<File, String> {
     let what = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     let (dir, name) = match (path.parent(), path.file_name()) {
@@ -66,15 +69,13 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
     let folder = Folder::open(dir).map_err(|e| what(&e))?;
     let flags = libc::O_WRONLY
         | libc::O_CREAT
-        | if truncate {
-            libc::O_TRUNC
-        } else {
-            libc::O_APPEND
-        };
+        | libc::O_NONBLOCK
+        | if truncate { 0 } else { libc::O_APPEND };
     let file = folder
         .open_file(OsStr::new(name), flags, 0o600)
         .map_err(|e| match std::fs::symlink_metadata(path) {
             Ok(m) if m.file_type().is_symlink() => what(&"a symbolic link: refused"),
+            Ok(m) if !m.is_file() => what(&"not a regular file: refused"),
             Ok(m) if m.uid() != euid() => what(&format_args!(
                 "owned by uid {}, not by uid {}: refused",
                 m.uid(),
@@ -94,6 +95,10 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
     if meta.nlink() != 1 {
         return Err(what(&"refused: it has other hard links"));
     }
+    if truncate {
+        file.set_len(0).map_err(|e| what(&e))?;
+    }
+    // (Writes to a regular file never wait: O_NONBLOCK changes nothing there.)
     Ok(file)
 }
 

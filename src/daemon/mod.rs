@@ -777,6 +777,19 @@ fn serve(
     for w in report {
         warn!("{w}");
     }
+    // The pid file before the mount: refused (the mount with it) if it is
+    // not a regular file of this user's; written once the mount answers.
+    let pid_file = match &req.pid_file {
+        Some(path) => match logging::open_private(path, false, true) {
+            Ok(f) => Some((path.clone(), f)),
+            Err(e) => {
+                let msg = format!("--pid-file {e}");
+                say(&mut ready, &msg);
+                return Err(msg);
+            }
+        },
+        None => None,
+    };
     raise_open_files();
     let threads = req
         .threads
@@ -830,20 +843,13 @@ fn serve(
         }
     };
     raise_read_ahead(&req.mountpoint);
-    // The pid file, and what it is, so that only that file is removed at exit.
-    let pid_file =
-        req.pid_file
-            .as_ref()
-            .and_then(|path| match logging::open_private(path, false, true) {
-                Ok(mut f) => {
-                    let _ = writeln!(f, "{}", std::process::id());
-                    FileStat::of(&f).ok().map(|st| (path.clone(), st))
-                }
-                Err(e) => {
-                    warn!("pid file: {e}");
-                    None
-                }
-            });
+    // The pid, and what the pid file is, so that only that file is removed at exit.
+    let pid_file = pid_file.and_then(|(path, mut f)| {
+        if let Err(e) = writeln!(f, "{}", std::process::id()) {
+            warn!("pid file {}: {e}", path.display());
+        }
+        FileStat::of(&f).ok().map(|st| (path, st))
+    });
     info!(
         source = %req.source.display(),
         mountpoint = %req.mountpoint.display(),

@@ -129,14 +129,27 @@ def test_logs_and_pid_files_are_not_redirected(shared, user, tmp_path, stfs):
         p = subprocess.run([stfs, "mount", "--log-file", log, str(src), str(mnt)], capture_output=True, text=True)
         assert p.returncode != 0 and "refused" in p.stderr, p.stderr
         assert not any(line.split()[4] == str(mnt) for line in open("/proc/self/mountinfo"))
-    p = subprocess.run([stfs, "mount", "--log-file", str(tmp_path / "ok.log"), "--pid-file", link, str(src), str(mnt)],
-                       capture_output=True, text=True)
-    try:
-        assert p.returncode == 0, p.stderr
-        assert "pid file" in open(tmp_path / "ok.log").read() and "refused" in open(tmp_path / "ok.log").read()
-    finally:
-        subprocess.run([stfs, "umount", str(mnt)], capture_output=True)
+    # A pid file that is a link, another user's file, or a FIFO (at the log's
+    # path too): the mount is refused at once, before it mounts, and nothing
+    # is written through (a FIFO once hung the mount, or left it answering
+    # nothing until someone opened the FIFO; another user's file was emptied).
+    fifo = os.path.join(shared, "fifo")
+    as_user(user, "mkfifo", fifo)
+    os.chmod(theirs, 0o666)
+    with open(theirs, "w") as f:
+        f.write("theirs")
+    for flag, path in (("--pid-file", link), ("--pid-file", theirs), ("--pid-file", fifo), ("--log-file", fifo)):
+        args = ["--log-file", str(tmp_path / "ok.log")] if flag == "--pid-file" else []
+        p = subprocess.run([stfs, "mount", *args, flag, path, str(src), str(mnt)],
+                           capture_output=True, text=True, timeout=30)
+        try:
+            assert p.returncode != 0 and "refused" in p.stderr, (flag, path, p.stderr)
+            assert not any(line.split()[4] == str(mnt) for line in open("/proc/self/mountinfo"))
+        finally:
+            if p.returncode == 0:
+                subprocess.run([stfs, "umount", str(mnt)], capture_output=True)
     assert open(victim).read() == "precious"
+    assert open(theirs).read() == "theirs"
     # The default log is private to the user.
     home = tmp_path / "home"
     env = dict(os.environ, HOME=str(home))
