@@ -60,7 +60,9 @@ fn first_life(
                 ));
             }
             if let Err(e) = result {
-                if matches!(step.kind, StepKind::Commit | StepKind::Unmount) {
+                // (What failed was another program's, during the commit.)
+                let theirs = e.starts_with("another program's");
+                if matches!(step.kind, StepKind::Commit | StepKind::Unmount) && !theirs {
                     // Each file as it was or refused by every reader, and said;
                     // some files of a folder landed, and said (the next mount
                     // lands the rest); or all landed but not made durable.

@@ -107,7 +107,15 @@ pub struct Journal {
     pub snapshot_bytes: u64,
     /// An append failed: durability is lost until a snapshot succeeds.
     pub broken: bool,
+    /// The journal's length, and how far its blocks are allocated (an
+    /// append within them cannot meet a full disk).
+    len: u64,
+    room: u64,
 }
+
+/// Room kept ahead of the journal's end: a full staging filesystem refuses
+/// an edit before it changes anything, not its journal line after.
+pub const ROOM: u64 = 1 << 20;
 
 impl Journal {
     pub fn new(name: String) -> Journal {
@@ -118,7 +126,64 @@ impl Journal {
             appended_bytes: 0,
             snapshot_bytes: 0,
             broken: false,
+            len: 0,
+            room: 0,
         }
+    }
+
+    /// Makes the journal (with its first record, `begin`) if there is none,
+    /// and room for `need` more bytes of lines ahead of its end (blocks
+    /// allocated, the length unchanged), or fails: before an edit changes
+    /// anything, so that an edit the disk has no room to journal is refused.
+    pub fn make_room(
+        &mut self,
+        folder: &crate::source::Folder,
+        begin: impl FnOnce() -> Record,
+        need: u64,
+    ) -> std::io::Result<()> {
+        if self.file.is_none() {
+            self.open_new(folder, begin)?;
+        }
+        if self.len.saturating_add(need) <= self.room {
+            return Ok(());
+        }
+        let f = self.file.as_ref().expect("opened above");
+        let grow = need.max(ROOM);
+        crate::testpoint::io("reserve")?;
+        match rustix::fs::fallocate(&**f, rustix::fs::FallocateFlags::KEEP_SIZE, self.len, grow) {
+            Ok(()) => self.room = self.len + grow,
+            // (A filesystem that cannot: appends may meet a full disk.)
+            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => self.room = u64::MAX,
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Creates the journal with its first record.
+    fn open_new(
+        &mut self,
+        folder: &crate::source::Folder,
+        begin: impl FnOnce() -> Record,
+    ) -> std::io::Result<()> {
+        // Never truncate one that is there: it may hold edits still to
+        // rewrite. One without a whole line holds none (a crash cut its first
+        // append short; the mount that adopted its folder found nothing in it).
+        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_APPEND;
+        let name = OsStr::new(&self.name);
+        let f = match folder.open_file(name, flags, 0o600) {
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) && holds_nothing(folder, name) => {
+                folder.unlink(name)?;
+                folder.open_file(name, flags, 0o600)?
+            }
+            other => other?,
+        };
+        let mut line = serde_json::to_vec(&[begin()]).expect("records serialize");
+        line.push(b'\n');
+        crate::testpoint::io("journal:append")?;
+        (&f).write_all(&line)?;
+        self.file = Some(std::sync::Arc::new(f));
+        (self.len, self.room) = (line.len() as u64, 0);
+        Ok(())
     }
 
     /// Grown well past what a snapshot of the live edits takes (in records,
@@ -150,17 +215,7 @@ impl Journal {
             return Err(std::io::Error::other("the journal must be rewritten first"));
         }
         if self.file.is_none() {
-            // Never truncate one that is there: it may hold edits still to rewrite.
-            let f = folder.open_file(
-                OsStr::new(&self.name),
-                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_APPEND,
-                0o600,
-            )?;
-            let mut line = serde_json::to_vec(&[begin()]).expect("records serialize");
-            line.push(b'\n');
-            crate::testpoint::io("journal:append")?;
-            (&f).write_all(&line)?;
-            self.file = Some(std::sync::Arc::new(f));
+            self.open_new(folder, begin)?;
         }
         let mut line = serde_json::to_vec(records).expect("records serialize");
         line.push(b'\n');
@@ -168,6 +223,7 @@ impl Journal {
         // One write per line: a crash tears at most the last line, which replay skips.
         crate::testpoint::io("journal:append")?;
         (&**f).write_all(&line)?;
+        self.len += line.len() as u64;
         self.appended += records.len();
         self.appended_bytes += line.len() as u64;
         Ok(())
@@ -209,6 +265,7 @@ impl Journal {
                 self.appended = 0;
                 self.appended_bytes = 0;
                 self.snapshot_bytes = text.len() as u64;
+                (self.len, self.room) = (text.len() as u64, 0);
                 self.broken = false;
                 Ok(())
             }
@@ -236,6 +293,15 @@ impl Journal {
             _ => Err(e),
         })
     }
+}
+
+/// Whether journal `name` in `folder` holds not one whole line.
+fn holds_nothing(folder: &crate::source::Folder, name: &OsStr) -> bool {
+    let Ok(f) = folder.open_file(name, libc::O_RDONLY | libc::O_NONBLOCK, 0) else {
+        return false;
+    };
+    let mut text = Vec::new();
+    std::io::Read::read_to_end(&mut &f, &mut text).is_ok() && !text.contains(&b'\n')
 }
 
 /// A journal read back: its first record and the lines after it.

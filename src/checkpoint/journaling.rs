@@ -244,6 +244,28 @@ impl Live {
         self.journal.rewrite(&dir, &records)
     }
 
+    /// Before an edit: the staging folder and the journal are there, with
+    /// room for the edit's line (`need` bytes, a bound); if the disk has
+    /// none, the edit is refused with ENOSPC before it changes anything.
+    /// A journal an earlier failure left to rewrite is rewritten first.
+    pub fn journal_ready(&mut self, need: u64) -> Result<(), EditError> {
+        if self.batch.is_some() {
+            return Ok(()); // (made ready when the batch's operation began)
+        }
+        if self.journal.broken {
+            self.snapshot()?;
+        }
+        let dir = self.staging.dir()?;
+        let folder = dir.folder()?;
+        let made = !self.journal.exists();
+        let begin = self.begin_record();
+        let ready = self.journal.make_room(&folder, || begin, need);
+        if made && self.journal.exists() {
+            dir.made_a_file();
+        }
+        Ok(ready?)
+    }
+
     /// Makes every journaled edit durable (fsync, close): the journal is
     /// fsynced (rewritten first if an append had failed).
     pub fn sync_journal(&mut self) -> Result<(), EditError> {

@@ -4,6 +4,10 @@
 use super::*;
 use crate::sync::LockAnyway;
 
+/// The room an edit of the namespace asks of its journal before it changes
+/// anything (its line is a few records of names and metas: far less).
+pub(super) const EDIT_ROOM: u64 = 64 << 10;
+
 /// A GGUF file's `__metadata__.json` is its keys: not removed or moved away.
 const GGUF_KEYS_STAY: FsError = FsError::NotPermitted(
     "a GGUF file's __metadata__.json is its keys: remove them one by one in __kv__, or write the file",
@@ -30,6 +34,9 @@ impl Fs {
             let existing = st.find(c, &decoded);
             if existing.is_some() && exclusive {
                 return Err(FsError::Exists);
+            }
+            if existing.is_none() {
+                st.live_mut(c).journal_ready(EDIT_ROOM)?;
             }
             let node = match (existing, &decoded) {
                 (Some(node), _) => node,
@@ -88,6 +95,7 @@ impl Fs {
                 Some(_) if exclusive => return Err(FsError::Exists),
                 Some(id) => id,
                 None => {
+                    st.live_mut(c).journal_ready(EDIT_ROOM)?;
                     let id = st.live_mut(c).kv_create(&key)?;
                     info!(key = %key, "key created");
                     id
@@ -108,6 +116,7 @@ impl Fs {
             let key = st.kv_key_of(c, name).map_err(|_| FsError::NotFound)?;
             // (No such key is ENOENT before any rule about the target.)
             st.live(c).kv_find(&key).ok_or(FsError::NotFound)?;
+            st.live_mut(c).journal_ready(EDIT_ROOM)?;
             match to {
                 None => st.live_mut(c).kv_remove(&key)?,
                 Some((new_name, no_replace)) => {
@@ -135,6 +144,12 @@ impl Fs {
         object: &Arc<DataObject>,
         len: u64,
     ) -> Result<(), FsError> {
+        {
+            let mut st = self.write_state();
+            if let Some(c) = st.home(object) {
+                st.live_mut(c).journal_ready(EDIT_ROOM)?;
+            }
+        }
         let changed = object.truncate(&self.staging, len)?;
         self.note_write(object, changed)
     }
@@ -275,6 +290,7 @@ impl Fs {
         }
         let touched = st.files_of(c, &decoded);
         let live = st.live_mut(c);
+        live.journal_ready(EDIT_ROOM)?;
         match &decoded {
             Name::Metadata => live.remove_metadata()?,
             Name::Tensor(TensorFile::Data, tensor) => live.unlink_data(tensor)?,
@@ -343,6 +359,8 @@ impl Fs {
         touched.extend(st.files_of(nc, &to));
         // Journaled whole: one line per checkpoint, the target's first (a
         // crash between two checkpoints' lines leaves a copy, never a loss).
+        st.live_mut(nc).journal_ready(EDIT_ROOM)?;
+        st.live_mut(c).journal_ready(EDIT_ROOM)?;
         st.live_mut(c).begin_batch();
         let mut result =
             self.rename_parts(&mut st, (c, name, &from, from_node), (nc, new_name, &to));

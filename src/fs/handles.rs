@@ -376,6 +376,10 @@ impl Fs {
         let mut touched = Vec::new();
         let (c, file_name, kept_invalid) = {
             let mut st = self.write_state();
+            if let Some(c) = st.node(ino).ok().and_then(|n| n.json_checkpoint()) {
+                let need = super::edits::EDIT_ROOM + 2 * text.len() as u64;
+                st.live_mut(c).journal_ready(need)?;
+            }
             match st.node(ino) {
                 Ok(Node::File(c, file, TensorFile::Meta)) => {
                     let id = st.meta_entry(c, file)?;

@@ -27,6 +27,16 @@ pub(super) enum Node {
     KvFile(usize, u64),
 }
 
+impl Node {
+    /// The checkpoint of a JSON file's node (a meta, `__metadata__.json`, a key).
+    pub(super) fn json_checkpoint(&self) -> Option<usize> {
+        match *self {
+            Node::Metadata(c) | Node::File(c, _, TensorFile::Meta) | Node::KvFile(c, _) => Some(c),
+            _ => None,
+        }
+    }
+}
+
 pub(super) const WHOLE_BIT: Ino = 1 << 62;
 pub(super) const KV_BIT: Ino = 1 << 60;
 

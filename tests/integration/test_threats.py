@@ -195,6 +195,40 @@ def test_a_commit_on_a_full_filesystem_says_so_and_loses_nothing(small_ext4, tmp
     assert_checkpoint(src, t, {"note": "x" * 20000})
 
 
+@ROOT_ONLY
+def test_an_edit_a_full_staging_filesystem_cannot_journal_fails_and_changes_nothing(small_ext4, tmp_path, mount):
+    """rm and mv of a tensor, a meta written, when the staging folder's
+    filesystem is full: each fails with ENOSPC and changes nothing, and after
+    a kill -9 nothing comes back that was refused (rm once returned 0 while
+    its journal line was lost, and kill -9 brought the tensor back)."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    staging = small_ext4 / "staging"
+    staging.mkdir(mode=0o700)
+    fill(small_ext4)
+    m = mount(src, "--staging-dir", staging)
+    before = sorted(os.listdir(m.path))
+    attempts = [lambda: os.unlink(os.path.join(m.path, "a")),
+                lambda: os.rename(os.path.join(m.path, "b"), os.path.join(m.path, "z"))]
+    for attempt in attempts:
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno == errno.ENOSPC, e.value
+        assert sorted(os.listdir(m.path)) == before
+    os.kill(m.pid, 9)
+    m.close()
+    os.unlink(small_ext4 / "filler")
+    m2 = mount(src, "--staging-dir", staging)
+    assert sorted(os.listdir(m2.path)) == before
+    # With room, the same edit is journaled and kept.
+    os.unlink(os.path.join(m2.path, "a"))
+    os.kill(m2.pid, 9)
+    m2.close()
+    m3 = mount(src, "--staging-dir", staging)
+    assert "a" not in os.listdir(m3.path)
+    assert_checkpoint(src, t)  # (nothing committed: the source as it was)
+
+
 def inserts_blocks(folder):
     """Whether the filesystem of `folder` inserts blocks at a file's start (ext4, XFS)."""
     probe = os.path.join(folder, ".insert-probe")

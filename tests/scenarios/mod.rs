@@ -363,19 +363,30 @@ pub const COMMIT_WITH_A_RENAME: Step = Step {
             }
         }
         let fs = Shared(m.fs()?);
-        let done = std::sync::atomic::AtomicBool::new(false);
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fired = done.clone();
+        let theirs = std::sync::Arc::new(std::sync::Mutex::new(Ok(())));
+        let said = theirs.clone();
         stfs::testpoint::set_point_hook(Some(Box::new(move |step| {
             if step == "commit:written" && !done.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                // (Another program's: a failure of its own is not the commit's.)
+                // (Another program's: a failure of its own is its, not the
+                // commit's; the step fails too, and is done again.)
                 let _theirs = stfs::testpoint::best_effort();
                 let fs = fs.fs();
-                let _ = fs.rename(ROOT_INO, "b", ROOT_INO, "y", false);
-                let _ = fs.fsync(None);
+                let renamed = fs
+                    .rename(ROOT_INO, "b", ROOT_INO, "y", false)
+                    .and_then(|()| fs.fsync(None));
+                *said.lock().unwrap() =
+                    renamed.map_err(|e| format!("another program's mv b y: {e}"));
             }
         })));
-        let done = m.commit().map(|_| ());
+        let committed = m.commit().map(|_| ());
         stfs::testpoint::set_point_hook(None);
-        done
+        // (Done again with nothing left to commit: the rename alone.)
+        if committed.is_ok() && !fired.load(std::sync::atomic::Ordering::SeqCst) {
+            return m.rename("b", "y");
+        }
+        committed.and(theirs.lock().unwrap().clone())
     },
 };
 
