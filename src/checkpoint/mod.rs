@@ -398,6 +398,11 @@ impl Live {
         &self.key
     }
 
+    /// Journals under `name` (a shard shown under a name of its own).
+    pub fn name_journal(&mut self, name: &str) {
+        self.journal = Journal::new(format!("{name}.shard.journal"));
+    }
+
     pub fn staging(&self) -> &Arc<Staging> {
         &self.staging
     }

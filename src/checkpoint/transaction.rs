@@ -428,7 +428,8 @@ impl Transactions {
                 0,
             ) {
                 Ok(f) => Some(f),
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+                // (Gone, or a link: the commit puts a file of its own there.)
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => None,
                 Err(source) => {
                     let e = CommitError::Io {
                         what: format!("reading {}", folder.path.join(name).display()),

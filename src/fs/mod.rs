@@ -264,13 +264,20 @@ impl Fs {
             fixed.push(node);
             fixed.len() as Ino
         };
-        let mut checkpoints = Vec::with_capacity(list.len());
+        let mut checkpoints: Vec<Mounted> = Vec::with_capacity(list.len());
         for (c, (dir_name, source)) in list.into_iter().enumerate() {
             source.set_release_after_read(settings.release_after_read);
             let dir_ino = alloc(&mut fixed, Node::CheckpointDir(c));
+            let mut live = Live::new(source, staging.clone());
+            // Two shard names of one file (links to one blob): each its own
+            // journal, by the name shown (a commit refuses them, `stfs status`
+            // says why, but their edits are journaled apart until then).
+            if checkpoints.iter().any(|m| m.live.key() == live.key()) {
+                live.name_journal(&dir_name);
+            }
             checkpoints.push(Mounted {
                 dir_name,
-                live: Live::new(source, staging.clone()),
+                live,
                 dir_ino,
             });
         }
