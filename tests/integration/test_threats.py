@@ -229,6 +229,44 @@ def test_an_edit_a_full_staging_filesystem_cannot_journal_fails_and_changes_noth
     assert_checkpoint(src, t)  # (nothing committed: the source as it was)
 
 
+@pytest.mark.parametrize("how", ["rsync --inplace -t", "os.utime", "chmod alone"])
+def test_a_source_written_behind_the_mount_with_its_time_put_back_is_seen(tmp_path, mount, run, how):
+    """Another program rewrites the source in place and puts its size and
+    mtime back, while a tensor is written in part: the commit is refused
+    (ESTALE), where it once wrote back one stale block over the other
+    program's bytes. A chmod alone changes no byte: the commit goes on."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(b"\x07")
+    before = os.stat(src)
+    theirs = bytearray(src.read_bytes())
+    theirs[-4:] = b"\xee" * 4
+    if how == "rsync --inplace -t":
+        other = tmp_path / "other.safetensors"
+        other.write_bytes(bytes(theirs))
+        os.utime(other, ns=(before.st_atime_ns, before.st_mtime_ns))
+        subprocess.run(["rsync", "--inplace", "-t", "-I", str(other), str(src)], check=True)
+    elif how == "os.utime":
+        with open(src, "r+b") as f:
+            f.write(bytes(theirs))
+        os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:
+        os.chmod(src, 0o640)
+    now = os.stat(src)
+    assert (now.st_size, now.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    p = run("commit", m.path)
+    if how == "chmod alone":
+        assert p.returncode == 0, p.stderr
+        t["a"] = t["a"].copy()
+        t["a"].view(np.uint8)[0] = 7
+        assert_checkpoint(src, t)
+    else:
+        assert p.returncode != 0 and "changed" in p.stderr, p.stdout + p.stderr
+        assert src.read_bytes() == bytes(theirs), "the commit wrote over the other program's file"
+
+
 def inserts_blocks(folder):
     """Whether the filesystem of `folder` inserts blocks at a file's start (ext4, XFS)."""
     probe = os.path.join(folder, ".insert-probe")

@@ -201,7 +201,9 @@ impl Live {
         let mapped = self.source.stat();
         let same = match (self.source.folder(), self.source.remote_object()) {
             (Some(folder), _) => match folder.stat_at(self.source.file_name()) {
-                Ok(now) => now.same_version(mapped),
+                // (Written by another program with its size and time put
+                // back: changed too; a chmod or chown alone is not.)
+                Ok(now) => now.same_version(mapped) && !self.source.written_behind(),
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
                 Err(e) => return Err(io_err(file.display().to_string())(e)),
             },

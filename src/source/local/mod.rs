@@ -6,6 +6,7 @@
 //! remote one is an object read through the local cache (`remote`).
 
 mod extents;
+mod watch;
 use crate::source::folder::*;
 pub use extents::*;
 
@@ -141,6 +142,9 @@ struct OpenFile {
     /// Reads hold it shared; an in-place commit holds it alone while it
     /// inserts blocks at the file's start, and maps the file again.
     mapping: RwLock<Mapping>,
+    /// Writes by other programs, seen as they happen (a file rewritten in
+    /// place keeps its size and time if they are put back).
+    watch: Option<watch::Watch>,
 }
 
 struct Mapping {
@@ -151,7 +155,7 @@ struct Mapping {
 }
 
 impl OpenFile {
-    fn new(map: Mmap, stat: &FileStat) -> Arc<OpenFile> {
+    fn new(map: Mmap, stat: &FileStat, watch: Option<watch::Watch>) -> Arc<OpenFile> {
         Arc::new(OpenFile {
             accepted: Mutex::new((stat.len, stat.mtime)),
             writing: AtomicBool::new(false),
@@ -159,6 +163,7 @@ impl OpenFile {
             retired: Mutex::new(Vec::new()),
             made: std::sync::atomic::AtomicU64::new(0),
             mapping: RwLock::new(Mapping { map, shift: 0 }),
+            watch,
         })
     }
 
@@ -236,6 +241,8 @@ impl SourceFile {
         if stat.mode & libc::S_IFMT != libc::S_IFREG {
             return Err(SourceError::NotRegular { path });
         }
+        // (Before its bytes are read: a write while they are is seen too.)
+        let watch = watch::Watch::of(&file);
         let format = |error| SourceError::Format {
             path: path.clone(),
             error,
@@ -262,7 +269,7 @@ impl SourceFile {
             return Err(SourceError::Interrupted { path });
         }
         let header = crate::format::read_checkpoint(&map, &name).map_err(format)?;
-        let shared = OpenFile::new(map, &stat);
+        let shared = OpenFile::new(map, &stat, watch);
         Ok(SourceFile::assemble(
             path,
             folder,
@@ -285,7 +292,7 @@ impl SourceFile {
     ) -> std::io::Result<SourceFile> {
         // SAFETY: as in `open`.
         let map = unsafe { Mmap::map(&file) }?;
-        let shared = OpenFile::new(map, &stat);
+        let shared = OpenFile::new(map, &stat, watch::Watch::of(&file));
         previous.remade(Arc::new(file), (writable, shared, 0), header, stat)
     }
 
@@ -418,6 +425,9 @@ impl SourceFile {
     /// ranges it leaves alone) although the file changes.
     pub fn begin_in_place(&self) {
         if let Some(LocalFile { shared, .. }) = self.store.local() {
+            if let Some(w) = &shared.watch {
+                w.begin_own();
+            }
             shared.writing.store(true, Ordering::SeqCst);
         }
     }
@@ -428,6 +438,9 @@ impl SourceFile {
         if let Some(LocalFile { shared, .. }) = self.store.local() {
             if let Some(now) = now {
                 *shared.accepted.lock_anyway() = (now.len, now.mtime);
+            }
+            if let Some(w) = &shared.watch {
+                w.end_own(now.is_some());
             }
             shared.writing.store(false, Ordering::SeqCst);
         }
@@ -684,6 +697,16 @@ impl SourceFile {
         start + t.data_offsets.0..start + t.data_offsets.1
     }
 
+    /// Whether another program wrote the local file since it was mapped
+    /// (or since this mount's last commit of it), whatever its size and
+    /// time say now.
+    pub fn written_behind(&self) -> bool {
+        match self.store.local() {
+            Some(LocalFile { shared, .. }) => shared.watch.as_ref().is_some_and(|w| w.changed()),
+            None => false,
+        }
+    }
+
     /// EIO (with the reason logged once) if another program truncated or
     /// rewrote the file since it was validated (for a remote object: if a
     /// read found it replaced).
@@ -869,7 +892,8 @@ impl Store for LocalFile {
         }
         let now = FileStat::of(&self.file)?;
         let accepted = *shared.accepted.lock_anyway();
-        if (now.len, now.mtime) == accepted {
+        let written = shared.watch.as_ref().is_some_and(|w| w.changed());
+        if (now.len, now.mtime) == accepted && !written {
             return Ok(());
         }
         if !self.warned_stale.swap(true, Ordering::Relaxed) {
@@ -877,7 +901,11 @@ impl Store for LocalFile {
                 file = %path.display(),
                 "the source was {} behind the mount: its reads now fail with EIO (staged edits are kept; \
                  unmount with --discard or commit --force)",
-                if now.len < accepted.0 { "truncated" } else { "rewritten" }
+                match (now.len < accepted.0, (now.len, now.mtime) == accepted) {
+                    (true, _) => "truncated",
+                    (false, true) => "written by another program (its size and time put back)",
+                    (false, false) => "rewritten",
+                }
             );
         }
         Err(std::io::Error::from_raw_os_error(libc::EIO))
