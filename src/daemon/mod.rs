@@ -435,6 +435,39 @@ pub fn dead(mountpoint: &Path) -> bool {
 
 /// Where staging folders go, and their stem: beside the source (inside a
 /// folder mount's folder), or in --staging-dir.
+/// Where the staging folder goes when the source's folder cannot hold a
+/// private one (not writable, or another filesystem that shows every
+/// folder as open to others): the user's own state folder,
+/// `~/.local/state/stfs/staging/<a hash of the source's path>` (the same
+/// for every mount of that source, so that kept edits are found again),
+/// and the note that says so. Nothing is left beside the source.
+fn private_staging_if_needed(
+    source: &Path,
+    base: Arc<Folder>,
+    stem: &str,
+) -> Result<(Arc<Folder>, Option<String>), String> {
+    let Some(why) = crate::source::StagingDir::cannot_be_made_in(&base, stem) else {
+        return Ok((base, None));
+    };
+    let real = std::fs::canonicalize(source).map_err(|e| format!("{}: {e}", source.display()))?;
+    let hash = crate::checkpoint::in_place::sha256_hex(&[real.as_os_str().as_encoded_bytes()]);
+    let folder = crate::checkpoint::commit::private_state_folder(&["staging", &hash[..16]])
+        .map_err(|e| {
+            format!(
+                "{}: edits cannot be staged beside the source ({why}), nor in your state folder \
+                 ({e}): mount with --staging-dir DIR (or -o ro)",
+                source.display()
+            )
+        })?;
+    let note = format!(
+        "{}: edits are staged in {} ({}: {why})",
+        source.display(),
+        folder.path.display(),
+        base.path.display()
+    );
+    Ok((Arc::new(folder), Some(note)))
+}
+
 fn staging_for(source: &Path, dir: Option<&Path>) -> Result<(Arc<Folder>, String), String> {
     let real = std::fs::canonicalize(source).map_err(|e| format!("{}: {e}", source.display()))?;
     let is_dir = real.is_dir();
@@ -563,6 +596,10 @@ pub fn open_local(
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
     let (base, stem) = staging_for(source, staging_dir)?;
+    let (base, moved) = match staging_dir.is_none() && !settings.read_only {
+        true => private_staging_if_needed(source, base, &stem)?,
+        false => (base, None),
+    };
     let mut notes = recover::finish_renames(&base, &stem).map_err(|e| {
         format!(
             "{}: an interrupted commit could not be finished: {e}; its record is kept, and the \
@@ -570,6 +607,7 @@ pub fn open_local(
             source.display()
         )
     })?;
+    notes.extend(moved);
     // Two mounts of one source are allowed; their commits are taken one at
     // a time, and the second is refused if the first changed the file.
     for m in crate::mountinfo::mounts() {

@@ -109,19 +109,72 @@ impl StagingDir {
                         folder: &parent.path,
                         name: &name,
                     });
+                    let rmdir = rustix::fs::AtFlags::REMOVEDIR;
                     // (Its name durable before anything journaled in it is.)
                     if let Err(e) = parent.sync() {
-                        let rmdir = rustix::fs::AtFlags::REMOVEDIR;
                         let _ = rustix::fs::unlinkat(&parent.fd, &name, rmdir);
                         return Err(io(e));
                     }
-                    return StagingDir::adopt(parent, &name);
+                    // One that cannot be used (another filesystem's idea of
+                    // its mode) is not left behind.
+                    let adopted = StagingDir::adopt(parent.clone(), &name);
+                    if adopted.is_err() {
+                        let _ = rustix::fs::unlinkat(&parent.fd, &name, rmdir);
+                    }
+                    return adopted;
                 }
                 Err(rustix::io::Errno::EXIST) => continue,
                 Err(e) => return Err(io(e.into())),
             }
         }
         Err(io(std::io::Error::from_raw_os_error(libc::EEXIST)))
+    }
+
+    /// Why a private staging folder cannot be made in `parent`, if it
+    /// cannot: the folder is not writable, or its filesystem shows a folder
+    /// made 0700 as open to others or as another user's (another FUSE
+    /// filesystem that shows every folder 0755, a network filesystem that
+    /// maps owners). Local filesystems are taken as they are; others are
+    /// tried with a folder made and removed at once.
+    pub fn cannot_be_made_in(parent: &Folder, stem: &str) -> Option<String> {
+        if !parent.writable() {
+            return Some("that folder is not writable by you".into());
+        }
+        // ext4, XFS, btrfs, tmpfs, overlayfs, ZFS, f2fs: modes as made.
+        const LOCAL: [u64; 7] = [
+            0xEF53,
+            0x5846_5342,
+            0x9123_683E,
+            0x0102_1994,
+            0x794C_7630,
+            0x2FC1_2FC1,
+            0xF2F5_2010,
+        ];
+        if rustix::fs::fstatfs(&parent.fd).is_ok_and(|s| LOCAL.contains(&(s.f_type as u64))) {
+            return None;
+        }
+        let name = OsString::from(format!(".{stem}.stfs-probe-{}", random_suffix()));
+        let mode = rustix::fs::Mode::from_raw_mode(0o700);
+        if let Err(e) = rustix::fs::mkdirat(&parent.fd, &name, mode) {
+            return Some(format!("a folder cannot be made there ({e})"));
+        }
+        let flags = rustix::fs::OFlags::RDONLY
+            | rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC;
+        let seen = rustix::fs::openat(&parent.fd, &name, flags, rustix::fs::Mode::empty())
+            .and_then(|d| rustix::fs::fstat(&d));
+        let _ = rustix::fs::unlinkat(&parent.fd, &name, rustix::fs::AtFlags::REMOVEDIR);
+        match seen {
+            Ok(st) if st.st_uid == euid() && st.st_mode & 0o077 == 0 => None,
+            Ok(st) => Some(format!(
+                "its filesystem shows a folder made 0700 by uid {} as {:o}, owned by uid {}",
+                euid(),
+                st.st_mode & 0o7777,
+                st.st_uid
+            )),
+            Err(e) => Some(format!("a folder made there cannot be opened ({e})")),
+        }
     }
 
     /// Opens an existing staging folder of `parent` after checking that it is

@@ -267,6 +267,46 @@ def test_a_source_written_behind_the_mount_with_its_time_put_back_is_seen(tmp_pa
         assert src.read_bytes() == bytes(theirs), "the commit wrote over the other program's file"
 
 
+@ROOT_ONLY
+def test_a_source_whose_folder_cannot_hold_a_private_staging_folder(tmp_path, mount, run):
+    """A source inside another FUSE filesystem that shows every folder 0755
+    (bindfs here, rclone in the wild): the mount says where edits are staged
+    instead (the user's state folder), journals them there, leaves nothing
+    beside the source, and a kill -9 loses none (edits once returned success
+    with nothing journaled, and each try left a .NAME.stfs-* folder)."""
+    if shutil.which("bindfs") is None:
+        pytest.fail("bindfs is missing: scripts/setup installs it")
+    real, seen = tmp_path / "real", tmp_path / "seen"
+    real.mkdir()
+    seen.mkdir()
+    subprocess.run(["bindfs", "-p", "0755", str(real), str(seen)], check=True)
+    staged_in = None
+    try:
+        src = seen / "m.safetensors"
+        base(src)
+        m = mount(src)
+        [note] = [line for line in m.result.stdout.splitlines() + m.result.stderr.splitlines()
+                  if "edits are staged in" in line]
+        staged_in = pathlib.Path(note.split("edits are staged in ")[1].split(" (")[0])
+        os.rename(os.path.join(m.path, "a"), os.path.join(m.path, "z"))
+        fd = os.open(m.path, os.O_RDONLY)
+        os.fsync(fd)  # (a rename is durable once its folder is synced)
+        os.close(fd)
+        assert [n for n in os.listdir(real) if ".stfs-" in n] == []
+        os.kill(m.pid, 9)
+        m.close()
+        m2 = mount(src)
+        assert "z" in os.listdir(m2.path) and "a" not in os.listdir(m2.path)
+        p = run("commit", m2.path)
+        assert p.returncode == 0, p.stderr
+        m2.close()
+        assert [n for n in os.listdir(real) if ".stfs-" in n] == []
+    finally:
+        subprocess.run(["umount", str(seen)], check=False)
+        if staged_in is not None:
+            shutil.rmtree(staged_in, ignore_errors=True)
+
+
 def inserts_blocks(folder):
     """Whether the filesystem of `folder` inserts blocks at a file's start (ext4, XFS)."""
     probe = os.path.join(folder, ".insert-probe")

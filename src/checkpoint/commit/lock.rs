@@ -58,6 +58,38 @@ pub(super) fn home_of(uid: u32) -> Option<PathBuf> {
     }
 }
 
+/// A private folder of this user's that outlives a reboot,
+/// `~/.local/state/stfs/<parts...>` of the home in the password database,
+/// made 0700 (with the folders above it that are missing); refused if it is
+/// a link, another user's or open to others.
+pub fn private_state_folder(parts: &[&str]) -> Result<Folder, FolderError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let euid = rustix::process::geteuid().as_raw();
+    let mut dir = home_of(euid)
+        .ok_or_else(|| {
+            FolderError::refused(
+                std::path::Path::new("~"),
+                format!("no home folder for uid {euid}"),
+            )
+        })?
+        .join(".local/state/stfs");
+    parts.iter().for_each(|p| dir.push(p));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(FolderError::io(&dir))?;
+    let folder = Folder::open_private(&dir).map_err(FolderError::io(&dir))?;
+    let st = folder.stat().map_err(FolderError::io(&dir))?;
+    if st.uid != euid || st.mode & 0o077 != 0 {
+        return Err(FolderError::refused(
+            &dir,
+            "not a private folder of this user's",
+        ));
+    }
+    Ok(folder)
+}
+
 /// The private folder of commit locks, made 0700 if missing; refused if it
 /// is a link, another user's or open to others. Chosen by the user, not the
 /// environment, so that every session of a user (a shell, cron, `sudo -u`)
