@@ -223,8 +223,34 @@ impl Live {
             return Err(EditError::TooLarge(MAX_JSON));
         }
         if self.kv.is_some() {
-            // (A GGUF file's keys: one state with `__kv__`.)
-            return self.kv_set_document(text).map(|()| None);
+            // (A GGUF file's keys: one state with `__kv__`. A document that
+            // is not one of keys is kept as written, as any JSON file: shown,
+            // listed by `stfs status`, refused by a commit, until a document
+            // of keys or an edit of a key replaces it.)
+            return match self.kv_set_document(text) {
+                Ok(()) => {
+                    if matches!(self.metadata, MetadataDoc::Invalid { .. }) {
+                        self.metadata = MetadataDoc::Unchanged;
+                        self.metadata_gen = next_gen();
+                        self.log(vec![Record::Metadata {
+                            doc: MetadataDoc::Unchanged,
+                        }])?;
+                    }
+                    Ok(None)
+                }
+                Err(EditError::Invalid(error)) => {
+                    self.metadata = MetadataDoc::Invalid {
+                        text: text.to_vec(),
+                        error: error.clone(),
+                    };
+                    self.metadata_gen = next_gen();
+                    self.dirty = true;
+                    let doc = self.metadata.clone();
+                    self.log(vec![Record::Metadata { doc }])?;
+                    Ok(Some(error))
+                }
+                Err(e) => Err(e),
+            };
         }
         if replace || self.metadata == MetadataDoc::Removed {
             self.metadata_file = self.new_id();

@@ -466,7 +466,17 @@ impl Live {
         }
         self.dirty = true;
         let keys = self.kv_records();
-        self.log(vec![Record::Keys { keys }])
+        let mut records = vec![Record::Keys { keys }];
+        // (A key edited: `__metadata__.json` shows the keys again, not a
+        // document that was not one.)
+        if matches!(self.metadata, super::meta::MetadataDoc::Invalid { .. }) {
+            self.metadata = super::meta::MetadataDoc::Unchanged;
+            self.metadata_gen = next_gen();
+            records.push(Record::Metadata {
+                doc: super::meta::MetadataDoc::Unchanged,
+            });
+        }
+        self.log(records)
     }
 
     /// Whether the keys are the source's, in its order.

@@ -700,7 +700,12 @@ impl Live {
     /// (0 when a GGUF file's keys cannot be read now: reads fail.)
     pub fn metadata_len(&self) -> Option<u64> {
         // (An unedited GGUF file's text is kept: no copy of it.)
-        if let (true, Some(shown)) = (self.kv_unchanged(), self.source.gguf_metadata_json()) {
+        let kept_as_written = matches!(self.metadata, MetadataDoc::Invalid { .. });
+        if let (true, false, Some(shown)) = (
+            self.kv_unchanged(),
+            kept_as_written,
+            self.source.gguf_metadata_json(),
+        ) {
             return Some(shown.map_or(0, <[u8]>::len) as u64);
         }
         self.metadata_text()
@@ -716,6 +721,9 @@ impl Live {
             tracing::warn!(file = %self.source.path().display(), "its keys cannot be read: {e}");
             e
         };
+        if let MetadataDoc::Invalid { text, .. } = &self.metadata {
+            return Ok(Some(text.clone()));
+        }
         if !self.kv_unchanged() {
             return self.kv_metadata_json().map(Some).map_err(unreadable);
         }

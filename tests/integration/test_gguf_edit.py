@@ -430,11 +430,16 @@ def test_metadata_json_and_kv_are_one_state(tmp_path, mount, run):
                            f"cp {tmp_path}/m.json {mnt}/__metadata__.json", shell=True, capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         assert (kv / "test.u8").read_text() == "9\n"
+    good = (mnt / "__metadata__.json").read_text()
     for bad in ('{"general.name": "no type"}', '{"test.u8": {"type": "UINT8", "value": 300}}', "not json"):
         with pytest.raises(OSError) as e:
             (mnt / "__metadata__.json").write_text(bad)
         assert e.value.errno == errno.EINVAL, bad
+    # (Kept as written, refused by a commit, until a document of keys replaces it.)
+    assert (mnt / "__metadata__.json").read_text() == "not json"
     assert (kv / "general.name").read_text() == "edited\n"
+    assert run("commit", m.path).returncode != 0
+    (mnt / "__metadata__.json").write_text(good)
     with pytest.raises(OSError) as e:
         os.unlink(mnt / "__metadata__.json")
     assert e.value.errno == errno.EPERM
@@ -533,3 +538,32 @@ def test_a_key_reads_the_same_text_after_a_write_as_after_the_commit(tmp_path, m
     assert before == {"general.name": b"abc\n", "tokenizer.ggml.bos_token_id": b"7\n"}, before
     assert run("commit", m.path).returncode == 0
     assert {k: (kv / k).read_bytes() for k in before} == before
+
+
+def test_an_invalid_metadata_document_is_kept_as_written_and_refused(tmp_path, mount, run):
+    """`echo '{"broken' > __metadata__.json` of a GGUF mount: the shell drops
+    the close's EINVAL, so the text is kept as written (cat shows it), listed
+    by stfs status and refused by a commit, through a kill -9, until a
+    document of keys or an edit of a key replaces it (it was once dropped)."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path)
+    before = path.read_bytes()
+    m = mount(path)
+    doc = pathlib.Path(m.path) / "__metadata__.json"
+    good = doc.read_bytes()
+    subprocess.run(["sh", "-c", f"echo '{{\"broken' > {doc}"], check=True)
+    assert doc.read_bytes() == b'{"broken\n'
+    st = run("status", m.path)
+    assert st.returncode == 1 and "__metadata__.json" in st.stdout, st.stdout
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "__metadata__.json" in p.stderr, p.stderr
+    os.kill(m.pid, 9)
+    m.close()
+    assert path.read_bytes() == before
+    m2 = mount(path)
+    doc = pathlib.Path(m2.path) / "__metadata__.json"
+    assert doc.read_bytes() == b'{"broken\n'
+    (pathlib.Path(m2.path) / "__kv__" / "general.name").write_text("fixed\n")
+    assert json.loads(doc.read_text())["general.name"]["value"] == "fixed"
+    assert run("commit", m2.path).returncode == 0
+    assert good != doc.read_bytes()

@@ -709,6 +709,8 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
     let g = model.gguf.as_mut().expect("a GGUF run");
     match op {
         Op::KvWrite { key, text } => {
+            // (Any write of a key: the document shows the keys again.)
+            g.invalid_document = None;
             let name = KEYS[*key];
             let made = g.position(name).is_none();
             let (a, o) = fs.create(kv, name, true, false).unwrap();
@@ -759,6 +761,7 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                 Some(p) => {
                     let k = g.keys.remove(p);
                     g.gone.insert(k.name, k.ty);
+                    g.invalid_document = None;
                     model.dirs[0].dirty = true;
                     0
                 }
@@ -811,6 +814,7 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                             None => g.keys[p] = moved,
                         }
                         g.settle(rewritten);
+                        g.invalid_document = None;
                         model.dirs[0].dirty = true;
                         0
                     }
@@ -822,9 +826,9 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let doc = g.document(edit);
             let text = document_text(&doc);
             let applied = g.set_document(&doc, next, rewritten);
-            if applied {
-                model.dirs[0].dirty = true;
-            }
+            // Not a document of keys: kept as written, and a problem.
+            g.invalid_document = (!applied).then(|| text.clone());
+            model.dirs[0].dirty = true;
             let ino = m.lookup(&metadata(0)).unwrap();
             let o = fs.open(ino, true, true).unwrap();
             fs.write(ino, o.fh, 0, &text).unwrap();

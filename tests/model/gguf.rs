@@ -228,6 +228,10 @@ pub(super) struct GState {
     /// Inode identities of key files seen in this epoch.
     pub(super) ino_of: HashMap<u64, Ino>,
     pub(super) key_of: HashMap<Ino, u64>,
+    /// A `__metadata__.json` written that is not a document of keys: kept
+    /// as written (shown, a problem, a commit refused) until a document of
+    /// keys or an edit of a key replaces it.
+    pub(super) invalid_document: Option<Vec<u8>>,
 }
 
 /// The key names the operations use: the source's, and two new ones.
@@ -287,6 +291,7 @@ impl GState {
             view_order: None,
             ino_of: HashMap::new(),
             key_of: HashMap::new(),
+            invalid_document: None,
         }
     }
 
@@ -393,6 +398,9 @@ impl GState {
                 changes.push(format!("key        {}: removed", c.name));
             }
         }
+        if self.invalid_document.is_some() {
+            problems.push("problem    __metadata__.json".to_string());
+        }
         let in_both = |a: &[MKey], b: &[MKey]| -> Vec<String> {
             let names = a.iter().map(|k| k.name.clone());
             names.filter(|n| b.iter().any(|k| k.name == *n)).collect()
@@ -407,6 +415,9 @@ impl GState {
     /// line; a value that is not one of its type says why (the words cut
     /// off here, as `metadata_cut` cuts what the mount shows).
     pub(super) fn metadata_text(&self) -> Vec<u8> {
+        if let Some(text) = &self.invalid_document {
+            return text.clone();
+        }
         let mut out = b"{".to_vec();
         for (n, k) in self.keys.iter().enumerate() {
             out.extend_from_slice(if n == 0 { b"\n" } else { b",\n" });

@@ -238,6 +238,7 @@ pub(super) fn discard(m: &Mounted, model: &mut Model) {
     if let Some(g) = model.gguf.as_mut() {
         g.keys = g.committed.clone();
         g.gone.clear();
+        g.invalid_document = None;
         g.renew(&mut model.next);
     }
 }

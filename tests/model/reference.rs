@@ -645,7 +645,10 @@ impl Model {
     pub(super) fn net_changed(&self, dir: usize) -> bool {
         let d = &self.dirs[dir];
         d.metadata_touched
-            || self.gguf.as_ref().is_some_and(|g| !g.unchanged())
+            || self
+                .gguf
+                .as_ref()
+                .is_some_and(|g| !g.unchanged() || g.invalid_document.is_some())
             || d.entries.iter().any(|(n, e)| !self.untouched(dir, n, e))
             || d.committed
                 .tensors
