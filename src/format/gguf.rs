@@ -191,6 +191,13 @@ pub enum Value {
     /// Stored as one byte (ggml reads an int8).
     Bool(u8),
     String(Vec<u8>),
+    /// A string of a key longer than `LONG_STRING` bytes, left in the file
+    /// (where its bytes are): a file whose keys hold a gigabyte costs a
+    /// mount no more memory than one whose keys hold little.
+    StringAt {
+        at: u64,
+        len: u64,
+    },
     Array(Array),
     U64(u64),
     I64(i64),
@@ -218,7 +225,7 @@ impl Value {
             Value::I32(_) => ValueType::I32,
             Value::F32(_) => ValueType::F32,
             Value::Bool(_) => ValueType::Bool,
-            Value::String(_) => ValueType::String,
+            Value::String(_) | Value::StringAt { .. } => ValueType::String,
             Value::Array(_) => ValueType::Array,
             Value::U64(_) => ValueType::U64,
             Value::I64(_) => ValueType::I64,
@@ -356,6 +363,22 @@ impl<'a> Reader<'a> {
         self.take(len, what)
     }
 
+    /// A key's value of `ty`: as `value`, a long string left where it is.
+    fn kv_value(&mut self, ty: ValueType, what: &str) -> Result<Value, GgufError> {
+        if ty != ValueType::String {
+            return self.value(ty, what);
+        }
+        let s = self.string(what)?;
+        if s.len() as u64 <= LONG_STRING {
+            return Ok(Value::String(s.to_vec()));
+        }
+        let at = (self.at - s.len()) as u64;
+        Ok(Value::StringAt {
+            at,
+            len: s.len() as u64,
+        })
+    }
+
     /// A value of `ty`; arrays are walked (their strings checked) but not kept.
     fn value(&mut self, ty: ValueType, what: &str) -> Result<Value, GgufError> {
         Ok(match ty {
@@ -484,7 +507,7 @@ fn parse_in(r: &mut Reader) -> Result<GgufHeader, GgufError> {
         let id = r.i32("a value's type").map_err(in_key)?;
         let ty = ValueType::from_id(id)
             .ok_or_else(|| in_key(refused(format!("unknown value type {id}"))))?;
-        let value = r.value(ty, "its value").map_err(in_key)?;
+        let value = r.kv_value(ty, "its value").map_err(in_key)?;
         kvs.push((key, value));
     }
     let alignment = match kvs.iter().find(|(k, _)| k == "general.alignment") {
@@ -659,6 +682,7 @@ pub fn show_value(v: &Value) -> String {
         Value::F32(x) => x.to_string(),
         Value::Bool(x) => (*x != 0).to_string(),
         Value::String(s) => String::from_utf8_lossy(s).into_owned(),
+        Value::StringAt { len, .. } => format!("({len} bytes)"),
         Value::Array(a) => format!("[{} x {}]", a.len, a.item.name()),
         Value::U64(x) => x.to_string(),
         Value::I64(x) => x.to_string(),
@@ -704,18 +728,39 @@ fn scalar_json(v: &Value) -> serde_json::Value {
         Value::F64(x) => float(x.to_string()),
         Value::Bool(x) => J::Bool(*x != 0),
         Value::String(s) => J::String(String::from_utf8_lossy(s).into_owned()),
-        Value::Array(_) => J::Null,
+        Value::StringAt { .. } | Value::Array(_) => J::Null,
     }
 }
 
-/// A value as JSON (an array's items read through `read`).
+/// A value as JSON (an array's items, a long string read through `read`):
+/// EFBIG past `SHOWN_AT_MOST` bytes of the file.
 pub fn value_json(v: &Value, read: ReadRange) -> std::io::Result<serde_json::Value> {
     Ok(match v {
         Value::Array(a) => {
+            too_large(a.bytes)?;
             serde_json::Value::Array(array_items(a, read)?.iter().map(scalar_json).collect())
+        }
+        Value::StringAt { at, len } => {
+            too_large(*len)?;
+            serde_json::Value::String(String::from_utf8_lossy(&read(*at, *len)?).into_owned())
         }
         v => scalar_json(v),
     })
+}
+
+/// A key's string longer than this is left in the file (`Value::StringAt`).
+pub const LONG_STRING: u64 = 4 << 10;
+
+/// The most bytes of a value that `__kv__/KEY` or `__metadata__.json`
+/// shows (each file is made whole when opened): a longer one is EFBIG, so
+/// that the daemon's memory stays bounded whatever a file's keys hold.
+pub const SHOWN_AT_MOST: u64 = 16 << 20;
+
+fn too_large(bytes: u64) -> std::io::Result<()> {
+    match bytes > SHOWN_AT_MOST {
+        true => Err(std::io::Error::from_raw_os_error(libc::EFBIG)),
+        false => Ok(()),
+    }
 }
 
 /// What `__kv__/KEY` shows: a string's bytes as they are (a chat template
@@ -724,6 +769,10 @@ pub fn value_json(v: &Value, read: ReadRange) -> std::io::Result<serde_json::Val
 pub fn kv_file_text(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
     Ok(match v {
         Value::String(s) => [s.as_slice(), b"\n"].concat(),
+        Value::StringAt { at, len } => {
+            too_large(*len)?;
+            [read(*at, *len)?.as_slice(), b"\n"].concat()
+        }
         v => {
             // A finite float as in JSON (shortest: 0.1, 1e-45, 2.0); NaN
             // and the infinities, which JSON has not, as NaN, inf, -inf.
@@ -764,6 +813,8 @@ pub fn metadata_json_of<'a>(
         serde_json::to_writer(&mut out, key).map_err(std::io::Error::other)?;
         out.extend_from_slice(b": ");
         serde_json::to_writer(&mut out, &entry).map_err(std::io::Error::other)?;
+        // (Each value is bounded; so is the whole: a cached file.)
+        too_large(out.len() as u64 / 4)?;
     }
     out.extend_from_slice(b"\n}\n");
     Ok(out)

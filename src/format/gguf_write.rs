@@ -109,7 +109,7 @@ fn put_scalar(out: &mut Vec<u8>, v: &Value) {
         Value::I64(x) => out.extend(x.to_le_bytes()),
         Value::F64(x) => out.extend(x.to_le_bytes()),
         Value::String(s) => put_string(out, s),
-        Value::Array(_) => unreachable!("arrays are not scalars"),
+        Value::StringAt { .. } | Value::Array(_) => unreachable!("read from the file by `encode`"),
     }
 }
 
@@ -122,6 +122,10 @@ pub fn encode(v: &Value, read: ReadRange) -> std::io::Result<Vec<u8>> {
             out.extend(type_id(a.item).to_le_bytes());
             out.extend(a.len.to_le_bytes());
             out.extend(read(a.at, a.bytes)?);
+        }
+        Value::StringAt { at, len } => {
+            out.extend(len.to_le_bytes());
+            out.extend(read(*at, *len)?);
         }
         v => put_scalar(&mut out, v),
     }

@@ -7,6 +7,7 @@ import json
 import errno
 import os
 import pathlib
+import re
 import struct
 import subprocess
 
@@ -436,3 +437,51 @@ def test_the_gguf_view_is_the_file_as_readers_read_it(tmp_path, mount, alignment
     assert [t.name for t in reader.tensors] == [t.name for t in gguf.GGUFReader(str(path)).tensors]
     if GGML_LIB.exists():
         assert ggml_string(view, "tokenizer.chat_template") == reader_value(reader.fields["tokenizer.chat_template"])
+
+
+def write_gguf_with_a_huge_name(path, name_len):
+    """A valid GGUF file (one F32 tensor) whose general.name is `name_len`
+    NUL bytes, written without holding them in memory."""
+    def s(b):
+        return struct.pack("<Q", len(b)) + b
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 1, 2))
+        f.write(s(b"general.architecture") + struct.pack("<I", 8) + s(b"llama"))
+        f.write(s(b"general.name") + struct.pack("<I", 8) + struct.pack("<Q", name_len))
+        chunk = b"\0" * (8 << 20)
+        left = name_len
+        while left:
+            f.write(chunk[:min(left, len(chunk))])
+            left -= min(left, len(chunk))
+        f.write(s(b"w") + struct.pack("<I", 1) + struct.pack("<q", 4) + struct.pack("<IQ", 0, 0))
+        f.write(b"\0" * ((-f.tell()) % 32))
+        f.write(np.arange(4, dtype=np.float32).tobytes())
+
+
+def test_a_key_of_half_a_gigabyte_costs_the_daemon_no_memory(tmp_path, mount, run):
+    """A valid GGUF file whose general.name is 512 MiB of NULs (each six bytes
+    of JSON): the daemon once held the name at mount and grew past 4 GiB when
+    a co-user read __metadata__.json. Its memory (beyond its mappings) stays
+    small; __metadata__.json and __kv__/general.name are refused (EFBIG), the
+    tensors read, and a tensor edit still commits."""
+    path = tmp_path / "huge.gguf"
+    write_gguf_with_a_huge_name(path, 512 << 20)
+    m = mount(path)
+    mnt = pathlib.Path(m.path)
+
+    def anon_mib():
+        status = open(f"/proc/{m.pid}/status").read()
+        return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) >> 10
+
+    assert anon_mib() < 256
+    for name in ("__metadata__.json", "__kv__/general.name"):
+        with pytest.raises(OSError) as e:
+            (mnt / name).read_bytes()
+        assert e.value.errno == errno.EFBIG, name
+    assert (mnt / "__kv__/general.architecture").read_text() == "llama\n"
+    assert np.frombuffer((mnt / "w").read_bytes(), np.float32).tolist() == [0, 1, 2, 3]
+    assert anon_mib() < 256
+    with open(mnt / "w", "r+b") as f:
+        f.write(np.float32(7).tobytes())
+    assert run("commit", m.path).returncode == 0
+    assert anon_mib() < 1024  # (a commit holds the header it writes)
