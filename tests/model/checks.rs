@@ -189,6 +189,9 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             files.sort();
             want_files.sort();
             assert_eq!(files, want_files, "the .npy views after {after:?}");
+            if model.gguf.is_none() {
+                check_casts(m, model, dir, after);
+            }
         }
         // Every listed name looks up to the inode readdir gave.
         for (name, ino) in listed.iter().skip(2) {
@@ -213,6 +216,18 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
             },
             after,
         );
+    }
+    // The views of all the shards at once.
+    let all_readable = (0..model.dirs.len()).all(|dir| {
+        model.problem_count(dir) == 0
+            && !model.dirs[dir].replaced
+            && model.dirs[dir]
+                .entries
+                .values()
+                .all(|e| e.data.is_none_or(|o| !model.unreadable(o)))
+    });
+    if m.folder && all_readable && !model.in_two_shards() {
+        check_folder_views(m, model, after);
     }
     if model.gguf.is_some() {
         check_keys(m, model, after, step);

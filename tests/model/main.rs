@@ -93,6 +93,7 @@ mod gguf;
 mod harness;
 mod lifecycle;
 mod reference;
+mod views;
 
 use apply::*;
 use checks::*;
@@ -106,6 +107,7 @@ use stfs::checkpoint::staging::Staging;
 use stfs::fs::{Fs, IndexFile, Ino, ROOT_INO, Settings, Source, TensorFile};
 use stfs::source::Folder;
 use stfs::source::{FileStat, SourceFile};
+use views::*;
 
 const NAMES: [&str; 5] = ["a", "b", "c/d", "x.meta.json", ""];
 /// Bytes of source tensor "b" (I16): over three blocks, so that a write
