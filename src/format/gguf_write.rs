@@ -356,7 +356,10 @@ pub fn tensor_rule(name: &str, dtype: Dtype, shape: &[u64]) -> Option<String> {
         ));
     }
     if shape.len() > 4 {
-        return Some(format!("{} dimensions (ggml has at most 4)", shape.len()));
+        return Some(format!(
+            "has {} dimensions (ggml holds at most 4)",
+            shape.len()
+        ));
     }
     let ne0 = shape.last().copied().unwrap_or(1);
     let (block, _) = dtype.block();

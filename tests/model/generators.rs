@@ -149,7 +149,7 @@ pub(super) enum Op {
 
 pub(super) fn shape() -> impl Strategy<Value = Vec<u64>> {
     prop_oneof![
-        4 => prop::collection::vec(0u64..4, 0..4),
+        4 => prop::collection::vec(0u64..4, 0..6),
         1 => prop::collection::vec(0u64..40, 1..2),
         // (Q8_0's block: 32 elements, innermost or not.)
         1 => (0u64..3, any::<bool>()).prop_map(|(k, inner)| if inner { vec![k, 32] } else { vec![32, k] }),

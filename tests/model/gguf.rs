@@ -252,7 +252,7 @@ pub(super) const KEYS: [&str; 10] = [
 pub(super) fn source_keys() -> Vec<(&'static str, MVal)> {
     vec![
         ("general.architecture", MVal::Str(b"llama".to_vec())),
-        ("general.alignment", MVal::U32(32)),
+        ("general.alignment", MVal::U32(64)),
         ("t.u8", MVal::U8(7)),
         ("t.i32", MVal::I32(-5)),
         ("t.f32", MVal::F32(0.5)),

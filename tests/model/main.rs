@@ -120,7 +120,7 @@ fn big_bytes() -> Vec<u8> {
 /// The model's own dtype table: name, elements per block, bytes per block,
 /// ggml's type id (None: GGUF cannot hold it). Q8_0 is a ggml block type,
 /// which a safetensors file cannot hold.
-const DTYPES: [(&str, u64, u64, Option<u32>); 7] = [
+const DTYPES: [(&str, u64, u64, Option<u32>); 9] = [
     ("U8", 1, 1, None),
     ("I16", 1, 2, Some(25)),
     ("F32", 1, 4, Some(0)),
@@ -128,6 +128,8 @@ const DTYPES: [(&str, u64, u64, Option<u32>); 7] = [
     ("F64", 1, 8, Some(28)),
     ("I8", 1, 1, Some(24)),
     ("Q8_0", 32, 34, Some(8)),
+    ("F16", 1, 2, Some(1)),
+    ("Q4_K", 256, 144, Some(12)),
 ];
 const MAX_HANDLES: usize = 3;
 const OTHER_USER: u32 = 4242;

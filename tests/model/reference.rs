@@ -575,6 +575,11 @@ impl Model {
                     "{} is not a ggml type (GGUF cannot hold it)",
                     DTYPES[dtype].0
                 ));
+            } else if shape.len() > 4 {
+                out.push(format!(
+                    "has {} dimensions (ggml holds at most 4)",
+                    shape.len()
+                ));
             } else if shape.last().copied().unwrap_or(1) % DTYPES[dtype].1 != 0 {
                 out.push(format!(
                     "its innermost dimension {} is not a multiple of {}'s block of {} elements",

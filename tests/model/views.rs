@@ -40,6 +40,10 @@ fn cast(dt: usize, bytes: &[u8], to: &str) -> (String, Vec<u8>) {
             .chunks(2)
             .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
             .collect(),
+        "F16" => bytes
+            .chunks(2)
+            .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f64())
+            .collect(),
         other => return (other.to_string(), bytes.to_vec()),
     };
     // (From F32 and BF16 through f32, so that rounding is done once.)
