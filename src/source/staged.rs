@@ -665,6 +665,29 @@ mod tests {
         assert!(!dir.path().exists());
     }
 
+    /// Every mode of a staging folder but the private one is refused (0750,
+    /// 0701, 0777, ... each of the 63 others), and no file in it is read.
+    #[test]
+    fn a_staging_folder_is_adopted_only_with_the_private_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        for others in 0..0o100u32 {
+            let mode = 0o700 | others;
+            let name = format!(".m.stfs-mode{mode:o}");
+            let path = tmp.path().join(&name);
+            std::fs::create_dir(&path).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let adopted = StagingDir::adopt(parent(tmp.path()), OsStr::new(&name));
+            match mode {
+                0o700 => assert!(adopted.is_ok(), "mode 0700 refused"),
+                _ => assert!(
+                    matches!(adopted, Err(StagingError::Unsafe { .. })),
+                    "mode {mode:o} adopted"
+                ),
+            }
+        }
+    }
+
     #[test]
     fn links_and_foreign_folders_are_refused() {
         let tmp = tempfile::tempdir().unwrap();
