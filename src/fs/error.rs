@@ -72,8 +72,9 @@ pub enum FsError {
      them)"
 )]
 pub struct UnmountError {
+    // Boxed: FsError is large, and this travels in a Result.
     #[source]
-    pub source: FsError,
+    pub source: Box<FsError>,
     /// The staging folder that keeps them.
     pub kept: String,
 }

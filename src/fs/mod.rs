@@ -498,7 +498,7 @@ impl Fs {
             _ => self.keep_edits(),
         }
         result.map_err(|source| UnmountError {
-            source,
+            source: Box::new(source),
             kept: self
                 .staging
                 .current()
