@@ -140,9 +140,17 @@ pub(super) fn check(m: &Mounted, model: &mut Model, after: &Op, step: usize) {
                     g.view_order = Some(order);
                 }
                 if !model.dirs[dir].dirty {
+                    let mapped = &model.dirs[dir].mapped;
+                    let first = got.iter().zip(mapped).position(|(a, b)| a != b);
+                    let disk = std::fs::read(&model.dirs[dir].path).unwrap();
                     assert!(
-                        got == model.dirs[dir].mapped,
-                        "{what}: not the file as it is"
+                        got == *mapped,
+                        "{what}: not the file as it is (view {} bytes, mapped {}, on disk {} (== view {}, == mapped {}), first difference at {first:?})",
+                        got.len(),
+                        mapped.len(),
+                        disk.len(),
+                        disk == got,
+                        disk == *mapped
                     );
                 }
             } else {

@@ -654,7 +654,14 @@ impl Model {
                 .gguf
                 .as_ref()
                 .is_some_and(|g| !g.unchanged() || g.invalid_document.is_some())
-            || d.entries.iter().any(|(n, e)| !self.untouched(dir, n, e))
+            || d.entries.iter().any(|(n, e)| {
+                // (A name that keeps only a hidden meta, its data moved
+                // away, is no tensor: nothing a commit writes.)
+                let nothing = e.data.is_none()
+                    && (e.hidden || e.meta == MMeta::None)
+                    && !d.committed.tensors.contains_key(n);
+                !nothing && !self.untouched(dir, n, e)
+            })
             || d.committed
                 .tensors
                 .keys()

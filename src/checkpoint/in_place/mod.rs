@@ -19,7 +19,9 @@
 //! be done again, so completing is doing it all again.
 
 mod lease;
+mod plan;
 pub use lease::Lease;
+pub use plan::layout;
 
 use std::ffi::OsStr;
 use std::fs::File;
@@ -31,18 +33,12 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::checkpoint::Declined;
 use crate::checkpoint::recover::RecoveryError;
-use crate::format::{
-    Dtype, FormatWriter, Header, IN_PLACE_MARKER, Layout, NoFit, PREFIX_LEN, Tensors, byte_len,
-};
+use crate::format::{Header, IN_PLACE_MARKER, Layout, PREFIX_LEN};
 use crate::source::Folder;
 use crate::source::staged::{STAGING_ALIGN, staged_pad};
-use crate::source::{Bytes, FileStat, SourceFile, copy_range, copy_sharing};
+use crate::source::{FileStat, copy_range, copy_sharing};
 use crate::testpoint::point;
-
-/// The least room an insertion at the file's start leaves in the header.
-const HEADER_SPARE: u64 = 64 << 10;
 
 /// Why a redo record cannot be trusted: checked before anything is written.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +65,9 @@ pub enum WriteFrom {
     },
     /// Another range of the same file, which this commit does not change.
     Here { offset: u64 },
+    /// Zeros: the padding after a tensor placed where other bytes were (a
+    /// GGUF file's alignment), so that no old bytes stay in the file.
+    Zeros,
 }
 
 /// How a checkpoint's new state fits in its file: the layout (header padded
@@ -106,7 +105,7 @@ impl InPlaceLayout {
                 WriteFrom::Staged { file, offset } => {
                     Some(shareable_blocks(staged_pad(file) + offset, w.at, w.len))
                 }
-                WriteFrom::Here { .. } => None,
+                WriteFrom::Here { .. } | WriteFrom::Zeros => None,
             })
             .sum();
     }
@@ -124,531 +123,6 @@ pub fn shareable_blocks(from: u64, to: u64, len: u64) -> u64 {
     }
     let head = ((STAGING_ALIGN - to % STAGING_ALIGN) % STAGING_ALIGN).min(len);
     (len - head) / STAGING_ALIGN * STAGING_ALIGN
-}
-
-/// Lays out the new state in the source's own file, or says why it cannot
-/// be: `spec(k)` is input `k`'s name, dtype and shape, `inputs[k]` its bytes;
-/// `held[i]`: source tensor `i`'s bytes are read by a descriptor or another
-/// shard, so they must stay where they are; `held_apart[i]`: by a reader
-/// other than an input written in part over it (whose reads do not change
-/// when its blocks are written over the tensor where it is), so they must
-/// stay as they are too. `block`: the filesystem can
-/// insert blocks of this size at the file's start, to grow the header.
-/// `format` writes the header (and says how tensors are aligned).
-#[allow(clippy::too_many_arguments)]
-pub fn layout<'a>(
-    source: &Arc<SourceFile>,
-    count: usize,
-    spec: impl Fn(usize) -> (&'a str, Dtype, &'a [u64]),
-    inputs: &[Bytes],
-    format: &dyn FormatWriter,
-    held: &[bool],
-    held_apart: &[bool],
-    block: Option<u64>,
-) -> Result<InPlaceLayout, Declined> {
-    let old = source.header();
-    let n_old = old.tensors.len();
-    let old_align = old.gguf.as_ref().map_or(1, |g| g.alignment);
-    if format.alignment() != old_align {
-        return Err(format!(
-            "the alignment changes from {old_align} to {}: the data is laid out again",
-            format.alignment()
-        )
-        .into());
-    }
-    // Offsets in the file as it is now (earlier in-place commits may have
-    // inserted bytes at its start since `source` was made).
-    let data_start = old.data_start() + source.shift();
-    let len_of = |k: usize| {
-        let (name, dtype, shape) = spec(k);
-        byte_len(dtype, shape).map_err(|_| format!("tensor {name:?} has no valid size"))
-    };
-    // 1. Tensors whose bytes are the source's own stay where they are (the
-    //    first name that has them; a second is a copy), and so do source
-    //    tensors with some blocks staged (after those: a copy reads the
-    //    source's bytes where they are, which their blocks would change;
-    //    and only where nothing else reads them), written block by block.
-    let mut claimed = vec![false; n_old];
-    let mut place: Vec<Option<(u64, u64)>> = vec![None; count];
-    let mut from: Vec<Option<WriteFrom>> = vec![None; count];
-    // (Inputs reading each source tensor: one written in part changes its
-    // bytes only where it is the only one.)
-    let mut readers = vec![0usize; n_old];
-    for (_, i) in inputs[..count]
-        .iter()
-        .filter_map(Bytes::source_tensor)
-        .filter(|(src, i)| Arc::ptr_eq(src, source) && (*i as usize) < n_old)
-    {
-        readers[i as usize] += 1;
-    }
-    for (k, patched) in (0..count)
-        .map(|k| (k, false))
-        .chain((0..count).map(|k| (k, true)))
-    {
-        let base = inputs[k]
-            .source_tensor()
-            .filter(|_| patched == matches!(inputs[k], Bytes::Patched(_)));
-        if let Some((src, i)) = base {
-            if !Arc::ptr_eq(src, source) {
-                return Err(format!(
-                    "tensor {:?} comes from another file ({})",
-                    spec(k).0,
-                    src.path().display()
-                )
-                .into());
-            }
-            let i = i as usize;
-            let t = old.tensors.get(i);
-            if len_of(k)? != t.nbytes() {
-                return Err(format!("tensor {:?} changes size", spec(k).0).into());
-            }
-            if t.nbytes() == 0 {
-                continue; // no bytes to keep: placed at the end
-            }
-            if patched && !claimed[i] && (held_apart[i] || readers[i] > 1) {
-                // (Its blocks would change bytes another reader reads where they are.)
-                return Err(format!(
-                    "tensor {:?} is written in part over source bytes that are still read (an \
-                     open view, or another tensor written over the same source tensor)",
-                    spec(k).0
-                )
-                .into());
-            }
-            if claimed[i] {
-                // (Data-relative here; made a file offset once the header's size is known.)
-                from[k] = Some(WriteFrom::Here {
-                    offset: t.data_offsets.0,
-                });
-            } else {
-                claimed[i] = true;
-                place[k] = Some(t.data_offsets);
-            }
-        }
-    }
-    // 2. New bytes of a tensor's own size overwrite its old range (a range
-    //    that no descriptor still reads), or another freed range of that size.
-    let mut free_by_name = std::collections::HashMap::new();
-    let mut free_by_size: std::collections::HashMap<u64, Vec<usize>> = Default::default();
-    for i in (0..n_old).rev() {
-        if !claimed[i] && !held[i] && old.tensors.nbytes(i) > 0 {
-            free_by_name.insert(old.tensors.name(i), i);
-            free_by_size
-                .entry(old.tensors.nbytes(i))
-                .or_default()
-                .push(i);
-        }
-    }
-    let mut overwritten = 0;
-    let mut overwrote = Vec::new();
-    for pass in 0..2 {
-        #[allow(clippy::needless_range_loop)] // k indexes place, spec and inputs
-        for k in 0..count {
-            if place[k].is_some() || len_of(k)? == 0 {
-                continue;
-            }
-            let want = len_of(k)?;
-            let found = match pass {
-                0 => free_by_name
-                    .get(spec(k).0)
-                    .copied()
-                    .filter(|&i| !claimed[i] && old.tensors.nbytes(i) == want),
-                _ => free_by_size.get_mut(&want).and_then(|v| {
-                    loop {
-                        match v.pop() {
-                            Some(i) if claimed[i] => continue,
-                            other => break other,
-                        }
-                    }
-                }),
-            };
-            if let Some(i) = found {
-                claimed[i] = true;
-                place[k] = Some(old.tensors.get(i).data_offsets);
-                overwritten += 1;
-                overwrote.push(k);
-            }
-        }
-    }
-    // 3. What stays must leave no hole: the data section is one run of
-    //    tensors. Holes that dropped tensors leave are filled, where they
-    //    can be exactly, with the tensors at the end of the data (layers
-    //    repeat their shapes), moved there; the end is then cut.
-    let mut kept_end = (0..n_old)
-        .filter(|&i| claimed[i])
-        .map(|i| old.tensors.get(i).data_offsets.1)
-        .max()
-        .unwrap_or(0);
-    let mut holes = Vec::new();
-    for i in 0..n_old {
-        let t = old.tensors.get(i);
-        if claimed[i] || t.nbytes() == 0 {
-            continue;
-        }
-        if held[i] {
-            return Err(format!(
-                "tensor {:?}'s old bytes are still read (an open descriptor, or another shard), and \
-                 writing in place would change them",
-                t.name
-            ).into());
-        }
-        if t.data_offsets.1 <= kept_end {
-            holes.push(i);
-        }
-    }
-    let dropped = (0..n_old)
-        .filter(|&i| !claimed[i] && old.tensors.nbytes(i) > 0)
-        .count();
-    let mut moved = 0;
-    if let (Some(&first), false) = (holes.first(), format.fills_holes()) {
-        return Err(format!(
-            "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one of \
-             another size), and this format's holes are not filled in place",
-            old.tensors.name(first)
-        )
-        .into());
-    }
-    if let Some(&first) = holes.first() {
-        let hole_err = |why: &str| -> Declined {
-            format!(
-                "tensor {:?} leaves a hole in the middle of the data (removed, or replaced by one \
-                 of another size), and {why}",
-                old.tensors.name(first)
-            )
-            .into()
-        };
-        // (A tensor moved keeps its element alignment: readers that map it need it.)
-        let align = |k: usize| (spec(k).1.bits() / 8).clamp(1, 8);
-        let movers = fill_holes(&holes, old, &place, &from, inputs, source, held, align)
-            .map_err(hole_err)?;
-        for (k, at) in movers {
-            let (start, stop) = place[k].expect("placed");
-            place[k] = Some((at, at + stop - start));
-            // (New bytes are written at their new place from their staging
-            // file: they overwrite nothing now.)
-            match &inputs[k] {
-                Bytes::Source(..) | Bytes::Patched(..) => {
-                    from[k] = Some(WriteFrom::Here { offset: start })
-                }
-                _ if overwrote.contains(&k) => overwritten -= 1,
-                _ => {}
-            }
-            moved += 1;
-        }
-        kept_end = (0..count)
-            .filter_map(|k| place[k].map(|p| p.1))
-            .max()
-            .unwrap_or(0);
-        // (New tensors would go where the moved ones are read from.)
-        if (0..count).any(|k| place[k].is_none() && len_of(k).is_ok_and(|n| n > 0)) {
-            return Err(hole_err(
-                "new bytes (a tensor added, or one of another size) go at the end too, where \
-                 the ones that would fill it are read from",
-            ));
-        }
-    }
-    // 4. Everything else goes at the end (each at an offset the format
-    //    aligns): in name order, as the reference serializer orders; a GGUF
-    //    file's in the order given (its order: new tensors as they were
-    //    made), as a rewrite and the `model.gguf` view lay them out.
-    let align = format.alignment();
-    let by_name = old.gguf.is_none();
-    let mut rest: Vec<usize> = (0..count).filter(|&k| place[k].is_none()).collect();
-    if by_name {
-        rest.sort_by(|&a, &b| spec(a).0.cmp(spec(b).0));
-    }
-    let mut end = kept_end;
-    let mut appended = 0;
-    for &k in &rest {
-        let n = len_of(k)?;
-        end = end.next_multiple_of(align);
-        place[k] = Some((end, end + n));
-        end += n;
-        if n > 0 {
-            appended += 1;
-        }
-    }
-    // 5. The header, in file order, in the old header's space.
-    let mut order: Vec<usize> = (0..count).collect();
-    order.sort_by(|&a, &b| {
-        let names = || match by_name {
-            true => spec(a).0.cmp(spec(b).0),
-            false => a.cmp(&b),
-        };
-        place[a].cmp(&place[b]).then_with(names)
-    });
-    let mut tensors = Tensors::with_capacity(count);
-    for &k in &order {
-        let (name, dtype, shape) = spec(k);
-        tensors
-            .push(name, dtype, shape, place[k].expect("placed"))
-            .map_err(|_| "the header is too large".to_string())?;
-    }
-    let old_len = old.data_start();
-    let mut inserted = 0;
-    let (header, content_end) = match format.header_at(&tensors, old_len) {
-        Ok(fits) => fits,
-        Err(NoFit::Refused(e)) => return Err(e.to_string().into()),
-        Err(NoFit::Needs(needed)) => {
-            let Some(block) = block else {
-                return Err(format!(
-                    "the header grows past its space ({needed} bytes, {old_len} there) and this \
-                     filesystem cannot insert blocks at a file's start (ext4 and XFS can)"
-                )
-                .into());
-            };
-            // Whole blocks (of the format's alignment too), with room to
-            // spare for the next edits (a chat template, every tensor
-            // renamed, a metadata key or two), so that they insert
-            // nothing: a quarter of the header again, at least 64 KiB.
-            // (Not more: each later header edit writes its room into the
-            // redo record once.)
-            let unit = block.max(align);
-            if unit % block != 0 || unit % align != 0 {
-                return Err(format!(
-                    "the header grows past its space, and blocks of {block} bytes cannot keep \
-                     the data aligned to {align}"
-                )
-                .into());
-            }
-            let want = needed + (needed / 4).max(HEADER_SPARE) - old_len;
-            inserted = want.div_ceil(unit) * unit;
-            if old_len + inserted > crate::format::MAX_HEADER_LEN {
-                return Err("the header would pass 100,000,000 bytes".into());
-            }
-            match format.header_at(&tensors, old_len + inserted) {
-                Ok(fits) => fits,
-                Err(NoFit::Refused(e)) => return Err(e.to_string().into()),
-                Err(NoFit::Needs(_)) => {
-                    return Err("internal: the grown header does not fit".into());
-                }
-            }
-        }
-    };
-    let data_start = data_start + inserted;
-    let end_pad = end.next_multiple_of(align) - end;
-    let file_len = data_start + end + end_pad;
-    // Only the part of the header that holds content, old or new, is
-    // written: the rest is padding already. And of that, from the first
-    // byte that changes to the last (a GGUF file's template grown: the
-    // keys before it, the tensor infos after its room, stay).
-    let mut header_write = content_end
-        .max(inserted + source.header_json_end())
-        .min(header.len() as u64);
-    let mut header_from = PREFIX_LEN;
-    if inserted == 0 && source.shift() == 0 {
-        if let Ok(now) = source.read_range(0, old_len) {
-            let differs = |i: &usize| header.get(*i) != now.get(*i);
-            let end = header_write as usize;
-            match (PREFIX_LEN as usize..end).find(differs) {
-                None => header_write = PREFIX_LEN,
-                Some(first) => {
-                    header_from = first as u64;
-                    let last = (first..end).rev().find(differs).expect("one differs");
-                    header_write = last as u64 + 1;
-                }
-            }
-        }
-    }
-    // What a reader will see must be what the reference accepts.
-    Header::parse_any_prefix(&header, file_len).map_err(|e| format!("internal: {e}"))?;
-    // 6. The writes: every placed input whose bytes are not already there.
-    let mut writes = Vec::new();
-    let mut bytes = header_write - header_from;
-    let mut patched = 0;
-    for k in 0..count {
-        let (start, stop) = place[k].expect("placed");
-        if stop == start {
-            continue;
-        }
-        let kept = matches!(&inputs[k], Bytes::Source(_, i) if old.tensors.get(*i as usize).data_offsets == (start, stop))
-            && from[k].is_none();
-        if kept {
-            continue;
-        }
-        let whole = match (&from[k], &inputs[k]) {
-            (Some(WriteFrom::Here { offset }), _) => Some(WriteFrom::Here {
-                offset: data_start + offset,
-            }),
-            (None, Bytes::Staged(s)) if s.len() == stop - start => Some(WriteFrom::Staged {
-                file: s.name(),
-                offset: 0,
-            }),
-            // (Over its own bytes, where they are: only its blocks.)
-            (None, Bytes::Patched(p))
-                if old.tensors.get(p.base().1 as usize).data_offsets == (start, stop) =>
-            {
-                None
-            }
-            _ => {
-                return Err(format!(
-                    "tensor {:?}'s bytes are not in a staging file of the mount",
-                    spec(k).0
-                )
-                .into());
-            }
-        };
-        if let Some(from) = whole {
-            bytes += stop - start;
-            writes.push((
-                RangeWrite {
-                    at: data_start + start,
-                    len: stop - start,
-                    from,
-                },
-                k,
-            ));
-        }
-        // A partly staged tensor's blocks go over its source bytes (after
-        // them, where those are copied).
-        if let Bytes::Patched(p) = &inputs[k] {
-            patched += 1;
-            for (a, b) in p.runs() {
-                bytes += b - a;
-                writes.push((
-                    RangeWrite {
-                        at: data_start + start + a,
-                        len: b - a,
-                        from: WriteFrom::Staged {
-                            file: p.staged().name(),
-                            offset: a,
-                        },
-                    },
-                    k,
-                ));
-            }
-        }
-    }
-    let mut summary = vec![match inserted {
-        0 => "header".to_string(),
-        n => format!("header grown by {} KiB at the start", n >> 10),
-    }];
-    for (n, what) in [
-        (overwritten, "overwritten"),
-        (patched, "written in part"),
-        (appended, "appended"),
-        (
-            dropped,
-            if moved > 0 {
-                "dropped"
-            } else {
-                "dropped at the end"
-            },
-        ),
-        (moved, "moved up from the end"),
-    ] {
-        if n > 0 {
-            summary.push(format!(
-                "{n} tensor{} {what}",
-                if n == 1 { "" } else { "s" }
-            ));
-        }
-    }
-    let source_index = order;
-    Ok(InPlaceLayout {
-        layout: Layout {
-            header,
-            tensors,
-            source_index,
-            end_pad,
-        },
-        inserted,
-        header_from,
-        header_write,
-        writes,
-        shareable: 0,
-        file_len,
-        bytes,
-        summary: summary.join(", "),
-    })
-}
-
-/// Where the tensors at the end of the data go to fill the holes that the
-/// dropped tensors `holes` (old indices) leave: (input, its new start,
-/// data-relative) for each tensor moved, or why they cannot fill them. The data then ends `need` bytes (the holes' length) sooner:
-/// the tensors placed past that end move into the holes before it (each a
-/// source tensor kept as it is and read by nobody, `held`, or new bytes),
-/// each run of holes filled largest first (at an offset as aligned, to its
-/// element size `align(k)`, as its old one); none may straddle the new end.
-#[allow(clippy::too_many_arguments)]
-fn fill_holes(
-    holes: &[usize],
-    old: &Header,
-    place: &[Option<(u64, u64)>],
-    from: &[Option<WriteFrom>],
-    inputs: &[Bytes],
-    source: &Arc<SourceFile>,
-    held: &[bool],
-    align: impl Fn(usize) -> u64,
-) -> Result<Vec<(usize, u64)>, &'static str> {
-    const INEXACT: &str = "the tensors at the end cannot fill it exactly";
-    let need: u64 = holes.iter().map(|&i| old.tensors.nbytes(i)).sum();
-    let placed: Vec<usize> = (0..place.len())
-        .filter(|&k| place[k].is_some_and(|(a, b)| b > a))
-        .collect();
-    let kept_end = placed.iter().filter_map(|&k| place[k]).map(|p| p.1).max();
-    let new_end = kept_end.and_then(|e| e.checked_sub(need)).ok_or(INEXACT)?;
-    // The holes before the new end, runs of them joined.
-    let mut ranges: Vec<(u64, u64)> = holes
-        .iter()
-        .map(|&i| old.tensors.get(i).data_offsets)
-        .filter(|&(start, _)| start < new_end)
-        .map(|(start, stop)| (start, stop.min(new_end)))
-        .collect();
-    ranges.sort();
-    let mut gaps: Vec<(u64, u64)> = Vec::new();
-    for (start, stop) in ranges {
-        match gaps.last_mut() {
-            Some(last) if last.1 == start => last.1 = stop,
-            _ => gaps.push((start, stop)),
-        }
-    }
-    let mut movers = Vec::new();
-    for k in placed {
-        let Some((start, stop)) = place[k] else {
-            continue;
-        };
-        if stop <= new_end {
-            continue;
-        }
-        let movable = match (inputs[k].source_tensor(), &inputs[k]) {
-            (Some((src, i)), _) => {
-                Arc::ptr_eq(src, source)
-                    && from[k].is_none()
-                    && old.tensors.get(i as usize).data_offsets == (start, stop)
-                    && !held[i as usize]
-            }
-            (None, Bytes::Staged(_)) => true,
-            (None, _) => false,
-        };
-        if !movable {
-            return Err("a tensor at the end that would fill it is still read, or a copy");
-        }
-        if start < new_end {
-            return Err(INEXACT); // (it would straddle the new end)
-        }
-        movers.push((k, stop - start, start % align(k), align(k)));
-    }
-    let fill: u64 = gaps.iter().map(|(a, b)| b - a).sum();
-    if movers.iter().map(|m| m.1).sum::<u64>() != fill {
-        return Err(INEXACT);
-    }
-    movers.sort_by_key(|&(_, len, ..)| std::cmp::Reverse(len));
-    let mut used = vec![false; movers.len()];
-    let mut out = Vec::new();
-    for (mut at, stop) in gaps {
-        while at < stop {
-            let fits = |&(_, len, rem, align): &(usize, u64, u64, u64)| {
-                len <= stop - at && at % align == rem
-            };
-            let j = (0..movers.len())
-                .find(|&j| !used[j] && fits(&movers[j]))
-                .ok_or(INEXACT)?;
-            used[j] = true;
-            out.push((movers[j].0, at));
-            at += movers[j].1;
-        }
-    }
-    Ok(out)
 }
 
 /// The redo record of one file's in-place commit, in the staging folder.
@@ -941,6 +415,7 @@ impl InPlaceRecord {
                         )));
                     }
                 }
+                WriteFrom::Zeros => {}
                 WriteFrom::Staged { file, offset } => {
                     if file.contains('/') || file.is_empty() || file == "." || file == ".." {
                         return Err(BadRecord(format!(
@@ -1120,6 +595,7 @@ impl InPlaceRecord {
                 WriteFrom::Here { offset } => {
                     file.copy_within(*offset, w.at, w.len).map_err(after)?
                 }
+                WriteFrom::Zeros => write_zeros(file, w.at, w.len).map_err(after)?,
             }
             if n == 0 {
                 point("in-place:data").map_err(after)?;
@@ -1393,6 +869,19 @@ impl InPlaceRecord {
 }
 
 /// SHA-256 of the parts, in hex.
+/// Zeros over `len` bytes at `at`, a bounded buffer at a time.
+fn write_zeros(file: &dyn FileOps, at: u64, len: u64) -> std::io::Result<()> {
+    const CHUNK: u64 = 64 << 10;
+    let zeros = vec![0u8; len.min(CHUNK) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CHUNK);
+        file.write_at(&zeros[..n as usize], at + done)?;
+        done += n;
+    }
+    Ok(())
+}
+
 pub fn sha256_hex(parts: &[&[u8]]) -> String {
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     parts.iter().for_each(|p| ctx.update(p));

@@ -152,6 +152,30 @@ fn recovery_reads_a_padded_staging_file_from_its_pad() {
 }
 
 #[test]
+fn recovery_writes_the_zeros_a_record_names() {
+    let dir = tempfile::tempdir().unwrap();
+    if !can_insert(dir.path()) {
+        return;
+    }
+    std::fs::create_dir(dir.path().join("staging")).unwrap();
+    let (path, mut record, _, new) = setup(dir.path());
+    let header_len = new.len() - 4;
+    let header = std::fs::read(dir.path().join("staging").join(&record.header_file)).unwrap();
+    let staging = Folder::open(&dir.path().join("staging")).unwrap();
+    // The padding after a tensor placed over another's bytes: zeroed.
+    record.writes = vec![RangeWrite {
+        at: header_len as u64 + 1,
+        len: 2,
+        from: WriteFrom::Zeros,
+    }];
+    record.seal(&header);
+    record.complete(&staging).unwrap();
+    let mut want = new[..header_len].to_vec();
+    want.extend_from_slice(b"D\0\0A");
+    assert_eq!(std::fs::read(&path).unwrap(), want);
+}
+
+#[test]
 fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("staging")).unwrap();
@@ -277,7 +301,9 @@ fn a_record_that_does_not_hold_is_not_applied_and_the_file_is_left_as_it_is() {
 /// places bytes elsewhere, fails here).
 mod planner {
     use super::*;
+    use crate::format::Dtype;
     use crate::source::StagingDir;
+    use crate::source::{Bytes, SourceFile};
 
     struct Case {
         _dir: tempfile::TempDir,
