@@ -240,6 +240,10 @@ impl Transactions {
         }
     }
 
+    /// One try of a commit, as named steps: lock the files, plan every
+    /// file, write every file, say in each journal which file lands, check
+    /// what was written, land, finish. Until a file lands, every way out
+    /// removes what was written and abandons the plans (`Pending`).
     fn commit_once<S: Shards>(
         &self,
         state: &RwLock<S>,
@@ -254,126 +258,78 @@ impl Transactions {
         let _ = crate::testpoint::point("commit:locked");
         // The files this commit may replace, locked against other mounts'
         // commits from before the plan's check until they landed.
-        let targets = {
-            let st = read(state);
-            let mut targets: Vec<_> = st
-                .lives()
-                .filter(|live| live.is_dirty() || options.compact)
-                .filter_map(|live| {
-                    let src = live.source();
-                    Some((
-                        src.folder()?.clone(),
-                        src.file_name().to_os_string(),
-                        src.file().cloned(),
-                    ))
-                })
-                .collect();
-            if let Some(folder) = st.folder() {
-                targets.extend(
-                    st.indexes()
-                        .filter(|ix| ix.remote.is_none())
-                        .map(|ix| (folder.clone(), ix.name.clone().into(), None)),
-                );
-            }
-            targets
-        };
+        let targets = commit_targets(&*read(state), options);
         let _locked = CommitLock::take(&targets)?;
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
-        let (mut plans, index_updates) = {
-            let mut st = write(state);
-            // Every shard is validated before any is checked against its source.
-            for live in st.lives() {
-                let problems = if live.is_dirty() {
-                    live.problems()
-                } else {
-                    Vec::new()
-                };
-                if !problems.is_empty() {
-                    let e = CommitError::Refused {
-                        file: live.source().path().to_path_buf(),
-                        problems,
-                    };
-                    warn!("commit refused: {e}");
-                    return Err(e);
-                }
-            }
-            let writes = options.compact || st.lives().any(Live::is_dirty);
-            let shards = || {
-                (0..st.count()).map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
-            };
-            // Two shard names of one file: a commit of either writes the other.
-            // With an index, a tensor in two shards too (without one, the
-            // files of a folder are independent).
-            if let Some(folder) = st.folder_shown().filter(|_| writes) {
-                let mut problems = one_file_shards(shards());
-                if st.indexes().next().is_some() {
-                    problems.extend(in_two_shards(shards()));
-                }
-                if !problems.is_empty() {
-                    let e = CommitError::Refused {
-                        file: folder,
-                        problems,
-                    };
-                    warn!("commit refused: {e}");
-                    return Err(e);
-                }
-            }
-            // (Nothing staged: an index that disagrees with the shards is
-            // rewritten alone, unless a tensor is in two of them.)
-            let alone = !writes && in_two_shards(shards()).is_empty();
-            // The parts of a split GGUF file each say how many tensors all
-            // of them hold (llama.cpp refuses a model whose count is off).
-            if writes && st.count() > 1 {
-                let total: u64 = st.lives().map(Live::tensor_count).sum();
-                (0..st.count()).for_each(|c| st.live_mut(c).kv_set_split_count(total));
-            }
-            let held = held(&st);
-            let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
-            for c in 0..st.count() {
-                match st.live_mut(c).plan(commit, options, &held) {
-                    Ok(Some(plan)) => plans.push((c, plan)),
-                    Ok(None) => {}
-                    Err(e) => {
-                        plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                        warn!("commit refused: {e}");
-                        return Err(e);
-                    }
-                }
-            }
-            let updates = match index_updates(&*st, &plans).map(|u| match writes || alone {
-                true => u,
-                false => Vec::new(),
-            }) {
-                Ok(updates) => updates,
-                Err(e) => {
-                    plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon());
-                    warn!("commit refused: {e}");
-                    return Err(e);
-                }
-            };
-            (plans, updates)
-        };
+        let (mut plans, index_updates) = plan_every_file(state, held, options, commit)
+            .inspect_err(|e| warn!("commit refused: {e}"))?;
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)
         if plans.is_empty() && index_updates.is_empty() {
-            if self.discards.load(Ordering::SeqCst) != discards {
-                return Err(CommitError::Discarded);
-            }
-            let st = read(state);
-            return Ok(st
-                .lives()
-                .map(|live| format!("{}: nothing to commit", live.source().path().display()))
-                .collect());
+            return self.nothing_to_commit(state, discards);
         }
-        // From here until a file lands, every way out (an error, a panic)
-        // removes what was written and abandons the plans.
         let mut pending = Pending {
             state,
             planned: plans.iter().map(|(c, _)| *c).collect(),
             written: Vec::new(),
             armed: true,
         };
-        for (_, plan) in &mut plans {
+        self.write_every_file(&mut plans, &mut pending)
+            .and_then(|()| write_indexes(&index_updates, options, &mut pending))
+            .inspect_err(|e| warn!("commit failed: {e}"))?;
+        // (A test edits here: an edit after the plan, staged until the
+        // next commit, which the next mount must take back on the new file.)
+        let _ = crate::testpoint::point("commit:written");
+        record_landing(state, commit, &plans, &pending)
+            .inspect_err(|e| warn!("commit failed: {e}"))?;
+        check_written(&plans, &pending).inspect_err(|e| error!("commit refused: {e}"))?;
+        let (landed, failed) = self.land_every_file(commit, &mut pending)?;
+        // Something landed: what follows finishes each file (or keeps its
+        // record for the next mount), whatever happens. (Its file
+        // operations, the journal's rewrite among them, cost a retry when
+        // they fail, never an edit: the journal as it is knows the commit.)
+        let written = pending.disarm();
+        let _passed_over = crate::testpoint::best_effort();
+        let lines = self.finish_every_file(state, plans, index_updates, written, landed);
+        super::trim_memory();
+        // Counted once done (a discard that waited for this commit finds it so).
+        if landed > 0 {
+            self.landings.fetch_add(1, Ordering::SeqCst);
+        }
+        match failed {
+            Some(e) => {
+                lines.iter().for_each(|l| info!("{l}"));
+                Err(e)
+            }
+            None => Ok(lines),
+        }
+    }
+
+    /// A commit with nothing to write: a line per file, or `Discarded` when
+    /// a discard came between the call and now.
+    fn nothing_to_commit<S: Shards>(
+        &self,
+        state: &RwLock<S>,
+        discards: u64,
+    ) -> Result<Vec<String>, CommitError> {
+        if self.discards.load(Ordering::SeqCst) != discards {
+            return Err(CommitError::Discarded);
+        }
+        let st = read(state);
+        Ok(st
+            .lives()
+            .map(|live| format!("{}: nothing to commit", live.source().path().display()))
+            .collect())
+    }
+
+    /// Writes every plan's file (a temp file, or the redo record and what
+    /// an in-place commit needs), reporting its progress as it goes.
+    fn write_every_file<S: Shards>(
+        &self,
+        plans: &mut [(usize, CommitPlan)],
+        pending: &mut Pending<'_, S>,
+    ) -> Result<(), CommitError> {
+        for (_, plan) in plans {
             let path = plan.source.path().to_path_buf();
             let mut last_report = std::time::Instant::now();
             let mut progress = |done: u64, total: u64| {
@@ -389,99 +345,23 @@ impl Transactions {
             };
             // (Cleared however the write ends, a panic included.)
             let _clear = ClearProgress(&self.progress);
-            let written = plan.write(&mut progress);
-            match written {
-                Ok(w) => pending.written.push(w),
-                Err(e) => {
-                    warn!("commit failed: {e}");
-                    return Err(e);
-                }
-            }
+            pending.written.push(plan.write(&mut progress)?);
         }
-        for IndexUpdate {
-            folder,
-            name,
-            stat,
-            bytes,
-            remote,
-        } in &index_updates
-        {
-            if let Some((index, unwritten)) = remote {
-                let put = IndexPut::new(index.clone(), bytes.clone(), *stat, unwritten.clone())
-                    .forced(options.force);
-                pending.written.push(Box::new(put));
-                continue;
-            }
-            let fill = |f: &std::fs::File| {
-                use std::os::unix::fs::FileExt;
-                crate::testpoint::io("write")
-                    .and_then(|()| f.write_all_at(bytes, 0))
-                    .map_err(|source| CommitError::Io {
-                        what: format!("writing {}", folder.path.join(name).display()),
-                        source,
-                    })
-            };
-            // The index as it is now: its mode, ACLs and attributes are carried over.
-            let now = match folder.open_file(
-                std::ffi::OsStr::new(name),
-                libc::O_RDONLY | libc::O_NONBLOCK,
-                0,
-            ) {
-                Ok(f) => Some(f),
-                // (Gone, or a link: the commit puts a file of its own there.)
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => None,
-                Err(source) => {
-                    let e = CommitError::Io {
-                        what: format!("reading {}", folder.path.join(name).display()),
-                        source,
-                    };
-                    warn!("commit failed: {e}");
-                    return Err(e);
-                }
-            };
-            match Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill) {
-                Ok(w) => pending.written.push(Box::new(w)),
-                Err(e) => {
-                    warn!("commit failed: {e}");
-                    return Err(e);
-                }
-            }
-        }
-        // (A test edits here: an edit after the plan, staged until the
-        // next commit, which the next mount must take back on the new file.)
-        let _ = crate::testpoint::point("commit:written");
-        // Each journal says which file is landing (appended under a short
-        // lock, fsynced outside it); then the renames, under no lock.
-        {
-            let mut st = write(state);
-            for ((c, _), w) in plans.iter().zip(&pending.written) {
-                if let Err(e) = st.live_mut(*c).landing(commit, w.stat()) {
-                    warn!("commit failed: {e}");
-                    return Err(e.into());
-                }
-            }
-        }
-        for (c, _) in &plans {
-            if let Err(e) = sync_journal(state, *c) {
-                warn!("commit failed: {e}");
-                return Err(e.into());
-            }
-        }
-        // Nothing lands that the mount itself would refuse, or read as other
-        // tensors than the plan's (the state then would not be the file's).
-        for ((_, plan), w) in plans.iter().zip(&pending.written) {
-            if let Err(e) = same_as_planned(plan, &**w) {
-                error!("commit refused: {e}");
-                return Err(e);
-            }
-        }
-        // (Landed but not made durable: finished as landed, and said.)
-        let failed: Option<CommitError>;
-        let landed = match land(commit, &pending.written, &self.staging) {
-            Ok(not_durable) => {
-                failed = not_durable;
-                pending.written.len()
-            }
+        Ok(())
+    }
+
+    /// Lands every written file under one record. Returns how many landed
+    /// and, where they did not all land or did not become durable, the
+    /// error to report once those that did are finished; an error when
+    /// none changed.
+    fn land_every_file<S: Shards>(
+        &self,
+        commit: u64,
+        pending: &mut Pending<'_, S>,
+    ) -> Result<(usize, Option<CommitError>), CommitError> {
+        match land(commit, &pending.written, &self.staging) {
+            // (Landed but not made durable: finished as landed, and said.)
+            Ok(not_durable) => Ok((pending.written.len(), not_durable)),
             Err(LandError {
                 changed: false,
                 error,
@@ -491,7 +371,7 @@ impl Transactions {
                 // (`land` removed its files already: their names are not
                 // removed twice, another program may have taken one since.)
                 pending.written.clear();
-                return Err(error);
+                Err(error)
             }
             Err(LandError {
                 done,
@@ -501,31 +381,36 @@ impl Transactions {
             }) => {
                 // Some files changed and others not: the record stays, and
                 // the next mount finishes the commit.
-                error!(
-                    "commit failed after {done} of its {} files landed: {error}",
-                    pending.written.len()
-                );
+                let total = pending.written.len();
+                error!("commit failed after {done} of its {total} files landed: {error}");
                 self.taint(format!(
-                    "a commit did not land ({done} of its {} files landed: {error})",
-                    pending.written.len()
+                    "a commit did not land ({done} of its {total} files landed: {error})"
                 ));
                 self.unlanded.store(true, Ordering::SeqCst);
-                failed = Some(CommitError::NotLanded {
+                let failed = CommitError::NotLanded {
                     file: pending.written[done].target(),
                     landed: done,
-                    total: pending.written.len(),
+                    total,
                     refused,
                     source: Box::new(error),
-                });
-                done
+                };
+                Ok((done, Some(failed)))
             }
-        };
-        // Something landed: what follows finishes each file (or keeps its
-        // record for the next mount), whatever happens. (Its file
-        // operations, the journal's rewrite among them, cost a retry when
-        // they fail, never an edit: the journal as it is knows the commit.)
-        let written = pending.disarm();
-        let _passed_over = crate::testpoint::best_effort();
+        }
+    }
+
+    /// Settles each shard on what landed (its new file mapped, its edits
+    /// those made since the plan), and abandons those that did not (their
+    /// staging files kept for the next mount); the indexes likewise.
+    /// Returns a line per file.
+    fn finish_every_file<S: Shards>(
+        &self,
+        state: &RwLock<S>,
+        plans: Vec<(usize, CommitPlan)>,
+        index_updates: Vec<IndexUpdate>,
+        written: Vec<Box<dyn Landing>>,
+        landed: usize,
+    ) -> Vec<String> {
         let n_plans = plans.len();
         let mut st = write(state);
         let mut lines = Vec::new();
@@ -581,20 +466,211 @@ impl Transactions {
             }
             lines.push(format!("{}: rewritten", w.target().display()));
         }
-        drop(st);
-        super::trim_memory();
-        // Counted once done (a discard that waited for this commit finds it so).
-        if landed > 0 {
-            self.landings.fetch_add(1, Ordering::SeqCst);
-        }
-        match failed {
-            Some(e) => {
-                lines.iter().for_each(|l| info!("{l}"));
-                Err(e)
+        lines
+    }
+}
+
+/// The files a commit may replace (those of the shards it writes, and the
+/// indexes of a local folder): locked against other mounts' commits.
+fn commit_targets<S: Shards>(
+    st: &S,
+    options: CommitOptions,
+) -> Vec<(Arc<Folder>, std::ffi::OsString, Option<Arc<std::fs::File>>)> {
+    let mut targets: Vec<_> = st
+        .lives()
+        .filter(|live| live.is_dirty() || options.compact)
+        .filter_map(|live| {
+            let src = live.source();
+            Some((
+                src.folder()?.clone(),
+                src.file_name().to_os_string(),
+                src.file().cloned(),
+            ))
+        })
+        .collect();
+    if let Some(folder) = st.folder() {
+        targets.extend(
+            st.indexes()
+                .filter(|ix| ix.remote.is_none())
+                .map(|ix| (folder.clone(), ix.name.clone().into(), None)),
+        );
+    }
+    targets
+}
+
+/// Each shard's plan (by its number), and the indexes to rewrite.
+type Planned = (Vec<(usize, CommitPlan)>, Vec<IndexUpdate>);
+
+/// Every shard's plan, and the indexes to rewrite, or why the commit is
+/// refused (then no plan is left standing). Every shard is validated
+/// before any is checked against its source.
+fn plan_every_file<S: Shards>(
+    state: &RwLock<S>,
+    held: &dyn Fn(&S) -> Vec<Bytes>,
+    options: CommitOptions,
+    commit: u64,
+) -> Result<Planned, CommitError> {
+    let mut st = write(state);
+    validate_every_shard(&*st)?;
+    let writes = options.compact || st.lives().any(Live::is_dirty);
+    check_folder(&*st, writes)?;
+    // (Nothing staged: an index that disagrees with the shards is
+    // rewritten alone, unless a tensor is in two of them.)
+    let alone = !writes && in_two_shards(shard_names(&*st)).is_empty();
+    // The parts of a split GGUF file each say how many tensors all
+    // of them hold (llama.cpp refuses a model whose count is off).
+    if writes && st.count() > 1 {
+        let total: u64 = st.lives().map(Live::tensor_count).sum();
+        (0..st.count()).for_each(|c| st.live_mut(c).kv_set_split_count(total));
+    }
+    let held = held(&st);
+    let mut plans: Vec<(usize, CommitPlan)> = Vec::new();
+    let abandon = |st: &mut S, plans: &[(usize, CommitPlan)]| {
+        plans.iter().for_each(|(c, _)| st.live_mut(*c).abandon())
+    };
+    for c in 0..st.count() {
+        match st.live_mut(c).plan(commit, options, &held) {
+            Ok(Some(plan)) => plans.push((c, plan)),
+            Ok(None) => {}
+            Err(e) => {
+                abandon(&mut st, &plans);
+                return Err(e);
             }
-            None => Ok(lines),
         }
     }
+    match index_updates(&*st, &plans) {
+        Ok(updates) if writes || alone => Ok((plans, updates)),
+        Ok(_) => Ok((plans, Vec::new())),
+        Err(e) => {
+            abandon(&mut st, &plans);
+            Err(e)
+        }
+    }
+}
+
+/// Every edited shard's edits are valid, or the commit is refused with the
+/// first shard's problems.
+fn validate_every_shard<S: Shards>(st: &S) -> Result<(), CommitError> {
+    for live in st.lives().filter(|live| live.is_dirty()) {
+        let problems = live.problems();
+        if !problems.is_empty() {
+            return Err(CommitError::Refused {
+                file: live.source().path().to_path_buf(),
+                problems,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The shards of a mount, each with its file name.
+fn shard_names<S: Shards>(st: &S) -> impl Iterator<Item = (String, &Live)> {
+    (0..st.count()).map(|c| (format!("{}.safetensors", st.shard_name(c)), st.live(c)))
+}
+
+/// Two shard names of one file: a commit of either writes the other. With
+/// an index, a tensor in two shards too (without one, the files of a
+/// folder are independent).
+fn check_folder<S: Shards>(st: &S, writes: bool) -> Result<(), CommitError> {
+    let Some(folder) = st.folder_shown().filter(|_| writes) else {
+        return Ok(());
+    };
+    let mut problems = one_file_shards(shard_names(st));
+    if st.indexes().next().is_some() {
+        problems.extend(in_two_shards(shard_names(st)));
+    }
+    match problems.is_empty() {
+        true => Ok(()),
+        false => Err(CommitError::Refused {
+            file: folder,
+            problems,
+        }),
+    }
+}
+
+/// Writes each index a commit rewrites beside the shards' files (a temp
+/// file, its mode and ACLs those of the index as it is), or queues its PUT
+/// for a store.
+fn write_indexes<S: Shards>(
+    index_updates: &[IndexUpdate],
+    options: CommitOptions,
+    pending: &mut Pending<'_, S>,
+) -> Result<(), CommitError> {
+    for update in index_updates {
+        let IndexUpdate {
+            folder,
+            name,
+            stat,
+            bytes,
+            remote,
+        } = update;
+        if let Some((index, unwritten)) = remote {
+            let put = IndexPut::new(index.clone(), bytes.clone(), *stat, unwritten.clone())
+                .forced(options.force);
+            pending.written.push(Box::new(put));
+            continue;
+        }
+        let fill = |f: &std::fs::File| {
+            use std::os::unix::fs::FileExt;
+            crate::testpoint::io("write")
+                .and_then(|()| f.write_all_at(bytes, 0))
+                .map_err(|source| CommitError::Io {
+                    what: format!("writing {}", folder.path.join(name).display()),
+                    source,
+                })
+        };
+        // The index as it is now: its mode, ACLs and attributes are carried over.
+        let now = match folder.open_file(
+            std::ffi::OsStr::new(name),
+            libc::O_RDONLY | libc::O_NONBLOCK,
+            0,
+        ) {
+            Ok(f) => Some(f),
+            // (Gone, or a link: the commit puts a file of its own there.)
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => None,
+            Err(source) => {
+                return Err(CommitError::Io {
+                    what: format!("reading {}", folder.path.join(name).display()),
+                    source,
+                });
+            }
+        };
+        let w = Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill)?;
+        pending.written.push(Box::new(w));
+    }
+    Ok(())
+}
+
+/// Each journal says which file is landing (appended under a short lock,
+/// fsynced outside it); then the renames, under no lock.
+fn record_landing<S: Shards>(
+    state: &RwLock<S>,
+    commit: u64,
+    plans: &[(usize, CommitPlan)],
+    pending: &Pending<'_, S>,
+) -> Result<(), CommitError> {
+    {
+        let mut st = write(state);
+        for ((c, _), w) in plans.iter().zip(&pending.written) {
+            st.live_mut(*c).landing(commit, w.stat())?;
+        }
+    }
+    for (c, _) in plans {
+        sync_journal(state, *c)?;
+    }
+    Ok(())
+}
+
+/// Nothing lands that the mount itself would refuse, or read as other
+/// tensors than the plan's (the state then would not be the file's).
+fn check_written<S: Shards>(
+    plans: &[(usize, CommitPlan)],
+    pending: &Pending<'_, S>,
+) -> Result<(), CommitError> {
+    for ((_, plan), w) in plans.iter().zip(&pending.written) {
+        same_as_planned(plan, &**w)?;
+    }
+    Ok(())
 }
 
 /// Whether the file `w` leaves reads, with the mount's own reader, as the
