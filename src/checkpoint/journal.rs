@@ -18,9 +18,46 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::meta::{Meta, MetadataDoc};
+use crate::format::gguf::write::KvType;
 use crate::source::FileStat;
 
 pub const VERSION: u32 = 1;
+
+/// A key in the journal: the source's value under the same name, or text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub key: String,
+    #[serde(rename = "type")]
+    pub ty: KvType,
+    /// None: the value the source has under this key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<Text>,
+}
+
+/// Bytes in the journal: a string when they are UTF-8 (a template is
+/// readable there), else their numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Text {
+    Utf8(String),
+    Bytes(Vec<u8>),
+}
+
+impl Text {
+    pub(super) fn of(bytes: &[u8]) -> Text {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Text::Utf8(s.to_string()),
+            Err(_) => Text::Bytes(bytes.to_vec()),
+        }
+    }
+
+    pub(super) fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Text::Utf8(s) => s.into_bytes(),
+            Text::Bytes(b) => b,
+        }
+    }
+}
 
 /// Where a name's bytes are, as the journal records them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,7 +114,7 @@ pub enum Record {
     },
     /// A GGUF file's keys, the whole table (replaces what came before).
     Keys {
-        keys: Vec<super::kv::KeyRecord>,
+        keys: Vec<KeyRecord>,
     },
     /// More blocks of a partly staged tensor were written (in its staging
     /// file, by name): add these runs to the ones recorded for the file.
@@ -381,7 +418,7 @@ pub struct Folded {
     pub names: Vec<(String, NameState)>,
     pub metadata: Option<MetadataDoc>,
     /// A GGUF file's keys, if edited.
-    pub keys: Option<Vec<super::kv::KeyRecord>>,
+    pub keys: Option<Vec<KeyRecord>>,
     /// References to tensors that the landed commit did not keep.
     pub dropped: Vec<String>,
     /// Runs that `Record::Patch` records add to the partly staged tensor

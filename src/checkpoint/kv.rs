@@ -14,9 +14,9 @@
 use std::sync::OnceLock;
 use std::time::SystemTime;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use super::journal::Record;
+use super::journal::{KeyRecord, Record, Text};
 use super::{EditError, Live, Problem, next_gen};
 use crate::format::gguf::write::{self, KvType, ROOM_KEY};
 use crate::format::gguf::{GgufHeader, Value, ValueType};
@@ -56,42 +56,6 @@ pub struct KvTable {
     /// key made again under that name has it (a tool that keeps a backup
     /// renames the file, then writes a new one).
     gone: std::collections::HashMap<String, KvType>,
-}
-
-/// A key in the journal: the source's value under the same name, or text.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyRecord {
-    pub key: String,
-    #[serde(rename = "type")]
-    pub ty: KvType,
-    /// None: the value the source has under this key.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<Text>,
-}
-
-/// Bytes in the journal: a string when they are UTF-8 (a template is
-/// readable there), else their numbers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum Text {
-    Utf8(String),
-    Bytes(Vec<u8>),
-}
-
-impl Text {
-    fn of(bytes: &[u8]) -> Text {
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Text::Utf8(s.to_string()),
-            Err(_) => Text::Bytes(bytes.to_vec()),
-        }
-    }
-
-    fn into_bytes(self) -> Vec<u8> {
-        match self {
-            Text::Utf8(s) => s.into_bytes(),
-            Text::Bytes(b) => b,
-        }
-    }
 }
 
 fn header(source: &SourceFile) -> &GgufHeader {

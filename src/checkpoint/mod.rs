@@ -26,6 +26,7 @@ pub mod meta;
 mod object;
 mod problems;
 pub mod recover;
+pub mod recovery_error;
 pub mod staging;
 pub mod transaction;
 pub mod view;

@@ -4,7 +4,7 @@
 //! finish a commit of several shards that a crash interrupted.
 
 use super::in_place::BadRecord;
-use super::recover::RecoveryError;
+use super::recovery_error::RecoveryError;
 use crate::sync::LockAnyway;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;

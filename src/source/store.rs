@@ -5,13 +5,13 @@
 //! (`remote::RemoteObject`: ranged reads through the disk cache, its
 //! version an ETag). Reads and version checks go through the trait; what
 //! only one kind can do (an in-place commit, a multipart upload) is reached
-//! through `local`/`remote`, and each commit way asks for the one it needs.
+//! through `as_any` (a `LocalFile`, downcast where it is defined) and
+//! `remote`, and each commit way asks for the one it needs.
 
 use std::ops::Range;
 use std::path::Path;
 
 use super::FileStat;
-use super::local::LocalFile;
 use super::remote::RemoteObject;
 
 pub trait Store: Send + Sync {
@@ -44,10 +44,9 @@ pub trait Store: Send + Sync {
         0
     }
 
-    /// A local file: what in-place commits and clones need.
-    fn local(&self) -> Option<&LocalFile> {
-        None
-    }
+    /// The store itself, for what only one kind can do: a `LocalFile`
+    /// (in-place commits and clones) is found by downcasting.
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// A remote object: what remote commits need.
     fn remote(&self) -> Option<&RemoteObject> {
@@ -99,5 +98,9 @@ impl Store for RemoteObject {
 
     fn remote(&self) -> Option<&RemoteObject> {
         Some(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::checkpoint::recover::RecoveryError;
+use crate::checkpoint::recovery_error::RecoveryError;
 use crate::format::{Header, IN_PLACE_MARKER, Layout, PREFIX_LEN};
 use crate::source::Folder;
 use crate::source::staged::{STAGING_ALIGN, staged_pad};

@@ -189,6 +189,11 @@ impl OpenFile {
 }
 
 impl SourceFile {
+    /// The local file this source is, if it is one.
+    fn local_file(&self) -> Option<&LocalFile> {
+        self.store.as_any().downcast_ref()
+    }
+
     /// Opens, maps and validates a checkpoint. A symbolic link is followed to
     /// the file it names; commits replace that file and keep the link.
     pub fn open(path: &Path) -> Result<SourceFile, SourceError> {
@@ -309,7 +314,7 @@ impl SourceFile {
             writable,
             shared,
             ..
-        }) = self.store.local()
+        }) = self.local_file()
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
@@ -332,7 +337,7 @@ impl SourceFile {
     /// offsets now): reads of them through the `SourceFile`s made so far fail
     /// from now on (the commit made sure none of them is supposed to read them).
     pub fn retire(&self, ranges: Vec<Range<u64>>) {
-        if let Some(LocalFile { shared, .. }) = self.store.local() {
+        if let Some(LocalFile { shared, .. }) = self.local_file() {
             // Taken alone: no read is between its check and its copy.
             let _mapping = shared.mapping.write_anyway();
             let made = shared.made.load(Ordering::SeqCst);
@@ -361,7 +366,7 @@ impl SourceFile {
         shift: impl FnOnce(&File) -> std::io::Result<()>,
         by: i64,
     ) -> std::io::Result<()> {
-        let Some(LocalFile { file, shared, .. }) = self.store.local() else {
+        let Some(LocalFile { file, shared, .. }) = self.local_file() else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
         let mut mapping = shared.mapping.write_anyway();
@@ -390,7 +395,7 @@ impl SourceFile {
             folder,
             release_after_read,
             ..
-        }) = self.store.local()
+        }) = self.local_file()
         else {
             return Err(std::io::Error::from_raw_os_error(libc::EROFS));
         };
@@ -411,7 +416,7 @@ impl SourceFile {
     /// writing (a read-only mount, a file the daemon may not write, a remote
     /// object).
     pub fn writable_file(&self) -> Option<&Arc<File>> {
-        match self.store.local() {
+        match self.local_file() {
             Some(LocalFile {
                 file,
                 writable: true,
@@ -424,7 +429,7 @@ impl SourceFile {
     /// An in-place commit starts writing the file: reads go on (they are of
     /// ranges it leaves alone) although the file changes.
     pub fn begin_in_place(&self) {
-        if let Some(LocalFile { shared, .. }) = self.store.local() {
+        if let Some(LocalFile { shared, .. }) = self.local_file() {
             if let Some(w) = &shared.watch {
                 w.begin_own();
             }
@@ -435,7 +440,7 @@ impl SourceFile {
     /// The in-place commit ended: `now` is the version reads accept from now on
     /// (the file as the commit left it, or as it was if it did not start).
     pub fn end_in_place(&self, now: Option<&FileStat>) {
-        if let Some(LocalFile { shared, .. }) = self.store.local() {
+        if let Some(LocalFile { shared, .. }) = self.local_file() {
             if let Some(now) = now {
                 *shared.accepted.lock_anyway() = (now.len, now.mtime);
             }
@@ -525,12 +530,12 @@ impl SourceFile {
 
     /// The folder holding a local file (None for a remote object).
     pub fn folder(&self) -> Option<&Arc<Folder>> {
-        self.store.local().map(|l| &l.folder)
+        self.local_file().map(|l| &l.folder)
     }
 
     /// The open local file (None for a remote object).
     pub fn file(&self) -> Option<&Arc<File>> {
-        self.store.local().map(|l| &l.file)
+        self.local_file().map(|l| &l.file)
     }
 
     /// The remote object this is (None for a local file).
@@ -567,7 +572,7 @@ impl SourceFile {
     pub fn set_release_after_read(&self, release: bool) {
         if let Some(LocalFile {
             release_after_read, ..
-        }) = self.store.local()
+        }) = self.local_file()
         {
             release_after_read.store(release, Ordering::Relaxed);
         }
@@ -584,7 +589,7 @@ impl SourceFile {
         len: u64,
     ) -> std::io::Result<()> {
         let start = self.tensor_range(index).start + from;
-        match self.store.local() {
+        match self.local_file() {
             Some(local) => local.in_file(start, 0, len, &self.path, |file, at| {
                 super::copy_range(file, at, to, to_off, len)
             }),
@@ -604,8 +609,7 @@ impl SourceFile {
         let range = self.tensor_range(index);
         let len = range.end - range.start;
         let local = self
-            .store
-            .local()
+            .local_file()
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EROFS))?;
         local.in_file(range.start, 0, len, &self.path, |file, start| {
             super::copy_sharing(file, start, to, to_off, len, block)
@@ -618,7 +622,7 @@ impl SourceFile {
         let end = self.header.data_start();
         let Some(LocalFile {
             shared, shift_base, ..
-        }) = self.store.local()
+        }) = self.local_file()
         else {
             return end;
         };
@@ -649,7 +653,7 @@ impl SourceFile {
     pub fn starts_with(&self, bytes: &[u8]) -> bool {
         let Some(LocalFile {
             shared, shift_base, ..
-        }) = self.store.local()
+        }) = self.local_file()
         else {
             return false;
         };
@@ -671,7 +675,7 @@ impl SourceFile {
     /// `len` bytes with `header` at its start: nothing inserted since, not
     /// changed behind the mount, not being written by a commit.
     pub fn is_now(&self, header: &[u8], len: u64) -> bool {
-        let Some(LocalFile { shared, made, .. }) = self.store.local() else {
+        let Some(LocalFile { shared, made, .. }) = self.local_file() else {
             return false;
         };
         let accepted = *shared.accepted.lock_anyway();
@@ -701,7 +705,7 @@ impl SourceFile {
     /// (or since this mount's last commit of it), whatever its size and
     /// time say now.
     pub fn written_behind(&self) -> bool {
-        match self.store.local() {
+        match self.local_file() {
             Some(LocalFile { shared, .. }) => shared.watch.as_ref().is_some_and(|w| w.changed()),
             None => false,
         }
@@ -919,7 +923,7 @@ impl Store for LocalFile {
         self.shared.mapping().shift - self.shift_base
     }
 
-    fn local(&self) -> Option<&LocalFile> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
