@@ -1,11 +1,16 @@
-//! The safetensors format: bytes <-> header. No I/O policy and no FUSE here.
+//! The checkpoint formats: bytes <-> header. No I/O policy and no FUSE
+//! here. This top names the seam both formats share: `Header` (the tensors
+//! and metadata a mount shows, whatever the format), `Dtype`, `Tensors`,
+//! `FormatWriter` (a commit's writer of either format) and `read_checkpoint`;
+//! each format's own reading and writing is in its room, `safetensors/` and
+//! `gguf/`. A new format is a room beside them, a `FormatWriter`, and a
+//! case in `read_checkpoint`.
 
 mod dtype;
 mod error;
 pub mod gguf;
 mod header;
-pub mod index;
-mod serialize;
+pub mod safetensors;
 mod tensors;
 pub mod writer;
 
@@ -16,7 +21,8 @@ pub use header::{
     Header, IN_PLACE_MARKER, MAX_HEADER_LEN, Metadata, PREFIX_LEN, SizeError, byte_len,
     element_count, interrupted_in_place,
 };
-pub use serialize::{Layout, TensorSpec, header_bytes, layout, layout_of, write_entry};
+pub use safetensors::index;
+pub use safetensors::{Layout, TensorSpec, header_bytes, layout, layout_of, write_entry};
 pub use tensors::{TensorInfo, TensorRef, Tensors};
 pub use writer::{FormatWriter, NoFit};
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::Header;
+use crate::format::Header;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardIndex {

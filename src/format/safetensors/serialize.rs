@@ -2,9 +2,9 @@
 
 use std::collections::HashSet;
 
-use super::header::{MAX_HEADER_LEN, Metadata, PREFIX_LEN, byte_len, size_error};
-use super::tensors::{TensorRef, Tensors};
-use super::{Dtype, FormatError};
+use crate::format::header::{MAX_HEADER_LEN, Metadata, PREFIX_LEN, byte_len, size_error};
+use crate::format::tensors::{TensorRef, Tensors};
+use crate::format::{Dtype, FormatError};
 
 /// A tensor to be written: what the header says of it, before offsets exist.
 #[derive(Debug, Clone, PartialEq, Eq)]
