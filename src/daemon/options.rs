@@ -1,0 +1,82 @@
+//! The mount's options: `-o` parsed and checked, and what they set.
+
+use super::*;
+
+/// Parsed `-o` options.
+#[derive(Debug, Clone)]
+pub(super) struct MountOptions {
+    pub(super) read_only: bool,
+    pub(super) acl: SessionACL,
+    pub(super) nonempty: bool,
+    pub(super) cache: CacheMode,
+    pub(super) release_after_read: bool,
+    pub(super) kernel: Vec<MountOption>,
+}
+
+pub(super) const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache=keep|direct, \
+                     mapping=keep|release, default_permissions (always on), nodev, nosuid, \
+                     noexec, noatime";
+
+/// Checks one `-o` argument (clap's value parser: a bad option is refused
+/// with the command line's usage).
+pub fn check_options(arg: &str) -> Result<String, String> {
+    parse_options(&[arg.to_string()]).map(|_| arg.to_string())
+}
+
+pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, String> {
+    let mut o = MountOptions {
+        read_only: false,
+        acl: SessionACL::Owner,
+        nonempty: false,
+        cache: CacheMode::Direct,
+        release_after_read: false,
+        kernel: Vec::new(),
+    };
+    for opt in list
+        .iter()
+        .flat_map(|s| s.split(','))
+        .filter(|s| !s.is_empty())
+    {
+        match opt {
+            "ro" => o.read_only = true,
+            "rw" => o.read_only = false,
+            "allow_other" => o.acl = SessionACL::All,
+            "allow_root" => o.acl = SessionACL::RootAndOwner,
+            "nonempty" => o.nonempty = true,
+            "cache=keep" => o.cache = CacheMode::Keep,
+            "cache=direct" => o.cache = CacheMode::Direct,
+            "mapping=keep" => o.release_after_read = false,
+            "mapping=release" => o.release_after_read = true,
+            "default_permissions" => {}
+            "nodev" | "nosuid" => {}
+            "noexec" => o.kernel.push(MountOption::NoExec),
+            "noatime" => o.kernel.push(MountOption::NoAtime),
+            other => return Err(format!("unknown mount option {other:?} (known: {KNOWN})")),
+        }
+    }
+    Ok(o)
+}
+
+pub(super) fn settings(options: &MountOptions) -> Settings {
+    Settings {
+        read_only: options.read_only,
+        owner: rustix::process::getuid().as_raw(),
+        cache: options.cache,
+        release_after_read: options.release_after_read,
+    }
+}
+
+/// `-o` for fusermount3: it adds nosuid and nodev itself.
+pub(super) fn fusermount_options(source: &Path, options: &MountOptions) -> String {
+    let mut o = vec![
+        format!("fsname={}", source.display().to_string().replace(',', "_")),
+        "subtype=stfs".into(),
+        "default_permissions".into(),
+    ];
+    o.push(if options.read_only { "ro" } else { "rw" }.into());
+    match options.acl {
+        SessionACL::All | SessionACL::RootAndOwner => o.push("allow_other".into()),
+        SessionACL::Owner => {}
+    }
+    o.join(",")
+}
