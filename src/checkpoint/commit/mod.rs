@@ -479,7 +479,10 @@ impl Live {
         self.committing = None;
     }
 
-    /// Step 3: the new file is in place; `landed` is it.
+    /// Step 3: the new file is in place; `landed` is it. The source becomes
+    /// the new file, each entry and object the plan took settles on its
+    /// tensor there, the others keep what they named, and what the plan
+    /// read is let go once the commit has returned.
     pub fn finish(
         &mut self,
         mut plan: CommitPlan,
@@ -487,20 +490,35 @@ impl Live {
     ) -> Result<(), CommitError> {
         self.committing = None;
         self.version += 1;
-        let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
-        // (A GGUF header is parsed again: its keys are what the file holds now.)
-        let gguf = crate::format::gguf::is_gguf(&plan.layout.header).then(|| {
-            Header::parse_any_prefix(&plan.layout.header, plan.layout.file_len())
-                .expect("a commit's GGUF header was checked when planned")
-        });
-        plan.layout.header = Vec::new();
-        let tensors = std::mem::take(&mut plan.layout.tensors);
-        let header = match gguf {
-            Some(h) => h,
-            None => Header::from_parts(header_len, tensors, plan.metadata.clone()),
-        };
+        let header = landed_header(&mut plan);
         let fresh = Arc::new(landed.fresh(&self.source, header)?);
         let old = std::mem::replace(&mut self.source, fresh.clone());
+        let (entry_done, object_done) = self.settle_members(&plan, &old, &fresh);
+        self.keep_what_the_rest_named(&old, &entry_done, &object_done);
+        self.drop_orphans(plan.mark);
+        self.kv_after_commit(plan.kv_gen, &plan.kv_ids);
+        if self.metadata_gen == plan.metadata_gen {
+            if self.metadata == MetadataDoc::Removed {
+                // Shown again (as the new file has it): a new file.
+                self.metadata_file = self.new_id();
+            }
+            self.metadata = MetadataDoc::Unchanged;
+        }
+        self.dirty = !self.overlay().is_empty();
+        self.journal_after_commit();
+        let_go(plan, old);
+        Ok(())
+    }
+
+    /// Each member of the plan (entry and object as the plan took them)
+    /// settled on its tensor in the new file, where it is still what the
+    /// plan took. Returns which entries and objects settled.
+    fn settle_members(
+        &mut self,
+        plan: &CommitPlan,
+        old: &Arc<SourceFile>,
+        fresh: &Arc<SourceFile>,
+    ) -> (Vec<bool>, Vec<bool>) {
         // New index of each member: layout.source_index maps file order -> input order.
         let mut new_index = vec![0u32; plan.members.len()];
         for (j, &k) in plan.layout.source_index.iter().enumerate() {
@@ -519,8 +537,8 @@ impl Live {
                     // (Written since, in part: what it took lies in the new file now.)
                     let took = plan.inputs[k]
                         .source_tensor()
-                        .filter(|(src, _)| Arc::ptr_eq(src, &old));
-                    o.settle_after_commit(m.object_gen, took, &fresh, j)
+                        .filter(|(src, _)| Arc::ptr_eq(src, old));
+                    o.settle_after_commit(m.object_gen, took, fresh, j)
                 }
                 ObjectSlot::Gone => false,
             };
@@ -545,10 +563,21 @@ impl Live {
                 self.settle(m.entry, m.object, j, meta_file);
             }
         }
-        // Everything else that named the old file by index now holds what it
-        // named itself: its name, its dtype and shape, its bytes.
+        self.source_ids = source_ids;
+        self.source_objects = source_objects;
+        (entry_done, object_done)
+    }
+
+    /// Everything else that named the old file by index now holds what it
+    /// named itself: its name, its dtype and shape, its bytes.
+    fn keep_what_the_rest_named(
+        &mut self,
+        old: &Arc<SourceFile>,
+        entry_done: &[bool],
+        object_done: &[bool],
+    ) {
         let header = old.header();
-        for id in 0..len {
+        for id in 0..self.entries.len() {
             if !entry_done[id] {
                 let slot = std::mem::replace(&mut self.entries[id], EntrySlot::Gone);
                 self.entries[id] = match slot {
@@ -579,15 +608,16 @@ impl Live {
                 }
             }
         }
-        self.source_ids = source_ids;
-        self.source_objects = source_objects;
-        // A meta without data that was there at the plan described nothing
-        // the commit wrote: it goes, and so does a hidden one.
-        for id in 0..len {
+    }
+
+    /// A meta without data that was there at the plan (before `mark`)
+    /// described nothing the commit wrote: it goes, and so does a hidden one.
+    fn drop_orphans(&mut self, mark: u64) {
+        for id in 0..self.entries.len() {
             let orphan = match &self.entries[id] {
                 EntrySlot::Live(e) => {
                     e.data.is_none()
-                        && e.generation < plan.mark
+                        && e.generation < mark
                         && (e.meta_hidden
                             || matches!(&e.meta, EntryMeta::Own(super::Meta::Valid { .. })))
                 }
@@ -602,15 +632,11 @@ impl Live {
                 self.entries[id] = EntrySlot::Gone;
             }
         }
-        self.kv_after_commit(plan.kv_gen, &plan.kv_ids);
-        if self.metadata_gen == plan.metadata_gen {
-            if self.metadata == MetadataDoc::Removed {
-                // Shown again (as the new file has it): a new file.
-                self.metadata_file = self.new_id();
-            }
-            self.metadata = MetadataDoc::Unchanged;
-        }
-        self.dirty = !self.overlay().is_empty();
+    }
+
+    /// The journal after a commit: a snapshot of the edits made since, or
+    /// none at all.
+    fn journal_after_commit(&mut self) {
         if self.dirty {
             if let Err(e) = self.snapshot() {
                 warn!("rewriting the journal after the commit: {e}");
@@ -622,25 +648,6 @@ impl Live {
                 warn!("removing the journal after the commit: {e}");
             }
         }
-        // The staging files the plan read are spent. Removing them frees
-        // their blocks and page cache (27 ms for 64 MiB on ext4, a third of
-        // that append's commit), as unmapping the replaced file does: both
-        // wait until the commit has returned, and hold no lock. (The pins go
-        // now: a write into a tensor the plan read copies nothing aside.)
-        let spent = std::mem::take(&mut plan.inputs);
-        drop(plan);
-        let going = LettingGo::start();
-        let _ = std::thread::Builder::new()
-            .name("stfs-unmap".into())
-            .spawn(move || {
-                // (A test pauses here: the commit has returned.)
-                let _ = crate::testpoint::point("commit:spent");
-                drop(spent);
-                drop(old);
-                super::trim_memory();
-                drop(going);
-            });
-        Ok(())
     }
 
     /// Before the rename: the journal says which file is about to land (the
@@ -792,6 +799,44 @@ impl CommitPlan {
         }
         Ok(())
     }
+}
+
+/// The header of the file a commit landed, taken out of its plan: a GGUF
+/// header parsed again (its keys are what the file holds now), a
+/// safetensors one made from the plan's tensors and metadata.
+fn landed_header(plan: &mut CommitPlan) -> Header {
+    let header_len = plan.layout.header.len() as u64 - crate::format::PREFIX_LEN;
+    let gguf = crate::format::gguf::is_gguf(&plan.layout.header).then(|| {
+        Header::parse_any_prefix(&plan.layout.header, plan.layout.file_len())
+            .expect("a commit's GGUF header was checked when planned")
+    });
+    plan.layout.header = Vec::new();
+    let tensors = std::mem::take(&mut plan.layout.tensors);
+    match gguf {
+        Some(h) => h,
+        None => Header::from_parts(header_len, tensors, plan.metadata.clone()),
+    }
+}
+
+/// The staging files the plan read are spent. Removing them frees their
+/// blocks and page cache (27 ms for 64 MiB on ext4, a third of that
+/// append's commit), as unmapping the replaced file does: both wait until
+/// the commit has returned, and hold no lock. (The pins go now: a write
+/// into a tensor the plan read copies nothing aside.)
+fn let_go(mut plan: CommitPlan, old: Arc<SourceFile>) {
+    let spent = std::mem::take(&mut plan.inputs);
+    drop(plan);
+    let going = LettingGo::start();
+    let _ = std::thread::Builder::new()
+        .name("stfs-unmap".into())
+        .spawn(move || {
+            // (A test pauses here: the commit has returned.)
+            let _ = crate::testpoint::point("commit:spent");
+            drop(spent);
+            drop(old);
+            super::trim_memory();
+            drop(going);
+        });
 }
 
 #[cfg(test)]

@@ -477,26 +477,35 @@ impl InPlaceRecord {
 
     /// Does the whole commit to `file` (again, after a crash: every step may
     /// be repeated; the insertion is done once). Returns the bytes it shared
-    /// with staging files instead of copying them.
+    /// with staging files instead of copying them. The steps: the insertion
+    /// noted if a crash left it unnoted, the marker, blocks for what is
+    /// appended, the header's room inserted, the data written, the file cut,
+    /// the header, then the real prefix and the time.
     pub fn apply(
         &self,
         file: &dyn FileOps,
         header: &[u8],
         steps: &Steps,
     ) -> Result<u64, ApplyError> {
-        let before = |error| ApplyError {
-            marked: false,
-            error,
-        };
-        let after = |error| ApplyError {
-            marked: true,
-            error,
-        };
+        let inserted = self.note_insertion(file, steps)?;
+        self.mark(file, steps)?;
+        self.reserve_appends(file, steps, inserted)?;
+        point("in-place:marked").map_err(after)?;
+        if self.inserted > 0 && !inserted {
+            self.insert_room(file, steps)?;
+        }
+        let shared = self.write_data(file, steps)?;
+        self.write_header(file, header)?;
+        Ok(shared)
+    }
+
+    /// Whether the header's room was inserted already. Inserted, as the
+    /// file's length says, but not yet noted (a crash in between): noted
+    /// now, before anything changes the length again (an append), which
+    /// would hide it and have the next recovery insert twice.
+    fn note_insertion(&self, file: &dyn FileOps, steps: &Steps) -> Result<bool, ApplyError> {
         let inserted =
             self.inserted > 0 && self.inserted_already(file, steps.dir).map_err(before)?;
-        // Inserted, as the file's length says, but not yet noted (a crash in
-        // between): noted now, before anything changes the length again (an
-        // append), which would hide it and have the next recovery insert twice.
         if inserted
             && steps
                 .dir
@@ -509,70 +518,89 @@ impl InPlaceRecord {
                     error: e,
                 })?;
         }
-        // The marker first: nothing changes the file before it (its
-        // modification time included), so a file without it is old or new.
+        Ok(inserted)
+    }
+
+    /// The marker first: nothing changes the file before it (its
+    /// modification time included), so a file without it is old or new.
+    fn mark(&self, file: &dyn FileOps, steps: &Steps) -> Result<(), ApplyError> {
         let marked = point("in-place:mark")
             .and_then(|()| file.write_at(&IN_PLACE_MARKER, 0))
             .and_then(|()| file.sync_data());
-        if let Err(e) = marked {
-            if !steps.fresh {
-                return Err(after(e));
-            }
-            return Err(match self.put_back(file, true) {
-                Ok(()) => before(e),
-                Err(_) => after(e),
-            });
+        let Err(e) = marked else {
+            return Ok(());
+        };
+        if !steps.fresh {
+            return Err(after(e));
         }
+        Err(match self.put_back(file, true) {
+            Ok(()) => before(e),
+            Err(_) => after(e),
+        })
+    }
+
+    /// Blocks for what is appended (what the file grows by besides the
+    /// insertion), before any byte is written: no ENOSPC half-way; if there
+    /// is no room, the file is put back.
+    fn reserve_appends(
+        &self,
+        file: &dyn FileOps,
+        steps: &Steps,
+        inserted: bool,
+    ) -> Result<(), ApplyError> {
         let now = file.size().map_err(after)?;
-        // What the file grows by besides the insertion: appended tensors.
         let to_insert = if inserted { 0 } else { self.inserted };
         let grows = self.after_len.saturating_sub(now + to_insert);
-        if grows > 0 {
-            // Blocks for what is appended, before any byte is written: no
-            // ENOSPC half-way; if there is no room, the file is put back.
-            if let Err(e) = point("in-place:reserve").and_then(|()| file.reserve(now, grows)) {
-                if steps.fresh && self.put_back(file, true).is_ok() {
-                    return Err(before(e));
-                }
-                return Err(after(e));
-            }
+        if grows == 0 {
+            return Ok(());
         }
-        point("in-place:marked").map_err(after)?;
-        if self.inserted > 0 && !inserted {
-            // The marker moves to `inserted`; zeros at the start (a length of
-            // 0, refused) until it is written there again.
-            let done = point("in-place:insert")
-                .and_then(|()| (steps.insert)(self.inserted))
-                .and_then(|()| file.sync_all());
-            if let Err(e) = done {
-                // Not inserted (an unsupported file, ENOSPC): as it was.
-                if steps.fresh
-                    && file.size().ok() == Some(self.before.len)
-                    && self.put_back(file, true).is_ok()
-                {
-                    return Err(before(e));
-                }
-                return Err(after(e));
-            }
-            // The inserted range is a hole: its blocks are had now, or the
-            // insertion is taken back (the header's write cannot meet ENOSPC).
-            let header_blocks =
-                point("in-place:reserve-header").and_then(|()| file.reserve(0, self.inserted));
-            if let Err(e) = header_blocks {
-                let undone = steps.fresh
-                    && (steps.collapse)(self.inserted)
-                        .and_then(|()| file.sync_all())
-                        .is_ok();
-                if undone && self.put_back(file, true).is_ok() {
-                    return Err(before(e));
-                }
-                return Err(after(e));
-            }
-            point("in-place:inserted").map_err(after)?;
-            self.record_inserted(file, steps.dir).map_err(after)?;
-            file.write_at(&IN_PLACE_MARKER, 0).map_err(after)?;
-            file.sync_data().map_err(after)?;
+        match point("in-place:reserve").and_then(|()| file.reserve(now, grows)) {
+            Ok(()) => Ok(()),
+            Err(e) if steps.fresh && self.put_back(file, true).is_ok() => Err(before(e)),
+            Err(e) => Err(after(e)),
         }
+    }
+
+    /// The header's room inserted at the file's start: the marker moves to
+    /// `inserted`; zeros at the start (a length of 0, refused) until it is
+    /// written there again. Not inserted (an unsupported file, ENOSPC), or
+    /// its blocks not had: as it was.
+    fn insert_room(&self, file: &dyn FileOps, steps: &Steps) -> Result<(), ApplyError> {
+        let done = point("in-place:insert")
+            .and_then(|()| (steps.insert)(self.inserted))
+            .and_then(|()| file.sync_all());
+        if let Err(e) = done {
+            if steps.fresh
+                && file.size().ok() == Some(self.before.len)
+                && self.put_back(file, true).is_ok()
+            {
+                return Err(before(e));
+            }
+            return Err(after(e));
+        }
+        // The inserted range is a hole: its blocks are had now, or the
+        // insertion is taken back (the header's write cannot meet ENOSPC).
+        let header_blocks =
+            point("in-place:reserve-header").and_then(|()| file.reserve(0, self.inserted));
+        if let Err(e) = header_blocks {
+            let undone = steps.fresh
+                && (steps.collapse)(self.inserted)
+                    .and_then(|()| file.sync_all())
+                    .is_ok();
+            if undone && self.put_back(file, true).is_ok() {
+                return Err(before(e));
+            }
+            return Err(after(e));
+        }
+        point("in-place:inserted").map_err(after)?;
+        self.record_inserted(file, steps.dir).map_err(after)?;
+        file.write_at(&IN_PLACE_MARKER, 0).map_err(after)?;
+        file.sync_data().map_err(after)
+    }
+
+    /// Every range written, and the file cut to its new length. Returns the
+    /// bytes shared with staging files.
+    fn write_data(&self, file: &dyn FileOps, steps: &Steps) -> Result<u64, ApplyError> {
         let len = file.size().map_err(after)?;
         (steps.retire)(self.writes.iter().map(|w| w.at..w.at + w.len).collect());
         // Tensors moved from the end into holes are read from the range the
@@ -611,6 +639,15 @@ impl InPlaceRecord {
             (steps.retire)(std::iter::once(self.after_len..len).collect());
         }
         file.set_len(self.after_len).map_err(after)?;
+        Ok(shared)
+    }
+
+    /// The header's changed span, then (data and header durable) the real
+    /// prefix that makes them the file, then the time. A failure after the
+    /// prefix (its sync, the time) leaves a file complete but maybe not
+    /// durable: it is marked again, refused by every reader until the
+    /// record completes it, as the commit says.
+    fn write_header(&self, file: &dyn FileOps, header: &[u8]) -> Result<(), ApplyError> {
         let end = match self.header_write {
             0 => header.len(),
             n => (n as usize).clamp(PREFIX_LEN as usize, header.len()),
@@ -619,23 +656,18 @@ impl InPlaceRecord {
         point("in-place:header").map_err(after)?;
         file.write_at(&header[from..end], from as u64)
             .map_err(after)?;
-        // The data and header are durable before the prefix makes them the file.
         point("in-place:sync").map_err(after)?;
         file.sync_data().map_err(after)?;
         point("in-place:written").map_err(after)?;
         file.write_at(&header[..PREFIX_LEN as usize], 0)
             .map_err(after)?;
-        // A failure from here on (the prefix's sync, the time) leaves a file
-        // complete but maybe not durable: it is marked again, refused by
-        // every reader until the record completes it, as the commit says.
         let remarked = |error| {
             let _ = file.write_at(&IN_PLACE_MARKER, 0);
             after(error)
         };
         file.sync_data().map_err(remarked)?;
         point("in-place:prefix").map_err(remarked)?;
-        self.finish_time(file).map_err(remarked)?;
-        Ok(shared)
+        self.finish_time(file).map_err(remarked)
     }
 
     /// The modification time the journal expects, made durable.
@@ -869,6 +901,23 @@ impl InPlaceRecord {
 }
 
 /// SHA-256 of the parts, in hex.
+/// An error before the file was marked: it is as it was.
+fn before(error: std::io::Error) -> ApplyError {
+    ApplyError {
+        marked: false,
+        error,
+    }
+}
+
+/// An error once the file is marked: every reader refuses it until the
+/// record completes it.
+fn after(error: std::io::Error) -> ApplyError {
+    ApplyError {
+        marked: true,
+        error,
+    }
+}
+
 /// Zeros over `len` bytes at `at`, a bounded buffer at a time.
 fn write_zeros(file: &dyn FileOps, at: u64, len: u64) -> std::io::Result<()> {
     const CHUNK: u64 = 64 << 10;
