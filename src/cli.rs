@@ -277,66 +277,17 @@ pub fn main() -> ExitCode {
                 if n == 1 { "" } else { "s" }
             )),
         },
-        Command::Mount {
-            f,
-            options,
-            threads,
-            log_file,
-            pid_file,
-            staging_dir,
-            resume,
-            no_resume,
-            endpoint,
-            cache_dir,
-            cache_size,
-            concurrency,
-            timeout,
-            source,
-            mountpoint,
-        } => crate::daemon::mount(crate::daemon::MountRequest {
-            remote: crate::source::remote::RemoteOptions {
-                endpoint,
-                cache_dir: cache_dir
-                    .map(absolute)
-                    .unwrap_or_else(crate::source::remote::default_cache_dir),
-                cache_size,
-                concurrency: concurrency.max(1),
-                timeout,
-            },
-            source,
-            mountpoint,
-            foreground: f,
-            options,
-            threads,
-            log_file,
-            pid_file,
-            staging_dir,
-            resume: match (resume, no_resume) {
-                (Some(dir), _) => crate::checkpoint::recover::Resume::Only(
-                    dir.file_name().unwrap_or_default().to_os_string(),
-                ),
-                (None, true) => crate::checkpoint::recover::Resume::Never,
-                (None, false) => crate::checkpoint::recover::Resume::Auto,
-            },
-        }),
+        mount @ Command::Mount { .. } => crate::daemon::mount(mount_request(mount)),
         Command::Umount {
             lazy,
             discard,
             mountpoint,
         } => crate::client::umount(&absolute(mountpoint), lazy, discard)
             .map(|lines| lines.iter().for_each(|l| println!("{l}"))),
-        Command::Status { json, path } => match crate::client::status(&absolute(path), json) {
-            Ok((report, refused)) => {
-                match json {
-                    true => println!("{report}"),
-                    false => print!("{report}"),
-                }
-                if refused {
-                    return ExitCode::FAILURE;
-                }
-                Ok(())
-            }
-            Err(e) => Err(e.to_string()),
+        Command::Status { json, path } => match status(json, &absolute(path)) {
+            Ok(true) => return ExitCode::FAILURE,
+            Ok(false) => Ok(()),
+            Err(e) => Err(e),
         },
         Command::Commit {
             force,
@@ -359,38 +310,7 @@ pub fn main() -> ExitCode {
                 .map(|message| println!("{message}"))
                 .map_err(|e| e.to_string())
         }
-        Command::Prefetch { device, paths } => {
-            let mut failed = 0;
-            let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
-            let files = crate::client::tensor_files(&paths);
-            let total = files
-                .iter()
-                .filter_map(|f| std::fs::metadata(f).ok())
-                .map(|m| m.len())
-                .sum();
-            let bar = crate::progress::bytes(total, "prefetching");
-            for path in files {
-                let name = path.file_name().unwrap_or_default().to_string_lossy();
-                bar.set_message(format!("prefetching {name}"));
-                let result = crate::client::prefetch(&path, device, &|n| bar.inc(n));
-                // Lines go above the bar (printed as they are when no bar is drawn).
-                bar.suspend(|| match result {
-                    Ok(line) => println!("{line}"),
-                    Err(e) => {
-                        eprintln!("stfs: {e}");
-                        failed += 1;
-                    }
-                });
-            }
-            crate::progress::clear(bar);
-            match failed {
-                0 => Ok(()),
-                n => Err(format!(
-                    "{n} prefetch{} failed",
-                    if n == 1 { "" } else { "es" }
-                )),
-            }
-        }
+        Command::Prefetch { device, paths } => prefetch(device, paths),
         Command::Create {
             file,
             metadata,
@@ -412,5 +332,99 @@ pub fn main() -> ExitCode {
             eprintln!("stfs: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// What `stfs mount` was asked for, as the daemon takes it.
+fn mount_request(command: Command) -> crate::daemon::MountRequest {
+    let Command::Mount {
+        f,
+        options,
+        threads,
+        log_file,
+        pid_file,
+        staging_dir,
+        resume,
+        no_resume,
+        endpoint,
+        cache_dir,
+        cache_size,
+        concurrency,
+        timeout,
+        source,
+        mountpoint,
+    } = command
+    else {
+        unreachable!("a mount request is made of `stfs mount`")
+    };
+    crate::daemon::MountRequest {
+        remote: crate::source::remote::RemoteOptions {
+            endpoint,
+            cache_dir: cache_dir
+                .map(absolute)
+                .unwrap_or_else(crate::source::remote::default_cache_dir),
+            cache_size,
+            concurrency: concurrency.max(1),
+            timeout,
+        },
+        source,
+        mountpoint,
+        foreground: f,
+        options,
+        threads,
+        log_file,
+        pid_file,
+        staging_dir,
+        resume: match (resume, no_resume) {
+            (Some(dir), _) => crate::checkpoint::recover::Resume::Only(
+                dir.file_name().unwrap_or_default().to_os_string(),
+            ),
+            (None, true) => crate::checkpoint::recover::Resume::Never,
+            (None, false) => crate::checkpoint::recover::Resume::Auto,
+        },
+    }
+}
+
+/// `stfs status`: the report printed; true when a commit would be refused.
+fn status(json: bool, path: &std::path::Path) -> Result<bool, String> {
+    let (report, refused) = crate::client::status(path, json).map_err(|e| e.to_string())?;
+    match json {
+        true => println!("{report}"),
+        false => print!("{report}"),
+    }
+    Ok(refused)
+}
+
+/// `stfs prefetch`: each tensor file of `paths`, a line each, a bar while it goes.
+fn prefetch(device: crate::client::Device, paths: Vec<PathBuf>) -> Result<(), String> {
+    let mut failed = 0;
+    let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
+    let files = crate::client::tensor_files(&paths);
+    let total = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    let bar = crate::progress::bytes(total, "prefetching");
+    for path in files {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        bar.set_message(format!("prefetching {name}"));
+        let result = crate::client::prefetch(&path, device, &|n| bar.inc(n));
+        // Lines go above the bar (printed as they are when no bar is drawn).
+        bar.suspend(|| match result {
+            Ok(line) => println!("{line}"),
+            Err(e) => {
+                eprintln!("stfs: {e}");
+                failed += 1;
+            }
+        });
+    }
+    crate::progress::clear(bar);
+    match failed {
+        0 => Ok(()),
+        n => Err(format!(
+            "{n} prefetch{} failed",
+            if n == 1 { "" } else { "es" }
+        )),
     }
 }
