@@ -238,11 +238,25 @@ fn record(old: &[u8], new: &[u8], inserted: u64, writes: Vec<RangeWrite>) -> InP
 }
 
 fn scenarios() -> Vec<Scenario> {
+    let mut out = plain_scenarios();
+    out.extend(hole_scenarios());
+    out.extend(growing_scenarios());
+    out
+}
+
+/// The tensors every scenario starts from: a, b and c, and the file of them
+/// with a header that has room (as a first commit leaves it).
+fn base() -> (Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>, u64) {
     let (a, b, c) = (bytes(5000, 1), bytes(300, 2), bytes(100, 3));
+    let (_, roomy) = checkpoint(&[("a", &a), ("b", &b), ("c", &c)], "v0", 400);
+    (a, b, c, roomy, PREFIX_LEN + 400)
+}
+
+/// Edits within the file as it is: the header, an overwrite, an append,
+/// the tail dropped, a copy within the file.
+fn plain_scenarios() -> Vec<Scenario> {
+    let (a, b, c, roomy, data_start) = base();
     let old_tensors: [(&str, &[u8]); 3] = [("a", &a), ("b", &b), ("c", &c)];
-    // A header with room (as a first commit leaves it), and one without (save_file's).
-    let (_, roomy) = checkpoint(&old_tensors, "v0", 400);
-    let data_start = PREFIX_LEN + 400;
     let mut out = Vec::new();
 
     let (header, new) = checkpoint(&old_tensors, "v1-longer", 400);
@@ -318,6 +332,14 @@ fn scenarios() -> Vec<Scenario> {
         staged: Vec::new(),
     });
 
+    out
+}
+
+/// Holes in the middle filled from the end, and blocks of a tensor written
+/// in part.
+fn hole_scenarios() -> Vec<Scenario> {
+    let (a, b, c, roomy, data_start) = base();
+    let mut out = Vec::new();
     // A tensor dropped from the middle, its hole filled by the last one
     // (of its size), moved from the end, which is then cut.
     let e = bytes(300, 5);
@@ -390,6 +412,17 @@ fn scenarios() -> Vec<Scenario> {
         staged: vec![("s4", e2)],
     });
 
+    out
+}
+
+/// A header with no room (save_file's layout) that grows by a block
+/// inserted at the start.
+fn growing_scenarios() -> Vec<Scenario> {
+    let (a, b, c, _, _) = base();
+    let old_tensors: [(&str, &[u8]); 3] = [("a", &a), ("b", &b), ("c", &c)];
+    let d = bytes(4500, 4);
+    let e = bytes(300, 5);
+    let mut out = Vec::new();
     // The same with no room: the header grows by a block inserted at the
     // start too (the copy's offsets count the insertion).
     let tight = 320;
