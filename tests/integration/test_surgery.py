@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from stfs_fixtures import assert_checkpoint, base, sh, wait_for_exit
@@ -422,42 +423,47 @@ def test_shards_of_a_folder_mount_share_a_staging_dir(tmp_path, mount, run):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes any folder: runs in the unprivileged pass")
 def test_a_folder_the_user_cannot_write_is_said_at_mount_and_status_not_at_commit(tmp_path, mount, run):
+    """Edits of a file in a folder its user cannot write are staged in the
+    user's own state folder, said at mount; an edit that commits in place
+    commits, one that needs a new file beside the source is refused by
+    `stfs status` before a commit tries it; the same with --staging-dir."""
     folder, staging = tmp_path / "ro", tmp_path / "staging"
     folder.mkdir()
     staging.mkdir(mode=0o700)
     src = folder / "m.safetensors"
     base(src)
-    before = src.read_bytes()
     os.chmod(folder, 0o555)
     try:
-        m = mount(src)
-        assert f"{folder}: not writable by you" in m.result.stderr, m.result.stderr
-        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
-            f.write('{"x": "y"}')
-        st = run("status", m.path)
-        assert st.returncode == 1 and "no staging folder could be made in " + str(folder) in st.stdout, st.stdout
-        p = run("commit", m.path)
-        assert p.returncode == 1 and "making the staging folder of the edits in it" in p.stderr, p.stderr
-        assert "--staging-dir" in p.stderr and src.read_bytes() == before
-        assert run("umount", "--discard", m.path).returncode == 0
-        # With a staging folder of the user's: a header edit commits in place (the file is
-        # writable), a rewrite is refused by status before it is tried.
-        m = mount(src, "--staging-dir", staging)
-        # (A hole, and a tensor added, which the end cannot fill around.)
-        os.unlink(os.path.join(m.path, "a"))
-        with open(os.path.join(m.path, "d"), "wb") as f:
-            f.write(b"1234")
-        with open(os.path.join(m.path, "d.meta.json"), "w") as f:
-            f.write('{"dtype": "U8", "shape": [4]}')
-        st = run("status", m.path)
-        assert st.returncode == 1 and f"a rewrite puts a new file in {folder}, which this mount's user cannot" \
-            in st.stdout, st.stdout
-        assert run("umount", "--discard", m.path).returncode == 0
-        m = mount(src, "--staging-dir", staging)
-        with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
-            f.write('{"x": "y"}')
-        assert run("status", m.path).returncode == 0
-        p = run("commit", m.path)
-        assert p.returncode == 0 and "committed in place" in p.stdout, p.stdout + p.stderr
+        for extra in ((), ("--staging-dir", str(staging))):
+            m = mount(src, *extra)
+            if not extra:
+                err = m.result.stderr
+                assert f"{folder}: that folder is not writable by you" in err and "edits are staged in" in err, err
+            # (A hole, and a tensor added, which the end cannot fill around.)
+            os.unlink(os.path.join(m.path, "a"))
+            with open(os.path.join(m.path, "d"), "wb") as f:
+                f.write(b"1234")
+            with open(os.path.join(m.path, "d.meta.json"), "w") as f:
+                f.write('{"dtype": "U8", "shape": [4]}')
+            st = run("status", m.path)
+            assert st.returncode == 1 and f"a rewrite puts a new file in {folder}, which this mount's user cannot" \
+                in st.stdout, st.stdout
+            before = src.read_bytes()
+            p = run("commit", m.path)
+            assert p.returncode != 0 and src.read_bytes() == before, p.stdout + p.stderr
+            assert run("umount", "--discard", m.path).returncode == 0
+            m = mount(src, *extra)
+            with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+                f.write('{"x": "y"}')
+            assert run("status", m.path).returncode == 0
+            p = run("commit", m.path)
+            assert p.returncode == 0 and "committed in place" in p.stdout, p.stdout + p.stderr
+            assert safe_open(str(src), "np").metadata() == {"x": "y"}
+            with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
+                f.write('{}')
+            assert run("commit", m.path).returncode == 0
+            assert run("umount", m.path).returncode == 0
+            m.close()
+        assert not any(p.name.startswith(".") for p in folder.iterdir()), "nothing is left beside the source"
     finally:
         os.chmod(folder, 0o755)
