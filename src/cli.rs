@@ -189,15 +189,15 @@ enum Command {
 }
 
 /// Seconds, from 0.1 to a day.
-fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+fn parse_seconds(s: &str) -> Result<std::time::Duration, crate::errno::Failure> {
     match s.trim().parse::<f64>() {
         Ok(n) if (0.1..=86400.0).contains(&n) => Ok(std::time::Duration::from_secs_f64(n)),
-        _ => Err(format!("{s:?}: seconds from 0.1 to 86400")),
+        _ => Err(format!("{s:?}: seconds from 0.1 to 86400").into()),
     }
 }
 
 /// A size in bytes, with an optional K, M, G or T suffix (powers of 1024).
-fn parse_size(s: &str) -> Result<u64, String> {
+fn parse_size(s: &str) -> Result<u64, crate::errno::Failure> {
     let t = s.trim();
     let (digits, shift) = match t.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
@@ -206,7 +206,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
                 'M' => 20,
                 'G' => 30,
                 'T' => 40,
-                _ => return Err(format!("{s:?}: the suffix must be K, M, G or T")),
+                _ => return Err(format!("{s:?}: the suffix must be K, M, G or T").into()),
             };
             (&t[..i], shift)
         }
@@ -216,23 +216,26 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .parse()
         .map_err(|_| format!("{s:?} is not a size (like 512M or 20G)"))?;
     n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
+        .ok_or_else(|| format!("{s:?} is too large").into())
 }
 
-fn parse_key_value(s: &str) -> Result<(String, String), String> {
+fn parse_key_value(s: &str) -> Result<(String, String), crate::errno::Failure> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE").into())
 }
 
 /// The man pages, from the same definitions as the command line: stfs(1) on
 /// `out`, or stfs.1 and stfs-COMMAND.1 written into `dir`.
-fn man_pages(dir: Option<&std::path::Path>, out: &mut dyn std::io::Write) -> Result<(), String> {
+fn man_pages(
+    dir: Option<&std::path::Path>,
+    out: &mut dyn std::io::Write,
+) -> Result<(), crate::errno::Failure> {
     let cmd = Cli::command();
     let Some(dir) = dir else {
         return clap_mangen::Man::new(cmd)
             .render(out)
-            .map_err(|e| format!("writing the man page: {e}"));
+            .map_err(|e| format!("writing the man page: {e}").into());
     };
     let write = |name: String, page: clap::Command| {
         let path = dir.join(format!("{name}.1"));
@@ -272,10 +275,7 @@ pub fn main() -> ExitCode {
         Command::Inspect { json, file } => crate::inspect::inspect(&file, json, stdout),
         Command::Verify { paths } => match crate::inspect::verify(&paths, stdout) {
             0 => Ok(()),
-            n => Err(format!(
-                "{n} problem{} found",
-                if n == 1 { "" } else { "s" }
-            )),
+            n => Err(format!("{n} problem{} found", if n == 1 { "" } else { "s" }).into()),
         },
         mount @ Command::Mount { .. } => crate::daemon::mount(mount_request(mount)),
         Command::Umount {
@@ -303,12 +303,12 @@ pub fn main() -> ExitCode {
             }
             crate::client::commit(&absolute(path), flags)
                 .map(|message| println!("{message}"))
-                .map_err(|e| e.to_string())
+                .map_err(crate::errno::Failure::from)
         }
         Command::Discard { path } => {
             crate::client::commit(&absolute(path), crate::fs::ioctl::COMMIT_DISCARD)
                 .map(|message| println!("{message}"))
-                .map_err(|e| e.to_string())
+                .map_err(crate::errno::Failure::from)
         }
         Command::Prefetch { device, paths } => prefetch(device, paths),
         Command::Create {
@@ -386,7 +386,7 @@ fn mount_request(command: Command) -> crate::daemon::MountRequest {
 }
 
 /// `stfs status`: the report printed; true when a commit would be refused.
-fn status(json: bool, path: &std::path::Path) -> Result<bool, String> {
+fn status(json: bool, path: &std::path::Path) -> Result<bool, crate::errno::Failure> {
     let (report, refused) = crate::client::status(path, json).map_err(|e| e.to_string())?;
     match json {
         true => println!("{report}"),
@@ -396,7 +396,10 @@ fn status(json: bool, path: &std::path::Path) -> Result<bool, String> {
 }
 
 /// `stfs prefetch`: each tensor file of `paths`, a line each, a bar while it goes.
-fn prefetch(device: crate::client::Device, paths: Vec<PathBuf>) -> Result<(), String> {
+fn prefetch(
+    device: crate::client::Device,
+    paths: Vec<PathBuf>,
+) -> Result<(), crate::errno::Failure> {
     let mut failed = 0;
     let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
     let files = crate::client::tensor_files(&paths);
@@ -422,9 +425,6 @@ fn prefetch(device: crate::client::Device, paths: Vec<PathBuf>) -> Result<(), St
     crate::progress::clear(bar);
     match failed {
         0 => Ok(()),
-        n => Err(format!(
-            "{n} prefetch{} failed",
-            if n == 1 { "" } else { "es" }
-        )),
+        n => Err(format!("{n} prefetch{} failed", if n == 1 { "" } else { "es" }).into()),
     }
 }

@@ -34,6 +34,19 @@ pub enum ClientError {
     Other(String),
 }
 
+impl crate::errno::ToErrno for ClientError {
+    /// What the command met: the daemon's own errno where it answered.
+    fn to_errno(&self) -> i32 {
+        match self {
+            ClientError::NotStfs(_) => libc::ENOTTY,
+            ClientError::Dead(_) => libc::ENOTCONN,
+            ClientError::Refused { errno, .. } => *errno,
+            ClientError::Io(_, e) => e.to_errno(),
+            ClientError::Other(_) => libc::EIO,
+        }
+    }
+}
+
 fn open(path: &Path) -> Result<File, ClientError> {
     File::open(path).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOTCONN | libc::ECONNABORTED) => ClientError::Dead(path.to_path_buf()),
@@ -158,25 +171,30 @@ fn show_progress(
 /// that is not a stfs mount; a mount whose daemon died is cleaned up. A
 /// failed commit leaves the mount and its edits in place. Returns the lines
 /// to print.
-pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String>, String> {
+pub fn umount(
+    mountpoint: &Path,
+    lazy: bool,
+    discard: bool,
+) -> Result<Vec<String>, crate::errno::Failure> {
     let shown = mountpoint.display();
     let abs = std::path::absolute(mountpoint).map_err(|e| format!("{shown}: {e}"))?;
     let Some(m) = crate::mountinfo::mount_at(&abs) else {
         return Err(match std::fs::symlink_metadata(&abs) {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                format!("{shown}: no such file or folder")
+                format!("{shown}: no such file or folder").into()
             }
-            _ => format!("{shown}: not a mount point"),
+            _ => format!("{shown}: not a mount point").into(),
         });
     };
     if m.fstype != "fuse.stfs" {
         return Err(format!(
             "{shown} is a {} mount, not a stfs mount: stfs umount leaves it alone",
             m.fstype
-        ));
+        )
+        .into());
     }
     let mut lines = Vec::new();
-    let gone = |lines: &mut Vec<String>| -> Result<(), String> {
+    let gone = |lines: &mut Vec<String>| -> Result<(), crate::errno::Failure> {
         // Nothing can be served any more: a program that still holds a file
         // of it must not keep the dead mount in place.
         unmount(&abs, true)?;
@@ -215,7 +233,7 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
             message,
         }) => {
             unmount(&abs, lazy)?;
-            return Err(format!("{message}\nstfs: {} unmounted", abs.display()));
+            return Err(format!("{message}\nstfs: {} unmounted", abs.display()).into());
         }
         Err(e) if e.to_string().contains("commits no more") => {
             return Err(format!(
@@ -223,14 +241,16 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
                  stay on disk) and mount the source again with stfs",
                 abs.display(),
                 abs.display()
-            ));
+            )
+            .into());
         }
         Err(e) => {
             return Err(format!(
                 "{e}\nstfs: {} is still mounted with its edits staged: fix them (stfs status lists \
                  the problems) and run stfs umount again, or drop them with stfs umount --discard",
                 abs.display()
-            ));
+            )
+            .into());
         }
     }
     if let Err(e) = unmount(&abs, lazy) {
@@ -244,13 +264,13 @@ pub fn umount(mountpoint: &Path, lazy: bool, discard: bool) -> Result<Vec<String
             "{e}\nstfs: {done}; {} stays mounted",
             abs.display()
         ));
-        return Err(lines.join("\n"));
+        return Err(lines.join("\n").into());
     }
     Ok(lines)
 }
 
 /// Unmounts; as a normal user through fusermount3.
-fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
+fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), crate::errno::Failure> {
     use rustix::mount::UnmountFlags;
     let flags = if lazy {
         UnmountFlags::DETACH
@@ -266,6 +286,7 @@ fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
             "{}: busy (files are open in it, or a shell is in it); close them, or unmount lazily with --lazy",
             mountpoint.display()
         )
+        .into()
     };
     match err.raw_os_error() {
         // (fusermount3 says EBUSY only in words.)
@@ -273,12 +294,12 @@ fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), String> {
             crate::daemon::fusermount_unmount(mountpoint, lazy).map_err(|e| {
                 match e.to_string().ends_with(": Device or resource busy") {
                     true => busy(),
-                    false => format!("{}: fusermount3 -u: {e}", mountpoint.display()),
+                    false => format!("{}: fusermount3 -u: {e}", mountpoint.display()).into(),
                 }
             })
         }
         Some(libc::EBUSY) => Err(busy()),
-        _ => Err(format!("{}: {err}", mountpoint.display())),
+        _ => Err(format!("{}: {err}", mountpoint.display()).into()),
     }
 }
 
@@ -289,14 +310,14 @@ pub enum Device {
     Cuda(i32),
 }
 
-pub fn parse_device(s: &str) -> Result<Device, String> {
+pub fn parse_device(s: &str) -> Result<Device, crate::errno::Failure> {
     match s {
         "cpu" => Ok(Device::Cpu),
         _ => s
             .strip_prefix("cuda:")
             .and_then(|n| n.parse().ok())
             .map(Device::Cuda)
-            .ok_or_else(|| format!("{s:?} is not cpu or cuda:N")),
+            .ok_or_else(|| format!("{s:?} is not cpu or cuda:N").into()),
     }
 }
 

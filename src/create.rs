@@ -8,13 +8,18 @@ use crate::format::{Metadata, layout};
 
 /// Writes an empty checkpoint atomically (temp file + rename); refuses to
 /// replace an existing file unless `force`.
-pub fn create(path: &Path, metadata: Option<Metadata>, force: bool) -> Result<(), String> {
+pub fn create(
+    path: &Path,
+    metadata: Option<Metadata>,
+    force: bool,
+) -> Result<(), crate::errno::Failure> {
     let what = |e: std::io::Error| format!("{}: {e}", path.display());
     if !force && path.exists() {
         return Err(format!(
             "{}: already exists (use --force to replace it)",
             path.display()
-        ));
+        )
+        .into());
     }
     let header = match crate::format::gguf::named_gguf(path.as_os_str()) {
         true => gguf_header(metadata.as_ref()),

@@ -14,6 +14,68 @@ impl ToErrno for std::io::Error {
     }
 }
 
+/// A failure told to a person at the process's edge (a command, or the
+/// mount before it serves): what went wrong, where, and what to do. The
+/// layers below have their own typed errors; this is what they become once
+/// nothing but a person acts on them (EINVAL: a request that cannot be
+/// done as asked, or the errno of the I/O error it came from).
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct Failure {
+    pub why: String,
+    pub errno: i32,
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Failure {
+        Failure {
+            why,
+            errno: libc::EINVAL,
+        }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(why: &str) -> Failure {
+        Failure::from(why.to_string())
+    }
+}
+
+impl Failure {
+    /// The failure of a typed error, said with its causes.
+    pub fn of(e: &(impl std::error::Error + ToErrno)) -> Failure {
+        Failure {
+            why: with_causes(e),
+            errno: e.to_errno(),
+        }
+    }
+}
+
+impl ToErrno for Failure {
+    fn to_errno(&self) -> i32 {
+        self.errno
+    }
+}
+
+macro_rules! failure_from {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Failure {
+            fn from(e: $t) -> Failure {
+                Failure::of(&e)
+            }
+        }
+    )*};
+}
+
+failure_from!(
+    std::io::Error,
+    crate::checkpoint::recovery_error::RecoveryError,
+    crate::source::remote::RemoteError,
+    crate::source::FolderError,
+    crate::client::ClientError,
+    crate::format::InFile
+);
+
 /// An error and the causes under it ("error sending request" says little;
 /// "operation timed out" or "connection refused" under it says what happened).
 pub fn with_causes(e: &dyn std::error::Error) -> String {
@@ -28,4 +90,71 @@ pub fn with_causes(e: &dyn std::error::Error) -> String {
         cause = c.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ToErrno;
+    use crate::checkpoint::in_place::BadRecord;
+    use crate::checkpoint::journal::JournalError;
+    use crate::checkpoint::meta::MetaError;
+    use crate::checkpoint::recovery_error::RecoveryError;
+    use crate::client::ClientError;
+    use crate::format::{FormatError, InFile};
+    use crate::source::FolderError;
+    use crate::source::remote::RemoteError;
+
+    /// Each error type says the errno a shell user expects, nested ones
+    /// their cause's.
+    #[test]
+    fn every_error_type_says_its_errno() {
+        let io = |n| std::io::Error::from_raw_os_error(n);
+        let bad_format = || FormatError::TooShort { file_len: 3 };
+        let cases: Vec<(Box<dyn ToErrno>, i32)> = vec![
+            (Box::new(bad_format()), libc::EINVAL),
+            (
+                Box::new(InFile {
+                    path: "f".into(),
+                    error: bad_format(),
+                }),
+                libc::EINVAL,
+            ),
+            (Box::new(MetaError::NoDtype), libc::EINVAL),
+            (Box::new(JournalError::Empty), libc::EIO),
+            (Box::new(BadRecord("x".into())), libc::EIO),
+            (
+                Box::new(FolderError::Io {
+                    path: "d".into(),
+                    source: io(libc::ENOTDIR),
+                }),
+                libc::ENOTDIR,
+            ),
+            (
+                Box::new(FolderError::Refused {
+                    path: "d".into(),
+                    why: "a link".into(),
+                }),
+                libc::EACCES,
+            ),
+            (
+                Box::new(RecoveryError::In {
+                    dir: "d".into(),
+                    source: Box::new(RecoveryError::io("r")(io(libc::ENOSPC))),
+                }),
+                libc::ENOSPC,
+            ),
+            (Box::new(RemoteError::Request("x".into())), libc::EIO),
+            (
+                Box::new(ClientError::Refused {
+                    errno: libc::ESTALE,
+                    message: "x".into(),
+                }),
+                libc::ESTALE,
+            ),
+            (Box::new(ClientError::Dead("m".into())), libc::ENOTCONN),
+        ];
+        for (k, (e, want)) in cases.into_iter().enumerate() {
+            assert_eq!(e.to_errno(), want, "case {k}");
+        }
+    }
 }

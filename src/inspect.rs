@@ -10,7 +10,7 @@ use serde_json::json;
 use crate::format::{Header, ShapeDisplay, gguf, index};
 
 /// Reads and validates the header of one file; the error names the file.
-pub fn read_header(path: &Path) -> Result<Header, String> {
+pub fn read_header(path: &Path) -> Result<Header, crate::errno::Failure> {
     let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let read_at = |b: &mut [u8], p| std::os::unix::fs::FileExt::read_at(&file, b, p);
@@ -18,17 +18,18 @@ pub fn read_header(path: &Path) -> Result<Header, String> {
         return Err(crate::source::SourceError::Interrupted {
             path: path.to_path_buf(),
         }
-        .to_string());
+        .to_string()
+        .into());
     }
     match Header::read(&file) {
         Ok(Ok(h)) => Ok(h),
-        Ok(Err(e)) => Err(e.in_file(path).to_string()),
-        Err(e) => Err(format!("{}: {e}", path.display())),
+        Ok(Err(e)) => Err(e.in_file(path).to_string().into()),
+        Err(e) => Err(format!("{}: {e}", path.display()).into()),
     }
 }
 
 /// A GGUF file, mapped and validated; the error names the file.
-fn read_gguf(path: &Path) -> Result<(memmap2::Mmap, gguf::GgufHeader), String> {
+fn read_gguf(path: &Path) -> Result<(memmap2::Mmap, gguf::GgufHeader), crate::errno::Failure> {
     let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     // SAFETY: read-only, private; a file cut short behind it could fault a
     // read (as any mmap reader of a changing file), which a command that
@@ -45,7 +46,11 @@ fn is_gguf(path: &Path) -> bool {
     path.file_name().is_some_and(gguf::named_gguf) || gguf::is_gguf_file(path)
 }
 
-fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
+fn inspect_gguf(
+    path: &Path,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<(), crate::errno::Failure> {
     let (_map, h) = read_gguf(path)?;
     let io = |e: std::io::Error| e.to_string();
     if as_json {
@@ -94,7 +99,7 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
             "tensors": tensors,
         });
         serde_json::to_writer_pretty(&mut *out, &doc).map_err(|e| e.to_string())?;
-        return writeln!(out).map_err(io);
+        return Ok(writeln!(out).map_err(io)?);
     }
     writeln!(out, "{}", path.display()).map_err(io)?;
     writeln!(
@@ -150,7 +155,11 @@ fn inspect_gguf(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), S
     Ok(())
 }
 
-pub fn inspect(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<(), String> {
+pub fn inspect(
+    path: &Path,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<(), crate::errno::Failure> {
     if is_gguf(path) {
         return inspect_gguf(path, as_json, out);
     }
@@ -251,7 +260,7 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
         }
         match read_header(path) {
             Ok(h) => say(verified(path, &h), false),
-            Err(e) => say(e, true),
+            Err(e) => say(e.to_string(), true),
         }
     }
     problems
@@ -275,7 +284,7 @@ fn verify_gguf(path: &Path, say: &mut dyn FnMut(String, bool)) {
             ),
             false,
         ),
-        Err(e) => say(e, true),
+        Err(e) => say(e.to_string(), true),
     }
 }
 
@@ -291,7 +300,7 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
                 say(verified(path, &h), false);
                 headers.insert(name.clone(), h);
             }
-            Err(e) => say(e, true),
+            Err(e) => say(e.to_string(), true),
         }
     }
     for (_, path) in &shards.ggufs {

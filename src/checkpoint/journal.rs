@@ -367,6 +367,13 @@ pub enum JournalError {
     NoBegin,
 }
 
+impl crate::errno::ToErrno for JournalError {
+    /// A journal that cannot be read back is damaged data: EIO.
+    fn to_errno(&self) -> i32 {
+        libc::EIO
+    }
+}
+
 pub fn read(text: &[u8]) -> Result<Replay, JournalError> {
     let mut lines = text.split(|&b| b == b'\n').filter(|l| !l.is_empty());
     let first = lines.next().ok_or(JournalError::Empty)?;

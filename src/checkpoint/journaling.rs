@@ -2,6 +2,7 @@
 //! rewrite it whole, and the replay that takes the edits back after a
 //! crash (`journal.rs` holds the format).
 
+use super::recovery_error::RecoveryError;
 use super::*;
 
 impl Live {
@@ -56,7 +57,7 @@ impl Live {
         name: &str,
         data: &DataRef,
         shard: &dyn Fn(&str) -> Option<Arc<SourceFile>>,
-    ) -> Result<Bytes, String> {
+    ) -> Result<Bytes, RecoveryError> {
         match data {
             DataRef::Source {
                 shard: None, index, ..
@@ -76,16 +77,16 @@ impl Live {
                 {
                     Ok(Bytes::Source(src, *index))
                 }
-                _ => Err(format!(
+                _ => Err(RecoveryError::Refused(format!(
                     "tensor {name:?}: its bytes were in {s}, which is gone or changed since; not restored"
-                )),
+                ))),
             },
-            DataRef::Source { index, .. } => Err(format!(
+            DataRef::Source { index, .. } => Err(RecoveryError::Refused(format!(
                 "tensor {name:?}: source tensor {index} does not exist; not restored"
-            )),
-            _ => Err(format!(
+            ))),
+            _ => Err(RecoveryError::Refused(format!(
                 "tensor {name:?}: not a source tensor; not restored"
-            )),
+            ))),
         }
     }
 
@@ -334,7 +335,7 @@ impl Live {
                     match self.source_of(&name, &source, shard) {
                         Ok(bytes) => Some(bytes),
                         Err(note) => {
-                            notes.push(note);
+                            notes.push(note.to_string());
                             continue;
                         }
                     }
@@ -344,22 +345,24 @@ impl Live {
                     runs.extend(folded.patches.get(&file).into_iter().flatten());
                     let patched = self.source_of(&name, &base, shard).and_then(|base| {
                         let staged = dir.existing(&file).map_err(|e| {
-                            format!("tensor {name:?}: staged file {file}: {e}; not restored")
+                            RecoveryError::Refused(format!(
+                                "tensor {name:?}: staged file {file}: {e}; not restored"
+                            ))
                         })?;
                         let Bytes::Source(src, index) = base else {
                             unreachable!("source_of gives source tensors")
                         };
                         crate::source::Patched::existing(src, index, staged, &runs).ok_or_else(|| {
-                            format!(
+                            RecoveryError::Refused(format!(
                                 "tensor {name:?}: staged file {file} does not fit the tensor it \
                                  patches; not restored"
-                            )
+                            ))
                         })
                     });
                     match patched {
                         Ok(p) => Some(Bytes::Patched(Arc::new(p))),
                         Err(note) => {
-                            notes.push(note);
+                            notes.push(note.to_string());
                             continue;
                         }
                     }

@@ -30,7 +30,7 @@ enum Content {
     Written {
         text: Vec<u8>,
         /// The value encoded, or why the text is not one of the key's type.
-        value: Result<Vec<u8>, String>,
+        value: Result<Vec<u8>, write::ValueError>,
     },
 }
 
@@ -102,7 +102,10 @@ impl KvTable {
 }
 
 /// `__metadata__.json` as written: each key, its type, its value, in order.
-fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)>, String> {
+/// (Its error says which key and why, as a value's does.)
+fn parse_document(
+    text: &[u8],
+) -> Result<Vec<(String, KvType, serde_json::Value)>, write::ValueError> {
     struct Ordered(Vec<(String, serde_json::Value)>);
     impl<'de> Deserialize<'de> for Ordered {
         fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -135,9 +138,13 @@ fn parse_document(text: &[u8]) -> Result<Vec<(String, KvType, serde_json::Value)
     keys.into_iter()
         .map(|(key, entry)| {
             if !seen.insert(key.clone()) {
-                return Err(format!("key {key:?} appears twice"));
+                return Err(format!("key {key:?} appears twice").into());
             }
-            let bad = || format!("key {key:?}: not {{\"type\": TYPE, \"value\": VALUE}} (arrays also \"item_type\")");
+            let bad = || {
+                write::ValueError(format!(
+                    "key {key:?}: not {{\"type\": TYPE, \"value\": VALUE}} (arrays also \"item_type\")"
+                ))
+            };
             let value = type_named(entry.get("type")).ok_or_else(bad)?;
             let item = match value {
                 ValueType::Array => Some(
@@ -308,7 +315,7 @@ impl Live {
         let why = match &e.content {
             Content::Written {
                 value: Err(why), ..
-            } => Some(why.clone()),
+            } => Some(why.to_string()),
             _ => None,
         };
         self.kv_settle();
@@ -651,7 +658,7 @@ impl Live {
                 value: Err(why), ..
             } => serde_json::json!({
                 "type": e.ty.value.name(),
-                "invalid": why,
+                "invalid": why.to_string(),
             }),
         })
     }
@@ -663,7 +670,7 @@ impl Live {
     /// gets a type other than STRING). Text that is not such a document is
     /// refused (EINVAL), and nothing changes.
     pub fn kv_set_document(&mut self, text: &[u8]) -> Result<(), EditError> {
-        let doc = parse_document(text).map_err(EditError::Invalid)?;
+        let doc = parse_document(text).map_err(|e| EditError::Invalid(e.0))?;
         let mut entries = Vec::with_capacity(doc.len());
         for (key, ty, value) in doc {
             if key == ROOM_KEY {
@@ -698,7 +705,7 @@ impl Live {
                 serde_json::Value::Number(n) => parse(ty, n.to_string().as_bytes()),
                 v => Content::Written {
                     text: v.to_string().into_bytes(),
-                    value: Err(format!("{v} is not a {}", ty.name())),
+                    value: Err(format!("{v} is not a {}", ty.name()).into()),
                 },
             };
             let content = match content {

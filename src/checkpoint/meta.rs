@@ -100,6 +100,13 @@ pub enum MetaError {
     NotMetadata(#[source] serde_json::Error),
 }
 
+impl crate::errno::ToErrno for MetaError {
+    /// What was written is not a meta (or metadata) document.
+    fn to_errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
 fn parse_meta(text: &[u8]) -> Result<(Dtype, Vec<u64>), MetaError> {
     let text = json_part(text);
     if text.iter().all(u8::is_ascii_whitespace) {

@@ -32,6 +32,17 @@ pub enum RecoveryError {
     },
 }
 
+impl crate::errno::ToErrno for RecoveryError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            RecoveryError::Io { source, .. } => source.to_errno(),
+            RecoveryError::Journal { source, .. } => source.to_errno(),
+            RecoveryError::Refused(_) => libc::EIO,
+            RecoveryError::In { source, .. } => source.to_errno(),
+        }
+    }
+}
+
 impl RecoveryError {
     pub fn io(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> RecoveryError {
         let what = what.to_string();

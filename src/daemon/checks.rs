@@ -4,7 +4,10 @@
 use super::*;
 
 /// What is at the mount point, as far as mounting there goes.
-pub(super) fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), String> {
+pub(super) fn check_mountpoint(
+    mountpoint: &Path,
+    nonempty: bool,
+) -> Result<(), crate::errno::Failure> {
     let shown = mountpoint.display();
     if let Some(m) = crate::mountinfo::mount_at(mountpoint) {
         return Err(if m.fstype == "fuse.stfs" && dead(mountpoint) {
@@ -12,11 +15,12 @@ pub(super) fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), 
                 "{shown} is a stfs mount whose daemon is gone: run `stfs umount {shown}` first \
                  (its staged edits, if any, are kept and taken back by the next mount)"
             )
+            .into()
         } else {
             format!(
                 "{shown} is already a mount point ({} of {}): unmount it first; stfs does not stack mounts",
                 m.fstype, m.source
-            )
+            ).into()
         });
     }
     match std::fs::read_dir(mountpoint) {
@@ -25,17 +29,19 @@ pub(super) fn check_mountpoint(mountpoint: &Path, nonempty: bool) -> Result<(), 
                 return Err(format!(
                     "{shown} is not empty: mounting there would hide what it holds \
                      (use an empty folder, or -o nonempty to mount anyway)"
-                ));
+                )
+                .into());
             }
             Ok(())
         }
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Err(format!(
             "{shown}: no such folder to mount on (create it first: mkdir -p {shown})"
-        )),
+        )
+        .into()),
         Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
-            Err(format!("{shown}: not a folder: a mount point must be one"))
+            Err(format!("{shown}: not a folder: a mount point must be one").into())
         }
-        Err(e) => Err(format!("{shown}: {e}")),
+        Err(e) => Err(format!("{shown}: {e}").into()),
     }
 }
 
@@ -62,7 +68,7 @@ pub(super) fn private_staging_if_needed(
     source: &Path,
     base: Arc<Folder>,
     stem: &str,
-) -> Result<(Arc<Folder>, Option<String>), String> {
+) -> Result<(Arc<Folder>, Option<String>), crate::errno::Failure> {
     let Some(why) = crate::source::StagingDir::cannot_be_made_in(&base, stem) else {
         return Ok((base, None));
     };
@@ -88,7 +94,7 @@ pub(super) fn private_staging_if_needed(
 pub(super) fn staging_for(
     source: &Path,
     dir: Option<&Path>,
-) -> Result<(Arc<Folder>, String), String> {
+) -> Result<(Arc<Folder>, String), crate::errno::Failure> {
     let real = std::fs::canonicalize(source).map_err(|e| format!("{}: {e}", source.display()))?;
     let is_dir = real.is_dir();
     let sources = if is_dir {

@@ -11,12 +11,12 @@ pub(super) fn daemonize(
     req: &MountRequest,
     options: MountOptions,
     prepare: impl FnOnce() -> Prepared,
-) -> Result<(), String> {
+) -> Result<(), crate::errno::Failure> {
     let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: stfs has started no threads yet, so the child may run Rust code freely.
     match unsafe { libc::fork() } {
-        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error()).into()),
         0 => {
             drop(read_end);
             let _ = rustix::process::setsid();
@@ -32,7 +32,7 @@ pub(super) fn daemonize(
             let code = match prepared {
                 Err(e) => {
                     error!("{e}");
-                    say(&mut ready, &e);
+                    say(&mut ready, &e.why);
                     1
                 }
                 Ok((fs, report)) => match serve(fs, req, options, &report, ready) {
@@ -67,7 +67,7 @@ pub(super) fn daemonize(
                 None if answer.is_empty() => {
                     Err("the daemon exited before the mount was ready (see its log)".into())
                 }
-                None => Err(answer.trim_end().to_string()),
+                None => Err(answer.trim_end().to_string().into()),
             }
         }
     }

@@ -18,7 +18,7 @@ fn euid() -> u32 {
 
 /// Where the log goes without --log-file: `$XDG_STATE_HOME/stfs/stfs.log`,
 /// else `~/.local/state/stfs/stfs.log`.
-pub fn default_log_file() -> Result<PathBuf, String> {
+pub fn default_log_file() -> Result<PathBuf, crate::errno::Failure> {
     let state = match std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
         Some(dir) => PathBuf::from(dir),
         None => match std::env::var_os("HOME").filter(|v| !v.is_empty()) {
@@ -37,7 +37,11 @@ pub fn default_log_file() -> Result<PathBuf, String> {
 /// and never changed before it passed (`truncate` empties it only then).
 /// With `private_folder`, its folder is created 0700 if missing and must not
 /// be open to others.
-pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result<File, String> {
+pub fn open_private(
+    path: &Path,
+    private_folder: bool,
+    truncate: bool,
+) -> Result<File, crate::errno::Failure> {
     let what = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     let (dir, name) = match (path.parent(), path.file_name()) {
         (Some(d), Some(n)) => (
@@ -48,7 +52,7 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
             },
             n,
         ),
-        _ => return Err(what(&"not a file path")),
+        _ => return Err(what(&"not a file path").into()),
     };
     if private_folder {
         use std::os::unix::fs::DirBuilderExt;
@@ -63,7 +67,8 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
                 "{}: refused for the log: not a folder of uid {} closed to others",
                 dir.display(),
                 euid()
-            ));
+            )
+            .into());
         }
     }
     let folder = Folder::open(dir).map_err(|e| what(&e))?;
@@ -89,11 +94,12 @@ pub fn open_private(path: &Path, private_folder: bool, truncate: bool) -> Result
             "refused: owned by uid {}, not by uid {}, or not a regular file",
             meta.uid(),
             euid()
-        )));
+        ))
+        .into());
     }
     // A hard link planted to another of this user's files would be written through.
     if meta.nlink() != 1 {
-        return Err(what(&"refused: it has other hard links"));
+        return Err(what(&"refused: it has other hard links").into());
     }
     if truncate {
         file.set_len(0).map_err(|e| what(&e))?;
@@ -119,7 +125,10 @@ fn fallback_log_files() -> Vec<PathBuf> {
 /// first fallback that can be written, else nowhere: logging is never the
 /// reason a mount fails. Returns a note for the user when the log is not
 /// where it is documented to be.
-pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<String>, String> {
+pub fn init(
+    log_file: Option<&Path>,
+    foreground: bool,
+) -> Result<Option<String>, crate::errno::Failure> {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,fuser=error"));
@@ -146,11 +155,11 @@ pub fn init(log_file: Option<&Path>, foreground: bool) -> Result<Option<String>,
                         opened = Some((f, place));
                         break;
                     }
-                    Err(e) => failed.push(e),
+                    Err(e) => failed.push(e.why),
                 }
             }
             if let Err(e) = default {
-                failed.insert(0, e);
+                failed.insert(0, e.why);
             }
             match opened {
                 Some((f, _)) if failed.is_empty() => (Some(f), None),
@@ -198,7 +207,7 @@ mod tests {
         let link = dir.path().join("stfs.log");
         std::os::unix::fs::symlink(&target, &link).unwrap();
         let e = open_private(&link, false, false).unwrap_err();
-        assert!(e.contains("symbolic link"), "{e}");
+        assert!(e.why.contains("symbolic link"), "{e}");
         assert_eq!(std::fs::read(&target).unwrap(), b"precious");
         let ok = dir.path().join("private/stfs/stfs.log");
         open_private(&ok, true, false).unwrap();

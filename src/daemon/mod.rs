@@ -54,7 +54,7 @@ pub struct MountRequest {
     pub remote: RemoteOptions,
 }
 
-pub fn mount(mut req: MountRequest) -> Result<(), String> {
+pub fn mount(mut req: MountRequest) -> Result<(), crate::errno::Failure> {
     let mut options = parse_options(&req.options)?;
     req.mountpoint = std::path::absolute(&req.mountpoint).map_err(|e| e.to_string())?;
     if let Some(url) = req
@@ -132,14 +132,14 @@ pub fn mount(mut req: MountRequest) -> Result<(), String> {
 }
 
 /// What the daemon serves, and what to tell the user (warnings, notes).
-type Prepared = Result<(Fs, Vec<String>), String>;
+type Prepared = Result<(Fs, Vec<String>), crate::errno::Failure>;
 
 /// Serves in the foreground, or daemonizes.
 fn launch(
     req: &MountRequest,
     options: MountOptions,
     prepare: impl FnOnce() -> Prepared,
-) -> Result<(), String> {
+) -> Result<(), crate::errno::Failure> {
     if req.foreground {
         // Before any thread starts (the network runtime's, the log's): only
         // the signal thread of `serve` may take SIGINT, SIGTERM and SIGHUP.

@@ -7,7 +7,10 @@ use super::*;
 /// the shards themselves are valid, and the index is shown as it is.
 /// `writable`: files are opened for writing too where allowed (for in-place
 /// commits).
-pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>), String> {
+pub fn open_source(
+    path: &Path,
+    writable: bool,
+) -> Result<(Source, Vec<String>), crate::errno::Failure> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !meta.is_dir() {
         let file = SourceFile::open_with(path, writable).map_err(|e| e.to_string())?;
@@ -32,7 +35,8 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
         return Err(format!(
             "{}: no *.safetensors or *.gguf files in this folder",
             path.display()
-        ));
+        )
+        .into());
     }
     let folder = Arc::new(Folder::open(path).map_err(|e| format!("{}: {e}", path.display()))?);
     let stat = FileStat::of(&File::open(path).map_err(|e| format!("{}: {e}", path.display()))?)
@@ -71,7 +75,7 @@ pub fn open_source(path: &Path, writable: bool) -> Result<(Source, Vec<String>),
 
 /// Refuses shards of two formats (a `.safetensors` file that holds GGUF, or
 /// the reverse): a folder mount shows one format.
-pub(super) fn one_format(shards: &[(String, SourceFile)]) -> Result<(), String> {
+pub(super) fn one_format(shards: &[(String, SourceFile)]) -> Result<(), crate::errno::Failure> {
     let Some((first, s)) = shards.first() else {
         return Ok(());
     };
@@ -84,7 +88,8 @@ pub(super) fn one_format(shards: &[(String, SourceFile)]) -> Result<(), String> 
             if gguf { "safetensors" } else { "GGUF" },
             first,
             if gguf { "GGUF" } else { "safetensors" },
-        )),
+        )
+        .into()),
         None => Ok(()),
     }
 }
@@ -170,7 +175,7 @@ pub(super) fn open_remote(
     url: &str,
     opts: &RemoteOptions,
     stem: Option<&str>,
-) -> Result<OpenedRemote, String> {
+) -> Result<OpenedRemote, crate::errno::Failure> {
     let at = Remote::connect(url, opts).map_err(|e| e.to_string())?;
     let mut notes = Vec::new();
     if let (Some(stem), Some(writer)) = (stem, at.remote.writer()) {
@@ -223,7 +228,8 @@ pub(super) fn open_remote(
         return Err(format!(
             "{url}: an HTTP server cannot be asked what a folder holds: mount a shard by its URL \
              (folders of shards work with s3://, gs:// and az://)"
-        ));
+        )
+        .into());
     }
     let listed = at.remote.list(&at.path).map_err(|e| e.to_string())?;
     // One format per folder mount: its safetensors shards, or else the parts
@@ -261,9 +267,7 @@ pub(super) fn open_remote(
         }
     }
     if shards.is_empty() {
-        return Err(format!(
-            "{url}: no *.safetensors or *.gguf objects under this prefix"
-        ));
+        return Err(format!("{url}: no *.safetensors or *.gguf objects under this prefix").into());
     }
     let newest = shards
         .iter()
@@ -305,7 +309,7 @@ pub fn open_local(
     staging_dir: Option<&Path>,
     settings: Settings,
     resume: &Resume,
-) -> Result<(Fs, Vec<String>), String> {
+) -> Result<(Fs, Vec<String>), crate::errno::Failure> {
     // Commits that a crash interrupted between two renames are finished
     // before the sources are read.
     let (base, stem) = staging_for(source, staging_dir)?;
@@ -336,7 +340,7 @@ pub fn open_local(
     // (A source still refused after recovery: the notes say why it was not completed.)
     let path = source;
     let (source, warnings) = open_source(path, !settings.read_only).map_err(|e| {
-        if notes.is_empty() || !e.contains("was interrupted") {
+        if notes.is_empty() || !e.why.contains("was interrupted") {
             return e;
         }
         format!(
@@ -345,6 +349,7 @@ pub fn open_local(
             notes.join("\n"),
             path.display()
         )
+        .into()
     })?;
     // Each shard's temp files are beside its own file (a link's target).
     for s in source.files() {

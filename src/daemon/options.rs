@@ -19,11 +19,11 @@ pub(super) const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache
 
 /// Checks one `-o` argument (clap's value parser: a bad option is refused
 /// with the command line's usage).
-pub fn check_options(arg: &str) -> Result<String, String> {
+pub fn check_options(arg: &str) -> Result<String, crate::errno::Failure> {
     parse_options(&[arg.to_string()]).map(|_| arg.to_string())
 }
 
-pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, String> {
+pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, crate::errno::Failure> {
     let mut o = MountOptions {
         read_only: false,
         acl: SessionACL::Owner,
@@ -51,7 +51,7 @@ pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, String> {
             "nodev" | "nosuid" => {}
             "noexec" => o.kernel.push(MountOption::NoExec),
             "noatime" => o.kernel.push(MountOption::NoAtime),
-            other => return Err(format!("unknown mount option {other:?} (known: {KNOWN})")),
+            other => return Err(format!("unknown mount option {other:?} (known: {KNOWN})").into()),
         }
     }
     Ok(o)

@@ -10,7 +10,7 @@ pub(super) fn serve(
     options: MountOptions,
     report: &[String],
     mut ready: Option<OwnedFd>,
-) -> Result<(), String> {
+) -> Result<(), crate::errno::Failure> {
     // The filesystem may be read-only where the options did not say so (a
     // GGUF source found to be one only once opened): the kernel mount too.
     let mut options = options;
@@ -26,7 +26,7 @@ pub(super) fn serve(
             Err(e) => {
                 let msg = format!("--pid-file {e}");
                 say(&mut ready, &msg);
-                return Err(msg);
+                return Err(msg.into());
             }
         },
         None => None,
@@ -80,7 +80,7 @@ pub(super) fn serve(
                 req.mountpoint.display()
             );
             say(&mut ready, &msg);
-            return Err(msg);
+            return Err(msg.into());
         }
     };
     raise_read_ahead(&req.mountpoint);
@@ -139,6 +139,7 @@ pub(super) fn serve(
             "FUSE session on {} ended with an error: {e}",
             req.mountpoint.display()
         )
+        .into()
     })
 }
 

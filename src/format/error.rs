@@ -97,6 +97,13 @@ pub enum FormatError {
     Gguf(#[from] super::gguf::GgufError),
 }
 
+impl crate::errno::ToErrno for FormatError {
+    /// A file the reference refuses: invalid input.
+    fn to_errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
 impl FormatError {
     /// The tensor the error is about, if any.
     pub fn tensor(&self) -> Option<&str> {
@@ -144,4 +151,10 @@ impl fmt::Display for ShapeDisplay<'_> {
 pub struct InFile {
     pub path: PathBuf,
     pub error: FormatError,
+}
+
+impl crate::errno::ToErrno for InFile {
+    fn to_errno(&self) -> i32 {
+        self.error.to_errno()
+    }
 }

@@ -38,6 +38,12 @@ pub enum FsError {
     /// The target exists and the caller asked not to replace it (EEXIST).
     #[error("exists")]
     Exists,
+    /// An ioctl stfs does not know (ENOTTY).
+    #[error("unknown ioctl {0:#x}")]
+    UnknownIoctl(u32),
+    /// Extended attributes are not kept (ENOSYS: the kernel stops asking).
+    #[error("no extended attributes")]
+    NoXattrs,
     /// The ioctl is for tensor files (ENOTTY).
     #[error("not a tensor file: prefetch works on a tensor's data file")]
     NotATensor,
@@ -92,7 +98,8 @@ impl ToErrno for FsError {
             FsError::NotPermitted(_) => libc::EPERM,
             FsError::Denied(_) => libc::EACCES,
             FsError::Exists => libc::EEXIST,
-            FsError::NotATensor => libc::ENOTTY,
+            FsError::NotATensor | FsError::UnknownIoctl(_) => libc::ENOTTY,
+            FsError::NoXattrs => libc::ENOSYS,
             FsError::Interrupted => libc::EINTR,
             FsError::Stale => libc::ESTALE,
             FsError::NoSpace(_) => libc::ENOSPC,
@@ -114,6 +121,8 @@ impl FsError {
             FsError::NotFound
                 | FsError::Exists
                 | FsError::NotATensor
+                | FsError::UnknownIoctl(_)
+                | FsError::NoXattrs
                 | FsError::NotSupported("setxattr")
         )
     }
@@ -155,5 +164,17 @@ mod tests {
             FsError::from(CudaError::NoDriver("x".into())).to_errno(),
             libc::ENODEV
         );
+        use crate::fs::views::ViewError;
+        for (e, want) in [
+            (ViewError::NotAView, libc::ENOENT),
+            (ViewError::Invalid("x".into()), libc::EINVAL),
+        ] {
+            assert_eq!(e.to_errno(), want);
+            assert_eq!(
+                FsError::from(e).to_errno(),
+                want,
+                "the same through the mount"
+            );
+        }
     }
 }

@@ -285,8 +285,9 @@ impl FuseAdapter {
         reply: ReplyIoctl,
     ) {
         let Some(mut args) = PrefetchArgs::from_caller(in_data) else {
-            refused(format_args!("STFS_IOC_PREFETCH with a bad struct size"));
-            return reply.error(Errno::EINVAL);
+            return reply.error(failed(&FsError::Invalid(
+                "STFS_IOC_PREFETCH with a bad struct size".into(),
+            )));
         };
         let target = match args.target {
             TARGET_PAGE_CACHE => PrefetchTarget::PageCache,
@@ -418,7 +419,7 @@ impl Filesystem for FuseAdapter {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         guarded_read(request!("lookup", parent.0), || {
             let Some(name) = name.to_str() else {
-                return reply.error(Errno::ENOENT);
+                return reply.error(failed(&FsError::NotFound));
             };
             match self.fs.lookup(parent.0, name) {
                 Ok(a) => reply.entry_with_ttls(
@@ -471,7 +472,7 @@ impl Filesystem for FuseAdapter {
     ) {
         guarded(&self.fs, request!("create", parent.0), || {
             let Some(name) = name.to_str() else {
-                return reply.error(Errno::EINVAL);
+                return reply.error(failed(&FsError::Invalid("a name that is not UTF-8".into())));
             };
             let (truncate, exclusive) = (flags & libc::O_TRUNC != 0, flags & libc::O_EXCL != 0);
             match self.fs.create(parent.0, name, truncate, exclusive) {
@@ -655,8 +656,9 @@ impl Filesystem for FuseAdapter {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
             IOC_PROGRESS => {
                 let Some(args) = ProgressArgs::from_caller(in_data) else {
-                    refused(format_args!("STFS_IOC_PROGRESS with a bad struct size"));
-                    return reply.error(Errno::EINVAL);
+                    return reply.error(failed(&FsError::Invalid(
+                        "STFS_IOC_PROGRESS with a bad struct size".into(),
+                    )));
                 };
                 // Only a count of bytes and the source's own path: no permission asked.
                 // (Every output field answered: a caller may reuse its struct.)
@@ -674,8 +676,9 @@ impl Filesystem for FuseAdapter {
             }
             IOC_STATUS => {
                 let Some(mut args) = StatusArgs::from_caller(in_data).map(Box::new) else {
-                    refused(format_args!("STFS_IOC_STATUS with a bad struct size"));
-                    return reply.error(Errno::EINVAL);
+                    return reply.error(failed(&FsError::Invalid(
+                        "STFS_IOC_STATUS with a bad struct size".into(),
+                    )));
                 };
                 // Staged edits may name tensors of a source the caller cannot read.
                 let request = request!("status", ino.0, fh.0);
@@ -697,8 +700,9 @@ impl Filesystem for FuseAdapter {
             }
             IOC_COMMIT => {
                 let Some(mut args) = CommitArgs::from_caller(in_data) else {
-                    refused(format_args!("STFS_IOC_COMMIT with a bad struct size"));
-                    return reply.error(Errno::EINVAL);
+                    return reply.error(failed(&FsError::Invalid(
+                        "STFS_IOC_COMMIT with a bad struct size".into(),
+                    )));
                 };
                 let what = if args.flags & COMMIT_DISCARD != 0 {
                     "discard"
@@ -731,10 +735,7 @@ impl Filesystem for FuseAdapter {
                     reply.ioctl(0, args.as_bytes())
                 })
             }
-            _ => {
-                debug!(cmd, "unknown ioctl");
-                reply.error(Errno::ENOTTY)
-            }
+            _ => reply.error(failed(&FsError::UnknownIoctl(cmd))),
         }
     }
 
@@ -748,11 +749,11 @@ impl Filesystem for FuseAdapter {
         _size: u32,
         reply: fuser::ReplyXattr,
     ) {
-        reply.error(Errno::ENOSYS)
+        reply.error(failed(&FsError::NoXattrs))
     }
 
     fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
-        reply.error(Errno::ENOSYS)
+        reply.error(failed(&FsError::NoXattrs))
     }
 
     fn setattr(
@@ -811,7 +812,7 @@ impl Filesystem for FuseAdapter {
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         guarded(&self.fs, request!("unlink", parent.0), || {
             let Some(name) = name.to_str() else {
-                return reply.error(Errno::ENOENT);
+                return reply.error(failed(&FsError::NotFound));
             };
             reply!(reply, self.fs.unlink(parent.0, name), |()| reply.ok())
         })
@@ -829,7 +830,7 @@ impl Filesystem for FuseAdapter {
     ) {
         guarded(&self.fs, request!("rename", parent.0), || {
             let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
-                return reply.error(Errno::EINVAL);
+                return reply.error(failed(&FsError::Invalid("a name that is not UTF-8".into())));
             };
             if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
                 let flags = "rename with RENAME_EXCHANGE or RENAME_WHITEOUT";

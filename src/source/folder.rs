@@ -91,6 +91,16 @@ pub enum FolderError {
     Refused { path: PathBuf, why: String },
 }
 
+impl crate::errno::ToErrno for FolderError {
+    /// The kernel's errno; a folder refused as unsafe is EACCES.
+    fn to_errno(&self) -> i32 {
+        match self {
+            FolderError::Io { source, .. } => source.to_errno(),
+            FolderError::Refused { .. } => libc::EACCES,
+        }
+    }
+}
+
 impl FolderError {
     pub fn io(path: &Path) -> impl FnOnce(std::io::Error) -> FolderError + '_ {
         move |source| FolderError::Io {

@@ -45,6 +45,13 @@ use crate::testpoint::point;
 #[error("{0}")]
 pub struct BadRecord(pub(crate) String);
 
+impl crate::errno::ToErrno for BadRecord {
+    /// A redo record that does not hold is damaged data.
+    fn to_errno(&self) -> i32 {
+        libc::EIO
+    }
+}
+
 /// A range of the new file and where its bytes come from.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct RangeWrite {

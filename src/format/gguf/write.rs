@@ -157,13 +157,37 @@ pub fn encoded_entry(encoded: &[u8]) -> serde_json::Value {
     super::entry_json(&v, &read).unwrap_or(serde_json::Value::Null)
 }
 
+/// Why a text is not a value of a key's type (EINVAL: `__kv__/KEY` closes
+/// with it, `stfs status` lists it, a commit refuses it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ValueError(pub String);
+
+impl From<String> for ValueError {
+    fn from(why: String) -> ValueError {
+        ValueError(why)
+    }
+}
+
+impl From<&str> for ValueError {
+    fn from(why: &str) -> ValueError {
+        ValueError(why.to_string())
+    }
+}
+
+impl crate::errno::ToErrno for ValueError {
+    fn to_errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
 /// What a person wrote into `__kv__/KEY`, read as the key's type: a
 /// string's bytes as they are, less one final newline (which `echo` and
 /// editors add, and which `__kv__` shows after every value); a number or a
 /// bool as its text (`true`/`false`/`1`/`0`; floats also `NaN`, `inf`,
 /// `-inf`); an array as a JSON array of its items. Returns the value
 /// encoded, or why it does not fit the type.
-pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
+pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, ValueError> {
     let mut out = type_id(ty.value).to_le_bytes().to_vec();
     match (ty.value, ty.item) {
         (ValueType::String, _) => {
@@ -176,7 +200,7 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
                 .and_then(|t| serde_json::from_str(t).ok())
                 .ok_or_else(|| format!("not a JSON array (the key is an {})", ty.name()))?;
             let serde_json::Value::Array(items) = json else {
-                return Err(format!("not a JSON array (the key is an {})", ty.name()));
+                return Err(format!("not a JSON array (the key is an {})", ty.name()).into());
             };
             out.extend(type_id(item).to_le_bytes());
             out.extend((items.len() as u64).to_le_bytes());
@@ -212,7 +236,7 @@ pub fn parse_text(ty: KvType, text: &[u8]) -> Result<Vec<u8>, String> {
 /// A float of type `t` (FLOAT32 or FLOAT64) from its text: a number within
 /// the type's range, or NaN, inf, -inf (an overflow to infinity is refused,
 /// and so is a number too small for the type, which would become 0).
-fn float(s: &str, t: ValueType) -> Result<f64, String> {
+fn float(s: &str, t: ValueType) -> Result<f64, ValueError> {
     let bad = || format!("{s:?} is not a valid {}", t.name());
     let x: f64 = match t {
         ValueType::F32 => s.parse::<f32>().map_err(|_| bad())? as f64,
@@ -225,20 +249,17 @@ fn float(s: &str, t: ValueType) -> Result<f64, String> {
         "inf" | "infinity" | "nan"
     );
     if !x.is_finite() && !named {
-        return Err(format!("{s:?} is past the range of a {}", t.name()));
+        return Err(format!("{s:?} is past the range of a {}", t.name()).into());
     }
     let mantissa = s.split(['e', 'E']).next().unwrap_or("");
     if x == 0.0 && mantissa.bytes().any(|b| matches!(b, b'1'..=b'9')) {
-        return Err(format!(
-            "{s:?} is too small for a {} (it would be 0)",
-            t.name()
-        ));
+        return Err(format!("{s:?} is too small for a {} (it would be 0)", t.name()).into());
     }
     Ok(x)
 }
 
 /// A number or bool of type `t` from its text.
-fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
+fn scalar(t: ValueType, s: &str) -> Result<Value, ValueError> {
     fn int<T: std::str::FromStr>(
         s: &str,
         t: ValueType,
@@ -266,7 +287,7 @@ fn scalar(t: ValueType, s: &str) -> Result<Value, String> {
         Bool => Value::Bool(match s {
             "true" | "1" => 1,
             "false" | "0" => 0,
-            _ => return Err(format!("{s:?} is not a valid BOOL (true, false, 1 or 0)")),
+            _ => return Err(format!("{s:?} is not a valid BOOL (true, false, 1 or 0)").into()),
         }),
         String | Array => unreachable!("not scalars"),
     })
@@ -511,7 +532,7 @@ mod tests {
             value: ValueType::U8,
             item: None,
         };
-        assert!(parse_text(u8t, b"300\n").unwrap_err().contains("UINT8"));
+        assert!(parse_text(u8t, b"300\n").unwrap_err().0.contains("UINT8"));
         assert_eq!(
             decode(&parse_text(u8t, b" 7\n").unwrap()),
             Some(Value::U8(7))
@@ -532,11 +553,13 @@ mod tests {
         assert!(
             parse_text(f32t, b"1e39")
                 .unwrap_err()
+                .0
                 .contains("past the range")
         );
         assert!(
             parse_text(f32t, b"1e-50")
                 .unwrap_err()
+                .0
                 .contains("too small")
         );
         assert!(

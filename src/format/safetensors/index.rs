@@ -24,6 +24,12 @@ pub enum IndexError {
     Field(String),
 }
 
+impl crate::errno::ToErrno for IndexError {
+    fn to_errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
 /// Parses an index file.
 pub fn parse_index(bytes: &[u8]) -> Result<ShardIndex, IndexError> {
     let field = |why: &str| IndexError::Field(why.to_string());

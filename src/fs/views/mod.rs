@@ -88,6 +88,15 @@ pub enum ViewError {
     Invalid(String),
 }
 
+impl crate::errno::ToErrno for ViewError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            ViewError::NotAView => libc::ENOENT,
+            ViewError::Invalid(_) => libc::EINVAL,
+        }
+    }
+}
+
 impl From<String> for ViewError {
     fn from(why: String) -> ViewError {
         ViewError::Invalid(why)

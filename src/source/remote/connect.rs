@@ -204,7 +204,7 @@ fn s3_store(
         endpoint,
         opts.timeout,
     )
-    .map_err(|e| RemoteError::url(url, e))?;
+    .map_err(|e| RemoteError::url(url, e.to_string()))?;
     Ok(Built {
         store: Arc::new(store),
         path: parsed.path().to_string(),

@@ -116,6 +116,17 @@ pub enum RemoteError {
     Cache(#[from] crate::source::FolderError),
 }
 
+impl ToErrno for RemoteError {
+    fn to_errno(&self) -> i32 {
+        match self {
+            RemoteError::Url { .. } => libc::EINVAL,
+            RemoteError::Request(_) => libc::EIO,
+            RemoteError::Runtime(e) => e.to_errno(),
+            RemoteError::Cache(e) => e.to_errno(),
+        }
+    }
+}
+
 impl RemoteError {
     fn url(url: &str, why: impl Into<String>) -> RemoteError {
         RemoteError::Url {

@@ -151,10 +151,14 @@ impl S3Writer {
         bucket: String,
         endpoint: Option<String>,
         timeout: Duration,
-    ) -> Result<S3Writer, String> {
-        let http = ReqwestConnector::default()
-            .connect(options)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<S3Writer, S3Error> {
+        let http =
+            ReqwestConnector::default()
+                .connect(options)
+                .map_err(|e| S3Error::Transport {
+                    op: "setting up the client",
+                    why: e.to_string(),
+                })?;
         let base = match endpoint {
             Some(ep) => format!("{}/{}", ep.trim_end_matches('/'), encode(&bucket, false)),
             // (A bucket name with dots fails TLS as a host name: path style.)

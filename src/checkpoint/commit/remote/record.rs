@@ -3,6 +3,7 @@
 //! reached, or aborts an upload that none did.
 
 use super::*;
+use crate::checkpoint::recovery_error::RecoveryError;
 
 /// At mount, before the objects are read: the commits that a crash (or a
 /// failure) interrupted after one of their objects landed, finished from
@@ -19,7 +20,7 @@ pub fn finish_interrupted(
     stem: &str,
     writer: &S3Writer,
     remote: &crate::source::remote::Remote,
-) -> Result<(Vec<String>, Vec<String>), String> {
+) -> Result<(Vec<String>, Vec<String>), RecoveryError> {
     let (mut notes, mut done) = (Vec::new(), Vec::new());
     let (dirs, _) = crate::checkpoint::staging::kept(base, stem);
     for dir in dirs {
@@ -44,9 +45,9 @@ pub fn finish_interrupted(
                 }
             }
             Err(why) => {
-                return Err(format!(
+                return Err(RecoveryError::Refused(format!(
                     "{why}; mount again to finish it (a read-only mount, -o ro, does not need it)"
-                ));
+                )));
             }
         }
     }
@@ -100,18 +101,22 @@ fn finish_record(
     objects: &[RemoteLanding],
     writer: &S3Writer,
     remote: &crate::source::remote::Remote,
-) -> Result<(Vec<String>, Vec<String>, bool), String> {
+) -> Result<(Vec<String>, Vec<String>, bool), RecoveryError> {
     let key_of = |o: &RemoteLanding| {
-        object_store::path::Path::parse(&o.key)
-            .map_err(|_| format!("{}: a commit record names a bad key {:?}", o.url, o.key))
+        object_store::path::Path::parse(&o.key).map_err(|_| {
+            RecoveryError::Refused(format!(
+                "{}: a commit record names a bad key {:?}",
+                o.url, o.key
+            ))
+        })
     };
     let mut now = Vec::new();
     for o in objects {
         let etag = remote.run(writer.etag_now(&key_of(o)?)).map_err(|e| {
-            format!(
+            RecoveryError::Refused(format!(
                 "{}: an interrupted commit could not be finished ({e})",
                 o.url
-            )
+            ))
         })?;
         now.push(etag);
     }
