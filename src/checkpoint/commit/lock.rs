@@ -63,7 +63,6 @@ pub(super) fn home_of(uid: u32) -> Option<PathBuf> {
 /// made 0700 (with the folders above it that are missing); refused if it is
 /// a link, another user's or open to others.
 pub fn private_state_folder(parts: &[&str]) -> Result<Folder, FolderError> {
-    use std::os::unix::fs::DirBuilderExt;
     let euid = rustix::process::geteuid().as_raw();
     let mut dir = home_of(euid)
         .ok_or_else(|| {
@@ -74,20 +73,7 @@ pub fn private_state_folder(parts: &[&str]) -> Result<Folder, FolderError> {
         })?
         .join(".local/state/stfs");
     parts.iter().for_each(|p| dir.push(p));
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(FolderError::io(&dir))?;
-    let folder = Folder::open_private(&dir).map_err(FolderError::io(&dir))?;
-    let st = folder.stat().map_err(FolderError::io(&dir))?;
-    if st.uid != euid || st.mode & 0o077 != 0 {
-        return Err(FolderError::refused(
-            &dir,
-            "not a private folder of this user's",
-        ));
-    }
-    Ok(folder)
+    private_folder(&dir, euid)
 }
 
 /// The private folder of commit locks, made 0700 if missing; refused if it
@@ -96,7 +82,7 @@ pub fn private_state_folder(parts: &[&str]) -> Result<Folder, FolderError> {
 /// finds the same: `/run/user/UID/stfs/locks` where that folder exists,
 /// else `~/.local/state/stfs/locks` of the user's home in the password database.
 pub(super) fn lock_folder() -> Result<Folder, FolderError> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    use std::os::unix::fs::MetadataExt;
     let euid = rustix::process::geteuid().as_raw();
     let run = PathBuf::from(format!("/run/user/{euid}"));
     let base = match std::fs::symlink_metadata(&run) {
@@ -106,16 +92,23 @@ pub(super) fn lock_folder() -> Result<Folder, FolderError> {
             .join(".local/state"),
     };
     let dir = base.join("stfs").join("locks");
+    private_folder(&dir, euid)
+}
+
+/// `dir`, made 0700 if missing, opened, and refused unless it is a folder
+/// of user `euid`'s that no one else may use.
+fn private_folder(dir: &std::path::Path, euid: u32) -> Result<Folder, FolderError> {
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
-        .create(&dir)
-        .map_err(FolderError::io(&dir))?;
-    let folder = Folder::open_private(&dir).map_err(FolderError::io(&dir))?;
-    let st = folder.stat().map_err(FolderError::io(&dir))?;
+        .create(dir)
+        .map_err(FolderError::io(dir))?;
+    let folder = Folder::open_private(dir).map_err(FolderError::io(dir))?;
+    let st = folder.stat().map_err(FolderError::io(dir))?;
     if st.uid != euid || st.mode & 0o077 != 0 {
         return Err(FolderError::refused(
-            &dir,
+            dir,
             "not a private folder of this user's",
         ));
     }
