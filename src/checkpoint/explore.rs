@@ -332,6 +332,23 @@ fn plain_scenarios() -> Vec<Scenario> {
         staged: Vec::new(),
     });
 
+    // Zeros written over old bytes (the padding around a GGUF tensor
+    // appended where a dropped one was).
+    let zeros = vec![0u8; 100];
+    let (header, new) = checkpoint(&[("a", &a), ("b", &b), ("c", &zeros)], "v0", 400);
+    let w = RangeWrite {
+        at: data_start + 5300,
+        len: 100,
+        from: WriteFrom::Zeros,
+    };
+    out.push(Scenario {
+        name: "zeros over old bytes",
+        record: record(&roomy, &new, 0, vec![w]),
+        old: roomy.clone(),
+        new,
+        header,
+        staged: Vec::new(),
+    });
     out
 }
 

@@ -410,23 +410,7 @@ mod tests {
         std::fs::rename(dir.path().join("other"), &target).unwrap();
         let tmp = dir.path().join(".a.safetensors.stfs-tmp-1-1");
         std::fs::write(&tmp, b"new a").unwrap();
-        {
-            let staging = StagingDir::create(folder.clone(), "f").unwrap();
-            Renames {
-                commit: 7,
-                in_place: Vec::new(),
-                remote: Vec::new(),
-                files: vec![PendingRename {
-                    folder: std::fs::canonicalize(dir.path()).unwrap(),
-                    tmp: ".a.safetensors.stfs-tmp-1-1".into(),
-                    target: "a.safetensors".into(),
-                    stat: file_stat(&tmp),
-                    replaces: Some(mapped),
-                }],
-            }
-            .write(&staging)
-            .unwrap();
-        }
+        record_swap(&folder, dir.path(), file_stat(&tmp), mapped);
         finish_renames(&folder, "f").unwrap();
         assert_eq!(
             std::fs::read(&target).unwrap(),
@@ -466,23 +450,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new a");
-        {
-            let staging = StagingDir::create(folder.clone(), "f").unwrap();
-            Renames {
-                commit: 7,
-                in_place: Vec::new(),
-                remote: Vec::new(),
-                files: vec![PendingRename {
-                    folder: std::fs::canonicalize(dir.path()).unwrap(),
-                    tmp: ".a.safetensors.stfs-tmp-1-1".into(),
-                    target: "a.safetensors".into(),
-                    stat: new,
-                    replaces: Some(mapped),
-                }],
-            }
-            .write(&staging)
-            .unwrap();
-        }
+        record_swap(&folder, dir.path(), new, mapped);
         finish_renames(&folder, "f").unwrap();
         remove_dead_temps(&folder, &[OsStr::new("a.safetensors")]);
         assert_eq!(
@@ -493,6 +461,31 @@ mod tests {
         let kept = dir.path().join(".a.safetensors.stfs-kept-0");
         assert_eq!(std::fs::read(kept).unwrap(), b"new a");
     }
+
+    /// A dead daemon's record of a commit that swaps `.a.safetensors.stfs-tmp-1-1`
+    /// (of version `stat`) with `a.safetensors`, over the file it mapped.
+    fn record_swap(
+        folder: &Arc<Folder>,
+        dir: &std::path::Path,
+        stat: crate::source::FileStat,
+        mapped: crate::source::FileStat,
+    ) {
+        let staging = StagingDir::create(folder.clone(), "f").unwrap();
+        Renames {
+            commit: 7,
+            in_place: Vec::new(),
+            remote: Vec::new(),
+            files: vec![PendingRename {
+                folder: std::fs::canonicalize(dir).unwrap(),
+                tmp: ".a.safetensors.stfs-tmp-1-1".into(),
+                target: "a.safetensors".into(),
+                stat,
+                replaces: Some(mapped),
+            }],
+        }
+        .write(&staging)
+        .unwrap();
+    } // (the daemon is gone: its folder is unlocked)
 
     fn file_stat(path: &std::path::Path) -> crate::source::FileStat {
         crate::source::FileStat::of(&std::fs::File::open(path).unwrap()).unwrap()

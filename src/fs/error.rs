@@ -38,6 +38,9 @@ pub enum FsError {
     /// The target exists and the caller asked not to replace it (EEXIST).
     #[error("exists")]
     Exists,
+    /// A name that is not UTF-8, where one is made (EINVAL).
+    #[error("a name that is not UTF-8")]
+    NotUtf8,
     /// An ioctl stfs does not know (ENOTTY).
     #[error("unknown ioctl {0:#x}")]
     UnknownIoctl(u32),
@@ -92,7 +95,7 @@ impl ToErrno for FsError {
             FsError::NotADirectory => libc::ENOTDIR,
             FsError::IsADirectory => libc::EISDIR,
             FsError::ReadOnly => libc::EROFS,
-            FsError::Invalid(_) => libc::EINVAL,
+            FsError::Invalid(_) | FsError::NotUtf8 => libc::EINVAL,
             FsError::NotSupported(_) => libc::ENOTSUP,
             FsError::NameTooLong => libc::ENAMETOOLONG,
             FsError::NotPermitted(_) => libc::EPERM,
@@ -122,6 +125,7 @@ impl FsError {
                 | FsError::Exists
                 | FsError::NotATensor
                 | FsError::UnknownIoctl(_)
+                | FsError::NotUtf8
                 | FsError::NoXattrs
                 | FsError::NotSupported("setxattr")
         )

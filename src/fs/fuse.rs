@@ -472,7 +472,7 @@ impl Filesystem for FuseAdapter {
     ) {
         guarded(&self.fs, request!("create", parent.0), || {
             let Some(name) = name.to_str() else {
-                return reply.error(failed(&FsError::Invalid("a name that is not UTF-8".into())));
+                return reply.error(failed(&FsError::NotUtf8));
             };
             let (truncate, exclusive) = (flags & libc::O_TRUNC != 0, flags & libc::O_EXCL != 0);
             match self.fs.create(parent.0, name, truncate, exclusive) {
@@ -830,7 +830,7 @@ impl Filesystem for FuseAdapter {
     ) {
         guarded(&self.fs, request!("rename", parent.0), || {
             let (Some(name), Some(newname)) = (name.to_str(), newname.to_str()) else {
-                return reply.error(failed(&FsError::Invalid("a name that is not UTF-8".into())));
+                return reply.error(failed(&FsError::NotUtf8));
             };
             if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
                 let flags = "rename with RENAME_EXCHANGE or RENAME_WHITEOUT";

@@ -376,7 +376,6 @@ impl InPlaceRecord {
     }
 }
 
-/// SHA-256 of the parts, in hex.
 /// An error before the file was marked: it is as it was.
 fn before(error: std::io::Error) -> ApplyError {
     ApplyError {

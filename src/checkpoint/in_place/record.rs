@@ -219,6 +219,7 @@ impl InPlaceRecord {
     }
 }
 
+/// SHA-256 of the parts, in hex.
 pub fn sha256_hex(parts: &[&[u8]]) -> String {
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     parts.iter().for_each(|p| ctx.update(p));
