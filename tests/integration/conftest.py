@@ -43,13 +43,14 @@ def mount(stfs, tmp_path):
     whether the test passed or not."""
     made = []
 
-    def _mount(source, *options, expect_ok=True, at=None, binary=None):
+    def _mount(source, *options, expect_ok=True, at=None, binary=None, env=None):
         """at: the folder to make the mount point in (default: the test's tmp_path);
-        binary: what to run as `stfs mount` (a wrapper), if not stfs itself."""
+        binary: what to run as `stfs mount` (a wrapper), if not stfs itself; env:
+        variables set for the mount's daemon alone (a crash, pause or fault point)."""
         mnt = pathlib.Path(at or tmp_path) / f"mnt{len(made)}"
         mnt.mkdir()
         os.chmod(mnt, 0o755)
-        m = Mount(binary or stfs, source, mnt, options, tmp_path / f"stfs{len(made)}.log", timeout=60)
+        m = Mount(binary or stfs, source, mnt, options, tmp_path / f"stfs{len(made)}.log", timeout=60, env=env)
         made.append(m)
         if expect_ok:
             assert m.ok, f"mount failed: {m.result.stderr}"

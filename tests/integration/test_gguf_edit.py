@@ -363,7 +363,7 @@ STEPS = ["in-place:recorded", "in-place:marked", "in-place:inserted", "in-place:
 
 
 @pytest.mark.parametrize("kind", ["template", "grow", "append"])
-def test_a_daemon_killed_at_every_step_of_a_gguf_commit(tmp_path, mount, run, monkeypatch, kind):
+def test_a_daemon_killed_at_every_step_of_a_gguf_commit(tmp_path, mount, run, kind):
     """Killed at each step of an in-place commit, the file is the old one, the new one, or
     one that gguf-py and llama.cpp both refuse; the next mount completes it."""
     pristine = tmp_path / "pristine.gguf"
@@ -374,9 +374,7 @@ def test_a_daemon_killed_at_every_step_of_a_gguf_commit(tmp_path, mount, run, mo
     for step in STEPS:
         src = tmp_path / f"m-{step.split(':')[1]}.gguf"
         shutil.copyfile(pristine, src)
-        monkeypatch.setenv("STFS_CRASH_AT", step)
-        m = mount(src)
-        monkeypatch.delenv("STFS_CRASH_AT")
+        m = mount(src, env={"STFS_CRASH_AT": step})
         mnt = pathlib.Path(m.path)
         (mnt / "__kv__/tokenizer.chat_template").write_text(template)
         if kind == "append":
@@ -450,15 +448,13 @@ def test_metadata_json_and_kv_are_one_state(tmp_path, mount, run):
 
 
 @pytest.mark.parametrize("step", ["in-place:mark", "in-place:reserve"])
-def test_a_gguf_commit_that_fails_after_its_marker_puts_the_file_back(tmp_path, mount, run, monkeypatch, step):
+def test_a_gguf_commit_that_fails_after_its_marker_puts_the_file_back(tmp_path, mount, run, step):
     """A step failing after the marker went on (no space for an appended tensor): the
     file's own first bytes (GGUF's magic and version) are put back, and the edits stay."""
     path = tmp_path / "tiny.gguf"
     write_model(path)
     before = path.read_bytes()
-    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:28")
-    m = mount(path)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(path, env={"STFS_FAULT_AT": f"{step}:28"})
     mnt = pathlib.Path(m.path)
     (mnt / "__kv__/general.name").write_text("after")
     (mnt / "new.weight").write_bytes(np.arange(4, dtype=np.float32).tobytes())

@@ -393,7 +393,7 @@ def same(path, t, meta):
 
 
 @pytest.mark.parametrize("kind", ["metadata", "overwrite", "append", "drop", "all", "grow"])
-def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount, run, monkeypatch, kind):
+def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount, run, kind):
     pristine = tmp_path / "pristine.safetensors"
     t = tensors()
     meta = {"format": "pt"}
@@ -402,9 +402,7 @@ def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount
     for step in STEPS:
         src = tmp_path / f"m-{step.split(':')[1]}.safetensors"
         shutil.copyfile(pristine, src)
-        monkeypatch.setenv("STFS_CRASH_AT", step)
-        m = mount(src)
-        monkeypatch.delenv("STFS_CRASH_AT")
+        m = mount(src, env={"STFS_CRASH_AT": step})
         new_t, new_meta = edit(kind, m.path, t, meta)
         p = run("commit", m.path)
         died = p.returncode != 0
@@ -440,7 +438,7 @@ def test_a_daemon_killed_at_every_step_leaves_old_new_or_refused(tmp_path, mount
         assert outcomes["in-place:inserted"] == "refused"
 
 
-def test_a_daemon_killed_at_every_step_of_a_hole_fill_leaves_old_new_or_refused(tmp_path, mount, run, monkeypatch):
+def test_a_daemon_killed_at_every_step_of_a_hole_fill_leaves_old_new_or_refused(tmp_path, mount, run):
     pristine = tmp_path / "pristine.safetensors"
     t = layers(3)
     meta = {"format": "pt"}
@@ -449,9 +447,7 @@ def test_a_daemon_killed_at_every_step_of_a_hole_fill_leaves_old_new_or_refused(
     for step in [*STEPS[:-2], "in-place:moved", *STEPS[-2:]]:
         src = tmp_path / f"m-{step.split(':')[1]}.safetensors"
         shutil.copyfile(pristine, src)
-        monkeypatch.setenv("STFS_CRASH_AT", step)
-        m = mount(src)
-        monkeypatch.delenv("STFS_CRASH_AT")
+        m = mount(src, env={"STFS_CRASH_AT": step})
         new_t = drop_layers(m.path, t, [0])
         p = run("commit", m.path)
         if p.returncode != 0:
@@ -470,7 +466,7 @@ def test_a_daemon_killed_at_every_step_of_a_hole_fill_leaves_old_new_or_refused(
     assert outcomes["in-place:landed"] == "new"
 
 
-def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, monkeypatch):
+def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run):
     folder = tmp_path / "model"
     folder.mkdir()
     t = tensors()
@@ -484,9 +480,7 @@ def test_a_folder_mount_killed_mid_commit_is_completed(tmp_path, mount, run, mon
     for step in STEPS:
         shutil.rmtree(folder)
         shutil.copytree(pristine, folder)
-        monkeypatch.setenv("STFS_CRASH_AT", step)
-        m = mount(folder)
-        monkeypatch.delenv("STFS_CRASH_AT")
+        m = mount(folder, env={"STFS_CRASH_AT": step})
         a, b = (os.path.join(m.path, s) for s in shards)
         new1 = np.full((256, 64), 9.0, np.float32)
         with open(os.path.join(a, "embed"), "r+b") as f:

@@ -163,7 +163,7 @@ def test_a_write_over_the_whole_tensor_copies_nothing_first(tmp_path, mount, run
     fsync_path(src)
 
 
-def test_a_failed_partial_write_changes_nothing(tmp_path, mount, run, monkeypatch):
+def test_a_failed_partial_write_changes_nothing(tmp_path, mount, run):
     """A write into a source tensor that fails (here: the staging write,
     by a fault) returns the error and leaves the tensor as it was; the next
     write goes through."""
@@ -171,9 +171,7 @@ def test_a_failed_partial_write_changes_nothing(tmp_path, mount, run, monkeypatc
     src = tmp_path / "m.safetensors"
     a = rng.integers(0, 255, 20000, dtype=np.uint8)
     save_file({"a": a}, str(src))
-    monkeypatch.setenv("STFS_FAULT_AT", "patch:write:ENOSPC:2")
-    m = mount(src)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(src, env={"STFS_FAULT_AT": "patch:write:ENOSPC:2"})
     path = os.path.join(m.path, "a")
     expected = bytearray(a.tobytes())
     pwrite(path, b"one", 5000)

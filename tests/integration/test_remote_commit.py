@@ -473,15 +473,12 @@ def test_uploaded_parts_go_up_several_at_once_and_a_failed_one_aborts_them_all(t
     assert s3.uploads() == []
 
 
-def test_a_daemon_killed_mid_upload_leaves_no_parts_and_the_edits_come_back(tmp_path, s3, mount, run,
-                                                                            monkeypatch):
+def test_a_daemon_killed_mid_upload_leaves_no_parts_and_the_edits_come_back(tmp_path, s3, mount, run):
     src = tmp_path / "m.safetensors"
     t, meta = checkpoint(src)
     url = s3.put(src, "killed/m.safetensors")
     old = s3.get("killed/m.safetensors")
-    monkeypatch.setenv("STFS_CRASH_AT", "remote:copy")
-    m = mount(url, *s3.options)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m = mount(url, *s3.options, env={"STFS_CRASH_AT": "remote:copy"})
     t2, meta2 = edit("metadata", m.path, t, meta, [], tmp_path)
     p = run("commit", m.path)
     assert p.returncode != 0
@@ -646,15 +643,12 @@ def test_a_changed_index_or_listed_shard_stops_the_whole_folder_commit(tmp_path,
 
 @pytest.mark.parametrize("fault, landed", [("remote:complete:EIO", 0), ("remote:complete:EIO:2", 1),
                                            ("remote:index:EIO", 2)])
-def test_a_folder_commit_that_fails_is_nothing_or_finished_by_the_next_mount(tmp_path, s3, mount, run,
-                                                                              monkeypatch, fault, landed):
+def test_a_folder_commit_that_fails_is_nothing_or_finished_by_the_next_mount(tmp_path, s3, mount, run, fault, landed):
     prefix = f"fault{landed}"
     shards = shard_folder(s3, tmp_path, prefix)
     etags = {s: s3.etag(f"{prefix}/{s}") for s in [*SHARDS, INDEX]}
     url = f"s3://{BUCKET}/{prefix}/"
-    monkeypatch.setenv("STFS_FAULT_AT", fault)
-    m = mount(url, *s3.options)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(url, *s3.options, env={"STFS_FAULT_AT": fault})
     want = edit_folder(m.path, shards)
     p = run("commit", m.path)
     assert p.returncode != 0
@@ -675,14 +669,11 @@ def test_a_folder_commit_that_fails_is_nothing_or_finished_by_the_next_mount(tmp
     assert s3.uploads() == []
 
 
-def test_a_daemon_killed_between_two_shards_leaves_a_folder_the_next_mount_finishes(tmp_path, s3, mount, run,
-                                                                                    monkeypatch):
+def test_a_daemon_killed_between_two_shards_leaves_a_folder_the_next_mount_finishes(tmp_path, s3, mount, run):
     shards = shard_folder(s3, tmp_path, "killed2")
     etags = {s: s3.etag(f"killed2/{s}") for s in [*SHARDS, INDEX]}
     url = f"s3://{BUCKET}/killed2/"
-    monkeypatch.setenv("STFS_CRASH_AT", "remote:completed")
-    m = mount(url, *s3.options)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m = mount(url, *s3.options, env={"STFS_CRASH_AT": "remote:completed"})
     want = edit_folder(m.path, shards)
     p = run("commit", m.path)
     assert p.returncode != 0
@@ -705,14 +696,11 @@ def test_a_daemon_killed_between_two_shards_leaves_a_folder_the_next_mount_finis
     assert "no changes" in run("status", m2.path).stdout
 
 
-def test_a_daemon_killed_right_after_its_completion_leaves_the_new_object_and_nothing_staged(
-        tmp_path, s3, mount, run, monkeypatch):
+def test_a_daemon_killed_right_after_its_completion_leaves_the_new_object_and_nothing_staged(tmp_path, s3, mount, run):
     src = tmp_path / "m.safetensors"
     t, meta = checkpoint(src)
     url = s3.put(src, "landed/m.safetensors")
-    monkeypatch.setenv("STFS_CRASH_AT", "remote:completed")
-    m = mount(url, *s3.options)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m = mount(url, *s3.options, env={"STFS_CRASH_AT": "remote:completed"})
     t2, meta2 = edit("rename", m.path, t, meta, [], tmp_path)
     assert run("commit", m.path).returncode != 0
     wait_for_exit(m.pid, 20)

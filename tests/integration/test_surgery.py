@@ -354,7 +354,7 @@ def test_kept_edits_of_another_version_are_not_taken_back(tmp_path, mount):
     assert not m3.ok and "another version" in m3.result.stderr
 
 
-def test_no_resume_leaves_kept_edits_and_removes_a_spent_staging_folder(tmp_path, mount, run, monkeypatch):
+def test_no_resume_leaves_kept_edits_and_removes_a_spent_staging_folder(tmp_path, mount, run):
     """--no-resume leaves the edits of a daemon that died where they are (the
     next plain mount takes them back), but a staging folder whose edits are
     all in the source (a commit killed and completed by this mount) goes."""
@@ -381,9 +381,7 @@ def test_no_resume_leaves_kept_edits_and_removes_a_spent_staging_folder(tmp_path
     m3.close(discard=True)
     # A commit killed half-way, then a --no-resume mount: it completes the
     # commit, and the folder holds nothing more.
-    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
-    m4 = mount(src)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m4 = mount(src, env={"STFS_CRASH_AT": "in-place:data"})
     with open(os.path.join(m4.path, "a"), "r+b") as f:
         f.write(b"\x09" * 4)
     assert run("commit", m4.path).returncode != 0

@@ -108,7 +108,7 @@ def refused_by_readers(path):
 
 # Row 1 -------------------------------------------------------------------
 
-def test_a_write_just_after_an_in_place_commit_is_not_taken_for_the_commits(tmp_path, mount, pauses, run, stfs, monkeypatch):
+def test_a_write_just_after_an_in_place_commit_is_not_taken_for_the_commits(tmp_path, mount, pauses, run, stfs):
     """A program whose open waited on the commit's lease writes as soon as it
     returns: the commit lands, and the next commit is refused (ESTALE), never
     written over that program's change."""
@@ -319,15 +319,13 @@ def inserts_blocks(folder):
 
 
 @pytest.mark.parametrize("step", ["in-place:reserve-header", "in-place:insert", "in-place:reserve", "in-place:mark"])
-def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_path, mount, run, monkeypatch, step):
+def test_a_fault_before_anything_changed_leaves_the_old_file_and_the_edits(tmp_path, mount, run, step):
     if not inserts_blocks(tmp_path):
         pytest.skip("the header grows by inserting blocks: needs ext4 or XFS")
     src = tmp_path / "m.safetensors"
     t = base(src)
     before = src.read_bytes()
-    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:ENOSPC")
-    m = mount(src)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(src, env={"STFS_FAULT_AT": f"{step}:ENOSPC"})
     set_metadata(m, note="y" * 9000)  # grows the header: blocks inserted
     with open(os.path.join(m.path, "c"), "ab") as f:  # and an append
         f.write(b"\x01" * 3)
@@ -398,16 +396,14 @@ def test_a_staging_folder_removed_while_a_spent_file_goes_is_removed_whole(tmp_p
     assert_checkpoint(src, {"w": np.ones(4, np.float32), "new": np.ones(4096, np.uint8)})
 
 
-def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount, run, monkeypatch):
+def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount, run):
     """A fault after the new file is written and before it lands (recording
     the commit): the old file stays, the edits stay, and no temp file is left
     beside the source."""
     src = tmp_path / "m.safetensors"
     t = base(src)
     before = src.read_bytes()
-    monkeypatch.setenv("STFS_FAULT_AT", "land:recorded:EIO")
-    m = mount(src)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(src, env={"STFS_FAULT_AT": "land:recorded:EIO"})
     os.unlink(os.path.join(m.path, "a"))
     del t["a"]
     p = run("commit", "--compact", m.path)
@@ -419,12 +415,10 @@ def test_a_rewrite_that_fails_before_landing_leaves_no_temp_file(tmp_path, mount
     assert_checkpoint(src, t, compact=True)
 
 
-def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(tmp_path, mount, run, monkeypatch):
+def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(tmp_path, mount, run):
     src = tmp_path / "m.safetensors"
     t = base(src)
-    monkeypatch.setenv("STFS_FAULT_AT", "in-place:write:EIO")
-    m = mount(src)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(src, env={"STFS_FAULT_AT": "in-place:write:EIO"})
     new_a = np.full(8, 7, np.float32)
     with open(os.path.join(m.path, "a"), "r+b") as f:
         f.write(new_a.tobytes())
@@ -451,9 +445,7 @@ def killed_mid_commit(tmp_path, mount, run, monkeypatch):
     halfway (STFS_CRASH_AT=in-place:data): (source, its tensors, a's new value)."""
     src = tmp_path / "m.safetensors"
     t = base(src)
-    monkeypatch.setenv("STFS_CRASH_AT", "in-place:data")
-    m = mount(src)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m = mount(src, env={"STFS_CRASH_AT": "in-place:data"})
     new_a = np.full(8, 5, np.float32)
     with open(os.path.join(m.path, "a"), "r+b") as f:
         f.write(new_a.tobytes())
@@ -526,7 +518,7 @@ def discard_result(proc):
     return json.loads(out)
 
 
-def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path, mount, pauses, run, stfs, monkeypatch):
+def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path, mount, pauses, run, stfs):
     src = tmp_path / "m.safetensors"
     t = base(src)
     pause = pauses("discard:locked", "commit:waiting")
@@ -545,7 +537,7 @@ def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path,
     assert_checkpoint(src, t)
 
 
-def test_a_discard_that_waited_for_a_commit_says_the_edits_were_committed(tmp_path, mount, pauses, run, stfs, monkeypatch):
+def test_a_discard_that_waited_for_a_commit_says_the_edits_were_committed(tmp_path, mount, pauses, run, stfs):
     src = tmp_path / "m.safetensors"
     t = base(src)
     pause = pauses("commit:locked", "discard:waiting")
@@ -778,15 +770,13 @@ def test_set_id_bits_are_kept_by_an_in_place_commit(tmp_path, mount, run, stfs):
 
 
 @pytest.mark.parametrize("step", ["rewrite:copying", "rewrite:written"])
-def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mount, run, monkeypatch, step):
+def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mount, run, step):
     """A commit failing while it writes its new file (an I/O error at `step`): the temp
     file is removed, the source is unchanged, and the edits stay for the next commit."""
     src = tmp_path / "m.safetensors"
     t = base(src)
     before = src.read_bytes()
-    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
-    m = mount(src)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(src, env={"STFS_FAULT_AT": f"{step}:EIO"})
     os.unlink(os.path.join(m.path, "b"))
     new_a = np.full(8, 3, np.float32)
     with open(os.path.join(m.path, "a"), "r+b") as f:
@@ -807,7 +797,7 @@ def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mou
     assert not [n for n in os.listdir(tmp_path) if ".stfs-tmp-" in n]
 
 
-def test_a_folder_commit_that_fails_after_a_file_was_written_removes_it(tmp_path, mount, run, monkeypatch):
+def test_a_folder_commit_that_fails_after_a_file_was_written_removes_it(tmp_path, mount, run):
     """Two new files to write (a shard and the index): the second fails (the second time
     `rewrite:written` is reached), so the first, written already, is removed too."""
     folder = tmp_path / "f"
@@ -817,9 +807,7 @@ def test_a_folder_commit_that_fails_after_a_file_was_written_removes_it(tmp_path
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: "s0.safetensors" for k in t}}))
     index_before = (folder / "model.safetensors.index.json").read_bytes()
-    monkeypatch.setenv("STFS_FAULT_AT", "rewrite:written:EIO:2")
-    m = mount(folder)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m = mount(folder, env={"STFS_FAULT_AT": "rewrite:written:EIO:2"})
     os.unlink(os.path.join(m.path, "s0", "b"))
     p = run("commit", "--compact", m.path)  # a rewrite of the shard, and of the index
     assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
@@ -841,9 +829,7 @@ def test_a_recovery_that_fails_keeps_its_record_and_the_next_mount_completes_it(
     src, t, new_a = killed_mid_commit(tmp_path, mount, run, monkeypatch)
     # The next mount's completion fails at `step`: it says why, keeps the record, and
     # the file stays refused.
-    monkeypatch.setenv("STFS_FAULT_AT", f"{step}:EIO")
-    m2 = mount(src, expect_ok=False)
-    monkeypatch.delenv("STFS_FAULT_AT")
+    m2 = mount(src, expect_ok=False, env={"STFS_FAULT_AT": f"{step}:EIO"})
     assert not m2.ok and "Input/output error" in m2.result.stderr, m2.result.stderr
     assert refused_by_readers(src)
     [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".m.safetensors.stfs-")]
@@ -1148,8 +1134,7 @@ def test_a_tensor_written_during_its_commit_then_removed_is_said_removed(tmp_pat
     assert list(load_file(str(src))) == ["b"]
 
 
-def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mount, pauses, run, stfs,
-                                                                     monkeypatch):
+def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mount, pauses, run, stfs):
     """A tensor written in part, written again while its in-place commit runs,
     and the daemon killed once the file landed, before the journal was
     rewritten: the next mount takes the second write back over the tensor in
@@ -1159,9 +1144,7 @@ def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mo
     a = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
     save_file({"a": a, "b": np.arange(10, dtype=np.uint8)}, str(src))
     p = pauses("in-place:recorded")
-    monkeypatch.setenv("STFS_CRASH_AT", "in-place:landed")
-    m = mount(src)
-    monkeypatch.delenv("STFS_CRASH_AT")
+    m = mount(src, env={"STFS_CRASH_AT": "in-place:landed"})
     path = os.path.join(m.path, "a")
     want = a.copy()
     for at, data in [(100, b"first"), (2 << 20, b"second")]:

@@ -50,14 +50,15 @@ class Mount:
     text mode) and `ok`; with `check`, a failed mount raises `Failed` (a CalledProcessError).
     A context manager: the mount is closed on leaving the block."""
 
-    def __init__(self, stfs, source, mountpoint, options=(), log=None, check=False, timeout=None):
+    def __init__(self, stfs, source, mountpoint, options=(), log=None, check=False, timeout=None, env=None):
         self.stfs, self.source, self.path = str(stfs), str(source), str(mountpoint)
         self.log = log if log is not None else self.path + ".log"
         self.pid_file = str(self.log) + ".pid"
         self.pid = None
         cmd = [self.stfs, "mount", "--pid-file", self.pid_file, "--log-file", str(self.log), *map(str, options),
                self.source, self.path]
-        self.result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        self.result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                     env=None if env is None else {**os.environ, **env})
         if self.result.returncode == 0:
             with open(self.pid_file) as f:
                 self.pid = int(f.read())

@@ -21,6 +21,16 @@ pub fn floats(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A 1-D F32 tensor of these values.
+pub fn f32_tensor(name: &'static str, values: &[f32]) -> Tensor<'static> {
+    (
+        name,
+        safetensors::Dtype::F32,
+        vec![values.len()],
+        floats(values),
+    )
+}
+
 pub fn write_checkpoint(
     path: &Path,
     tensors: &[Tensor],
@@ -45,14 +55,9 @@ pub fn make_one(dir: &Path) {
     write_checkpoint(
         &dir.join("s0.safetensors"),
         &[
-            (
-                "a",
-                safetensors::Dtype::F32,
-                vec![4],
-                floats(&[1., 2., 3., 4.]),
-            ),
-            ("b", safetensors::Dtype::F32, vec![2], floats(&[5., 6.])),
-            ("c", safetensors::Dtype::F32, vec![3], floats(&[7., 8., 9.])),
+            f32_tensor("a", &[1., 2., 3., 4.]),
+            f32_tensor("b", &[5., 6.]),
+            f32_tensor("c", &[7., 8., 9.]),
         ],
         Some(meta),
     );
@@ -63,22 +68,17 @@ pub fn make_folder(dir: &Path) {
     write_checkpoint(
         &dir.join("s0.safetensors"),
         &[
-            (
-                "a",
-                safetensors::Dtype::F32,
-                vec![4],
-                floats(&[1., 2., 3., 4.]),
-            ),
-            ("b", safetensors::Dtype::F32, vec![2], floats(&[5., 6.])),
+            f32_tensor("a", &[1., 2., 3., 4.]),
+            f32_tensor("b", &[5., 6.]),
         ],
         None,
     );
     write_checkpoint(
         &dir.join("s1.safetensors"),
         &[
-            ("c", safetensors::Dtype::F32, vec![3], floats(&[7., 8., 9.])),
-            ("d", safetensors::Dtype::F32, vec![1], floats(&[10.])),
-            ("e", safetensors::Dtype::F32, vec![2], floats(&[11., 12.])),
+            f32_tensor("c", &[7., 8., 9.]),
+            f32_tensor("d", &[10.]),
+            f32_tensor("e", &[11., 12.]),
         ],
         None,
     );
@@ -337,6 +337,22 @@ pub const MOUNT: Step = Step {
     run: |m| m.mount().map(|_| ()),
 };
 
+/// An edit several scenarios make.
+const OVERWRITE_A: Step = edit("overwrite a", |m| {
+    m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false)
+});
+
+/// An edit several scenarios make.
+const ADD_D: Step = edit("add d", |m| {
+    m.add_tensor("d", "F32", &[2], &floats(&[13., 14.]))
+});
+
+/// An edit several scenarios make.
+const RM_S1_D: Step = edit("rm s1/d", |m| m.unlink("s1/d"));
+
+/// An edit several scenarios make.
+const MV_B_Y: Step = edit("mv b y", |m| m.rename("b", "y"));
+
 pub const COMMIT: Step = Step {
     what: "commit",
     kind: StepKind::Commit,
@@ -574,99 +590,80 @@ pub fn crash_during(root: &Path, folder: bool, steps: &[Step], crash_at: &str) {
 
 const EDIT: StepKind = StepKind::Edit;
 
+/// An edit through the mount, named as a person would say it.
+const fn edit(what: &'static str, run: fn(&mut Mount) -> Result<(), String>) -> Step {
+    Step {
+        what,
+        kind: EDIT,
+        run,
+    }
+}
+
+/// A scenario on one file (`make_one`), nothing done to it before.
+const ONE_FILE: Scenario = Scenario {
+    name: "",
+    folder: false,
+    make: make_one,
+    setup: None,
+    steps: &[],
+    ways: &[],
+};
+
 /// Every scenario, for both explorers.
 pub const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "in place: a rename, a same-size overwrite, the metadata by sed -i",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "mv c z",
-                kind: EDIT,
-                run: |m| m.rename("c", "z"),
-            },
-            Step {
-                what: "overwrite a",
-                kind: EDIT,
-                run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
-            },
-            Step {
-                what: "sed -i __metadata__.json",
-                kind: EDIT,
-                run: |m| m.replace("__metadata__.json", br#"{"format":"pt","v":"2"}"#),
-            },
+            edit("mv c z", |m| m.rename("c", "z")),
+            OVERWRITE_A,
+            edit("sed -i __metadata__.json", |m| {
+                m.replace("__metadata__.json", br#"{"format":"pt","v":"2"}"#)
+            }),
             COMMIT,
         ],
         ways: &[("s0.safetensors", "in place")],
+        ..ONE_FILE
     },
     Scenario {
         name: "rewrite: a tensor dropped from the middle, a reshape",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "rm b",
-                kind: EDIT,
-                run: |m| m.unlink("b"),
-            },
-            Step {
-                what: "reshape a",
-                kind: EDIT,
-                run: |m| m.write("a.meta.json", 0, br#"{"dtype":"F32","shape":[2,2]}"#, true),
-            },
+            edit("rm b", |m| m.unlink("b")),
+            edit("reshape a", |m| {
+                m.write("a.meta.json", 0, br#"{"dtype":"F32","shape":[2,2]}"#, true)
+            }),
             COMMIT,
         ],
         ways: &[("s0.safetensors", "by a rewrite")],
+        ..ONE_FILE
     },
     Scenario {
         name: "in place: a tensor appended, another written in part, one truncated and refilled",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "add d",
-                kind: EDIT,
-                run: |m| m.add_tensor("d", "F32", &[2], &floats(&[13., 14.])),
-            },
-            Step {
-                what: "patch a",
-                kind: EDIT,
-                run: |m| m.write("a", 4, &floats(&[-2.]), false),
-            },
-            Step {
-                what: "rewrite c whole",
-                kind: EDIT,
-                run: |m| m.write("c", 0, &floats(&[-7., -8., -9.]), true),
-            },
+            ADD_D,
+            edit("patch a", |m| m.write("a", 4, &floats(&[-2.]), false)),
+            edit("rewrite c whole", |m| {
+                m.write("c", 0, &floats(&[-7., -8., -9.]), true)
+            }),
             COMMIT,
         ],
         ways: &[("s0.safetensors", "in place")],
+        ..ONE_FILE
     },
     Scenario {
         name: "in place, the header grown by blocks inserted at the start",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "a long metadata value",
-                kind: EDIT,
-                run: |m| {
-                    let text = json!({"format": "pt", "note": "x".repeat(9000)}).to_string();
-                    m.write("__metadata__.json", 0, text.as_bytes(), true)
-                },
-            },
+            edit("a long metadata value", |m| {
+                let text = json!({"format": "pt", "note": "x".repeat(9000)}).to_string();
+                m.write("__metadata__.json", 0, text.as_bytes(), true)
+            }),
             COMMIT,
         ],
         ways: &[("s0.safetensors", "in place (header grown")],
+        ..ONE_FILE
     },
     Scenario {
         name: "folder: one shard in place, one rewritten, the index",
@@ -675,22 +672,12 @@ pub const SCENARIOS: &[Scenario] = &[
         setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "mv s0/a s0/z",
-                kind: EDIT,
-                run: |m| m.rename("s0/a", "s0/z"),
-            },
+            edit("mv s0/a s0/z", |m| m.rename("s0/a", "s0/z")),
             // (A hole the end cannot fill: e would straddle the new end.)
-            Step {
-                what: "rm s1/d",
-                kind: EDIT,
-                run: |m| m.unlink("s1/d"),
-            },
-            Step {
-                what: "overwrite s1/c",
-                kind: EDIT,
-                run: |m| m.write("s1/c", 0, &floats(&[-7., -8., -9.]), false),
-            },
+            RM_S1_D,
+            edit("overwrite s1/c", |m| {
+                m.write("s1/c", 0, &floats(&[-7., -8., -9.]), false)
+            }),
             COMMIT,
         ],
         ways: &[
@@ -705,36 +692,19 @@ pub const SCENARIOS: &[Scenario] = &[
         setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "mv s0/b s1/b",
-                kind: EDIT,
-                run: |m| m.rename("s0/b", "s1/b"),
-            },
+            edit("mv s0/b s1/b", |m| m.rename("s0/b", "s1/b")),
             UNMOUNT,
         ],
         ways: &[],
     },
     Scenario {
         name: "a rename made while a commit writes, taken back on the new file",
-        folder: false,
-        make: make_one,
-        setup: None,
-        steps: &[
-            MOUNT,
-            Step {
-                what: "overwrite a",
-                kind: EDIT,
-                run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
-            },
-            COMMIT_WITH_A_RENAME,
-        ],
+        steps: &[MOUNT, OVERWRITE_A, COMMIT_WITH_A_RENAME],
         ways: &[("s0.safetensors", "in place")],
+        ..ONE_FILE
     },
     Scenario {
         name: "in place: a write not yet closed, committed",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
             Step {
@@ -745,33 +715,20 @@ pub const SCENARIOS: &[Scenario] = &[
             COMMIT,
         ],
         ways: &[("s0.safetensors", "in place")],
+        ..ONE_FILE
     },
     Scenario {
         name: "a discard, then an edit and an unmount",
-        folder: false,
-        make: make_one,
-        setup: None,
         steps: &[
             MOUNT,
-            Step {
-                what: "rm a",
-                kind: EDIT,
-                run: |m| m.unlink("a"),
-            },
-            Step {
-                what: "patch c",
-                kind: EDIT,
-                run: |m| m.write("c", 0, &floats(&[0.5]), false),
-            },
+            edit("rm a", |m| m.unlink("a")),
+            edit("patch c", |m| m.write("c", 0, &floats(&[0.5]), false)),
             DISCARD,
-            Step {
-                what: "mv b y",
-                kind: EDIT,
-                run: |m| m.rename("b", "y"),
-            },
+            MV_B_Y,
             UNMOUNT,
         ],
         ways: &[],
+        ..ONE_FILE
     },
     Scenario {
         name: "recovery of an in-place commit killed after its marker",
@@ -781,32 +738,11 @@ pub const SCENARIOS: &[Scenario] = &[
             crash_during(
                 root,
                 false,
-                &[
-                    MOUNT,
-                    Step {
-                        what: "add d",
-                        kind: EDIT,
-                        run: |m| m.add_tensor("d", "F32", &[2], &floats(&[13., 14.])),
-                    },
-                    Step {
-                        what: "overwrite a",
-                        kind: EDIT,
-                        run: |m| m.write("a", 0, &floats(&[-1., -2., -3., -4.]), false),
-                    },
-                    COMMIT,
-                ],
+                &[MOUNT, ADD_D, OVERWRITE_A, COMMIT],
                 "in-place:data",
             )
         }),
-        steps: &[
-            MOUNT,
-            Step {
-                what: "mv b y",
-                kind: EDIT,
-                run: |m| m.rename("b", "y"),
-            },
-            COMMIT,
-        ],
+        steps: &[MOUNT, MV_B_Y, COMMIT],
         ways: &[],
     },
     Scenario {
@@ -819,16 +755,8 @@ pub const SCENARIOS: &[Scenario] = &[
                 true,
                 &[
                     MOUNT,
-                    Step {
-                        what: "rm s0/a",
-                        kind: EDIT,
-                        run: |m| m.unlink("s0/a"),
-                    },
-                    Step {
-                        what: "rm s1/d",
-                        kind: EDIT,
-                        run: |m| m.unlink("s1/d"),
-                    },
+                    edit("rm s0/a", |m| m.unlink("s0/a")),
+                    RM_S1_D,
                     COMMIT,
                 ],
                 "land:renamed",

@@ -399,6 +399,17 @@ mod planner {
     }
 
     const NONE_HELD: [bool; 4] = [false; 4];
+
+    /// The plan of `new`, the metadata as it was, nothing held, nothing inserted.
+    fn planned(c: &Case, new: &[(&str, In)]) -> InPlaceLayout {
+        let none = vec![false; c.source.header().tensors.len()];
+        plan(c, new, Some("v0"), &none, None).unwrap()
+    }
+
+    /// Why `new` cannot be laid out in place while `held` is read.
+    fn declined(c: &Case, new: &[(&str, In)], held: &[bool]) -> crate::checkpoint::Declined {
+        plan(c, new, Some("v0"), held, None).err().unwrap()
+    }
     use In::{New, Old, OldAs};
 
     #[test]
@@ -414,14 +425,10 @@ mod planner {
         .unwrap();
         assert!(l.writes.is_empty() && l.inserted == 0 && l.file_len == c.len);
         assert_eq!(l.summary, "header");
-        let l = plan(
+        let l = planned(
             &c,
             &[("z", Old(0)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        );
         assert!(l.writes.is_empty() && l.file_len == c.len);
         assert_eq!(
             l.layout.tensors.get(0).name,
@@ -433,14 +440,10 @@ mod planner {
     #[test]
     fn new_bytes_of_a_tensors_size_overwrite_it_where_it_is() {
         let c = case();
-        let l = plan(
+        let l = planned(
             &c,
             &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        );
         assert_eq!(l.writes.len(), 1);
         assert_eq!(
             (l.writes[0].0.at, l.writes[0].0.len),
@@ -449,14 +452,10 @@ mod planner {
         assert_eq!(l.summary, "header, 1 tensor overwritten");
         assert_eq!(l.file_len, c.len);
         // A new tensor takes the place of a removed one of its size.
-        let l = plan(
+        let l = planned(
             &c,
             &[("e", New(16)), ("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        );
         assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.data_start, 16));
         assert_eq!(l.file_len, c.len);
     }
@@ -464,7 +463,7 @@ mod planner {
     #[test]
     fn appends_and_tail_drops_change_only_the_end() {
         let c = case();
-        let l = plan(
+        let l = planned(
             &c,
             &[
                 ("a", Old(0)),
@@ -473,27 +472,16 @@ mod planner {
                 ("d", Old(3)),
                 ("e", New(40)),
             ],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        );
         assert_eq!((l.writes[0].0.at, l.writes[0].0.len), (c.len, 40));
         assert_eq!(l.file_len, c.len + 40);
         assert_eq!(l.summary, "header, 1 tensor appended");
-        let l = plan(
-            &c,
-            &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        let l = planned(&c, &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))]);
         assert!(l.writes.is_empty());
         assert_eq!(l.file_len, c.len - 8);
         assert_eq!(l.summary, "header, 1 tensor dropped at the end");
         // A copy of a tensor goes at the end, copied from where it is.
-        let l = plan(
+        let l = planned(
             &c,
             &[
                 ("a", Old(0)),
@@ -502,11 +490,7 @@ mod planner {
                 ("c", Old(2)),
                 ("d", Old(3)),
             ],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        );
         assert_eq!(l.writes.len(), 1);
         assert_eq!(
             l.writes[0].0.from,
@@ -522,14 +506,7 @@ mod planner {
         // Two layers of (w 16, b 8) and a norm; layer 0 dropped: layer 1's
         // tensors move into its place, the norm stays, the end is cut.
         let c = case_of(&[("0.w", 16), ("0.b", 8), ("n", 4), ("1.w", 16), ("1.b", 8)]);
-        let l = plan(
-            &c,
-            &[("n", Old(2)), ("1.w", Old(3)), ("1.b", Old(4))],
-            Some("v0"),
-            &[false; 5],
-            None,
-        )
-        .unwrap();
+        let l = planned(&c, &[("n", Old(2)), ("1.w", Old(3)), ("1.b", Old(4))]);
         let ds = c.data_start;
         let mut writes: Vec<_> = l
             .writes
@@ -563,7 +540,7 @@ mod planner {
         );
         // 0.w alone (16): 1.w would straddle the new end (36); a tensor at
         // the end still read; or new bytes to append: refused.
-        let e = plan(
+        let e = declined(
             &c,
             &[
                 ("0.b", Old(1)),
@@ -571,24 +548,16 @@ mod planner {
                 ("1.w", Old(3)),
                 ("1.b", Old(4)),
             ],
-            Some("v0"),
             &[false; 5],
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("\"0.w\" leaves a hole"), "{e}");
-        let e = plan(
+        let e = declined(
             &c,
             &[("n", Old(2)), ("1.w", Old(3)), ("1.b", Old(4))],
-            Some("v0"),
             &[false, false, false, false, true],
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("leaves a hole"), "{e}");
-        let e = plan(
+        let e = declined(
             &c,
             &[
                 ("n", Old(2)),
@@ -596,12 +565,8 @@ mod planner {
                 ("1.b", Old(4)),
                 ("z", New(4)),
             ],
-            Some("v0"),
             &[false; 5],
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("leaves a hole"), "{e}");
     }
 
@@ -613,15 +578,7 @@ mod planner {
         let keep = |m: In| [("a", Old(0)), ("t", Old(2)), ("m", m)];
         let l = plan(&c, &keep(Old(3)), Some("v0"), &[false; 4], None).unwrap();
         assert_eq!(l.writes[0].0.at, c.data_start + 4);
-        let e = plan(
-            &c,
-            &keep(OldAs(3, Dtype::F64)),
-            Some("v0"),
-            &[false; 4],
-            None,
-        )
-        .err()
-        .unwrap();
+        let e = declined(&c, &keep(OldAs(3, Dtype::F64)), &[false; 4]);
         assert!(e.0.to_string().contains("\"h\" leaves a hole"), "{e}");
     }
 
@@ -629,59 +586,32 @@ mod planner {
     fn holes_held_bytes_and_foreign_bytes_are_refused_with_the_reason() {
         let c = case();
         // c's hole (16) is filled by half: d (8) moves into it, the end is cut.
-        let l = plan(
-            &c,
-            &[("a", Old(0)), ("b", Old(1)), ("d", Old(3))],
-            Some("v0"),
-            &NONE_HELD,
-            None,
-        )
-        .unwrap();
+        let l = planned(&c, &[("a", Old(0)), ("b", Old(1)), ("d", Old(3))]);
         assert_eq!(l.file_len, c.len - 16);
         assert_eq!(l.writes.len(), 1);
         // a's (16) is not: c (16) would straddle the new end.
-        let e = plan(
+        let e = declined(
             &c,
             &[("b", Old(1)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
             &NONE_HELD,
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("\"a\" leaves a hole"), "{e}");
-        let e = plan(
+        let e = declined(
             &c,
             &[("a", Old(0)), ("b", New(8)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
             &NONE_HELD,
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("\"b\" leaves a hole"), "{e}");
         let held = [false, true, false, false];
-        let e = plan(
+        let e = declined(
             &c,
             &[("a", Old(0)), ("b", New(32)), ("c", Old(2)), ("d", Old(3))],
-            Some("v0"),
             &held,
-            None,
-        )
-        .err()
-        .unwrap();
+        );
         assert!(e.0.to_string().contains("still read"), "{e}");
         // Held bytes at the end are not cut either.
         let held = [false, false, false, true];
-        let e = plan(
-            &c,
-            &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))],
-            Some("v0"),
-            &held,
-            None,
-        )
-        .err()
-        .unwrap();
+        let e = declined(&c, &[("a", Old(0)), ("b", Old(1)), ("c", Old(2))], &held);
         assert!(e.0.to_string().contains("still read"), "{e}");
     }
 
