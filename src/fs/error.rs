@@ -20,6 +20,9 @@ pub enum FsError {
     /// The mount or the entry does not accept writes (EROFS).
     #[error("read-only")]
     ReadOnly,
+    /// A file that only stfs writes, and why (EROFS).
+    #[error("read-only: {0}")]
+    ReadOnlyFile(&'static str),
     /// A name that is not a valid escape, or a bad argument (EINVAL).
     #[error("invalid: {0}")]
     Invalid(String),
@@ -94,7 +97,7 @@ impl ToErrno for FsError {
             FsError::NotFound => libc::ENOENT,
             FsError::NotADirectory => libc::ENOTDIR,
             FsError::IsADirectory => libc::EISDIR,
-            FsError::ReadOnly => libc::EROFS,
+            FsError::ReadOnly | FsError::ReadOnlyFile(_) => libc::EROFS,
             FsError::Invalid(_) | FsError::NotUtf8 => libc::EINVAL,
             FsError::NotSupported(_) => libc::ENOTSUP,
             FsError::NameTooLong => libc::ENAMETOOLONG,

@@ -1,6 +1,7 @@
 """Real mounts of files written by the official Python `safetensors`, driven
 with real tools (ls, cat, dd, stat) and real syscalls."""
 
+import errno
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import threading
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 
 import stfs_fixtures as fx
@@ -238,6 +240,25 @@ def test_sharded_folder_with_index(tmp_path, mount):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     m2 = mount(folder)
     assert "weight_map says" in m2.result.stderr
+
+
+def test_an_index_file_is_read_only_through_the_mount(tmp_path, mount):
+    """A commit rewrites the index; writing it by hand is refused with EROFS
+    ("Read-only file system", what a shell user expects), not EPERM, and the
+    index is as it was."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"a": np.arange(4, dtype=np.float32)}, str(folder / "model-00001-of-00001.safetensors"))
+    index = {"metadata": {"total_size": 16}, "weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    m = mount(folder)
+    shown = os.path.join(m.path, "model.safetensors.index.json")
+    before = open(shown, "rb").read()
+    for how in (lambda: open(shown, "r+b"), lambda: open(shown, "wb"), lambda: os.truncate(shown, 0)):
+        with pytest.raises(OSError) as e:
+            how()
+        assert e.value.errno == errno.EROFS, e.value
+    assert open(shown, "rb").read() == before
 
 
 def test_a_commit_with_nothing_staged_rewrites_an_index_that_disagrees(tmp_path, mount, run):
