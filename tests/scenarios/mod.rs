@@ -366,6 +366,17 @@ pub const COMMIT_WITH_A_RENAME: Step = Step {
     what: "commit, with mv b y while it writes",
     kind: StepKind::Commit,
     run: |m| {
+        // Done again after a crash that came once the rename was acknowledged
+        // (its fsync had returned): it must have survived, not be made again.
+        let acked = m.root.join("log/rename-acked");
+        if acked.exists() {
+            if m.ino("y").is_err() || m.ino("b").is_ok() {
+                return Err(
+                    "another program's mv b y, fsynced while a commit wrote, was lost".into(),
+                );
+            }
+            return m.commit().map(|_| ());
+        }
         struct Shared(*const Fs);
         // SAFETY: the hook runs on the commit's own thread, while `m`'s
         // filesystem lives (it is taken away before the commit returns).
@@ -392,6 +403,9 @@ pub const COMMIT_WITH_A_RENAME: Step = Step {
                 let renamed = fs
                     .rename(ROOT_INO, "b", ROOT_INO, "y", false)
                     .and_then(|()| fs.fsync(None));
+                if renamed.is_ok() {
+                    let _ = std::fs::write(&acked, b"");
+                }
                 *said.lock().unwrap() =
                     renamed.map_err(|e| format!("another program's mv b y: {e}"));
             }
