@@ -34,6 +34,8 @@ pub enum ClientError {
     Other(String),
 }
 
+crate::failure_from!(ClientError);
+
 impl crate::errno::ToErrno for ClientError {
     /// What the command met: the daemon's own errno where it answered.
     fn to_errno(&self) -> i32 {

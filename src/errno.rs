@@ -57,24 +57,20 @@ impl ToErrno for Failure {
     }
 }
 
+/// `impl From<$t> for Failure` (through `Failure::of`), written beside each
+/// error type that becomes one, so that this module names none of them.
+#[macro_export]
 macro_rules! failure_from {
     ($($t:ty),*) => {$(
-        impl From<$t> for Failure {
-            fn from(e: $t) -> Failure {
-                Failure::of(&e)
+        impl From<$t> for $crate::errno::Failure {
+            fn from(e: $t) -> $crate::errno::Failure {
+                $crate::errno::Failure::of(&e)
             }
         }
     )*};
 }
 
-failure_from!(
-    std::io::Error,
-    crate::checkpoint::recovery_error::RecoveryError,
-    crate::source::remote::RemoteError,
-    crate::source::FolderError,
-    crate::client::ClientError,
-    crate::format::InFile
-);
+failure_from!(std::io::Error);
 
 /// An error and the causes under it ("error sending request" says little;
 /// "operation timed out" or "connection refused" under it says what happened).

@@ -32,6 +32,8 @@ pub enum RecoveryError {
     },
 }
 
+crate::failure_from!(RecoveryError);
+
 impl crate::errno::ToErrno for RecoveryError {
     fn to_errno(&self) -> i32 {
         match self {

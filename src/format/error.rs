@@ -153,6 +153,8 @@ pub struct InFile {
     pub error: FormatError,
 }
 
+crate::failure_from!(InFile);
+
 impl crate::errno::ToErrno for InFile {
     fn to_errno(&self) -> i32 {
         self.error.to_errno()

@@ -91,6 +91,10 @@ pub struct UnmountError {
     pub kept: String,
 }
 
+/// An index is rewritten by commits to match the shards, never edited.
+pub(crate) const INDEX_READ_ONLY: FsError =
+    FsError::ReadOnlyFile("index files are rewritten by commits, not edited");
+
 impl ToErrno for FsError {
     fn to_errno(&self) -> i32 {
         match self {

@@ -31,10 +31,6 @@ pub(super) const JSON_BUDGET: usize = 64 << 20;
 #[derive(Default)]
 pub(super) struct JsonBudget(AtomicU64);
 
-/// An index is rewritten by commits to match the shards, never edited.
-pub(crate) const INDEX_READ_ONLY: FsError =
-    FsError::ReadOnlyFile("index files are rewritten by commits, not edited");
-
 impl JsonBudget {
     pub(super) fn take(&self, n: usize) -> Result<(), FsError> {
         let n = n as u64;
@@ -279,7 +275,7 @@ impl Fs {
                 drop(st);
                 Ok(self.open_view(ino, file, None))
             }
-            Node::Index(_) if write || truncate => Err(INDEX_READ_ONLY),
+            Node::Index(_) if write || truncate => Err(crate::fs::error::INDEX_READ_ONLY),
             Node::File(c, id, TensorFile::Data) => {
                 let object = self.object(c, id)?;
                 if truncate {

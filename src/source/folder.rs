@@ -91,6 +91,8 @@ pub enum FolderError {
     Refused { path: PathBuf, why: String },
 }
 
+crate::failure_from!(FolderError);
+
 impl crate::errno::ToErrno for FolderError {
     /// The kernel's errno; a folder refused as unsafe is EACCES.
     fn to_errno(&self) -> i32 {

@@ -116,6 +116,8 @@ pub enum RemoteError {
     Cache(#[from] crate::source::FolderError),
 }
 
+crate::failure_from!(RemoteError);
+
 impl ToErrno for RemoteError {
     fn to_errno(&self) -> i32 {
         match self {
