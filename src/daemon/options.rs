@@ -10,11 +10,13 @@ pub(super) struct MountOptions {
     pub(super) nonempty: bool,
     pub(super) cache: CacheMode,
     pub(super) release_after_read: bool,
+    pub(super) load_slabs: usize,
+    pub(super) load_slab: usize,
     pub(super) kernel: Vec<MountOption>,
 }
 
 pub(super) const KNOWN: &str = "ro, rw, allow_other, allow_root, nonempty, cache=keep|direct, \
-                     mapping=keep|release, default_permissions (always on), nodev, nosuid, \
+                     mapping=keep|release, load_slabs=N, load_slab_kib=N, default_permissions (always on), nodev, nosuid, \
                      noexec, noatime";
 
 /// Checks one `-o` argument (clap's value parser: a bad option is refused
@@ -30,6 +32,8 @@ pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, crate::errn
         nonempty: false,
         cache: CacheMode::Direct,
         release_after_read: false,
+        load_slabs: crate::fs::LOAD_SLABS,
+        load_slab: crate::fs::LOAD_SLAB,
         kernel: Vec::new(),
     };
     for opt in list
@@ -51,10 +55,31 @@ pub(super) fn parse_options(list: &[String]) -> Result<MountOptions, crate::errn
             "nodev" | "nosuid" => {}
             "noexec" => o.kernel.push(MountOption::NoExec),
             "noatime" => o.kernel.push(MountOption::NoAtime),
+            _ if opt.starts_with("load_slabs=") => o.load_slabs = count(opt, 1..=1024)?,
+            _ if opt.starts_with("load_slab_kib=") => {
+                o.load_slab = count(opt, 4..=(1 << 20))? << 10
+            }
             other => return Err(format!("unknown mount option {other:?} (known: {KNOWN})").into()),
         }
     }
     Ok(o)
+}
+
+/// The number of `name=N`, in `range`.
+fn count(
+    opt: &str,
+    range: std::ops::RangeInclusive<usize>,
+) -> Result<usize, crate::errno::Failure> {
+    let (name, n) = opt.split_once('=').expect("name=N");
+    match n.parse::<usize>() {
+        Ok(n) if range.contains(&n) => Ok(n),
+        _ => Err(format!(
+            "mount option {name} takes a number from {} to {}, not {n:?}",
+            range.start(),
+            range.end()
+        )
+        .into()),
+    }
 }
 
 pub(super) fn settings(options: &MountOptions) -> Settings {
@@ -63,6 +88,8 @@ pub(super) fn settings(options: &MountOptions) -> Settings {
         owner: rustix::process::getuid().as_raw(),
         cache: options.cache,
         release_after_read: options.release_after_read,
+        load_slabs: options.load_slabs,
+        load_slab: options.load_slab,
     }
 }
 

@@ -3,7 +3,7 @@
 
 use crate::checkpoint::{CommitError, EditError};
 pub use crate::errno::ToErrno;
-use crate::prefetch::cuda::CudaError;
+use crate::prefetch::load::LoadError;
 use crate::source::staged::StagingError;
 
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +70,7 @@ pub enum FsError {
     #[error("{0}")]
     Staging(#[from] StagingError),
     #[error("{0}")]
-    Cuda(#[from] CudaError),
+    Load(#[from] LoadError),
     /// An I/O error of the backing filesystem.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -116,7 +116,7 @@ impl ToErrno for FsError {
             FsError::Edit(e) => e.to_errno(),
             FsError::Commit(e) => e.to_errno(),
             FsError::Staging(e) => e.to_errno(),
-            FsError::Cuda(e) => e.to_errno(),
+            FsError::Load(e) => e.to_errno(),
             FsError::Io(e) => e.to_errno(),
         }
     }
@@ -172,7 +172,7 @@ mod tests {
         let eof = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short");
         assert_eq!(FsError::from(eof).to_errno(), libc::EIO);
         assert_eq!(
-            FsError::from(CudaError::NoDriver("x".into())).to_errno(),
+            FsError::from(LoadError::NoDevice("x".into())).to_errno(),
             libc::ENODEV
         );
         use crate::fs::views::ViewError;

@@ -25,9 +25,9 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_PREFETCH,
-    IOC_PROGRESS, IOC_STATUS, IoctlStruct, PrefetchArgs, ProgressArgs, STATUS_JSON, StatusArgs,
-    TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_LOAD, IOC_PREFETCH,
+    IOC_PROGRESS, IOC_STATUS, IoctlStruct, LoadArgs, PrefetchArgs, ProgressArgs, STATUS_JSON,
+    StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::kernel_cache::NAME_TTL;
 use super::{
@@ -360,6 +360,23 @@ impl FuseAdapter {
             reply.ioctl(0, args.as_bytes())
         });
     }
+
+    /// STFS_IOC_LOAD, on a thread of its own (a poll may wait).
+    fn load(&self, req: &Request, ino: INodeNo, fh: FileHandle, in_data: &[u8], reply: ReplyIoctl) {
+        let Some(mut args) = LoadArgs::from_caller(in_data).map(Box::new) else {
+            return reply.error(failed(&FsError::Invalid(
+                "STFS_IOC_LOAD with a bad struct size".into(),
+            )));
+        };
+        let uid = req.uid();
+        self.spawn(request!("load", ino.0, fh.0), move |fs| {
+            if let Err(e) = fs.load(fh.0, uid, &mut args) {
+                args.result = failed(&e).code();
+                args.set_text(&e.to_string());
+            }
+            reply.ioctl(0, args.as_bytes())
+        });
+    }
 }
 
 impl Filesystem for FuseAdapter {
@@ -486,6 +503,23 @@ impl Filesystem for FuseAdapter {
                 Err(e) => reply.error(failed(&e)),
             }
         })
+    }
+
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // A handle of its own: loads started on a directory belong to it.
+        reply.opened(FileHandle(self.fs.open_dir()), FopenFlags::empty());
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.release_dir(fh.0);
+        reply.ok();
     }
 
     fn release(
@@ -654,6 +688,7 @@ impl Filesystem for FuseAdapter {
         let uid = req.uid();
         match cmd {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
+            IOC_LOAD => self.load(req, ino, fh, in_data, reply),
             IOC_PROGRESS => {
                 let Some(args) = ProgressArgs::from_caller(in_data) else {
                     return reply.error(failed(&FsError::Invalid(

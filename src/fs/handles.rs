@@ -100,8 +100,8 @@ pub(super) enum Handle {
         ino: Ino,
         object: Arc<DataObject>,
         wrote: bool,
-        /// CUDA buffers prefetched through this handle: freed when it closes.
-        device: Vec<crate::prefetch::cuda::DeviceBuffer>,
+        /// Device arenas prefetched through this handle: freed when it closes.
+        device: Vec<Arc<dyn crate::prefetch::load::engine::Arena>>,
     },
     /// A JSON file; `write`: opened for writing.
     Json { file: Arc<JsonFile>, write: bool },
@@ -477,6 +477,7 @@ impl Fs {
     }
 
     pub fn release(&self, fh: u64) -> Result<(), FsError> {
+        self.loads.release(fh);
         let result = self
             .apply_json(fh, true)
             .and_then(|()| self.make_durable(fh));
@@ -497,6 +498,16 @@ impl Fs {
             warn!("closing a file: {e}");
         }
         result
+    }
+
+    /// A directory opened: a handle of its own, which loads may belong to.
+    pub fn open_dir(&self) -> u64 {
+        self.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A directory closed: the loads it started stop and go.
+    pub fn release_dir(&self, fh: u64) {
+        self.loads.release(fh);
     }
 
     /// fsync makes the edits durable (staging file and journal). It does not

@@ -320,3 +320,120 @@ mod prefetch_tests {
         );
     }
 }
+
+/// Room for names, a glob, a page of the table, or a message.
+pub const LOAD_TEXT_LEN: usize = 16192;
+
+/// STFS_IOC_LOAD, on any file or directory of a mount: many tensors into
+/// one arena on a device (see include/stfs.h for the protocol).
+#[repr(C)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct LoadArgs {
+    /// In: size_of::<LoadArgs>() (16376).
+    pub size: u32,
+    /// In: LOAD_*.
+    pub op: u32,
+    /// In (POLL, TABLE, FREE), out (START): the load.
+    pub id: u64,
+    /// In (START): TARGET_CUDA or TARGET_HOST, and the CUDA device.
+    pub target: u32,
+    pub device: i32,
+    pub flags: u32,
+    /// In (POLL): how long to wait for more to land, at most 1000 ms.
+    pub wait_ms: u32,
+    /// Out: 0, or an errno (then `text` says why).
+    pub result: i32,
+    /// Out: 1 once the load has ended (landed, failed or cancelled).
+    pub done: u32,
+    /// Out: the tensors and bytes planned; of them landed (the first
+    /// `landed_tensors` of the table are in place).
+    pub tensors: u64,
+    pub bytes: u64,
+    pub landed_tensors: u64,
+    pub landed_bytes: u64,
+    /// Out: the arena's size, and the time from the start (to the end once done).
+    pub arena_size: u64,
+    pub elapsed_ns: u64,
+    /// Out: slabs the daemon has made since it started, and arenas alive now.
+    pub slabs_made: u64,
+    pub live_arenas: u64,
+    /// In (TABLE): byte offset of the page; out: the table's length.
+    pub offset: u64,
+    pub total: u64,
+    /// Out (START, POLL): what a client opens to reach the arena.
+    pub handle: [u8; 64],
+    /// In: names (NUL-separated) or a glob; out: a page of the table, or why it failed.
+    pub text: [u8; LOAD_TEXT_LEN],
+}
+
+impl IoctlStruct for LoadArgs {}
+
+pub const TARGET_HOST: u32 = 2;
+pub const LOAD_NAMES: u32 = 1;
+pub const LOAD_GLOB: u32 = 2;
+pub const LOAD_START: u32 = 3;
+pub const LOAD_POLL: u32 = 4;
+pub const LOAD_TABLE: u32 = 5;
+pub const LOAD_FREE: u32 = 6;
+
+/// `_IOWR('s', 5, struct stfs_load)`.
+pub const IOC_LOAD: u32 = iowr(5, std::mem::size_of::<LoadArgs>());
+
+impl LoadArgs {
+    pub fn new(op: u32) -> Box<LoadArgs> {
+        let mut a = Box::new(LoadArgs::new_zeroed());
+        a.size = std::mem::size_of::<LoadArgs>() as u32;
+        a.op = op;
+        a
+    }
+
+    /// The text sent in, up to its first NUL (names keep their NULs: see `names`).
+    pub fn text(&self) -> String {
+        read_text(&self.text)
+    }
+
+    /// The NUL-separated names sent in (an empty name ends them).
+    pub fn names(&self) -> impl Iterator<Item = Result<String, std::string::FromUtf8Error>> + '_ {
+        self.text
+            .split(|&b| b == 0)
+            .take_while(|n| !n.is_empty())
+            .map(|n| String::from_utf8(n.to_vec()))
+    }
+
+    pub fn set_text(&mut self, text: &str) {
+        write_text(&mut self.text, text);
+    }
+
+    /// The page of `table` from `offset`: raw bytes (a character may be
+    /// cut between pages; the caller joins the bytes).
+    pub fn set_page(&mut self, table: &[u8]) {
+        self.total = table.len() as u64;
+        let start = (self.offset as usize).min(table.len());
+        let end = (start + LOAD_TEXT_LEN - 1).min(table.len());
+        self.text = [0; LOAD_TEXT_LEN];
+        self.text[..end - start].copy_from_slice(&table[start..end]);
+    }
+}
+
+#[cfg(test)]
+mod load_tests {
+    use super::*;
+
+    #[test]
+    fn load_abi_layout() {
+        assert_eq!(std::mem::size_of::<LoadArgs>(), 16376);
+        assert_eq!(std::mem::offset_of!(LoadArgs, result), 32);
+        assert_eq!(std::mem::offset_of!(LoadArgs, tensors), 40);
+        assert_eq!(std::mem::offset_of!(LoadArgs, handle), 120);
+        assert_eq!(std::mem::offset_of!(LoadArgs, text), 184);
+        assert_eq!(IOC_LOAD, 0xfff8_7305);
+        let mut a = LoadArgs::new(LOAD_NAMES);
+        a.text[..6].copy_from_slice(b"a\0b.c\0");
+        let names: Vec<_> = a.names().map(Result::unwrap).collect();
+        assert_eq!(names, ["a", "b.c"]);
+        a.offset = 3;
+        a.set_page(b"0123456");
+        assert_eq!((a.total, a.text()), (7, "3456".to_string()));
+        assert!(LoadArgs::from_caller(&a.as_bytes()[..100]).is_none());
+    }
+}

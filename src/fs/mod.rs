@@ -30,6 +30,7 @@ pub mod fuse;
 mod handles;
 pub mod ioctl;
 pub mod kernel_cache;
+mod load;
 mod lookup;
 pub mod names;
 mod state;
@@ -197,7 +198,15 @@ pub struct Settings {
     pub cache: CacheMode,
     /// Drop the daemon's page-table references to the source after each read.
     pub release_after_read: bool,
+    /// Loads into a device: lanes in each device's pool, and bytes per slab.
+    pub load_slabs: usize,
+    pub load_slab: usize,
 }
+
+/// A device's pool: 8 slabs of 16 MiB (128 MiB pinned), as many copies in
+/// flight as a PCIe Gen5 link and an NVMe array keep busy.
+pub const LOAD_SLABS: usize = 8;
+pub const LOAD_SLAB: usize = 16 << 20;
 
 impl Default for Settings {
     fn default() -> Settings {
@@ -206,6 +215,8 @@ impl Default for Settings {
             owner: rustix::process::getuid().as_raw(),
             cache: CacheMode::Direct,
             release_after_read: false,
+            load_slabs: LOAD_SLABS,
+            load_slab: LOAD_SLAB,
         }
     }
 }
@@ -234,6 +245,9 @@ pub struct Fs {
     /// What the kernel may cache of names and attributes, and the
     /// notifications that take it back.
     kernel: kernel_cache::KernelCache,
+    /// Each device's pool of lanes, and the loads each descriptor started.
+    devices: crate::prefetch::load::Devices,
+    loads: crate::prefetch::load::Loads,
 }
 
 impl Fs {
@@ -286,6 +300,7 @@ impl Fs {
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
+        let devices = crate::prefetch::load::Devices::new(settings.load_slabs, settings.load_slab);
         Fs {
             settings,
             transactions: Transactions::new(staging.clone()),
@@ -310,6 +325,8 @@ impl Fs {
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
             kernel: Default::default(),
+            devices,
+            loads: Default::default(),
         }
     }
 

@@ -339,16 +339,39 @@ impl Fs {
                 done.bytes = resident;
             }
             PrefetchTarget::Cuda(device) => {
-                let buffer = crate::prefetch::cuda::to_device(device, &backing, keep_going)?;
+                let arena = self.load_one(device, &backing, nbytes, keep_going)?;
                 done.bytes = nbytes;
-                done.ipc = Some((buffer.ipc_handle, buffer.len() as u64));
+                done.ipc = Some((arena.handle(), arena.size()));
                 if let Some(Handle::Data { device, .. }) =
                     self.handles.lock_anyway().open.get_mut(&fh)
                 {
-                    device.push(buffer);
+                    device.push(arena);
                 }
             }
         }
         Ok(done)
+    }
+
+    /// One tensor into a new arena on CUDA device `device`, through the
+    /// device's pool, as a load of many would.
+    fn load_one(
+        &self,
+        device: i32,
+        backing: &crate::source::Backing,
+        nbytes: u64,
+        keep_going: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Arc<dyn crate::prefetch::load::engine::Arena>, FsError> {
+        use crate::prefetch::load::{Load, Target, plan::Item};
+        let pool = self.devices.pool(Target::Cuda(device))?;
+        let item = Item {
+            name: String::new(),
+            dtype: crate::format::Dtype::U8,
+            shape: vec![nbytes],
+            nbytes,
+            backing: Some(backing.clone()),
+        };
+        let load = Load::start(vec![item], pool)?;
+        load.wait(keep_going)?;
+        Ok(load.arena.clone())
     }
 }

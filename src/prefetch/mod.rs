@@ -2,6 +2,7 @@
 //! CUDA device buffer exported by IPC handle (where a driver is present).
 
 pub mod cuda;
+pub mod load;
 
 use crate::sync::LockAnyway;
 use std::fs::File;

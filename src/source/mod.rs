@@ -36,6 +36,7 @@ pub enum Bytes {
 
 /// Where the bytes a prefetch reads are: a range of a local file, or of a
 /// remote source (fetched into its cache first, in parallel).
+#[derive(Clone)]
 pub enum Backing {
     File {
         file: Arc<File>,

@@ -6,7 +6,7 @@
 //! comes from one table (`ViewInodes`), filled as names are looked up.
 
 mod casts;
-mod export;
+pub(super) mod export;
 pub(super) use export::index_view;
 mod gguf_file;
 mod npy;
