@@ -44,7 +44,8 @@ struct stfs_commit {
  * Page cache: the daemon answers within a few seconds with `next`, where it
  * stopped; ask again with `offset = next` until `next == nbytes` (a FUSE
  * request cannot be interrupted, so each one is kept short).
- * CUDA: the whole tensor; the buffer stays allocated until the file
+ * CUDA: the whole tensor, through the device's pool of pinned slabs (as a
+ * load, STFS_IOC_LOAD, of one tensor); the buffer stays allocated until the file
  * descriptor the ioctl was made on is closed; open it with
  * cuIpcOpenMemHandle (the Python package's stfs.cuda). */
 struct stfs_prefetch {
@@ -102,5 +103,73 @@ struct stfs_progress {
 };
 
 #define STFS_IOC_PROGRESS _IOWR(STFS_IOC_TYPE, 4, struct stfs_progress)
+
+/* STFS_IOC_LOAD: on any file or directory of a mount (its root, usually):
+ * many tensors into one device allocation, the arena, in one plan. The
+ * daemon plans the byte spans of every tensor across the mount's files
+ * (file order, adjacent tensors read together), makes the arena (each
+ * tensor at an offset aligned to 256 bytes), and streams the bytes into it
+ * through the device's pool of pinned slabs (made at the device's first
+ * load, kept until unmount). A load belongs to the descriptor it was started
+ * on: closing it (or STFS_LOAD_FREE) stops the load and frees the arena.
+ *
+ *   STFS_LOAD_NAMES  `text`: tensor names, each NUL-terminated (an empty one
+ *                    ends them); any number of requests, for the next start.
+ *   STFS_LOAD_GLOB   `text`: a shell pattern (`*`, `?`, `[...]`) over the names.
+ *   STFS_LOAD_START  `target`, `device`: loads the names sent (ENOENT names a
+ *                    missing one), else the glob's matches, else every tensor
+ *                    of the mount. Answers at once: `id`, `tensors`, `bytes`,
+ *                    `arena_size`, `handle`, and how far it got (as POLL).
+ *   STFS_LOAD_POLL   `id`, `wait_ms` (at most 1000): waits for more to land;
+ *                    the first `landed_tensors` of the table are in place,
+ *                    `landed_bytes` in all, `done` once it ended. A failed
+ *                    load answers `result` and `text` naming the tensor, and
+ *                    lands none. With `id` 0: only `slabs_made`, `live_arenas`.
+ *   STFS_LOAD_TABLE  `id`, `offset`: a page of the table, `total` bytes in all
+ *                    (join the pages' bytes): one JSON object per line, in
+ *                    the order they land: {"name", "offset", "nbytes",
+ *                    "dtype", "shape"}.
+ *   STFS_LOAD_FREE   `id`: stops the load, frees its arena.
+ *
+ * `handle` is a CUipcMemHandle of the arena (STFS_TARGET_CUDA), opened with
+ * cuIpcOpenMemHandle; for STFS_TARGET_HOST (tests and benchmarks: the same
+ * pipeline into the daemon's memory), the daemon's pid and the descriptor of
+ * the memfd holding the arena, as two little-endian int32 (/proc/PID/fd/FD).
+ * The ioctl returns 0 when the daemon answered; `result` is 0 or an errno:
+ * ENODEV (no CUDA driver or device), ENOMEM, EIO, ENOENT, EINVAL, ECANCELED,
+ * EACCES (only the user who mounted and root may load). */
+#define STFS_TARGET_HOST 2u
+#define STFS_LOAD_NAMES 1u
+#define STFS_LOAD_GLOB  2u
+#define STFS_LOAD_START 3u
+#define STFS_LOAD_POLL  4u
+#define STFS_LOAD_TABLE 5u
+#define STFS_LOAD_FREE  6u
+#define STFS_LOAD_TEXT_LEN 16192
+struct stfs_load {
+	uint32_t size;           /* in: sizeof(struct stfs_load) == 16376 */
+	uint32_t op;             /* in: STFS_LOAD_* */
+	uint64_t id;             /* in (POLL, TABLE, FREE); out (START) */
+	uint32_t target;         /* in (START): STFS_TARGET_CUDA or STFS_TARGET_HOST */
+	int32_t device;          /* in (START): CUDA device ordinal */
+	uint32_t flags;          /* in: 0 */
+	uint32_t wait_ms;        /* in (POLL) */
+	int32_t result;          /* out */
+	uint32_t done;           /* out */
+	uint64_t tensors;        /* out: tensors planned */
+	uint64_t bytes;          /* out: their bytes */
+	uint64_t landed_tensors; /* out */
+	uint64_t landed_bytes;   /* out */
+	uint64_t arena_size;     /* out */
+	uint64_t elapsed_ns;     /* out: from the start (to the end once done) */
+	uint64_t slabs_made;     /* out: slabs the daemon made since it started */
+	uint64_t live_arenas;    /* out: arenas alive now */
+	uint64_t offset;         /* in (TABLE) */
+	uint64_t total;          /* out (TABLE) */
+	uint8_t handle[64];      /* out */
+	char text[STFS_LOAD_TEXT_LEN]; /* in: names or a glob; out: a table page, or why it failed */
+};
+
+#define STFS_IOC_LOAD _IOWR(STFS_IOC_TYPE, 5, struct stfs_load)
 
 #endif

@@ -155,9 +155,12 @@ enum Command {
         #[arg(value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
-    /// Bring tensors of a mount into the page cache (cpu) or into CUDA device memory.
+    /// Bring tensors of a mount into the page cache (cpu), or load them into
+    /// CUDA device memory in one load and say how fast (cuda:N: a folder is
+    /// every tensor of its mount).
     Prefetch {
-        /// cpu (the page cache) or cuda:N.
+        /// cpu (the page cache), cuda:N, or host (the load pipeline into the
+        /// daemon's memory: for tests and benchmarks).
         #[arg(long, default_value = "cpu", value_parser = crate::client::parse_device)]
         device: crate::client::Device,
         /// Tensor files, or directories of them.
@@ -395,13 +398,17 @@ fn status(json: bool, path: &std::path::Path) -> Result<bool, crate::errno::Fail
     Ok(refused)
 }
 
-/// `stfs prefetch`: each tensor file of `paths`, a line each, a bar while it goes.
+/// `stfs prefetch`: each tensor file of `paths`, a line each, a bar while it
+/// goes; to a device, one load of them all.
 fn prefetch(
     device: crate::client::Device,
     paths: Vec<PathBuf>,
 ) -> Result<(), crate::errno::Failure> {
     let mut failed = 0;
     let paths: Vec<PathBuf> = paths.into_iter().map(absolute).collect();
+    if device != crate::client::Device::Cpu {
+        return load(device, paths);
+    }
     let files = crate::client::tensor_files(&paths);
     let total = files
         .iter()
@@ -427,4 +434,32 @@ fn prefetch(
         0 => Ok(()),
         n => Err(format!("{n} prefetch{} failed", if n == 1 { "" } else { "es" }).into()),
     }
+}
+
+/// `stfs prefetch --device cuda:N`: a folder is every tensor of its mount;
+/// tensor files are loaded by name, one load for each folder they are in.
+fn load(device: crate::client::Device, paths: Vec<PathBuf>) -> Result<(), crate::errno::Failure> {
+    let mut loads: Vec<(PathBuf, Vec<String>)> = Vec::new();
+    for path in paths {
+        match (path.is_dir(), path.parent(), path.file_name()) {
+            (false, Some(dir), Some(name)) => {
+                let name = name.to_string_lossy().into_owned();
+                match loads.iter_mut().find(|(d, n)| d == dir && !n.is_empty()) {
+                    Some((_, names)) => names.push(name),
+                    None => loads.push((dir.to_path_buf(), vec![name])),
+                }
+            }
+            _ => loads.push((path, Vec::new())),
+        }
+    }
+    for (at, names) in loads {
+        let bar = crate::progress::bytes(0, "loading");
+        let line = crate::client::load(&at, device, &names, &|landed, total| {
+            bar.set_length(total);
+            bar.set_position(landed);
+        });
+        crate::progress::clear(bar);
+        println!("{}", line?);
+    }
+    Ok(())
 }

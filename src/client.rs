@@ -6,8 +6,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::fs::ioctl::{
-    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_PREFETCH, IOC_PROGRESS, IOC_STATUS, PrefetchArgs,
-    ProgressArgs, STATUS_JSON, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_LOAD, IOC_PREFETCH, IOC_PROGRESS, IOC_STATUS,
+    LOAD_NAMES, LOAD_POLL, LOAD_START, LoadArgs, PrefetchArgs, ProgressArgs, STATUS_JSON,
+    StatusArgs, TARGET_CUDA, TARGET_HOST, TARGET_PAGE_CACHE,
 };
 
 /// Why a request to a mount failed.
@@ -310,11 +311,24 @@ fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), crate::errno::Failure> {
 pub enum Device {
     Cpu,
     Cuda(i32),
+    /// The load pipeline into the daemon's own memory (tests, benchmarks).
+    Host,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "the page cache"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Host => write!(f, "host memory"),
+        }
+    }
 }
 
 pub fn parse_device(s: &str) -> Result<Device, crate::errno::Failure> {
     match s {
         "cpu" => Ok(Device::Cpu),
+        "host" => Ok(Device::Host),
         _ => s
             .strip_prefix("cuda:")
             .and_then(|n| n.parse().ok())
@@ -337,7 +351,7 @@ pub fn prefetch(
     let (mut offset, mut resident, mut daemon_ns) = (0u64, 0u64, 0u64);
     loop {
         let mut args = match device {
-            Device::Cpu => PrefetchArgs::new(TARGET_PAGE_CACHE, 0),
+            Device::Cpu | Device::Host => PrefetchArgs::new(TARGET_PAGE_CACHE, 0),
             Device::Cuda(n) => PrefetchArgs::new(TARGET_CUDA, n),
         };
         args.offset = offset;
@@ -357,11 +371,12 @@ pub fn prefetch(
         daemon_ns += args.elapsed_ns;
         advanced(match device {
             Device::Cuda(_) => args.nbytes,
-            Device::Cpu => args.next.saturating_sub(offset),
+            Device::Cpu | Device::Host => args.next.saturating_sub(offset),
         });
         let secs = (daemon_ns as f64 / 1e9).max(1e-9);
         let what = match device {
             Device::Cuda(n) => format!("{} bytes copied to cuda:{n}", args.bytes),
+            Device::Host => unreachable!("a load, not a prefetch"),
             Device::Cpu if args.next < args.nbytes && args.next > offset => {
                 offset = args.next;
                 continue;
@@ -391,6 +406,86 @@ pub fn prefetch(
             started.elapsed().as_secs_f64()
         ));
     }
+}
+
+/// Loads tensors of the mount `path` is in onto `device` in one load
+/// (STFS_IOC_LOAD): `names`, or every tensor of the mount; waits until they
+/// have landed, telling `landed` the bytes that have and of how many, and frees them
+/// (a measure and a check: a program keeps its load with stfs.cuda).
+pub fn load(
+    path: &Path,
+    device: Device,
+    names: &[String],
+    landed: &dyn Fn(u64, u64),
+) -> Result<String, ClientError> {
+    let (target, ordinal) = match device {
+        Device::Cuda(n) => (TARGET_CUDA, n),
+        Device::Host => (TARGET_HOST, 0),
+        Device::Cpu => return Err(ClientError::Other("a load goes to a device".into())),
+    };
+    let file = open(path)?;
+    let started = std::time::Instant::now();
+    for page in name_pages(names) {
+        let mut a = LoadArgs::new(LOAD_NAMES);
+        a.text[..page.len()].copy_from_slice(&page);
+        ask_load(&file, path, &mut a)?;
+    }
+    let mut a = LoadArgs::new(LOAD_START);
+    (a.target, a.device) = (target, ordinal);
+    ask_load(&file, path, &mut a)?;
+    let id = a.id;
+    loop {
+        landed(a.landed_bytes, a.bytes);
+        if a.done != 0 {
+            break;
+        }
+        a = LoadArgs::new(LOAD_POLL);
+        (a.id, a.wait_ms) = (id, 200);
+        ask_load(&file, path, &mut a)?;
+    }
+    let secs = (a.elapsed_ns as f64 / 1e9).max(1e-9);
+    Ok(format!(
+        "{}: {} tensors, {} bytes loaded into {device} in {secs:.3} s ({:.2} GB/s; {:.3} s with the requests)",
+        path.display(),
+        a.tensors,
+        a.bytes,
+        a.bytes as f64 / secs / 1e9,
+        started.elapsed().as_secs_f64()
+    ))
+}
+
+/// Sends a load request; the daemon's refusal as an error.
+fn ask_load(file: &File, path: &Path, a: &mut LoadArgs) -> Result<(), ClientError> {
+    ioctl(file, path, IOC_LOAD, a)?;
+    if a.result != 0 {
+        return Err(ClientError::Refused {
+            errno: a.result,
+            message: format!(
+                "{}: {} ({})",
+                path.display(),
+                a.text(),
+                std::io::Error::from_raw_os_error(a.result)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Names as the daemon takes them: NUL-terminated, in pages that fit a request.
+fn name_pages(names: &[String]) -> Vec<Vec<u8>> {
+    let mut pages: Vec<Vec<u8>> = Vec::new();
+    for name in names {
+        let fits = pages
+            .last()
+            .is_some_and(|p| p.len() + name.len() + 1 < crate::fs::ioctl::LOAD_TEXT_LEN);
+        if !fits {
+            pages.push(Vec::new());
+        }
+        let page = pages.last_mut().expect("pushed");
+        page.extend_from_slice(name.as_bytes());
+        page.push(0);
+    }
+    pages
 }
 
 /// Expands directories to the tensor files in them (skipping `*.meta.json`,

@@ -1,8 +1,20 @@
 """Load tensors from a stfs mount straight into GPU memory.
 
     from stfs import cuda
-    t = cuda.load("/mnt/w/lm_head.weight", device=0)   # a torch tensor on cuda:0
+    tensors = cuda.load_all("/mnt/w", device=0)        # every tensor, one arena
+    for name, t in cuda.load_iter("/mnt/w", names=["lm_head.weight"]):
+        ...                                            # each as soon as it lands
+    t = cuda.load("/mnt/w/lm_head.weight", device=0)   # one tensor, its own buffer
     a = cuda.load_cupy("/mnt/w/lm_head.weight")        # or a CuPy array
+
+`load_all` and `load_iter` make one load (STFS_IOC_LOAD, include/stfs.h): the
+daemon plans every tensor's bytes across the mount's files, makes one device
+allocation (the arena) with each tensor at a 256-byte-aligned offset, and
+streams the bytes into it through its pool of pinned slabs. This process opens
+the arena once (one CUDA IPC mapping) and every tensor is a view into it.
+Lifetime: the arena lives as long as any tensor of the load does (each keeps
+the load, and so the daemon's descriptor, alive); `.clone()` what you keep
+longer than the rest, or the whole arena stays.
 
 The daemon reads the tensor's bytes into pinned host slabs and copies them to a
 device buffer (STFS_IOC_PREFETCH, include/stfs.h); this module opens that
@@ -19,6 +31,7 @@ from __future__ import annotations
 import builtins
 import ctypes
 import fcntl
+import json
 import os
 import struct
 import sys
@@ -161,6 +174,226 @@ def load(path: str | os.PathLike[str], device: int = 0) -> Any:
         t = t.view(getattr(torch, TORCH_DTYPES[p.dtype])).reshape(p.shape)
     t._stfs_keepalive = arr
     return t
+
+
+# ---- many tensors into one arena: STFS_IOC_LOAD ----
+
+LOAD_SIZE = 16376
+IOC_LOAD = (3 << 30) | (LOAD_SIZE << 16) | (ord("s") << 8) | 5
+_LOAD = struct.Struct("<IIQIiIIiI10Q64s16192s")
+assert _LOAD.size == LOAD_SIZE
+TARGET_HOST = 2
+OP_NAMES, OP_GLOB, OP_START, OP_POLL, OP_TABLE, OP_FREE = range(1, 7)
+_LOAD_FIELDS = ("size", "op", "id", "target", "device", "flags", "wait_ms", "result", "done", "tensors", "bytes",
+                "landed_tensors", "landed_bytes", "arena_size", "elapsed_ns", "slabs_made", "live_arenas",
+                "offset", "total", "handle", "text")
+_PAGE = 16000  # names sent per request (the text field holds 16192 bytes)
+
+
+def _mount_root(path: str) -> str:
+    """The mount point of the stfs mount `path` lies in."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise OSError(f"{path}: not in a stfs mount")
+        path = parent
+    return path
+
+
+def _ask_load(fd: int, op: int, text: builtins.bytes = b"", **fields: int) -> dict[str, Any]:
+    values: dict[str, Any] = dict.fromkeys(_LOAD_FIELDS, 0)
+    values.update(size=LOAD_SIZE, op=op, handle=b"", text=text, **fields)
+    buf = bytearray(_LOAD.pack(*(values[f] for f in _LOAD_FIELDS)))
+    fcntl.ioctl(fd, IOC_LOAD, buf, True)
+    got = dict(zip(_LOAD_FIELDS, _LOAD.unpack(builtins.bytes(buf))))
+    if op != OP_TABLE:
+        got["text"] = got["text"].split(b"\0")[0].decode(errors="replace")
+    if got["result"] != 0:
+        raise OSError(got["result"], got["text"] or os.strerror(got["result"]))
+    return got
+
+
+def daemon_counts(mount: str | os.PathLike[str]) -> dict[str, int]:
+    """The daemon's `slabs_made` (since it started) and `live_arenas` (now)."""
+    fd = os.open(mount, os.O_RDONLY)
+    try:
+        got = _ask_load(fd, OP_POLL)
+    finally:
+        os.close(fd)
+    return {"slabs_made": got["slabs_made"], "live_arenas": got["live_arenas"]}
+
+
+class Load:
+    """One STFS_IOC_LOAD: the tensors of `mount` named by `names` (exact
+    tensor names), `glob` (a shell pattern), or all of them, loaded into
+    one arena on `device` (a CUDA ordinal, or "host": the daemon's memory,
+    for tests). Started at once; `poll` sees them land; `close` (or the
+    last reference going) frees the arena."""
+
+    def __init__(self, mount: str | os.PathLike[str], device: int | str = 0,
+                 names: list[str] | None = None, glob: str | None = None) -> None:
+        self.fd: int | None = os.open(mount, os.O_RDONLY)
+        self._close_ipc: Callable[[], Any] | None = None
+        self._table: list[dict[str, Any]] | None = None
+        self.device = device
+        try:
+            if names is not None:
+                self._send_names(names)
+            elif glob is not None:
+                self._ask(OP_GLOB, text=glob.encode())
+            target = TARGET_HOST if device == "host" else TARGET_CUDA
+            self.state = self._ask(OP_START, target=target, device=0 if device == "host" else int(device))
+            self.id = self.state["id"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, op: int, text: builtins.bytes = b"", **fields: int) -> dict[str, Any]:
+        if self.fd is None:
+            raise ValueError("the load is closed")
+        return _ask_load(self.fd, op, text, id=getattr(self, "id", 0), **fields)
+
+    def _send_names(self, names: list[str]) -> None:
+        if not names:
+            raise ValueError("no tensor names given")
+        page = b""
+        for name in names:
+            item = name.encode() + b"\0"
+            if len(item) > _PAGE:
+                raise ValueError(f"a tensor name of {len(item)} bytes")
+            if len(page) + len(item) > _PAGE:
+                self._ask(OP_NAMES, text=page)
+                page = b""
+            page += item
+        self._ask(OP_NAMES, text=page)
+
+    def poll(self, wait_ms: int = 0) -> dict[str, Any]:
+        """How far it got, after waiting up to `wait_ms` (at most 1000) for
+        more: the first `landed_tensors` of `table()` are in place; `done`
+        once all are. Raises OSError (naming the tensor) if it failed."""
+        self.state = self._ask(OP_POLL, wait_ms=min(wait_ms, 1000))
+        return self.state
+
+    def wait(self) -> dict[str, Any]:
+        while not self.poll(200)["done"]:
+            pass
+        return self.state
+
+    def table(self) -> list[dict[str, Any]]:
+        """Each tensor, in the order they land: name, offset (in the arena),
+        nbytes, dtype, shape."""
+        if self._table is None:
+            text, offset = b"", 0
+            while True:
+                page = self._ask(OP_TABLE, offset=offset)
+                chunk = page["text"].split(b"\0")[0]
+                text += chunk
+                offset += len(chunk)
+                if offset >= page["total"] or not chunk:
+                    break
+            self._table = [json.loads(line) for line in text.decode().splitlines() if line]
+        return self._table
+
+    def close(self) -> None:
+        """Frees the arena: this process's mapping, then the daemon's."""
+        if self._close_ipc is not None:
+            close, self._close_ipc = self._close_ipc, None
+            close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _names_and_mount(mount_or_paths: Any, names: list[str] | None) -> tuple[str, list[str] | None]:
+    """A mount (or a folder in it) with `names`, or tensor files of one mount."""
+    if isinstance(mount_or_paths, (str, os.PathLike)):
+        path = os.fspath(mount_or_paths)
+        if os.path.isdir(path):
+            return _mount_root(path), names
+        mount_or_paths = [path]
+    paths = [os.fspath(p) for p in mount_or_paths]
+    roots = {_mount_root(p) for p in paths}
+    if len(roots) != 1:
+        raise ValueError("the tensor files given are not all in one mount")
+    return roots.pop(), [os.path.basename(p) for p in paths] + (names or [])
+
+
+class _CudaArena:
+    """The arena as torch sees device memory (__cuda_array_interface__);
+    holds the load, so that every tensor viewing it keeps it alive."""
+
+    def __init__(self, load: Load, ptr: int) -> None:
+        self.load = load
+        size = load.state["arena_size"]
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _open_arena(load: Load) -> Any:
+    """The arena as one uint8 torch tensor on the load's device (one IPC open)."""
+    import torch  # type: ignore[import-not-found]
+    p = Prefetched(None, _LAYOUT.unpack(builtins.bytes(SIZE)))
+    p.device, p.ipc_handle, p.ipc_offset = int(load.device), load.state["handle"], 0
+    ptr, close = _open_ipc(p)
+    load._close_ipc = close
+    return torch.as_tensor(_CudaArena(load, ptr), device=f"cuda:{load.device}")
+
+
+def _host_arena(load: Load) -> Any:
+    """The host target's arena (tests): the daemon's memfd, mapped read-only."""
+    import mmap
+    import numpy as np
+    size = load.state["arena_size"]
+    pid, fd = struct.unpack_from("<ii", load.state["handle"])
+    with builtins.open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+        m = mmap.mmap(f.fileno(), max(size, 1), prot=mmap.PROT_READ)
+    arr = np.frombuffer(m, dtype=np.uint8, count=size)
+    return arr
+
+
+def _view(arena: Any, e: dict[str, Any]) -> Any:
+    """Tensor `e` of the table as a view into `arena` (raw bytes for a dtype
+    the framework lacks)."""
+    raw = arena[e["offset"]:e["offset"] + e["nbytes"]]
+    if hasattr(raw, "numpy"):  # torch
+        import torch  # type: ignore[import-not-found]
+        name = TORCH_DTYPES.get(e["dtype"]) or NUMPY_DTYPES.get(e["dtype"])
+        dtype = getattr(torch, name, None) if name else None
+        return raw.view(dtype).reshape(e["shape"]) if dtype is not None else raw
+    dtype = NUMPY_DTYPES.get(e["dtype"])
+    return raw.view(dtype).reshape(e["shape"]) if dtype else raw
+
+
+def load_iter(mount_or_paths: Any, device: int | str = 0, names: list[str] | None = None,
+              glob: str | None = None) -> Any:
+    """Yields (name, tensor) as each tensor lands in the arena, while the
+    rest are still read: torch tensors on cuda:`device` (numpy arrays of the
+    daemon's memory for device="host", a test target). `mount_or_paths`: a
+    mount (or a folder in it), or tensor files of one mount."""
+    mount, chosen = _names_and_mount(mount_or_paths, names)
+    load = Load(mount, device, names=chosen, glob=glob)
+    arena = _host_arena(load) if device == "host" else _open_arena(load)
+    table, given = load.table(), 0
+    while given < len(table):
+        landed = load.poll(200)["landed_tensors"]
+        for e in table[given:landed]:
+            yield e["name"], _view(arena, e)
+        given = max(given, landed)
+
+
+def load_all(mount_or_paths: Any, device: int | str = 0, names: list[str] | None = None,
+             glob: str | None = None) -> dict[str, Any]:
+    """Every tensor of a mount (or those `names` or `glob` choose, or the
+    tensor files given) as torch tensors on cuda:`device`, in one load: one
+    device allocation, one IPC mapping, each tensor a view into it. The
+    arena is freed once no tensor of the load is left (keep the dict, or
+    `.clone()` what you keep). Raises OSError naming the tensor if a read
+    failed (no tensor is handed out then)."""
+    return dict(load_iter(mount_or_paths, device, names, glob))
 
 
 if __name__ == "__main__":  # python -m stfs.cuda PATH...: page-cache prefetch
