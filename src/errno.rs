@@ -97,6 +97,7 @@ mod tests {
     use crate::checkpoint::recovery_error::RecoveryError;
     use crate::client::ClientError;
     use crate::format::{FormatError, InFile};
+    use crate::prefetch::load::LoadError;
     use crate::source::FolderError;
     use crate::source::remote::RemoteError;
 
@@ -148,6 +149,22 @@ mod tests {
                 libc::ESTALE,
             ),
             (Box::new(ClientError::Dead("m".into())), libc::ENOTCONN),
+            (Box::new(LoadError::NoDevice("x".into())), libc::ENODEV),
+            (Box::new(LoadError::OutOfMemory("x".into())), libc::ENOMEM),
+            (Box::new(LoadError::Cancelled), libc::ECANCELED),
+            (Box::new(LoadError::NoSuchTensor("x".into())), libc::ENOENT),
+            (
+                Box::new(LoadError::Read {
+                    tensor: "t".into(),
+                    at: 0,
+                    source: io(libc::EIO),
+                }),
+                libc::EIO,
+            ),
+            (
+                Box::new(LoadError::Failed(libc::ENOSPC, "x".into())),
+                libc::ENOSPC,
+            ),
         ];
         for (k, (e, want)) in cases.into_iter().enumerate() {
             assert_eq!(e.to_errno(), want, "case {k}");

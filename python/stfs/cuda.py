@@ -184,6 +184,7 @@ _LOAD = struct.Struct("<IIQIiIIiI10Q64s16192s")
 assert _LOAD.size == LOAD_SIZE
 TARGET_HOST = 2
 OP_NAMES, OP_GLOB, OP_START, OP_POLL, OP_TABLE, OP_FREE = range(1, 7)
+LOAD_THROUGH_SLABS = 1
 _LOAD_FIELDS = ("size", "op", "id", "target", "device", "flags", "wait_ms", "result", "done", "tensors", "bytes",
                 "landed_tensors", "landed_bytes", "arena_size", "elapsed_ns", "slabs_made", "live_arenas",
                 "offset", "total", "handle", "text")
@@ -229,10 +230,12 @@ class Load:
     tensor names), `glob` (a shell pattern), or all of them, loaded into
     one arena on `device` (a CUDA ordinal, or "host": the daemon's memory,
     for tests). Started at once; `poll` sees them land; `close` (or the
-    last reference going) frees the arena."""
+    last reference going) frees the arena. `through_slabs`: copy every
+    chunk through the daemon's slabs even where the arena is host memory
+    it could read into (tests of the path a GPU takes)."""
 
     def __init__(self, mount: str | os.PathLike[str], device: int | str = 0,
-                 names: list[str] | None = None, glob: str | None = None) -> None:
+                 names: list[str] | None = None, glob: str | None = None, through_slabs: bool = False) -> None:
         self.fd: int | None = os.open(mount, os.O_RDONLY)
         self._close_ipc: Callable[[], Any] | None = None
         self._table: list[dict[str, Any]] | None = None
@@ -243,7 +246,8 @@ class Load:
             elif glob is not None:
                 self._ask(OP_GLOB, text=glob.encode())
             target = TARGET_HOST if device == "host" else TARGET_CUDA
-            self.state = self._ask(OP_START, target=target, device=0 if device == "host" else int(device))
+            self.state = self._ask(OP_START, target=target, device=0 if device == "host" else int(device),
+                                   flags=LOAD_THROUGH_SLABS if through_slabs else 0)
             self.id = self.state["id"]
         except BaseException:
             self.close()
@@ -343,16 +347,35 @@ def _open_arena(load: Load) -> Any:
     return torch.as_tensor(_CudaArena(load, ptr), device=f"cuda:{load.device}")
 
 
+class _HostArena:
+    """The host target's arena (tests): read from the daemon's memory through
+    /proc/PID/mem (its own user and root only); `arena[a:b]` is a numpy copy."""
+
+    def __init__(self, load: Load) -> None:
+        self.load = load
+        self.size = load.state["arena_size"]
+        pid = struct.unpack_from("<i", load.state["handle"])[0]
+        self.address = struct.unpack_from("<Q", load.state["handle"], 8)[0]
+        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+
+    def __getitem__(self, at: slice) -> Any:
+        import numpy as np
+        start, stop, _ = at.indices(self.size)
+        out = bytearray(max(stop - start, 0))
+        done = 0
+        while done < len(out):
+            n = os.preadv(self.fd, [memoryview(out)[done:]], self.address + start + done)
+            if n <= 0:
+                raise OSError(f"reading the host arena at {start + done}")
+            done += n
+        return np.frombuffer(out, np.uint8)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 def _host_arena(load: Load) -> Any:
-    """The host target's arena (tests): the daemon's memfd, mapped read-only."""
-    import mmap
-    import numpy as np
-    size = load.state["arena_size"]
-    pid, fd = struct.unpack_from("<ii", load.state["handle"])
-    with builtins.open(f"/proc/{pid}/fd/{fd}", "rb") as f:
-        m = mmap.mmap(f.fileno(), max(size, 1), prot=mmap.PROT_READ)
-    arr = np.frombuffer(m, dtype=np.uint8, count=size)
-    return arr
+    return _HostArena(load)
 
 
 def _view(arena: Any, e: dict[str, Any]) -> Any:
@@ -369,13 +392,13 @@ def _view(arena: Any, e: dict[str, Any]) -> Any:
 
 
 def load_iter(mount_or_paths: Any, device: int | str = 0, names: list[str] | None = None,
-              glob: str | None = None) -> Any:
+              glob: str | None = None, through_slabs: bool = False) -> Any:
     """Yields (name, tensor) as each tensor lands in the arena, while the
-    rest are still read: torch tensors on cuda:`device` (numpy arrays of the
+    rest are still read: torch tensors on cuda:`device` (numpy copies of the
     daemon's memory for device="host", a test target). `mount_or_paths`: a
     mount (or a folder in it), or tensor files of one mount."""
     mount, chosen = _names_and_mount(mount_or_paths, names)
-    load = Load(mount, device, names=chosen, glob=glob)
+    load = Load(mount, device, names=chosen, glob=glob, through_slabs=through_slabs)
     arena = _host_arena(load) if device == "host" else _open_arena(load)
     table, given = load.table(), 0
     while given < len(table):
@@ -386,14 +409,14 @@ def load_iter(mount_or_paths: Any, device: int | str = 0, names: list[str] | Non
 
 
 def load_all(mount_or_paths: Any, device: int | str = 0, names: list[str] | None = None,
-             glob: str | None = None) -> dict[str, Any]:
+             glob: str | None = None, through_slabs: bool = False) -> dict[str, Any]:
     """Every tensor of a mount (or those `names` or `glob` choose, or the
     tensor files given) as torch tensors on cuda:`device`, in one load: one
     device allocation, one IPC mapping, each tensor a view into it. The
     arena is freed once no tensor of the load is left (keep the dict, or
     `.clone()` what you keep). Raises OSError naming the tensor if a read
     failed (no tensor is handed out then)."""
-    return dict(load_iter(mount_or_paths, device, names, glob))
+    return dict(load_iter(mount_or_paths, device, names, glob, through_slabs))
 
 
 if __name__ == "__main__":  # python -m stfs.cuda PATH...: page-cache prefetch

@@ -375,6 +375,9 @@ pub const LOAD_START: u32 = 3;
 pub const LOAD_POLL: u32 = 4;
 pub const LOAD_TABLE: u32 = 5;
 pub const LOAD_FREE: u32 = 6;
+/// Flag of a start: read every chunk into a slab and copy it from there,
+/// even where the arena is host memory the daemon could read into.
+pub const LOAD_THROUGH_SLABS: u32 = 1;
 
 /// `_IOWR('s', 5, struct stfs_load)`.
 pub const IOC_LOAD: u32 = iowr(5, std::mem::size_of::<LoadArgs>());

@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use super::ioctl::{
-    LOAD_FREE, LOAD_GLOB, LOAD_NAMES, LOAD_POLL, LOAD_START, LOAD_TABLE, LoadArgs, TARGET_CUDA,
-    TARGET_HOST,
+    LOAD_FREE, LOAD_GLOB, LOAD_NAMES, LOAD_POLL, LOAD_START, LOAD_TABLE, LOAD_THROUGH_SLABS,
+    LoadArgs, TARGET_CUDA, TARGET_HOST,
 };
 use super::{Fs, FsError};
+use crate::prefetch::load::run::Way;
 use crate::prefetch::load::{self, Load, Target};
 
 /// A poll waits at most this long for a tensor to land (a FUSE request
@@ -63,7 +64,11 @@ impl Fs {
         };
         let items = load::choose(tensors, &want)?;
         let pool = self.devices.pool(target)?;
-        let load = Load::start(items, pool)?;
+        let way = match args.flags & LOAD_THROUGH_SLABS {
+            0 => Way::Direct,
+            _ => Way::ThroughSlabs,
+        };
+        let load = Load::start(items, pool, way)?;
         args.id = self.loads.insert(fh, load.clone());
         answer(args, &load, Duration::ZERO);
         Ok(())

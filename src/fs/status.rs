@@ -370,7 +370,7 @@ impl Fs {
             nbytes,
             backing: Some(backing.clone()),
         };
-        let load = Load::start(vec![item], pool)?;
+        let load = Load::start(vec![item], pool, crate::prefetch::load::run::Way::Direct)?;
         load.wait(keep_going)?;
         Ok(load.arena.clone())
     }

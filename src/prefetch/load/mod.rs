@@ -172,7 +172,7 @@ pub struct Load {
 impl Load {
     /// Plans `items`, makes the arena and starts streaming into it on a
     /// thread of its own; returns at once.
-    pub fn start(items: Vec<Item>, pool: Arc<Pool>) -> Result<Arc<Load>, LoadError> {
+    pub fn start(items: Vec<Item>, pool: Arc<Pool>, way: run::Way) -> Result<Arc<Load>, LoadError> {
         let plan = plan::plan(items, pool.slab());
         let arena = pool.engine().new_arena(plan.arena_size)?;
         let load = Arc::new(Load {
@@ -187,7 +187,13 @@ impl Load {
         std::thread::Builder::new()
             .name("stfs-load".into())
             .spawn(move || {
-                run::run(&running.plan, &*running.arena, &pool, &running.progress);
+                run::run(
+                    &running.plan,
+                    &*running.arena,
+                    &pool,
+                    &running.progress,
+                    way,
+                );
                 let _ = running.took.set(running.started.elapsed());
                 let seen = running.progress.seen(Duration::ZERO);
                 match &seen.failed {

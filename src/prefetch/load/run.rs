@@ -122,16 +122,26 @@ impl Progress {
     }
 }
 
+/// How chunks reach the arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// Straight into the arena where it is host memory, else through slabs.
+    Direct,
+    /// Always read into a lane's slab, then copied (what a device without a
+    /// registered page cache does; tests run it on the host engine too).
+    ThroughSlabs,
+}
+
 /// Runs `plan` into `arena` with lanes of `pool`, until done, failed or
 /// cancelled; the outcome is in `progress`.
-pub fn run(plan: &Plan, arena: &dyn Arena, pool: &Pool, progress: &Progress) {
+pub fn run(plan: &Plan, arena: &dyn Arena, pool: &Pool, progress: &Progress, way: Way) {
     let next = AtomicUsize::new(0);
     let workers = pool.lanes().min(plan.chunks.len());
     let failed: Mutex<Option<LoadError>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
-                if let Err(e) = work(plan, arena, pool, progress, &next) {
+                if let Err(e) = work(plan, arena, pool, progress, &next, way) {
                     failed.lock_anyway().get_or_insert(e);
                     progress.cancel(); // the other workers stop too
                 }
@@ -152,7 +162,9 @@ fn work(
     pool: &Pool,
     progress: &Progress,
     next: &AtomicUsize,
+    way: Way,
 ) -> Result<(), LoadError> {
+    let direct = arena.host_memory().filter(|_| way == Way::Direct);
     let mut lane = pool.take()?;
     let mut pending = None;
     let result = (|| {
@@ -164,6 +176,11 @@ fn work(
             let Some(chunk) = plan.chunks.get(i) else {
                 return Ok(());
             };
+            if let Some(memory) = direct {
+                read_into_arena(plan, i, memory)?;
+                progress.landed(plan, i);
+                continue;
+            }
             settle(&mut **lane, &mut pending, plan, progress)?;
             read_chunk(plan, i, lane.slab())?;
             lane.submit(arena, &chunk.copies)?;
@@ -192,20 +209,37 @@ fn settle(
 /// Reads chunk `i` whole into `slab`; an error names the tensor it was in.
 fn read_chunk(plan: &Plan, i: usize, slab: &mut [u8]) -> Result<(), LoadError> {
     let chunk = &plan.chunks[i];
+    read_full(plan, i, 0, &mut slab[..chunk.len])
+}
+
+/// Reads each tensor piece of chunk `i` straight to its place in the arena
+/// at `memory` (host memory).
+fn read_into_arena(plan: &Plan, i: usize, memory: *mut u8) -> Result<(), LoadError> {
+    for copy in &plan.chunks[i].copies {
+        // SAFETY: the plan gives every copy its own range of the arena
+        // (tensors do not overlap there, and each piece of a tensor is in one
+        // chunk), inside the arena's size; the arena outlives the load's
+        // workers.
+        let to = unsafe { std::slice::from_raw_parts_mut(memory.add(copy.to as usize), copy.len) };
+        read_full(plan, i, copy.from, to)?;
+    }
+    Ok(())
+}
+
+/// Fills `buf` from byte `from` of chunk `i` on; an error names the tensor
+/// the byte it failed at belongs to.
+fn read_full(plan: &Plan, i: usize, from: usize, buf: &mut [u8]) -> Result<(), LoadError> {
+    let chunk = &plan.chunks[i];
     let backing = &plan.sources[chunk.source];
-    let buf = &mut slab[..chunk.len];
-    let mut done = 0;
-    let failed = |done: usize, e: std::io::Error| {
-        let at = chunk.pos + done as u64;
-        LoadError::Read {
-            tensor: tensor_at(plan, i, done).to_string(),
-            at,
-            source: e,
-        }
+    let failed = |done: usize, e: std::io::Error| LoadError::Read {
+        tensor: tensor_at(plan, i, from + done).to_string(),
+        at: chunk.pos + (from + done) as u64,
+        source: e,
     };
     crate::testpoint::point("load:read").map_err(|e| failed(0, e))?;
+    let mut done = 0;
     while done < buf.len() {
-        match backing.read_at(&mut buf[done..], chunk.pos + done as u64) {
+        match backing.read_at(&mut buf[done..], chunk.pos + (from + done) as u64) {
             Ok(0) => {
                 let eof = std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,

@@ -2,6 +2,7 @@
 
 use super::engine::{HostEngine, host_bytes};
 use super::plan::Item;
+use super::run::Way;
 use super::*;
 use crate::format::Dtype;
 use crate::source::Backing;
@@ -63,11 +64,13 @@ proptest! {
         lanes in 1usize..5,
         slab in 1usize..300,
         seed in 0u64..1000,
+        direct in any::<bool>(),
     ) {
+        let way = if direct { Way::Direct } else { Way::ThroughSlabs };
         let (bytes, tensors) = layout(&parts, seed);
         let f = file_of(&bytes);
         let items = tensors.iter().map(|(n, o, l)| item(n.clone(), &f, *o, *l)).collect();
-        let load = Load::start(items, host_pool(lanes, slab)).unwrap();
+        let load = Load::start(items, host_pool(lanes, slab), way).unwrap();
         let seen = finished(&load);
         prop_assert_eq!(seen.failed, None);
         prop_assert!(seen.done);
@@ -94,7 +97,7 @@ fn the_pool_is_made_at_the_first_load_and_only_then() {
             .iter()
             .map(|(n, o, l)| item(n.clone(), &f, *o, *l))
             .collect();
-        let load = Load::start(items, pool.clone()).unwrap();
+        let load = Load::start(items, pool.clone(), Way::ThroughSlabs).unwrap();
         assert_eq!(finished(&load).failed, None, "round {round}");
         assert_eq!(pool.made(), 3, "round {round}");
     }
@@ -111,7 +114,7 @@ fn two_loads_at_once_share_the_lanes_and_both_land() {
                 .iter()
                 .map(|(n, o, l)| item(n.clone(), &f, *o, *l))
                 .collect();
-            Load::start(items, pool.clone()).unwrap()
+            Load::start(items, pool.clone(), Way::ThroughSlabs).unwrap()
         })
         .collect();
     for load in &loads {
@@ -131,17 +134,19 @@ fn two_loads_at_once_share_the_lanes_and_both_land() {
 fn a_read_error_names_the_tensor_and_hands_out_none() {
     // The file ends inside the second tensor.
     let f = file_of(&[1; 1000]);
-    let items = vec![
-        item("whole".into(), &f, 0, 500),
-        item("cut".into(), &f, 500, 900),
-    ];
-    let load = Load::start(items, host_pool(2, 256)).unwrap();
-    let seen = finished(&load);
-    let (errno, why) = seen.failed.expect("a short file fails the load");
-    assert_eq!(errno, libc::EIO, "{why}");
-    assert!(why.contains("\"cut\""), "{why}");
-    assert_eq!(seen.landed_tensors, 0, "a failed load hands out no tensor");
-    assert!(seen.done);
+    for way in [Way::Direct, Way::ThroughSlabs] {
+        let items = vec![
+            item("whole".into(), &f, 0, 500),
+            item("cut".into(), &f, 500, 900),
+        ];
+        let load = Load::start(items, host_pool(2, 256), way).unwrap();
+        let seen = finished(&load);
+        let (errno, why) = seen.failed.expect("a short file fails the load");
+        assert_eq!(errno, libc::EIO, "{why}");
+        assert!(why.contains("\"cut\""), "{way:?}: {why}");
+        assert_eq!(seen.landed_tensors, 0, "a failed load hands out no tensor");
+        assert!(seen.done);
+    }
 }
 
 #[test]
@@ -157,7 +162,7 @@ fn a_cancelled_load_stops_and_says_so() {
     let arena = pool.engine().new_arena(plan.arena_size).unwrap();
     let progress = Progress::new(&plan);
     progress.cancel();
-    run::run(&plan, &*arena, &pool, &progress);
+    run::run(&plan, &*arena, &pool, &progress, Way::ThroughSlabs);
     let seen = progress.seen(Duration::ZERO);
     assert_eq!(seen.failed.map(|f| f.0), Some(libc::ECANCELED));
     assert_eq!(seen.landed_bytes, 0);
