@@ -133,8 +133,10 @@ struct stfs_progress {
  *
  * `handle` is a CUipcMemHandle of the arena (STFS_TARGET_CUDA), opened with
  * cuIpcOpenMemHandle; for STFS_TARGET_HOST (tests and benchmarks: the same
- * pipeline into the daemon's memory), the daemon's pid and the descriptor of
- * the memfd holding the arena, as two little-endian int32 (/proc/PID/fd/FD).
+ * pipeline into the daemon's memory), the daemon's pid (int32, at byte 0) and
+ * the arena's address (uint64, at byte 8), little-endian, read through
+ * /proc/PID/mem. Flag of STFS_LOAD_START: STFS_LOAD_THROUGH_SLABS, every chunk
+ * through a slab even where the arena is host memory the daemon reads into.
  * The ioctl returns 0 when the daemon answered; `result` is 0 or an errno:
  * ENODEV (no CUDA driver or device), ENOMEM, EIO, ENOENT, EINVAL, ECANCELED,
  * EACCES (only the user who mounted and root may load). */
@@ -145,6 +147,7 @@ struct stfs_progress {
 #define STFS_LOAD_POLL  4u
 #define STFS_LOAD_TABLE 5u
 #define STFS_LOAD_FREE  6u
+#define STFS_LOAD_THROUGH_SLABS 1u
 #define STFS_LOAD_TEXT_LEN 16192
 struct stfs_load {
 	uint32_t size;           /* in: sizeof(struct stfs_load) == 16376 */
@@ -152,7 +155,7 @@ struct stfs_load {
 	uint64_t id;             /* in (POLL, TABLE, FREE); out (START) */
 	uint32_t target;         /* in (START): STFS_TARGET_CUDA or STFS_TARGET_HOST */
 	int32_t device;          /* in (START): CUDA device ordinal */
-	uint32_t flags;          /* in: 0 */
+	uint32_t flags;          /* in (START): STFS_LOAD_THROUGH_SLABS */
 	uint32_t wait_ms;        /* in (POLL) */
 	int32_t result;          /* out */
 	uint32_t done;           /* out */
