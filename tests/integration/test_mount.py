@@ -467,3 +467,33 @@ def test_discard_with_the_mount_up_keeps_paths_working(tmp_path, mount, run):
     assert load_file(str(src))["b"][0] == 7
     held.close()
     assert run("umount", m.path).returncode == 0
+
+
+def test_what_tools_try_on_every_file_is_not_logged_as_a_refusal(tmp_path, mount):
+    """cp -a, rsync -X and tar --xattrs ask every file for its xattrs, lsattr
+    sends an ioctl stfs does not know, and a shell globbing a folder may
+    look up a name that is not UTF-8: each gets its errno, and the log keeps
+    quiet about them (debug only), while a refusal a user should hear of
+    (rmdir of a checkpoint's view folder) is logged at warn."""
+    src = tmp_path / "s.safetensors"
+    fx.base(src)
+    m = mount(src)
+    a = os.path.join(m.path, "a")
+    with pytest.raises(OSError) as e:
+        os.setxattr(a, "user.x", b"1")
+    assert e.value.errno in (errno.ENOTSUP, errno.EOPNOTSUPP)
+    with pytest.raises(OSError) as e:
+        os.listxattr(a)
+    assert e.value.errno in (errno.ENOTSUP, errno.EOPNOTSUPP)
+    with pytest.raises(OSError):
+        os.getxattr(a, "user.x")
+    p = subprocess.run(["lsattr", a], capture_output=True, text=True)
+    assert p.returncode != 0, p.stdout
+    with pytest.raises(FileNotFoundError):
+        os.stat(os.path.join(os.fsencode(m.path), b"\xff\xfe"))
+    subprocess.run(["cp", "-a", a, str(tmp_path / "copy")], check=True)
+    quiet = open(m.log).read()
+    assert " WARN " not in quiet, quiet
+    with pytest.raises(OSError):
+        os.rmdir(os.path.join(m.path, "__views__"))
+    assert " WARN " in open(m.log).read(), "a refusal that is not routine is logged"
