@@ -345,12 +345,16 @@ pub struct DirListing {
     pub indexes: Vec<PathBuf>,
     /// (file name, path) of every `*.gguf` (the parts of a split GGUF file).
     pub ggufs: Vec<(String, PathBuf)>,
+    /// (file name, path) of every other file a model folder shows
+    /// (`crate::fs::model_files::is_model_file`).
+    pub others: Vec<(String, PathBuf)>,
 }
 
 pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
     let mut checkpoints = Vec::new();
     let mut indexes = Vec::new();
     let mut ggufs = Vec::new();
+    let mut others = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -364,14 +368,18 @@ pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
             indexes.push(path);
         } else if name.ends_with(".gguf") {
             ggufs.push((name, path));
+        } else if crate::fs::model_files::is_model_file(&name) {
+            others.push((name, path));
         }
     }
     checkpoints.sort();
     indexes.sort();
     ggufs.sort();
+    others.sort();
     Ok(DirListing {
         checkpoints,
         indexes,
         ggufs,
+        others,
     })
 }

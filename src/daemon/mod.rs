@@ -25,11 +25,12 @@ use crate::checkpoint::recover::{self, Resume};
 use crate::checkpoint::staging::Staging;
 use crate::format::{Header, index};
 use crate::fs::fuse::FuseAdapter;
-use crate::fs::{CacheMode, Fs, IndexFile, Settings, Source};
+use crate::fs::{CacheMode, Fs, IndexFile, ModelFile, Settings, Source, model_files};
 use crate::inspect::list_dir;
 use crate::source::Folder;
 use crate::source::remote::{CHUNK, OpenError, Remote, RemoteOptions, is_url};
 use crate::source::{FileStat, SourceError, SourceFile};
+use std::os::unix::fs::OpenOptionsExt;
 
 pub use checks::*;
 use daemonize::*;

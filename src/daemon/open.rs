@@ -69,8 +69,73 @@ pub fn open_source(
         indexes.push((ix.display().to_string(), index));
     }
     one_format(&shards)?;
-    let (source, warnings) = shard_folder(folder, stat, shards, indexes);
+    let model_files = read_model_files(&listing.others, &mut notes);
+    let (source, warnings) = shard_folder(folder, stat, shards, indexes, model_files);
     Ok((source, warnings.into_iter().chain(notes).collect()))
+}
+
+/// The other files of a model folder, read whole (each at most
+/// `MAX_FILE`, `MAX_TOTAL` in all: what is over is not shown, and said).
+fn read_model_files(others: &[(String, PathBuf)], notes: &mut Vec<String>) -> Vec<ModelFile> {
+    let mut files = Vec::new();
+    let mut total = 0;
+    for (name, path) in others {
+        match read_model_file(name, path, total) {
+            Ok(f) => {
+                total += f.bytes.len() as u64;
+                files.push(f);
+            }
+            Err(why) => notes.push(format!("{}: not shown in the mount: {why}", path.display())),
+        }
+    }
+    files
+}
+
+fn read_model_file(
+    name: &str,
+    path: &Path,
+    total: u64,
+) -> Result<ModelFile, crate::errno::Failure> {
+    // (Not blocking on a FIFO put there since the folder was listed.)
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let stat = FileStat::of(&file)?;
+    if stat.mode & libc::S_IFMT != libc::S_IFREG {
+        return Err("not a regular file".into());
+    }
+    too_big(stat.len, total)?;
+    let mut bytes = Vec::new();
+    (&file)
+        .take(model_files::MAX_FILE + 1)
+        .read_to_end(&mut bytes)?;
+    too_big(bytes.len() as u64, total)?;
+    Ok(ModelFile {
+        name: name.to_string(),
+        bytes: Arc::new(bytes),
+        stat,
+    })
+}
+
+/// Why a model file of `len` bytes is not shown after `total` bytes of others.
+fn too_big(len: u64, total: u64) -> Result<(), crate::errno::Failure> {
+    if len > model_files::MAX_FILE {
+        return Err(format!(
+            "{} MiB, over the {} MiB a model folder's other files may each hold",
+            len >> 20,
+            model_files::MAX_FILE >> 20
+        )
+        .into());
+    }
+    if total + len > model_files::MAX_TOTAL {
+        return Err(format!(
+            "the other files would pass {} MiB in all",
+            model_files::MAX_TOTAL >> 20
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// Refuses shards of two formats (a `.safetensors` file that holds GGUF, or
@@ -101,6 +166,7 @@ pub(super) fn shard_folder(
     stat: FileStat,
     shards: Vec<(String, SourceFile)>,
     indexes: Vec<(String, IndexFile)>,
+    model_files: Vec<ModelFile>,
 ) -> (Source, Vec<String>) {
     let headers: BTreeMap<String, &Header> = shards
         .iter()
@@ -114,7 +180,7 @@ pub(super) fn shard_folder(
         };
         warnings.extend(problems.into_iter().map(|p| format!("{shown}: {p}")));
     }
-    let checkpoints = shards
+    let checkpoints: Vec<(String, SourceFile)> = shards
         .into_iter()
         .map(|(name, c)| {
             let stem = name
@@ -129,6 +195,20 @@ pub(super) fn shard_folder(
         Source::Folder {
             folder,
             stat,
+            model_files: model_files
+                .into_iter()
+                .filter(|f| {
+                    // (A shard's folder has the shard's name without its suffix.)
+                    let taken = checkpoints.iter().any(|(stem, _)| *stem == f.name);
+                    if taken {
+                        warnings.push(format!(
+                            "{}: not shown in the mount: a shard's folder has that name",
+                            f.name
+                        ));
+                    }
+                    !taken
+                })
+                .collect(),
             checkpoints,
             indexes: indexes.into_iter().map(|(_, ix)| ix).collect(),
         },
@@ -236,15 +316,18 @@ pub(super) fn open_remote(
     // of a split GGUF file.
     let suffix = match listed
         .iter()
-        .any(|(name, _)| name.ends_with(".safetensors"))
+        .any(|(name, ..)| name.ends_with(".safetensors"))
     {
         true => ".safetensors",
         false => ".gguf",
     };
     let mut shards = Vec::new();
     let mut indexes = Vec::new();
-    for (name, path) in listed {
-        if name.ends_with(suffix) {
+    let mut others = Vec::new();
+    for (name, path, size) in listed {
+        if model_files::is_model_file(&name) {
+            others.push((name, path, size));
+        } else if name.ends_with(suffix) {
             shards.push((name, open(&path)?));
         } else if name.ends_with(".index.json") && suffix == ".safetensors" {
             let (bytes, etag) = at.remote.get_all(&path).map_err(|e| e.to_string())?;
@@ -282,16 +365,51 @@ pub(super) fn open_remote(
         ix.stat.mtime = newest;
     }
     one_format(&shards)?;
+    let model_files = fetch_model_files(&at.remote, others, newest, &mut notes)?;
     // The cache folder stands in for the folder: nothing is written there
     // through it (a commit puts shards and indexes in the store), and
     // statfs shows the disk the cache is on.
-    let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes);
+    let (source, warnings) = shard_folder(cache.clone(), stat, shards, indexes, model_files);
     Ok(OpenedRemote {
         source,
         notes: warnings.into_iter().chain(notes).collect(),
         cache,
         store: at.remote,
     })
+}
+
+/// The other objects of a remote model folder, fetched whole, within the
+/// limits a local folder's have (what is over is not shown, and said).
+fn fetch_model_files(
+    remote: &Remote,
+    others: Vec<(String, object_store::path::Path, u64)>,
+    mtime: (i64, i64),
+    notes: &mut Vec<String>,
+) -> Result<Vec<ModelFile>, crate::errno::Failure> {
+    let mut files = Vec::new();
+    let mut total = 0;
+    for (name, path, size) in others {
+        if let Err(why) = too_big(size, total) {
+            notes.push(format!(
+                "{}: not shown in the mount: {why}",
+                remote.url(&path)
+            ));
+            continue;
+        }
+        let (bytes, _) = remote.get_all(&path).map_err(|e| e.to_string())?;
+        total += bytes.len() as u64;
+        let stat = FileStat {
+            len: bytes.len() as u64,
+            mtime,
+            ..FileStat::of_mounting_user(0o100444)
+        };
+        files.push(ModelFile {
+            name,
+            bytes: Arc::new(bytes),
+            stat,
+        });
+    }
+    Ok(files)
 }
 
 /// What a mount of a remote GGUF object says: it is served read-only

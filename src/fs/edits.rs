@@ -246,6 +246,7 @@ impl Fs {
             }
             Node::Views(_) | Node::WholeView(_) => return Err(FsError::ReadOnly),
             Node::Index(_) => return Err(crate::fs::error::INDEX_READ_ONLY),
+            Node::ModelFile(_) => return Err(crate::fs::error::MODEL_FILE_READ_ONLY),
             // A JSON file cut by path: as if opened, cut and closed.
             Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) | Node::KvFile(..) => {
                 let opened = self.open(ino, true, false)?;

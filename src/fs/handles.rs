@@ -276,6 +276,11 @@ impl Fs {
                 Ok(self.open_view(ino, file, None))
             }
             Node::Index(_) if write || truncate => Err(crate::fs::error::INDEX_READ_ONLY),
+            Node::ModelFile(_) if write || truncate => Err(crate::fs::error::MODEL_FILE_READ_ONLY),
+            Node::ModelFile(i) => {
+                let bytes = self.read_state().model_files[i].0.bytes.to_vec();
+                Ok(self.open_view(ino, Arc::new(GeneratedFile::text(bytes)), None))
+            }
             Node::File(c, id, TensorFile::Data) => {
                 let object = self.object(c, id)?;
                 if truncate {
@@ -565,6 +570,10 @@ impl Fs {
                     }
                     Node::Index(i) => {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]));
+                    }
+                    Node::ModelFile(i) => {
+                        let bytes = &st.model_files[i].0.bytes;
+                        return Ok(reply(&[slice_at(bytes, offset, size)]));
                     }
                     Node::WholeView(c) => {
                         let file = self.view(&st, &views::export_path(&st, c))?;

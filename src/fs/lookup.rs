@@ -16,6 +16,8 @@ impl Fs {
                     Node::CheckpointDir(c)
                 } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
                     Node::Index(i)
+                } else if let Some(i) = st.model_files.iter().position(|(f, _)| f.name == name) {
+                    Node::ModelFile(i)
                 } else {
                     return Err(FsError::NotFound);
                 }
@@ -253,6 +255,18 @@ impl Fs {
                 )
                 .read_only()
             }
+            Node::ModelFile(i) => {
+                let f = &st.model_files[i].0;
+                let owner = st.folder_file_owner(&f.name, f.stat);
+                of_stat(
+                    owner,
+                    Kind::File,
+                    f.bytes.len() as u64,
+                    f.stat.modified(),
+                    true,
+                )
+                .read_only()
+            }
             Node::Metadata(c) => {
                 let size = st.live(c).metadata_len().unwrap_or(0);
                 of_source(c, Kind::File, size, st.live(c).source().modified(), true)
@@ -279,29 +293,8 @@ impl Fs {
                     }
                     Found::File(draws) => {
                         let size = self.view(st, &path).map_or(0, |v| v.len());
-                        match draws {
-                            Draws::Checkpoint(c) => {
-                                of_source(c, Kind::File, size, st.views_changed(Some(c)), true)
-                            }
-                            Draws::All => of_stat(
-                                st.all_owners(),
-                                Kind::File,
-                                size,
-                                st.views_changed(None),
-                                true,
-                            ),
-                            // Its weight map names the tensors of every shard.
-                            Draws::Index(i) => {
-                                let owner = crate::source::access::narrowest(&[
-                                    st.index_owner(i),
-                                    st.all_owners(),
-                                ])
-                                .expect("two");
-                                let mtime =
-                                    st.indexes[i].0.stat.modified().max(st.views_changed(None));
-                                of_stat(owner, Kind::File, size, mtime, true)
-                            }
-                        }
+                        let (owner, mtime) = drawn_owner(st, draws, owner);
+                        of_stat(owner, Kind::File, size, mtime, true)
                     }
                 }
                 .read_only()
@@ -400,10 +393,11 @@ impl Fs {
                     .checkpoints
                     .iter()
                     .map(|m| (m.dir_ino, Kind::Directory, m.shown_name()));
-                let files = st
-                    .indexes
-                    .iter()
-                    .map(|(ix, ino)| (*ino, Kind::File, ix.name.clone()));
+                let indexes = st.indexes.iter().map(|(ix, ino)| (*ino, ix.name.clone()));
+                let model_files = st.model_files.iter().map(|(f, ino)| (*ino, f.name.clone()));
+                let files = indexes
+                    .chain(model_files)
+                    .map(|(ino, name)| (ino, Kind::File, name));
                 // (`__views__` is reached by name, not listed: see CheckpointDir below.)
                 for (k, (ino, kind, name)) in dirs.chain(files).enumerate() {
                     let next = 3 + k as u64;
@@ -522,5 +516,28 @@ impl Fs {
             false => make(),
         };
         made.map_err(FsError::from)
+    }
+}
+
+/// Owner, mode and time of a view file drawing on `draws`: those who may
+/// read what it draws on may read it; its time is their last change.
+fn drawn_owner(
+    st: &State,
+    draws: Draws,
+    owner: &dyn Fn(usize) -> FileStat,
+) -> (FileStat, std::time::SystemTime) {
+    match draws {
+        Draws::Checkpoint(c) => (owner(c), st.views_changed(Some(c))),
+        Draws::All => (st.all_owners(), st.views_changed(None)),
+        // Its weight map names the tensors of every shard.
+        Draws::Index(i) => {
+            let owner = crate::source::access::narrowest(&[st.index_owner(i), st.all_owners()]);
+            let mtime = st.indexes[i].0.stat.modified().max(st.views_changed(None));
+            (owner.expect("two"), mtime)
+        }
+        Draws::ModelFile(i) => {
+            let f = &st.model_files[i].0;
+            (st.folder_file_owner(&f.name, f.stat), f.stat.modified())
+        }
     }
 }

@@ -32,6 +32,7 @@ pub mod ioctl;
 pub mod kernel_cache;
 mod load;
 mod lookup;
+pub mod model_files;
 pub mod names;
 mod state;
 mod status;
@@ -131,6 +132,7 @@ pub struct DirEntry {
 }
 
 pub use crate::checkpoint::transaction::IndexFile;
+pub use model_files::ModelFile;
 
 /// A source to mount: one checkpoint file, or a folder of shards.
 // Built once per mount: the size of a variant does not matter.
@@ -143,6 +145,8 @@ pub enum Source {
         /// (directory name, checkpoint), sorted by name.
         checkpoints: Vec<(String, SourceFile)>,
         indexes: Vec<IndexFile>,
+        /// The folder's other files (`config.json`, the tokenizer's...).
+        model_files: Vec<ModelFile>,
     },
 }
 
@@ -262,14 +266,15 @@ impl Fs {
             settings.read_only = true;
         }
         let mut fixed = Vec::new();
-        let (list, indexes, folder) = match source {
-            Source::File(c) => (vec![(String::new(), c)], Vec::new(), None),
+        let (list, indexes, model_files, folder) = match source {
+            Source::File(c) => (vec![(String::new(), c)], Vec::new(), Vec::new(), None),
             Source::Folder {
                 folder,
                 stat,
                 checkpoints,
                 indexes,
-            } => (checkpoints, indexes, Some((folder, stat))),
+                model_files,
+            } => (checkpoints, indexes, model_files, Some((folder, stat))),
         };
         if folder.is_some() {
             fixed.push(Node::FolderRoot);
@@ -300,6 +305,11 @@ impl Fs {
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
+        let model_files: Vec<(ModelFile, Ino)> = model_files
+            .into_iter()
+            .enumerate()
+            .map(|(i, f)| (f, alloc(&mut fixed, Node::ModelFile(i))))
+            .collect();
         let devices = crate::prefetch::load::Devices::new(settings.load_slabs, settings.load_slab);
         Fs {
             settings,
@@ -309,6 +319,7 @@ impl Fs {
                 first_ino: fixed.len() as Ino + 1,
                 checkpoints,
                 indexes,
+                model_files,
                 fixed,
                 folder,
                 hashed: Mutex::new(HashMap::new()),

@@ -12,6 +12,8 @@ pub(super) enum Node {
     CheckpointDir(usize),
     Metadata(usize),
     Index(usize),
+    /// A file of a model folder that is not a shard or an index.
+    ModelFile(usize),
     File(usize, Id, TensorFile),
     /// `__views__` or anything below it (`views`): the inode, which names
     /// its path in the table of view inodes.
@@ -84,6 +86,7 @@ impl Mounted {
 pub(super) struct State {
     pub(super) checkpoints: Vec<Mounted>,
     pub(super) indexes: Vec<(IndexFile, Ino)>,
+    pub(super) model_files: Vec<(ModelFile, Ino)>,
     /// Node of each inode below `first_ino` (index = ino - 1).
     pub(super) fixed: Vec<Node>,
     pub(super) first_ino: Ino,
@@ -133,21 +136,34 @@ impl State {
         if ix.remote.is_some() {
             return ix.stat; // (an object: no owner but the mounting user)
         }
+        self.folder_file_owner(&ix.name, ix.stat)
+    }
+
+    /// Owner and mode of file `name` of the folder, whose bytes were read
+    /// at mount when it was `stat`: as the file is now, if it is still that
+    /// file; else those who may read both. (A remote folder's files have
+    /// no owner but the mounting user: their `stat` says so.)
+    pub(super) fn folder_file_owner(&self, name: &str, stat: FileStat) -> FileStat {
+        let remote = self
+            .checkpoints
+            .first()
+            .is_some_and(|m| m.live.source().remote_object().is_some());
+        if remote {
+            return stat;
+        }
         let now = self.folder.as_ref().and_then(|(folder, _)| {
             let flags = libc::O_RDONLY | libc::O_NONBLOCK;
-            folder
-                .open_file(std::ffi::OsStr::new(&ix.name), flags, 0)
-                .ok()
+            folder.open_file(std::ffi::OsStr::new(name), flags, 0).ok()
         });
         let Some(file) = now else {
-            return ix.stat;
+            return stat;
         };
-        let current = crate::source::access::owner_now(&file, &ix.stat);
+        let current = crate::source::access::owner_now(&file, &stat);
         match FileStat::of(&file) {
             // Still the file whose bytes are shown.
-            Ok(st) if (st.dev, st.ino) == (ix.stat.dev, ix.stat.ino) => current,
+            Ok(st) if (st.dev, st.ino) == (stat.dev, stat.ino) => current,
             // Replaced since: those bytes go to whoever may read both.
-            _ => crate::source::access::narrowest(&[ix.stat, current]).expect("two"),
+            _ => crate::source::access::narrowest(&[stat, current]).expect("two"),
         }
     }
 
@@ -239,6 +255,7 @@ impl State {
             Node::CheckpointDir(c) => self.checkpoints[c].dir_ino,
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
+            Node::ModelFile(i) => self.model_files[i].1,
             Node::File(c, id, kind) => self.ino(c, id, kind),
             Node::Views(ino) => ino,
             Node::WholeView(c) => self

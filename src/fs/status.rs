@@ -150,7 +150,7 @@ impl Fs {
             let rewritten: Vec<String> = (0..st.indexes.len())
                 .filter(|&i| {
                     let ix = &st.indexes[i].0;
-                    super::views::index_view(&st, i).is_ok_and(|b| b != ix.bytes)
+                    super::views::index_view(&st, i, None).is_ok_and(|b| b != ix.bytes)
                 })
                 .map(|i| st.indexes[i].0.name.clone())
                 .collect();

@@ -234,6 +234,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
             stat: stat(&dir.path().join("s1.safetensors")),
             remote: None,
         }],
+        model_files: Vec::new(),
     };
     let fs = Fs::new(
         source,

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use cudarc::driver::result;
 use cudarc::driver::sys;
 
-use super::load::LoadError;
 use super::load::engine::{Alive, Arena, Copy, Engine, Lane};
+use super::load::error::LoadError;
 
 fn driver(what: &str) -> impl Fn(result::DriverError) -> LoadError + '_ {
     move |e| LoadError::Device(format!("{what}: {e}"))

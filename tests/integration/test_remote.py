@@ -180,7 +180,10 @@ def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
         s3.upload(f, f"sharded/{f.name}")
     s3.upload(folder / "README.md", "sharded/deeper/x.safetensors")  # below the prefix: not a shard of it
     m = mount(f"s3://{BUCKET}/sharded/", *s3.options)
-    assert sorted(os.listdir(m.path)) == ["model-00001-of-00002", "model-00002-of-00002", "model.safetensors.index.json"]
+    # (README.md, the folder's other file, is shown too; the object deeper down is not.)
+    assert sorted(os.listdir(m.path)) == ["README.md", "model-00001-of-00002", "model-00002-of-00002",
+                                          "model.safetensors.index.json"]
+    assert read(os.path.join(m.path, "README.md")) == b"not a shard"
     assert read(os.path.join(m.path, "model-00002-of-00002", "b")) == b.tobytes()
     assert read(os.path.join(m.path, "model-00001-of-00002", "a")) == a.tobytes()
     assert json.load(open(os.path.join(m.path, "model.safetensors.index.json"))) == index

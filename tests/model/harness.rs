@@ -137,6 +137,7 @@ pub(super) fn mount_of(dir: &Path, folder: bool, read_only: bool, gguf: bool) ->
                 stat: FileStat::of(&file).unwrap(),
                 remote: None,
             }],
+            model_files: Vec::new(),
         }
     } else {
         Source::File(sources.pop().unwrap().1)

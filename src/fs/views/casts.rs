@@ -1,9 +1,10 @@
 //! `__views__/bf16/`, `f16/`, `f32/`: the export views with every
 //! floating-point tensor cast (round to nearest even), so converting a
-//! checkpoint is a `cp`.
+//! checkpoint is a `cp` (a model folder's, with its index and other files,
+//! `config.json` naming the cast's dtype, a `cp -r`).
 
 use super::export::{draws, make_view, name_of, target_named, targets};
-use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, model, numbered};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
 use crate::fs::State;
@@ -31,14 +32,21 @@ impl ViewFolder for Casts {
             [cast] => cast_named(cast).map(|_| Found::Folder(Draws::All)),
             [cast, name] => {
                 cast_named(cast)?;
-                target_named(st, name).map(|t| Found::File(draws(t)))
+                match target_named(st, name) {
+                    Some(t) => Some(Found::File(draws(t))),
+                    None => model::named(st, name, true, false).map(model::found),
+                }
             }
             _ => None,
         }
     }
 
     fn list(&self, st: &State, _: &[&str], _: u64) -> Vec<Entry> {
-        numbered(targets(st).into_iter().map(|t| (name_of(st, t), false)))
+        let views = targets(st).into_iter().map(|t| (name_of(st, t), false));
+        let companions = model::companions(st, true, false)
+            .into_iter()
+            .map(|(n, _)| (n, false));
+        numbered(views.chain(companions))
     }
 
     fn make(&self, st: &State, path: &[&str]) -> Result<GeneratedFile, ViewError> {
@@ -46,7 +54,10 @@ impl ViewFolder for Casts {
             return Err(ViewError::NotAView);
         };
         let cast = cast_named(cast).ok_or(ViewError::NotAView)?;
-        let t = target_named(st, name).ok_or(ViewError::NotAView)?;
-        make_view(st, t, Some(cast))
+        if let Some(t) = target_named(st, name) {
+            return make_view(st, t, Some(cast));
+        }
+        let c = model::named(st, name, true, false).ok_or(ViewError::NotAView)?;
+        model::make(st, c, Some(cast))
     }
 }

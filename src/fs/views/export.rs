@@ -3,10 +3,10 @@
 //! own name and `merged.safetensors`, all shards in one file, on a folder
 //! mount), and a folder mount's index files as a commit would rewrite them.
 
-use super::{Draws, Entry, Found, ViewError, ViewFolder};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, model};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
-use crate::fs::{FsError, State};
+use crate::fs::State;
 
 pub struct Export;
 
@@ -100,41 +100,13 @@ pub fn make_view(
     Ok(GeneratedFile::safetensors(tensors, metadata.as_ref(), cast).map_err(|e| e.to_string())?)
 }
 
-/// Index file `i` as a commit would rewrite it now: every shard's
-/// tensors in `weight_map`, their bytes in `metadata.total_size`.
-pub fn index_view(st: &State, i: usize) -> Result<Vec<u8>, FsError> {
-    let mut weight_map = serde_json::Map::new();
-    let mut total = 0;
-    for m in &st.checkpoints {
-        let (tensors, _) = m
-            .live
-            .view_tensors()
-            .map_err(|p| FsError::Invalid(p.to_string()))?;
-        for t in tensors {
-            total += t.bytes.len();
-            weight_map.insert(t.name, format!("{}.safetensors", m.dir_name).into());
-        }
-    }
-    if let Some(p) = st.in_two_shards().first() {
-        return Err(FsError::Invalid(p.to_string()));
-    }
-    let ix = &st.indexes[i].0;
-    match crate::checkpoint::transaction::rewrite_index(&ix.bytes, &weight_map, total) {
-        Ok(Some(bytes)) => Ok(bytes),
-        Ok(None) => Ok(ix.bytes.clone()), // (a commit leaves it as it is)
-        Err(why) => Err(FsError::Invalid(format!("{}: {why}", ix.name))),
-    }
-}
-
-fn index_named(st: &State, name: &str) -> Option<usize> {
-    st.indexes.iter().position(|(ix, _)| ix.name == name)
-}
-
 impl ViewFolder for Export {
     fn top(&self, st: &State) -> Vec<String> {
         let views = targets(st).into_iter().map(|t| name_of(st, t));
-        let indexes = st.indexes.iter().map(|(ix, _)| ix.name.clone());
-        views.chain(indexes).collect()
+        let companions = model::companions(st, true, true)
+            .into_iter()
+            .map(|(n, _)| n);
+        views.chain(companions).collect()
     }
 
     fn find(&self, st: &State, path: &[&str]) -> Option<Found> {
@@ -142,7 +114,7 @@ impl ViewFolder for Export {
         if let Some(t) = target_named(st, name) {
             return Some(Found::File(draws(t)));
         }
-        index_named(st, name).map(|i| Found::File(Draws::Index(i)))
+        model::named(st, name, true, true).map(model::found)
     }
 
     fn list(&self, _: &State, _: &[&str], _: u64) -> Vec<Entry> {
@@ -156,11 +128,7 @@ impl ViewFolder for Export {
         if let Some(t) = target_named(st, name) {
             return make_view(st, t, None);
         }
-        let i = index_named(st, name).ok_or(ViewError::NotAView)?;
-        match index_view(st, i) {
-            Ok(bytes) => Ok(GeneratedFile::text(bytes)),
-            Err(FsError::Invalid(why)) => Err(ViewError::Invalid(why)),
-            Err(e) => Err(ViewError::Invalid(e.to_string())),
-        }
+        let c = model::named(st, name, true, true).ok_or(ViewError::NotAView)?;
+        model::make(st, c, None)
     }
 }

@@ -7,8 +7,9 @@
 
 mod casts;
 pub(super) mod export;
-pub(super) use export::index_view;
+pub(super) use model::index_view;
 mod gguf_file;
+mod model;
 mod npy;
 mod reshard;
 
@@ -29,6 +30,19 @@ const FOLDERS: [&dyn ViewFolder; 5] = [
     &export::Export,
     &gguf_file::GgufFile,
 ];
+
+/// Whether `name` is a folder's at the top of `__views__` (a model file of
+/// that name is not shown there: the folder is). The export, whose files
+/// are the top's others, is not asked.
+fn is_folder_name(st: &State, name: &str) -> bool {
+    let named: [&dyn ViewFolder; 4] = [
+        &casts::Casts,
+        &npy::Npy,
+        &reshard::Reshard,
+        &gguf_file::GgufFile,
+    ];
+    named.iter().any(|f| f.top(st).iter().any(|n| n == name))
+}
 
 /// Which mounts a view folder shows in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +73,8 @@ pub enum Draws {
     All,
     /// Every checkpoint and index file `i` of a folder mount.
     Index(usize),
+    /// Other file `i` of a model folder (`config.json`...).
+    ModelFile(usize),
 }
 
 /// A path below `__views__`, as it is now.
@@ -207,6 +223,8 @@ pub fn version(st: &State, draws: Draws) -> u64 {
     match draws {
         Draws::Checkpoint(c) => st.live(c).views_version(),
         Draws::All | Draws::Index(_) => st.checkpoints.iter().map(|m| m.live.views_version()).sum(),
+        // (Shown as read at mount.)
+        Draws::ModelFile(_) => 0,
     }
 }
 

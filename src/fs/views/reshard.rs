@@ -18,7 +18,7 @@
 //! `save_pretrained`.
 
 use super::export::tensors_of;
-use super::{Draws, Entry, Found, ViewError, ViewFolder, numbered};
+use super::{Draws, Entry, Found, ViewError, ViewFolder, model, numbered};
 use crate::checkpoint::view::{GeneratedFile, ViewTensor};
 use crate::fs::State;
 use std::sync::Arc;
@@ -193,6 +193,12 @@ fn files(st: &State, max: u64) -> Vec<String> {
     if split.index.is_some() {
         names.push(INDEX.to_string());
     }
+    // (The split's own index, not the mount's: only the other files.)
+    names.extend(
+        model::companions(st, false, false)
+            .into_iter()
+            .map(|(n, _)| n),
+    );
     names
 }
 
@@ -209,8 +215,10 @@ impl ViewFolder for Reshard {
                 let split = split(st, parse_size(size)?);
                 let split = split.as_ref().as_ref().ok()?;
                 let is_index = *name == INDEX && split.index.is_some();
-                (is_index || split.shards.iter().any(|(n, _)| n == name))
-                    .then_some(Found::File(Draws::All))
+                if is_index || split.shards.iter().any(|(n, _)| n == name) {
+                    return Some(Found::File(Draws::All));
+                }
+                model::named(st, name, false, false).map(model::found)
             }
             _ => None,
         }
@@ -247,11 +255,10 @@ impl ViewFolder for Reshard {
             let index = split.index.clone().ok_or(ViewError::NotAView)?;
             return Ok(GeneratedFile::text(index));
         }
-        let (_, tensors) = split
-            .shards
-            .iter()
-            .find(|(n, _)| n == name)
-            .ok_or(ViewError::NotAView)?;
+        let Some((_, tensors)) = split.shards.iter().find(|(n, _)| n == name) else {
+            let c = model::named(st, name, false, false).ok_or(ViewError::NotAView)?;
+            return model::make(st, c, None);
+        };
         GeneratedFile::safetensors(tensors.clone(), split.metadata.as_ref(), None)
             .map_err(|e| ViewError::Invalid(e.to_string()))
     }

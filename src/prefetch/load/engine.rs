@@ -9,7 +9,7 @@ use std::any::Any;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::LoadError;
+use super::error::LoadError;
 
 /// One copy from a lane's slab into an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,8 +9,8 @@ use std::sync::{Condvar, Mutex};
 
 use crate::sync::LockAnyway;
 
-use super::LoadError;
 use super::engine::{Engine, Lane};
+use super::error::LoadError;
 
 /// Slabs made since the daemon started, of every pool (after the first
 /// load of a device, no load makes one).

@@ -8,8 +8,8 @@ use std::sync::{Condvar, Mutex};
 
 use crate::sync::LockAnyway;
 
-use super::LoadError;
 use super::engine::{Arena, Lane};
+use super::error::LoadError;
 use super::plan::Plan;
 use super::pool::Pool;
 

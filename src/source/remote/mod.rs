@@ -277,7 +277,8 @@ impl Remote {
     }
 
     /// The objects in a folder (not below it): (file name, path).
-    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, ObjectPath)>, RemoteError> {
+    /// The objects directly under `prefix`: (name, path, size).
+    pub fn list(&self, prefix: &ObjectPath) -> Result<Vec<(String, ObjectPath, u64)>, RemoteError> {
         let url = self.url(prefix);
         let f = &self.fetcher;
         self.block_on(async {
@@ -291,7 +292,7 @@ impl Remote {
                 .into_iter()
                 // The listed path is the object's own: joining its name to the
                 // prefix again would encode it twice.
-                .filter_map(|o| Some((o.location.filename()?.to_string(), o.location)))
+                .filter_map(|o| Some((o.location.filename()?.to_string(), o.location, o.size)))
                 .collect())
         })
     }
