@@ -104,6 +104,16 @@ struct stfs_progress {
 
 #define STFS_IOC_PROGRESS _IOWR(STFS_IOC_TYPE, 4, struct stfs_progress)
 
+/* STFS_IOC_DAEMON: on any file or directory of a mount: the pid of the daemon
+ * that serves it (anyone may ask). `stfs umount` waits for it to exit. */
+struct stfs_daemon {
+	uint32_t size;        /* in: sizeof(struct stfs_daemon) == 64 */
+	uint32_t pid;         /* out */
+	uint64_t reserved[7];
+};
+
+#define STFS_IOC_DAEMON _IOWR(STFS_IOC_TYPE, 6, struct stfs_daemon)
+
 /* STFS_IOC_LOAD: on any file or directory of a mount (its root, usually):
  * many tensors into one device allocation, the arena, in one plan. The
  * daemon plans the byte spans of every tensor across the mount's files

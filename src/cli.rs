@@ -7,11 +7,54 @@ use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::format::Metadata;
 
+/// The description of stfs(1): what a mount shows and what a commit does
+/// (docs/SEMANTICS.md has every rule).
+const LONG_ABOUT: &str = "\
+A safetensors or GGUF checkpoint as a directory of tensor files.
+
+THE MOUNT. `stfs mount FILE MNT` shows the checkpoint as a directory: one file per \
+tensor holding its raw bytes (served from the source's page cache), NAME.meta.json \
+({\"dtype\", \"shape\", \"data_offsets\", ...}) beside it, and __metadata__.json (the \
+header's metadata map). `stfs mount DIR MNT` of a folder of shards shows one directory \
+per *.safetensors file, its *.index.json, and a model folder's other files \
+(config.json, the tokenizer's, README.md; read-only). An s3:// object or prefix, or an \
+https:// URL, mounts the same way. Files show the source's owner, group and mode.
+
+EDITS. Any tool edits the mount: write a tensor file (in place, or a new file renamed \
+over it), rm, mv, cp, create a tensor with its .meta.json, write a .meta.json (dtype, \
+shape, name) or __metadata__.json. Edits are staged in a private folder beside the \
+source (journaled: a crash keeps them, the next mount takes them back) and the source \
+is untouched until a commit. `stfs status MNT` lists them and what a commit would \
+refuse.
+
+COMMITS. `stfs commit MNT` writes the staged edits into the source: in place when the \
+edit allows (a metadata edit or a same-size overwrite of a 100 GB file writes \
+kilobytes), else by writing a new file and renaming it over the source; all shards of \
+a folder land together or none do. A killed commit leaves the original file (or one \
+every reader refuses until the next mount completes it) and the staged edits. \
+`stfs discard MNT` drops them; `stfs umount MNT` commits, then unmounts (with \
+--discard it drops them instead).
+
+VIEWS. MNT/__views__/ (reached by name, not listed) holds read-only files computed \
+from the staged state: model.safetensors (the checkpoint as a commit would write it), \
+bf16/, f16/, f32/ (every float tensor cast), npy/NAME.npy, reshard/SIZE/ (split as \
+save_pretrained splits), and for a folder of shards each shard, merged.safetensors and \
+the index; a model folder's views hold its config (naming the cast's dtype) and \
+tokenizer, so `cp -r MNT/__views__/bf16 out/` exports a whole model.
+
+GGUF. A .gguf file mounts the same way; its keys are MNT/__kv__/KEY files (a value as \
+text: edit it with any editor) and __metadata__.json lists them all.
+
+LOADING. `stfs prefetch MNT` brings tensors into the page cache; \
+`stfs prefetch --device cuda:N MNT` and the Python package's stfs.cuda.load_all load \
+every tensor into one device allocation through a pool of pinned slabs.";
+
 #[derive(Parser)]
 #[command(
     name = "stfs",
     version,
-    about = "A safetensors or GGUF checkpoint as a directory of tensor files"
+    about = "A safetensors or GGUF checkpoint as a directory of tensor files",
+    long_about = LONG_ABOUT
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -44,7 +87,9 @@ enum Command {
         /// allow_root, nonempty, cache=direct|keep (direct, the default: one copy
         /// in memory; keep: the mount's own page cache too), mapping=keep|release
         /// (the daemon's page-table references to the source after a read),
-        /// noexec, noatime, nodev, nosuid, default_permissions (always on).
+        /// load_slabs=N, load_slab_kib=K (the pool of pinned slabs each device's
+        /// loads share: 8 of 16 MiB), noexec, noatime, nodev, nosuid,
+        /// default_permissions (always on).
         #[arg(short = 'o', value_name = "OPTIONS", value_parser = crate::daemon::check_options)]
         options: Vec<String>,
         /// Worker threads serving requests (default: number of CPUs, 2 to 8).

@@ -6,9 +6,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::fs::ioctl::{
-    COMMIT_DISCARD, CommitArgs, IOC_COMMIT, IOC_LOAD, IOC_PREFETCH, IOC_PROGRESS, IOC_STATUS,
-    LOAD_NAMES, LOAD_POLL, LOAD_START, LoadArgs, PrefetchArgs, ProgressArgs, STATUS_JSON,
-    StatusArgs, TARGET_CUDA, TARGET_HOST, TARGET_PAGE_CACHE,
+    COMMIT_DISCARD, CommitArgs, DaemonArgs, IOC_COMMIT, IOC_DAEMON, IOC_LOAD, IOC_PREFETCH,
+    IOC_PROGRESS, IOC_STATUS, LOAD_NAMES, LOAD_POLL, LOAD_START, LoadArgs, PrefetchArgs,
+    ProgressArgs, STATUS_JSON, StatusArgs, TARGET_CUDA, TARGET_HOST, TARGET_PAGE_CACHE,
 };
 
 /// Why a request to a mount failed.
@@ -218,6 +218,8 @@ pub fn umount(
         gone(&mut lines)?;
         return Ok(lines);
     }
+    // The daemon, to wait for once unmounted (None: it cannot be told).
+    let daemon = daemon_of(&abs);
     match commit(&abs, if discard { COMMIT_DISCARD } else { 0 }) {
         Ok(message) => lines.extend(
             message
@@ -269,7 +271,41 @@ pub fn umount(
         ));
         return Err(lines.join("\n").into());
     }
+    if let Some(pidfd) = daemon.filter(|_| !lazy) {
+        wait_for_exit(&pidfd, &abs, &mut lines);
+    }
     Ok(lines)
+}
+
+/// How long `stfs umount` waits for the daemon to exit once unmounted (it
+/// removes its staging folder and closes its log).
+const DAEMON_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A pidfd of the daemon serving `mountpoint` (no pid reuse can fool it).
+fn daemon_of(mountpoint: &Path) -> Option<std::os::fd::OwnedFd> {
+    let file = open(mountpoint).ok()?;
+    let mut args = DaemonArgs::new();
+    ioctl(&file, mountpoint, IOC_DAEMON, &mut args).ok()?;
+    let pid = rustix::process::Pid::from_raw(args.pid as i32)?;
+    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+}
+
+/// Waits until the daemon has exited; says so if it does not in time.
+fn wait_for_exit(pidfd: &std::os::fd::OwnedFd, mountpoint: &Path, lines: &mut Vec<String>) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let timeout = Timespec {
+        tv_sec: DAEMON_EXIT_WAIT.as_secs() as i64,
+        tv_nsec: 0,
+    };
+    // (A pidfd is readable once its process has exited.)
+    if !matches!(poll(&mut fds, Some(&timeout)), Ok(1..)) {
+        lines.push(format!(
+            "{}: unmounted; its daemon is still finishing after {} s (its log says why)",
+            mountpoint.display(),
+            DAEMON_EXIT_WAIT.as_secs()
+        ));
+    }
 }
 
 /// Unmounts; as a normal user through fusermount3.

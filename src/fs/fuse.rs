@@ -25,9 +25,9 @@ use fuser::{
 use tracing::{debug, error, warn};
 
 use super::ioctl::{
-    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, IOC_COMMIT, IOC_LOAD, IOC_PREFETCH,
-    IOC_PROGRESS, IOC_STATUS, IoctlStruct, LoadArgs, PrefetchArgs, ProgressArgs, STATUS_JSON,
-    StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
+    COMMIT_COMPACT, COMMIT_DISCARD, COMMIT_FORCE, CommitArgs, DaemonArgs, IOC_COMMIT, IOC_DAEMON,
+    IOC_LOAD, IOC_PREFETCH, IOC_PROGRESS, IOC_STATUS, IoctlStruct, LoadArgs, PrefetchArgs,
+    ProgressArgs, STATUS_JSON, StatusArgs, TARGET_CUDA, TARGET_PAGE_CACHE,
 };
 use super::kernel_cache::NAME_TTL;
 use super::{
@@ -689,6 +689,18 @@ impl Filesystem for FuseAdapter {
         match cmd {
             IOC_PREFETCH => self.prefetch(req, ino, fh, in_data, reply),
             IOC_LOAD => self.load(req, ino, fh, in_data, reply),
+            IOC_DAEMON => match DaemonArgs::from_caller(in_data) {
+                Some(_) => {
+                    let args = DaemonArgs {
+                        pid: std::process::id(),
+                        ..DaemonArgs::new()
+                    };
+                    reply.ioctl(0, args.as_bytes())
+                }
+                None => reply.error(failed(&FsError::Invalid(
+                    "STFS_IOC_DAEMON with a bad struct size".into(),
+                ))),
+            },
             IOC_PROGRESS => {
                 let Some(args) = ProgressArgs::from_caller(in_data) else {
                     return reply.error(failed(&FsError::Invalid(

@@ -321,6 +321,37 @@ mod prefetch_tests {
     }
 }
 
+/// STFS_IOC_DAEMON, on any file or directory of a mount: the pid of the
+/// daemon that serves it (`stfs umount` waits for it to exit). Anyone may ask.
+#[repr(C)]
+#[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct DaemonArgs {
+    /// In: size_of::<DaemonArgs>() (64).
+    pub size: u32,
+    /// Out.
+    pub pid: u32,
+    pub reserved: [u64; 7],
+}
+
+impl IoctlStruct for DaemonArgs {}
+
+/// `_IOWR('s', 6, struct stfs_daemon)`.
+pub const IOC_DAEMON: u32 = iowr(6, std::mem::size_of::<DaemonArgs>());
+
+impl DaemonArgs {
+    pub fn new() -> DaemonArgs {
+        let mut a = DaemonArgs::new_zeroed();
+        a.size = std::mem::size_of::<DaemonArgs>() as u32;
+        a
+    }
+}
+
+impl Default for DaemonArgs {
+    fn default() -> Self {
+        DaemonArgs::new()
+    }
+}
+
 /// Room for names, a glob, a page of the table, or a message.
 pub const LOAD_TEXT_LEN: usize = 16192;
 
@@ -430,6 +461,10 @@ mod load_tests {
         assert_eq!(std::mem::offset_of!(LoadArgs, handle), 120);
         assert_eq!(std::mem::offset_of!(LoadArgs, text), 184);
         assert_eq!(IOC_LOAD, 0xfff8_7305);
+        assert_eq!(
+            (std::mem::size_of::<DaemonArgs>(), IOC_DAEMON),
+            (64, 0xc040_7306)
+        );
         let mut a = LoadArgs::new(LOAD_NAMES);
         a.text[..6].copy_from_slice(b"a\0b.c\0");
         let names: Vec<_> = a.names().map(Result::unwrap).collect();

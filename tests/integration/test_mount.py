@@ -497,3 +497,22 @@ def test_what_tools_try_on_every_file_is_not_logged_as_a_refusal(tmp_path, mount
     with pytest.raises(OSError):
         os.rmdir(os.path.join(m.path, "__views__"))
     assert " WARN " in open(m.log).read(), "a refusal that is not routine is logged"
+
+
+def test_stfs_umount_returns_once_the_daemon_is_gone_and_its_staging_folder_too(tmp_path, mount, run):
+    src = tmp_path / "m.safetensors"
+    fx.base(src)
+    m = mount(src)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(b"\0" * 4)  # an edit: a staging folder beside the source
+    assert list(tmp_path.glob(".m.safetensors.stfs-*"))
+    p = run("umount", "--discard", m.path)
+    assert p.returncode == 0, p.stderr
+    # At once, without waiting: the daemon has exited (a zombie at most,
+    # until init reaps it) and its staging folder is gone.
+    try:
+        state = open(f"/proc/{m.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
+    assert not list(tmp_path.glob(".m.safetensors.stfs-*")), list(tmp_path.iterdir())
