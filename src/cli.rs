@@ -368,10 +368,7 @@ pub fn main() -> ExitCode {
                 (!metadata.is_empty()).then(|| metadata.into_iter().collect::<Metadata>());
             crate::create::create(&file, metadata, force)
         }
-        Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "stfs", stdout);
-            Ok(())
-        }
+        Command::Completions { shell } => completions(shell, stdout),
         Command::Man { out_dir } => man_pages(out_dir.as_deref(), stdout),
     };
     match result {
@@ -507,4 +504,66 @@ fn load(device: crate::client::Device, paths: Vec<PathBuf>) -> Result<(), crate:
         println!("{}", line?);
     }
     Ok(())
+}
+
+/// `stfs completions SHELL`. Bash's script as clap writes it offers the
+/// options where a command takes a path, even for an empty word: there it
+/// offers nothing instead, and bash completes file names (`-o default`).
+fn completions(
+    shell: clap_complete::Shell,
+    out: &mut dyn std::io::Write,
+) -> Result<(), crate::errno::Failure> {
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "stfs", &mut script);
+    if shell == clap_complete::Shell::Bash {
+        script = files_for_paths(&String::from_utf8_lossy(&script)).into_bytes();
+    }
+    out.write_all(&script)?;
+    Ok(())
+}
+
+/// The subcommands whose arguments are paths.
+fn path_commands() -> Vec<String> {
+    use clap::ValueHint::{AnyPath, DirPath, FilePath};
+    Cli::command()
+        .get_subcommands()
+        .filter(|c| {
+            c.get_positionals()
+                .any(|a| matches!(a.get_value_hint(), AnyPath | FilePath | DirPath))
+        })
+        .map(|c| c.get_name().to_string())
+        .collect()
+}
+
+/// Bash's script with a word that is not an option left to file-name
+/// completion in the blocks of `path_commands`.
+fn files_for_paths(script: &str) -> String {
+    let paths = path_commands();
+    let mut block = String::new();
+    let mut out = String::with_capacity(script.len());
+    for line in script.lines() {
+        let trimmed = line.trim();
+        if let Some(name) = trimmed
+            .strip_prefix("stfs__subcmd__")
+            .and_then(|r| r.strip_suffix(')'))
+        {
+            block = name.to_string();
+        }
+        let in_path_block = paths.contains(&block);
+        let replaced = match trimmed {
+            "if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then" if in_path_block => {
+                line.replace(" || ${COMP_CWORD} -eq 2", "")
+            }
+            // The block's last answer (the `if` above answers options, deeper).
+            r#"COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )"#
+                if in_path_block && line.len() - trimmed.len() == 12 =>
+            {
+                line.replace(r#"( $(compgen -W "${opts}" -- "${cur}") )"#, "()")
+            }
+            _ => line.to_string(),
+        };
+        out.push_str(&replaced);
+        out.push('\n');
+    }
+    out
 }

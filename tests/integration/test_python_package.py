@@ -218,6 +218,20 @@ COMP_WORDS=(stfs mount --stag); COMP_CWORD=2; _stfs stfs --stag mount; echo "${{
 """
     offered = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     assert offered.splitlines() == ["mount", "--staging-dir"], offered
+    # A word that is not an option, where a command takes a path: nothing
+    # offered, so bash completes file names (the script registers -o default);
+    # where it takes a value, the values.
+    script = f"""source {tmp_path / 'stfs.bash'}
+COMP_WORDS=(stfs mount ''); COMP_CWORD=2; _stfs stfs '' mount; echo "mount:${{COMPREPLY[@]}}"
+COMP_WORDS=(stfs mount m.safetensors ''); COMP_CWORD=3; _stfs stfs '' m.safetensors; echo "mnt:${{COMPREPLY[@]}}"
+COMP_WORDS=(stfs status ''); COMP_CWORD=2; _stfs stfs '' status; echo "status:${{COMPREPLY[@]}}"
+COMP_WORDS=(stfs completions ''); COMP_CWORD=2; _stfs stfs '' completions; echo "shells:${{COMPREPLY[@]}}"
+complete -p stfs
+"""
+    offered = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert offered[:3] == ["mount:", "mnt:", "status:"], offered
+    assert "bash" in offered[3].split() and "zsh" in offered[3].split(), offered
+    assert "-o default" in offered[4], offered
     for shell in ("zsh", "fish"):
         assert "staging-dir" in stfs.run("completions", shell).stdout
     page = stfs.run("man").stdout
