@@ -49,6 +49,26 @@ LOADING. `stfs prefetch MNT` brings tensors into the page cache; \
 `stfs prefetch --device cuda:N MNT` and the Python package's stfs.cuda.load_all load \
 every tensor into one device allocation through a pool of pinned slabs.";
 
+/// How `inspect` and `verify` reach a URL.
+#[derive(clap::Args)]
+struct UrlArgs {
+    /// An S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS).
+    #[arg(long, value_name = "URL", help_heading = "Remote sources")]
+    endpoint: Option<String>,
+    /// Seconds before a server that does not answer is given up.
+    #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds, help_heading = "Remote sources")]
+    timeout: std::time::Duration,
+}
+
+impl From<UrlArgs> for crate::inspect::UrlOptions {
+    fn from(a: UrlArgs) -> Self {
+        crate::inspect::UrlOptions {
+            endpoint: a.endpoint,
+            timeout: a.timeout,
+        }
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "stfs",
@@ -65,16 +85,22 @@ pub struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
-    /// List a checkpoint's header without mounting it.
+    /// List a checkpoint's header without mounting it (a file, or a URL).
     Inspect {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        url: UrlArgs,
+        /// A .safetensors or .gguf file, or a URL (s3://, https://, gs://, az://).
         #[arg(value_hint = clap::ValueHint::FilePath)]
         file: PathBuf,
     },
-    /// Validate checkpoints (files, or folders of shards with their index); exit 0 only if all are valid.
+    /// Validate checkpoints (files, folders of shards with their index, URLs
+    /// of objects or of S3 prefixes); exit 0 only if all are valid.
     Verify {
+        #[command(flatten)]
+        url: UrlArgs,
         #[arg(required = true, value_hint = clap::ValueHint::AnyPath)]
         paths: Vec<PathBuf>,
     },
@@ -320,8 +346,11 @@ pub fn main() -> ExitCode {
     }
     let stdout = &mut std::io::stdout().lock();
     let result = match cli.command {
-        Command::Inspect { json, file } => crate::inspect::inspect(&file, json, stdout),
-        Command::Verify { paths } => match crate::inspect::verify(&paths, stdout) {
+        Command::Inspect { json, url, file } => {
+            crate::inspect::inspect(&file, &url.into(), json, stdout)
+        }
+        Command::Verify { url, paths } => match crate::inspect::verify(&paths, &url.into(), stdout)
+        {
             0 => Ok(()),
             n => Err(format!("{n} problem{} found", if n == 1 { "" } else { "s" }).into()),
         },

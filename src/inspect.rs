@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::format::{Header, ShapeDisplay, gguf, index};
+use crate::source::remote::{Location, OpenError, Remote, RemoteOptions};
+use object_store::path::Path as ObjectPath;
+use std::sync::Arc;
 
 /// Reads and validates the header of one file; the error names the file.
 pub fn read_header(path: &Path) -> Result<Header, crate::errno::Failure> {
@@ -155,15 +158,31 @@ fn inspect_gguf(
     Ok(())
 }
 
+/// `stfs inspect`: a file's header, or (`url`) a remote object's.
 pub fn inspect(
     path: &Path,
+    url: &UrlOptions,
     as_json: bool,
     out: &mut dyn Write,
 ) -> Result<(), crate::errno::Failure> {
+    let shown = path.display().to_string();
+    if crate::source::remote::is_url(&shown) {
+        let h = remote_header(&shown, url)?;
+        return print_header(&shown, &h, as_json, out);
+    }
     if is_gguf(path) {
         return inspect_gguf(path, as_json, out);
     }
-    let h = read_header(path)?;
+    print_header(&shown, &read_header(path)?, as_json, out)
+}
+
+/// A header as `stfs inspect` prints it: a table, or JSON.
+fn print_header(
+    shown: &str,
+    h: &Header,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<(), crate::errno::Failure> {
     let total: u64 = h.data_len();
     let io = |e: std::io::Error| e.to_string();
     if as_json {
@@ -182,7 +201,7 @@ pub fn inspect(
             })
             .collect();
         let doc = json!({
-            "file": path.display().to_string(),
+            "file": shown,
             "header_len": h.header_len,
             "data_start": h.data_start(),
             "tensor_count": h.tensors.len(),
@@ -194,7 +213,7 @@ pub fn inspect(
         writeln!(out).map_err(io)?;
         return Ok(());
     }
-    writeln!(out, "{}", path.display()).map_err(io)?;
+    writeln!(out, "{shown}").map_err(io)?;
     writeln!(
         out,
         "  {} tensor{}, {} bytes of tensor data, header {} bytes",
@@ -241,7 +260,7 @@ fn name_column<'a>(names: impl Iterator<Item = &'a str>) -> usize {
 
 /// Verifies files and folders; prints one line per file or problem.
 /// Returns the number of problems found.
-pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
+pub fn verify(paths: &[PathBuf], url: &UrlOptions, out: &mut dyn Write) -> usize {
     let mut problems = 0;
     let mut say = |line: String, bad: bool| {
         if bad {
@@ -250,6 +269,11 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
         let _ = writeln!(out, "{line}");
     };
     for path in paths {
+        let shown = path.display().to_string();
+        if crate::source::remote::is_url(&shown) {
+            verify_url(&shown, url, &mut say);
+            continue;
+        }
         if path.is_dir() {
             verify_dir(path, &mut say);
             continue;
@@ -270,6 +294,113 @@ pub fn verify(paths: &[PathBuf], out: &mut dyn Write) -> usize {
 fn verified(path: &Path, h: &Header) -> String {
     let (n, bytes) = (h.tensors.len(), h.data_len());
     format!("{}: ok ({n} tensors, {bytes} bytes)", path.display())
+}
+
+/// How `inspect` and `verify` reach a URL.
+#[derive(Debug, Clone, Default)]
+pub struct UrlOptions {
+    /// An S3-compatible endpoint (else AWS_ENDPOINT_URL, else AWS).
+    pub endpoint: Option<String>,
+    pub timeout: std::time::Duration,
+}
+
+fn connect(url: &str, o: &UrlOptions) -> Result<Location, crate::errno::Failure> {
+    let opts = RemoteOptions {
+        endpoint: o.endpoint.clone(),
+        cache_dir: crate::source::remote::default_cache_dir(),
+        cache_size: 1 << 30,
+        concurrency: 4,
+        timeout: o.timeout,
+    };
+    Ok(Remote::connect(url, &opts).map_err(|e| e.to_string())?)
+}
+
+/// A remote object's header, read and validated as a mount does.
+fn remote_header(url: &str, o: &UrlOptions) -> Result<Header, crate::errno::Failure> {
+    let at = connect(url, o)?;
+    if at.folder {
+        return Err(format!(
+            "{url}: a folder of shards: `stfs verify` checks one; `stfs inspect` takes an object"
+        )
+        .into());
+    }
+    object_header(&at.remote, &at.path)
+}
+
+fn object_header(remote: &Arc<Remote>, path: &ObjectPath) -> Result<Header, crate::errno::Failure> {
+    match remote.open(path) {
+        Ok((_, header)) => Ok(header),
+        Err(OpenError::Fetch(why)) => Err(why.into()),
+        Err(OpenError::Format(error)) => Err(crate::source::SourceError::Format {
+            path: PathBuf::from(remote.url(path)),
+            error,
+        }
+        .to_string()
+        .into()),
+    }
+}
+
+/// `verify` of a URL: an object, or a prefix (a folder of shards: each
+/// shard, then each index against them).
+fn verify_url(url: &str, o: &UrlOptions, say: &mut dyn FnMut(String, bool)) {
+    let at = match connect(url, o) {
+        Ok(at) => at,
+        Err(e) => return say(e.to_string(), true),
+    };
+    if !at.folder {
+        return match object_header(&at.remote, &at.path) {
+            Ok(h) => say(verified(Path::new(url), &h), false),
+            Err(e) => say(e.to_string(), true),
+        };
+    }
+    let listed = match at.remote.list(&at.path) {
+        Ok(l) => l,
+        Err(e) => return say(e.to_string(), true),
+    };
+    let mut headers = BTreeMap::new();
+    let shards: Vec<_> = listed
+        .iter()
+        .filter(|(n, ..)| n.ends_with(".safetensors"))
+        .collect();
+    for (name, path, _) in &shards {
+        match object_header(&at.remote, path) {
+            Ok(h) => {
+                say(verified(Path::new(&at.remote.url(path)), &h), false);
+                headers.insert(name.clone(), h);
+            }
+            Err(e) => say(e.to_string(), true),
+        }
+    }
+    if shards.is_empty() {
+        say(
+            format!("{url}: no *.safetensors objects under this prefix"),
+            true,
+        );
+    }
+    let refs: BTreeMap<String, &Header> = headers.iter().map(|(k, v)| (k.clone(), v)).collect();
+    for (_, path, _) in listed.iter().filter(|(n, ..)| n.ends_with(".index.json")) {
+        let shown = at.remote.url(path);
+        let problems = match at.remote.get_all(path) {
+            Err(e) => vec![e.to_string()],
+            Ok((bytes, _)) => index_problems(&bytes, &refs, headers.len() == shards.len()),
+        };
+        if problems.is_empty() {
+            say(format!("{shown}: ok (index agrees with the shards)"), false);
+        }
+        for p in problems {
+            say(format!("{shown}: {p}"), true);
+        }
+    }
+}
+
+/// What is wrong with an index's text against the shards (`all_read`:
+/// every shard parsed, so that it can be checked).
+fn index_problems(bytes: &[u8], shards: &BTreeMap<String, &Header>, all_read: bool) -> Vec<String> {
+    match index::parse_index(bytes) {
+        Err(e) => vec![e.to_string()],
+        Ok(ix) if all_read => index::check_index(&ix, shards),
+        Ok(_) => vec!["not checked: a shard above is invalid".into()],
+    }
 }
 
 fn verify_gguf(path: &Path, say: &mut dyn FnMut(String, bool)) {
@@ -316,14 +447,8 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
     for path in &shards.indexes {
         let problems = match std::fs::read(path) {
             Err(e) => vec![e.to_string()],
-            Ok(bytes) => match index::parse_index(&bytes) {
-                Err(e) => vec![e.to_string()],
-                // An index can only be checked against shards that parsed.
-                Ok(ix) if headers.len() == shards.checkpoints.len() => {
-                    index::check_index(&ix, &refs)
-                }
-                Ok(_) => vec!["not checked: a shard above is invalid".into()],
-            },
+            // An index can only be checked against shards that parsed.
+            Ok(bytes) => index_problems(&bytes, &refs, headers.len() == shards.checkpoints.len()),
         };
         if problems.is_empty() {
             say(

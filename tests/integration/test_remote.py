@@ -814,3 +814,43 @@ def test_an_s3_prefix_of_split_gguf_parts_mounts_as_shards_read_only(tmp_path, s
     with pytest.raises(OSError) as e:
         os.unlink(os.path.join(m.path, shards[0], "blk.0.w"))
     assert e.value.errno == errno.EROFS
+
+
+def test_inspect_and_verify_take_urls(tmp_path, s3, web, run):
+    """The same answers as for the files themselves: inspect's table and
+    JSON, verify's lines, a bad object's rule, a prefix's index check."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
+    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
+             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in folder.iterdir():
+        s3.upload(f, f"urls/{f.name}")
+    endpoint = ["--endpoint", s3.url]
+    url = f"s3://{BUCKET}/urls/model-00001-of-00002.safetensors"
+    local = run("inspect", "--json", folder / "model-00001-of-00002.safetensors", check=True).stdout
+    remote = run("inspect", "--json", *endpoint, url, check=True).stdout
+    assert {**json.loads(remote), "file": None} == {**json.loads(local), "file": None}
+    assert json.loads(remote)["file"] == url
+    table = run("inspect", *endpoint, url, check=True).stdout
+    assert table.startswith(url) and "F16" in table
+    p = run("verify", *endpoint, f"s3://{BUCKET}/urls/", check=True)
+    assert p.stdout.count(": ok") == 3 and "index agrees with the shards" in p.stdout, p.stdout
+    # A wrong index and a bad object: exit 1, each problem said with its URL.
+    index["weight_map"]["b"] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    s3.upload(folder / "model.safetensors.index.json", "urls/model.safetensors.index.json")
+    (tmp_path / "zip.safetensors").write_bytes(b"PK\x03\x04 not a checkpoint" * 10)
+    bad = s3.upload(tmp_path / "zip.safetensors", "bad/zip.safetensors")
+    p = run("verify", *endpoint, f"s3://{BUCKET}/urls/", bad)
+    assert p.returncode == 1, p.stdout
+    assert f"s3://{BUCKET}/urls/model.safetensors.index.json" in p.stdout and bad in p.stdout, p.stdout
+    p = run("inspect", *endpoint, f"s3://{BUCKET}/no/such.safetensors")
+    assert p.returncode == 1 and "not found" in p.stderr, p.stderr
+    # https:// as well.
+    save_file({"w": np.ones(7, np.float32)}, str(web.root / "w.safetensors"))
+    table = run("inspect", f"{web.url}/w.safetensors", check=True).stdout
+    assert "F32" in table and "[7]" in table, table
