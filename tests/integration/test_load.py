@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python")
 from stfs import cuda as stfs_cuda  # noqa: E402
 from stfs_fixtures import wait_for  # noqa: E402
 from conftest import as_user  # noqa: E402
+from test_remote import moto, s3  # noqa: E402,F401 (fixtures)
 
 SLAB = 4096  # -o load_slab_kib=4: sizes around a slab are cheap to make
 SMALL_POOL = ("-o", "load_slab_kib=4,load_slabs=3")
@@ -302,3 +303,11 @@ def test_the_c_header_says_what_the_daemon_reads(tmp_path):
     subprocess.run([cc, "-I", include, "-o", str(tmp_path / "abi"), str(prog)], check=True)
     out = subprocess.run([str(tmp_path / "abi")], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["16376", "32", "40", "120", "184", str(stfs_cuda.IOC_LOAD)]
+
+
+def test_a_remote_sources_tensors_load_through_the_same_plan(tmp_path, s3, mount):  # noqa: F811
+    src = tmp_path / "s.safetensors"
+    want = sizes_checkpoint(src)
+    m = mount(s3.upload(src, "load/s.safetensors"), *s3.options, *SMALL_POOL)
+    assert_same(loaded(m.path), want)
+    assert_same(loaded(m.path, through_slabs=True), want)
