@@ -16,7 +16,6 @@ use stfs::prefetch::load::plan::Item;
 use stfs::prefetch::load::pool::Pool;
 use stfs::prefetch::load::run::Way;
 use stfs::prefetch::load::{Load, LoadError};
-use stfs::source::Backing;
 
 const RUNS: usize = 5;
 
@@ -55,23 +54,10 @@ fn tensors_of(path: &std::path::Path) -> Vec<(u64, u64)> {
 }
 
 fn items(file: &Arc<std::fs::File>, spans: &[(u64, u64)]) -> Vec<Item> {
-    spans
-        .iter()
-        .enumerate()
-        .map(|(i, &(offset, len))| Item {
-            name: format!("t{i}"),
-            dtype: stfs::format::Dtype::U8,
-            shape: vec![len],
-            nbytes: len,
-            backing: (len > 0).then(|| Backing::File {
-                file: file.clone(),
-                offset,
-                len,
-                sparse: false,
-                moves_with: None,
-            }),
-        })
-        .collect()
+    let each = |(i, &(offset, len)): (usize, &(u64, u64))| {
+        Item::of_file(format!("t{i}"), file, offset, len)
+    };
+    spans.iter().enumerate().map(each).collect()
 }
 
 fn median(mut times: Vec<Duration>) -> Duration {

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 from stfs import cuda as stfs_cuda  # noqa: E402
-from stfs_fixtures import wait_for  # noqa: E402
+from stfs_fixtures import cuda_driver_present, wait_for  # noqa: E402
 from conftest import as_user  # noqa: E402
 from test_remote import moto, s3  # noqa: E402,F401 (fixtures)
 
@@ -252,13 +252,8 @@ def test_the_command_line_loads_a_mount_and_says_how_fast(tmp_path, mount, run):
     assert p.returncode == 0 and f"2 tensors, {want['f16'].nbytes + 1} bytes" in p.stdout, p.stdout
 
 
+@pytest.mark.skipif(cuda_driver_present(), reason="a CUDA driver is present: scripts/gpu-check.sh covers it")
 def test_cuda_without_a_driver_is_enodev(tmp_path, mount, run):
-    try:
-        import ctypes
-        ctypes.CDLL("libcuda.so.1")
-        pytest.skip("a CUDA driver is present: scripts/gpu-check.sh covers this machine")
-    except OSError:
-        pass
     src = tmp_path / "s.safetensors"
     save_file({"a": np.arange(4, dtype=np.float32)}, str(src))
     m = mount(src)

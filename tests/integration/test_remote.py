@@ -166,8 +166,8 @@ def test_https_object_reads_like_a_local_file(tmp_path, web, mount):
     assert web.count("GET", ranged=False) == 0, "every GET is ranged"
 
 
-def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
-    folder = tmp_path / "model"
+def two_shards(folder):
+    """A folder of two shards (a: F16 [6], b: I64 [10]) and their index."""
     folder.mkdir()
     a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
     save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
@@ -175,6 +175,12 @@ def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
     index = {"metadata": {"total_size": a.nbytes + b.nbytes},
              "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return a, b, index
+
+
+def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
+    folder = tmp_path / "model"
+    a, b, index = two_shards(folder)
     (folder / "README.md").write_text("not a shard")
     for f in folder.iterdir():
         s3.upload(f, f"sharded/{f.name}")
@@ -820,13 +826,7 @@ def test_inspect_and_verify_take_urls(tmp_path, s3, web, run):
     """The same answers as for the files themselves: inspect's table and
     JSON, verify's lines, a bad object's rule, a prefix's index check."""
     folder = tmp_path / "model"
-    folder.mkdir()
-    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
-    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
-             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    a, b, index = two_shards(folder)
     for f in folder.iterdir():
         s3.upload(f, f"urls/{f.name}")
     endpoint = ["--endpoint", s3.url]

@@ -138,6 +138,17 @@ def wait_for_exit(pid, seconds):
 
 # -- timing and dd -------------------------------------------------------------------------------
 
+def cuda_driver_present():
+    """Whether libcuda can be loaded here (the tests of ENODEV skip then:
+    scripts/gpu-check.sh covers such a machine)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def timed(fn):
     """Seconds `fn()` takes."""
     t = time.perf_counter()

@@ -29,6 +29,31 @@ pub struct Item {
     pub backing: Option<Backing>,
 }
 
+impl Item {
+    /// `len` bytes of `file` at `offset`, as bytes (U8): what a benchmark or
+    /// a test loads without a mount.
+    pub fn of_file(
+        name: String,
+        file: &std::sync::Arc<std::fs::File>,
+        offset: u64,
+        len: u64,
+    ) -> Item {
+        Item {
+            name,
+            dtype: Dtype::U8,
+            shape: vec![len],
+            nbytes: len,
+            backing: (len > 0).then(|| Backing::File {
+                file: file.clone(),
+                offset,
+                len,
+                sparse: false,
+                moves_with: None,
+            }),
+        }
+    }
+}
+
 /// A tensor in the arena, in the order the tensors land.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Entry {

@@ -5,7 +5,6 @@ use super::plan::Item;
 use super::run::Way;
 use super::*;
 use crate::format::Dtype;
-use crate::source::Backing;
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 
@@ -20,19 +19,7 @@ fn file_of(bytes: &[u8]) -> Arc<std::fs::File> {
 }
 
 fn item(name: String, file: &Arc<std::fs::File>, offset: u64, len: u64) -> Item {
-    Item {
-        name,
-        dtype: Dtype::U8,
-        shape: vec![len],
-        nbytes: len,
-        backing: (len > 0).then(|| Backing::File {
-            file: file.clone(),
-            offset,
-            len,
-            sparse: false,
-            moves_with: None,
-        }),
-    }
+    Item::of_file(name, file, offset, len)
 }
 
 fn finished(load: &Load) -> run::Seen {

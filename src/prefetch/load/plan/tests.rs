@@ -8,19 +8,7 @@ fn file() -> Arc<std::fs::File> {
 }
 
 fn item(name: &str, file: &Arc<std::fs::File>, offset: u64, len: u64) -> Item {
-    Item {
-        name: name.into(),
-        dtype: Dtype::U8,
-        shape: vec![len],
-        nbytes: len,
-        backing: (len > 0).then(|| Backing::File {
-            file: file.clone(),
-            offset,
-            len,
-            sparse: false,
-            moves_with: None,
-        }),
-    }
+    Item::of_file(name.into(), file, offset, len)
 }
 
 /// Each chunk: (file position, length, its copies as (from, len, to)).
