@@ -385,11 +385,13 @@ def test_a_staging_folder_removed_while_a_spent_file_goes_is_removed_whole(tmp_p
     staging, staged = append_staged(tmp_path, m, b"\x01" * 4096)
     assert run("commit", m.path).returncode == 0
     pause.wait("commit:spent")
-    assert run("umount", m.path).returncode == 0
-    pause.wait("staging:remove")  # the folder listed, the spent file in the list
+    # (stfs umount returns once the daemon has exited: it waits meanwhile.)
+    umount = background(m.stfs, "umount", m.path)
+    pause.wait("staging:remove", umount)  # the folder listed, the spent file in the list
     pause.go("commit:spent")
     wait_for(lambda: not staged.exists(), "the spent staging file removed")
     pause.go("staging:remove")
+    assert umount.wait(timeout=60) == 0, umount.communicate()
     wait_for_exit(m.pid, 20)
     m.pid = None
     assert not staging.exists(), os.listdir(staging)
