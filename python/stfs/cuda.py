@@ -53,6 +53,12 @@ TORCH_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "floa
                 "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
 
 
+def _torch() -> Any:
+    """torch, imported where a function needs it (the package works without it)."""
+    import torch  # type: ignore[import-not-found]
+    return torch
+
+
 class Prefetched:
     """The daemon's answer. `fd` keeps a CUDA buffer alive until close()."""
 
@@ -166,7 +172,7 @@ def load_cupy(path: str | os.PathLike[str], device: int = 0) -> Any:
 
 def load(path: str | os.PathLike[str], device: int = 0) -> Any:
     """The tensor as a torch tensor on cuda:`device`, with its dtype and shape."""
-    import torch  # type: ignore[import-not-found]
+    torch = _torch()
     arr = load_cupy(path, device)
     p = arr._stfs_keepalive[0]
     t = torch.utils.dlpack.from_dlpack(arr.toDlpack())
@@ -339,7 +345,7 @@ class _CudaArena:
 
 def _open_arena(load: Load) -> Any:
     """The arena as one uint8 torch tensor on the load's device (one IPC open)."""
-    import torch  # type: ignore[import-not-found]
+    torch = _torch()
     p = Prefetched(None, _LAYOUT.unpack(builtins.bytes(SIZE)))
     p.device, p.ipc_handle, p.ipc_offset = int(load.device), load.state["handle"], 0
     ptr, close = _open_ipc(p)
@@ -383,7 +389,7 @@ def _view(arena: Any, e: dict[str, Any]) -> Any:
     the framework lacks)."""
     raw = arena[e["offset"]:e["offset"] + e["nbytes"]]
     if hasattr(raw, "numpy"):  # torch
-        import torch  # type: ignore[import-not-found]
+        torch = _torch()
         name = TORCH_DTYPES.get(e["dtype"]) or NUMPY_DTYPES.get(e["dtype"])
         dtype = getattr(torch, name, None) if name else None
         return raw.view(dtype).reshape(e["shape"]) if dtype is not None else raw
