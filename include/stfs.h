@@ -134,7 +134,7 @@ struct stfs_daemon {
  *                    the first `landed_tensors` of the table are in place,
  *                    `landed_bytes` in all, `done` once it ended. A failed
  *                    load answers `result` and `text` naming the tensor, and
- *                    lands none. With `id` 0: only `slabs_made`, `live_arenas`.
+ *                    lands none. With `id` 0: only `slabs_made`, `slabs_freed`, `live_arenas`.
  *   STFS_LOAD_TABLE  `id`, `offset`: a page of the table, `total` bytes in all
  *                    (join the pages' bytes): one JSON object per line, in
  *                    the order they land: {"name", "offset", "nbytes",
@@ -158,7 +158,7 @@ struct stfs_daemon {
 #define STFS_LOAD_TABLE 5u
 #define STFS_LOAD_FREE  6u
 #define STFS_LOAD_THROUGH_SLABS 1u
-#define STFS_LOAD_TEXT_LEN 16192
+#define STFS_LOAD_TEXT_LEN 16184
 struct stfs_load {
 	uint32_t size;           /* in: sizeof(struct stfs_load) == 16376 */
 	uint32_t op;             /* in: STFS_LOAD_* */
@@ -176,6 +176,7 @@ struct stfs_load {
 	uint64_t arena_size;     /* out */
 	uint64_t elapsed_ns;     /* out: from the start (to the end once done) */
 	uint64_t slabs_made;     /* out: slabs the daemon made since it started */
+	uint64_t slabs_freed;    /* out: ...and freed (a pool idle for load_idle_s) */
 	uint64_t live_arenas;    /* out: arenas alive now */
 	uint64_t offset;         /* in (TABLE) */
 	uint64_t total;          /* out (TABLE) */

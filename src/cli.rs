@@ -114,7 +114,8 @@ enum Command {
         /// in memory; keep: the mount's own page cache too), mapping=keep|release
         /// (the daemon's page-table references to the source after a read),
         /// load_slabs=N, load_slab_kib=K (the pool of pinned slabs each device's
-        /// loads share: 8 of 16 MiB), noexec, noatime, nodev, nosuid,
+        /// loads share: 8 of 16 MiB), load_idle_s=N (the pool is freed after N
+        /// seconds with no load, 300; 0: kept until unmount), noexec, noatime, nodev, nosuid,
         /// default_permissions (always on).
         #[arg(short = 'o', value_name = "OPTIONS", value_parser = crate::daemon::check_options)]
         options: Vec<String>,

@@ -186,15 +186,15 @@ def load(path: str | os.PathLike[str], device: int = 0) -> Any:
 
 LOAD_SIZE = 16376
 IOC_LOAD = (3 << 30) | (LOAD_SIZE << 16) | (ord("s") << 8) | 5
-_LOAD = struct.Struct("<IIQIiIIiI10Q64s16192s")
+_LOAD = struct.Struct("<IIQIiIIiI11Q64s16184s")
 assert _LOAD.size == LOAD_SIZE
 TARGET_HOST = 2
 OP_NAMES, OP_GLOB, OP_START, OP_POLL, OP_TABLE, OP_FREE = range(1, 7)
 LOAD_THROUGH_SLABS = 1
 _LOAD_FIELDS = ("size", "op", "id", "target", "device", "flags", "wait_ms", "result", "done", "tensors", "bytes",
-                "landed_tensors", "landed_bytes", "arena_size", "elapsed_ns", "slabs_made", "live_arenas",
-                "offset", "total", "handle", "text")
-_PAGE = 16000  # names sent per request (the text field holds 16192 bytes)
+                "landed_tensors", "landed_bytes", "arena_size", "elapsed_ns", "slabs_made", "slabs_freed",
+                "live_arenas", "offset", "total", "handle", "text")
+_PAGE = 16000  # names sent per request (the text field holds 16184 bytes)
 
 
 def _mount_root(path: str) -> str:
@@ -222,13 +222,15 @@ def _ask_load(fd: int, op: int, text: builtins.bytes = b"", **fields: int) -> di
 
 
 def daemon_counts(mount: str | os.PathLike[str]) -> dict[str, int]:
-    """The daemon's `slabs_made` (since it started) and `live_arenas` (now)."""
+    """The daemon's `slabs_made` and `slabs_freed` (since it started: a
+    pool's slabs are freed once it has been idle for the mount's
+    load_idle_s) and `live_arenas` (now)."""
     fd = os.open(mount, os.O_RDONLY)
     try:
         got = _ask_load(fd, OP_POLL)
     finally:
         os.close(fd)
-    return {"slabs_made": got["slabs_made"], "live_arenas": got["live_arenas"]}
+    return {k: got[k] for k in ("slabs_made", "slabs_freed", "live_arenas")}
 
 
 class Load:

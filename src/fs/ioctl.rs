@@ -353,7 +353,7 @@ impl Default for DaemonArgs {
 }
 
 /// Room for names, a glob, a page of the table, or a message.
-pub const LOAD_TEXT_LEN: usize = 16192;
+pub const LOAD_TEXT_LEN: usize = 16184;
 
 /// STFS_IOC_LOAD, on any file or directory of a mount: many tensors into
 /// one arena on a device (see include/stfs.h for the protocol).
@@ -385,8 +385,10 @@ pub struct LoadArgs {
     /// Out: the arena's size, and the time from the start (to the end once done).
     pub arena_size: u64,
     pub elapsed_ns: u64,
-    /// Out: slabs the daemon has made since it started, and arenas alive now.
+    /// Out: slabs the daemon has made and freed since it started (a pool's
+    /// are freed after its idle time), and arenas alive now.
     pub slabs_made: u64,
+    pub slabs_freed: u64,
     pub live_arenas: u64,
     /// In (TABLE): byte offset of the page; out: the table's length.
     pub offset: u64,

@@ -93,9 +93,10 @@ fn answer(args: &mut LoadArgs, load: &Load, wait: Duration) {
     }
 }
 
-/// Slabs made since the daemon started, and arenas alive now.
+/// Slabs made and freed since the daemon started, and arenas alive now.
 fn counts(args: &mut LoadArgs) {
     use std::sync::atomic::Ordering::Relaxed;
     args.slabs_made = load::pool::SLABS_MADE.load(Relaxed);
+    args.slabs_freed = load::pool::SLABS_FREED.load(Relaxed);
     args.live_arenas = load::engine::LIVE_ARENAS.load(Relaxed);
 }

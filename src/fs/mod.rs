@@ -205,12 +205,18 @@ pub struct Settings {
     /// Loads into a device: lanes in each device's pool, and bytes per slab.
     pub load_slabs: usize,
     pub load_slab: usize,
+    /// How long a device's pool stays made with no load (None: until unmount).
+    pub load_idle: Option<std::time::Duration>,
 }
 
 /// A device's pool: 8 slabs of 16 MiB (128 MiB pinned), as many copies in
 /// flight as a PCIe Gen5 link and an NVMe array keep busy.
 pub const LOAD_SLABS: usize = 8;
 pub const LOAD_SLAB: usize = 16 << 20;
+/// Seconds a pool stays made with no load: a job's loads come in bursts
+/// (start, restart, evaluation) and remaking a pool costs milliseconds, but
+/// pinned memory held all day is memory the job cannot have.
+pub const LOAD_IDLE_S: u64 = 300;
 
 impl Default for Settings {
     fn default() -> Settings {
@@ -221,6 +227,7 @@ impl Default for Settings {
             release_after_read: false,
             load_slabs: LOAD_SLABS,
             load_slab: LOAD_SLAB,
+            load_idle: Some(std::time::Duration::from_secs(LOAD_IDLE_S)),
         }
     }
 }
@@ -310,7 +317,11 @@ impl Fs {
             .enumerate()
             .map(|(i, f)| (f, alloc(&mut fixed, Node::ModelFile(i))))
             .collect();
-        let devices = crate::prefetch::load::Devices::new(settings.load_slabs, settings.load_slab);
+        let devices = crate::prefetch::load::Devices::new(
+            settings.load_slabs,
+            settings.load_slab,
+            settings.load_idle,
+        );
         Fs {
             settings,
             transactions: Transactions::new(staging.clone()),

@@ -146,7 +146,7 @@ def test_the_pool_is_made_once_and_two_loads_share_it(tmp_path, mount):
     src = tmp_path / "s.safetensors"
     want = sizes_checkpoint(src)
     m = mount(src, *SMALL_POOL)
-    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "live_arenas": 0}
+    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "slabs_freed": 0, "live_arenas": 0}
     assert_same(loaded(m.path), want)
     assert stfs_cuda.daemon_counts(m.path)["slabs_made"] == 3
     first, second = stfs_cuda.Load(m.path, "host"), stfs_cuda.Load(m.path, "host")
@@ -159,6 +159,18 @@ def test_the_pool_is_made_once_and_two_loads_share_it(tmp_path, mount):
     second.close()
     wait_for(lambda: stfs_cuda.daemon_counts(m.path)["live_arenas"] == 0, "the arenas freed at close")
     assert stfs_cuda.daemon_counts(m.path)["slabs_made"] == 3, "no slab made after the first load"
+
+
+def test_an_idle_pool_is_freed_and_the_next_load_makes_it_again(tmp_path, mount):
+    src = tmp_path / "s.safetensors"
+    want = sizes_checkpoint(src)
+    m = mount(src, "-o", "load_slab_kib=4,load_slabs=3,load_idle_s=1")
+    assert_same(loaded(m.path), want)
+    assert stfs_cuda.daemon_counts(m.path)["slabs_made"] == 3
+    wait_for(lambda: stfs_cuda.daemon_counts(m.path)["slabs_freed"] == 3, "the pool freed after 1 s with no load")
+    assert_same(loaded(m.path), want)
+    assert stfs_cuda.daemon_counts(m.path)["slabs_made"] == 6, "the second load made the pool again"
+    assert "pool freed after its idle time" in open(m.log).read()
 
 
 @WAYS
@@ -263,7 +275,7 @@ def test_cuda_without_a_driver_is_enodev(tmp_path, mount, run):
         assert e.value.errno == errno.ENODEV and "no CUDA driver" in str(e.value)
     p = run("prefetch", "--device", "cuda:0", m.path)
     assert p.returncode != 0 and "no CUDA driver" in p.stderr, p.stderr
-    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "live_arenas": 0}
+    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "slabs_freed": 0, "live_arenas": 0}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user")
@@ -274,7 +286,7 @@ def test_a_user_other_than_the_owner_may_not_load(tmp_path, mount, user, shared,
     m = mount(src, "-o", "allow_other", at=shared)
     p = as_user(user, stfs, "prefetch", "--device", "host", m.path)
     assert p.returncode != 0 and "Permission denied" in p.stderr and "load" in p.stderr, p.stderr
-    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "live_arenas": 0}
+    assert stfs_cuda.daemon_counts(m.path) == {"slabs_made": 0, "slabs_freed": 0, "live_arenas": 0}
 
 
 def test_the_c_header_says_what_the_daemon_reads(tmp_path):
@@ -297,7 +309,7 @@ def test_the_c_header_says_what_the_daemon_reads(tmp_path):
     """))
     subprocess.run([cc, "-I", include, "-o", str(tmp_path / "abi"), str(prog)], check=True)
     out = subprocess.run([str(tmp_path / "abi")], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["16376", "32", "40", "120", "184", str(stfs_cuda.IOC_LOAD)]
+    assert out == ["16376", "32", "40", "128", "192", str(stfs_cuda.IOC_LOAD)]
 
 
 def test_a_remote_sources_tensors_load_through_the_same_plan(tmp_path, s3, mount):  # noqa: F811

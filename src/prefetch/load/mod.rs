@@ -81,19 +81,26 @@ pub fn choose(all: Vec<ViewTensor>, want: &Want) -> Result<Vec<Item>, LoadError>
         .collect()
 }
 
-/// The lanes of each device, made at its first load, freed with the mount.
+type Pools = Mutex<HashMap<Target, Arc<Pool>>>;
+
+/// The lanes of each device, made at its first load, freed with the mount
+/// or once idle for `idle`.
 pub struct Devices {
     lanes: usize,
     slab: usize,
-    pools: Mutex<HashMap<Target, Arc<Pool>>>,
+    idle: Option<Duration>,
+    pools: Arc<Pools>,
+    reaper: std::sync::Once,
 }
 
 impl Devices {
-    pub fn new(lanes: usize, slab: usize) -> Devices {
+    pub fn new(lanes: usize, slab: usize, idle: Option<Duration>) -> Devices {
         Devices {
             lanes,
             slab,
-            pools: Mutex::new(HashMap::new()),
+            idle,
+            pools: Arc::new(Mutex::new(HashMap::new())),
+            reaper: std::sync::Once::new(),
         }
     }
 
@@ -109,7 +116,43 @@ impl Devices {
         };
         let pool = Arc::new(Pool::new(engine, self.lanes, self.slab));
         pools.insert(target, pool.clone());
+        if let Some(idle) = self.idle {
+            let pools = Arc::downgrade(&self.pools);
+            self.reaper.call_once(|| {
+                let spawned = std::thread::Builder::new()
+                    .name("stfs-pool-reaper".into())
+                    .spawn(move || free_idle_pools(pools, idle));
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "no thread to free idle pools: they stay until unmount");
+                }
+            });
+        }
         Ok(pool)
+    }
+}
+
+/// Frees the lanes of every pool idle for `idle`, looking a few times per
+/// `idle`, until the mount's pools are gone.
+fn free_idle_pools(pools: std::sync::Weak<Pools>, idle: Duration) {
+    let tick = (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(10));
+    loop {
+        std::thread::sleep(tick);
+        let Some(pools) = pools.upgrade() else { return };
+        let held: Vec<(Target, Arc<Pool>)> = pools
+            .lock_anyway()
+            .iter()
+            .map(|(t, p)| (*t, p.clone()))
+            .collect();
+        drop(pools);
+        for (target, pool) in held {
+            if pool.release_if_idle(idle, Instant::now()) {
+                tracing::info!(
+                    ?target,
+                    idle_s = idle.as_secs(),
+                    "pool freed after its idle time"
+                );
+            }
+        }
     }
 }
 

@@ -181,3 +181,57 @@ fn names_are_chosen_exactly_and_a_missing_one_is_named() {
     assert_eq!(crate::errno::ToErrno::to_errno(&missing), libc::ENOENT);
     assert!(missing.to_string().contains("\"nope\""));
 }
+
+#[test]
+fn a_pool_is_freed_only_when_every_lane_has_been_back_for_its_idle_time() {
+    let idle = Duration::from_secs(300);
+    let pool = host_pool(2, 64);
+    let later = |by: Duration| Instant::now() + by;
+    assert!(
+        !pool.release_if_idle(idle, later(idle * 2)),
+        "nothing made, nothing freed"
+    );
+    let lane = pool.take().unwrap();
+    assert_eq!(pool.made(), 2);
+    assert!(
+        !pool.release_if_idle(idle, later(idle * 2)),
+        "a lane in use keeps the pool however long ago it was taken"
+    );
+    drop(lane);
+    assert!(
+        !pool.release_if_idle(idle, later(idle / 2)),
+        "back, but not for long enough"
+    );
+    assert!(pool.holds_lanes());
+    assert!(pool.release_if_idle(idle, later(idle + Duration::from_secs(1))));
+    assert!(!pool.holds_lanes());
+    assert!(!pool.release_if_idle(idle, later(idle * 2)), "freed once");
+    drop(pool.take().unwrap());
+    assert_eq!(pool.made(), 4, "the next load makes the lanes again");
+}
+
+#[test]
+fn a_freed_pool_loads_the_same_bytes_again() {
+    let (bytes, tensors) = layout(&[(3, 500), (0, 90), (17, 1000)], 5);
+    let f = file_of(&bytes);
+    let items = || {
+        tensors
+            .iter()
+            .map(|(n, o, l)| item(n.clone(), &f, *o, *l))
+            .collect()
+    };
+    let pool = host_pool(2, 128);
+    for _ in 0..2 {
+        let load = Load::start(items(), pool.clone(), Way::ThroughSlabs).unwrap();
+        assert!(finished(&load).failed.is_none());
+        let arena = host_bytes(&*load.arena).unwrap();
+        for e in &load.plan.entries {
+            let (_, at, len) = tensors.iter().find(|t| t.0 == e.name).unwrap();
+            let got = &arena[e.offset as usize..(e.offset + e.nbytes) as usize];
+            assert_eq!(got, &bytes[*at as usize..(at + len) as usize], "{}", e.name);
+        }
+        drop(load);
+        assert!(pool.release_if_idle(Duration::ZERO, Instant::now() + Duration::from_secs(1)));
+    }
+    assert_eq!(pool.made(), 4);
+}
