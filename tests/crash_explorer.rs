@@ -16,7 +16,8 @@
 //!   other, but a folder whose own name is taken back takes its files with it);
 //! - each file holds what it held when last fsynced (or before the life
 //!   began, or nothing if made since) or what was written since: every
-//!   combination (of up to three such files; all or none beyond).
+//!   combination (of up to three such files; all or none beyond);
+//! - a crash comes just before each sync as well as after it.
 //!
 //! In each state, a reader must find every file as it was before the step
 //! that was running or as that step left it (a file written in place may
@@ -74,6 +75,17 @@ impl Recorder {
         name
     }
 
+    /// An event that changes nothing on disk: logged, and a crash point.
+    fn point(&self, line: Value) {
+        let n = self.count.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut log = self.log.lock().unwrap();
+        log.write_all(format!("{line}\n").as_bytes()).unwrap();
+        if self.crash_at == Some(n) {
+            // SAFETY: ends the process at once, as a crash would.
+            unsafe { libc::_exit(0) };
+        }
+    }
+
     fn event(&self, ev: &FsEvent) {
         if std::thread::current().id() != self.thread {
             return;
@@ -93,6 +105,15 @@ impl Recorder {
         };
         if !watched.starts_with(&self.src) {
             return;
+        }
+        if matches!(
+            ev,
+            FsEvent::SyncedFolder { .. } | FsEvent::SyncedFile { .. }
+        ) {
+            // A crash just before a sync: what it would make durable is
+            // not (an edit acknowledged without a sync of its own, then a
+            // commit whose first act is that sync, is lost only here).
+            self.point(json!({"op": "to-sync"}));
         }
         let s = |p: &OsStr| p.to_string_lossy().into_owned();
         let (line, before) = match ev {
@@ -443,6 +464,22 @@ fn check_state(
     })
 }
 
+/// With `STFS_EXPLORE_KEEP=DIR`: a copy of the crash state's source folder
+/// (its staging folder and journal with it), before the next mount, under
+/// DIR (only the failing ones are said; remove DIR after).
+fn keep_state(root: &Path) -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("STFS_EXPLORE_KEEP")?);
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let to = dir.join(format!("state-{}", N.fetch_add(1, Ordering::SeqCst)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(root.join("src"))
+        .arg(&to)
+        .status();
+    copied.is_ok_and(|s| s.success()).then_some(to)
+}
+
 /// Explores `sc`; returns (states checked, problems found).
 fn explore(sc: &Scenario) -> (usize, Vec<String>) {
     let want = expected(sc);
@@ -549,9 +586,13 @@ fn explore(sc: &Scenario) -> (usize, Vec<String>) {
                     }
                 }
                 checked += 1;
+                let kept = keep_state(root.path());
                 if let Err(why) =
                     check_state(root.path(), sc, k, &by_step, &want, &want_unsynced_gone)
                 {
+                    if let Some(kept) = kept {
+                        eprintln!("state kept in {}", kept.display());
+                    }
                     let kept: Vec<String> = (0..evs.len())
                         .filter(|&i| is_name_change(&evs[i]))
                         .map(|i| format!("{}{}", if names[i] { "" } else { "NOT " }, evs[i]))

@@ -164,6 +164,16 @@ impl Fs {
     ) -> Result<(), FsError> {
         self.meta_changed(object);
         let moved = changed.moved;
+        // Bytes a move copied into a new staging file (a source tensor's
+        // blocks, a tensor copied aside) are made durable before the journal
+        // names that file: a journal line that outlives a crash must never
+        // name a file whose copy did not (the tensor would come back short).
+        // A failed sync still journals the move (memory and journal agree)
+        // and fails the write.
+        let copied = match moved {
+            true => object.sync(),
+            false => Ok(()),
+        };
         if let Some((file, runs)) = changed.patched {
             let mut st = self.write_state();
             if let Some(c) = st.home(object) {
@@ -188,7 +198,7 @@ impl Fs {
         if let Some(c) = st.home(object) {
             st.live_mut(c).object_written(object, moved)?;
         }
-        Ok(())
+        Ok(copied?)
     }
 
     /// After a data write, its tensor's meta has other attributes: its

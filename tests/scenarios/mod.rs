@@ -90,6 +90,47 @@ pub fn make_folder(dir: &Path) {
     std::fs::write(dir.join(INDEX), serde_json::to_vec_pretty(&index).unwrap()).unwrap();
 }
 
+/// One GGUF file `s0.gguf` (version 3, alignment 32): keys
+/// general.architecture and general.name (strings), x.count (UINT32 7);
+/// tensors a [4], b [2], c [3] (F32), written here after ggml's layout.
+pub fn make_gguf(dir: &Path) {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+    let tensors = [
+        ("a", floats(&[1., 2., 3., 4.])),
+        ("b", floats(&[5., 6.])),
+        ("c", floats(&[7., 8., 9.])),
+    ];
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend(3u64.to_le_bytes());
+    for (key, value) in [("general.architecture", "llama"), ("general.name", "s0")] {
+        string(&mut out, key);
+        out.extend(8u32.to_le_bytes()); // STRING
+        string(&mut out, value);
+    }
+    string(&mut out, "x.count");
+    out.extend(4u32.to_le_bytes()); // UINT32
+    out.extend(7u32.to_le_bytes());
+    let mut offset = 0u64;
+    for (name, data) in &tensors {
+        string(&mut out, name);
+        out.extend(1u32.to_le_bytes()); // one dimension
+        out.extend((data.len() as u64 / 4).to_le_bytes());
+        out.extend(0u32.to_le_bytes()); // F32
+        out.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    for (_, data) in &tensors {
+        out.resize(out.len().div_ceil(32) * 32, 0);
+        out.extend(data);
+    }
+    std::fs::write(dir.join("s0.gguf"), out).unwrap();
+}
+
 pub fn uid() -> u32 {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
@@ -121,10 +162,9 @@ impl Mount {
     /// What is mounted: the folder, or its one file.
     pub fn source(&self) -> PathBuf {
         let src = self.root.join("src");
-        if self.folder {
-            src
-        } else {
-            src.join("s0.safetensors")
+        match targets_in(&src, self.folder) {
+            _ if self.folder => src,
+            one => src.join(one[0]),
         }
     }
 
@@ -288,7 +328,7 @@ impl Mount {
     /// The bytes of every file a commit writes.
     pub fn targets_now(&self) -> Vec<(String, Vec<u8>)> {
         let src = self.root.join("src");
-        targets(self.folder)
+        targets_in(&src, self.folder)
             .into_iter()
             .map(|t| {
                 (
@@ -443,10 +483,13 @@ pub struct Scenario {
     pub ways: &'static [(&'static str, &'static str)],
 }
 
-/// The files a commit of the scenario writes.
-pub fn targets(folder: bool) -> Vec<&'static str> {
+/// The files a commit of the scenario made in `src` writes (its one file
+/// is `s0.gguf` where `make_gguf` made it).
+pub fn targets_in(src: &Path, folder: bool) -> Vec<&'static str> {
     if folder {
         vec!["s0.safetensors", "s1.safetensors", INDEX]
+    } else if src.join("s0.gguf").exists() {
+        vec!["s0.gguf"]
     } else {
         vec!["s0.safetensors"]
     }
@@ -460,9 +503,40 @@ pub fn fresh(sc: &Scenario) -> tempfile::TempDir {
     root
 }
 
-/// Whether every reader (the reference's parser) refuses `bytes`.
+/// Whether every reader (the reference's parser; for a file that starts
+/// with GGUF's magic, ggml's rules as stfs reads them) refuses `bytes`.
 pub fn refused(bytes: &[u8]) -> bool {
-    safetensors::SafeTensors::deserialize(bytes).is_err()
+    match stfs::format::gguf::is_gguf(bytes) {
+        true => stfs::format::gguf::parse(bytes).is_err(),
+        false => safetensors::SafeTensors::deserialize(bytes).is_err(),
+    }
+}
+
+/// The same GGUF file: keys (names, types, values, in order) and tensors
+/// (names, types, dims, bytes, in order).
+pub fn same_gguf(a: &[u8], b: &[u8]) -> Result<(), String> {
+    use stfs::format::gguf::parse;
+    let x = parse(a).map_err(|e| format!("refused: {e}"))?;
+    let y = parse(b).map_err(|e| format!("the expected file is refused: {e}"))?;
+    if x.kvs != y.kvs {
+        return Err(format!("keys {:?}, not {:?}", x.kvs, y.kvs));
+    }
+    let tensors =
+        |h: &stfs::format::gguf::GgufHeader, f: &[u8]| -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
+            h.tensors
+                .iter()
+                .map(|t| {
+                    let at = (h.data_start + t.offset) as usize;
+                    let bytes = f[at..at + t.nbytes as usize].to_vec();
+                    (t.name.clone(), t.ne.clone(), t.ggml_type.id, bytes)
+                })
+                .collect()
+        };
+    let (p, q) = (tensors(&x, a), tensors(&y, b));
+    if p != q {
+        return Err(format!("tensors {p:?}, not {q:?}"));
+    }
+    Ok(())
 }
 
 /// The same checkpoint: tensors (names, dtypes, shapes, bytes) and metadata.
@@ -494,6 +568,9 @@ pub fn same_checkpoint(a: &[u8], b: &[u8]) -> Result<(), String> {
 /// The same content for target `t`: an index as JSON, a checkpoint as
 /// tensors and metadata.
 pub fn same_target(t: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+    if t.ends_with(".gguf") {
+        return same_gguf(got, want).map_err(|e| format!("{t}: {e}"));
+    }
     if t == INDEX {
         let a: Value = serde_json::from_slice(got).map_err(|e| format!("{t}: {e}"))?;
         let b: Value = serde_json::from_slice(want).unwrap();
@@ -623,6 +700,12 @@ const ONE_FILE: Scenario = Scenario {
     ways: &[],
 };
 
+/// A scenario on one GGUF file (`make_gguf`), nothing done to it before.
+const ONE_GGUF: Scenario = Scenario {
+    make: make_gguf,
+    ..ONE_FILE
+};
+
 /// Every scenario, for both explorers.
 pub const SCENARIOS: &[Scenario] = &[
     Scenario {
@@ -743,6 +826,47 @@ pub const SCENARIOS: &[Scenario] = &[
         ],
         ways: &[],
         ..ONE_FILE
+    },
+    Scenario {
+        name: "GGUF in place: an overwrite, a rename, a key's value",
+        steps: &[
+            MOUNT,
+            OVERWRITE_A,
+            edit("mv c z", |m| m.rename("c", "z")),
+            edit("echo s1 > __kv__/general.name", |m| {
+                m.write("__kv__/general.name", 0, b"s1\n", true)
+            }),
+            COMMIT,
+        ],
+        ways: &[("s0.gguf", "in place")],
+        ..ONE_GGUF
+    },
+    Scenario {
+        name: "GGUF: a tensor dropped, one appended in its place, a key removed, then unmounted",
+        steps: &[
+            MOUNT,
+            edit("rm b", |m| m.unlink("b")),
+            ADD_D,
+            edit("rm __kv__/x.count", |m| m.unlink("__kv__/x.count")),
+            UNMOUNT,
+        ],
+        ways: &[],
+        ..ONE_GGUF
+    },
+    Scenario {
+        name: "GGUF rewritten: a tensor reshaped and a new key",
+        steps: &[
+            MOUNT,
+            edit("reshape a", |m| {
+                m.write("a.meta.json", 0, br#"{"dtype":"F32","shape":[2,2]}"#, true)
+            }),
+            edit("echo 1 > __kv__/x.new", |m| {
+                m.create("__kv__/x.new", b"1\n")
+            }),
+            COMMIT,
+        ],
+        ways: &[],
+        ..ONE_GGUF
     },
     Scenario {
         name: "recovery of an in-place commit killed after its marker",
