@@ -460,8 +460,8 @@ mod load_tests {
         assert_eq!(std::mem::size_of::<LoadArgs>(), 16376);
         assert_eq!(std::mem::offset_of!(LoadArgs, result), 32);
         assert_eq!(std::mem::offset_of!(LoadArgs, tensors), 40);
-        assert_eq!(std::mem::offset_of!(LoadArgs, handle), 120);
-        assert_eq!(std::mem::offset_of!(LoadArgs, text), 184);
+        assert_eq!(std::mem::offset_of!(LoadArgs, handle), 128);
+        assert_eq!(std::mem::offset_of!(LoadArgs, text), 192);
         assert_eq!(IOC_LOAD, 0xfff8_7305);
         assert_eq!(
             (std::mem::size_of::<DaemonArgs>(), IOC_DAEMON),
