@@ -46,14 +46,24 @@ fn cast(dt: usize, bytes: &[u8], to: &str) -> (String, Vec<u8>) {
             .collect(),
         other => return (other.to_string(), bytes.to_vec()),
     };
+    // A cast to the dtype a tensor has is no cast: its bytes as they are
+    // (a NaN's payload kept, signalling or not).
+    if DTYPES[dt].0 == to {
+        return (to.to_string(), bytes.to_vec());
+    }
     // (From F32 and BF16 through f32, so that rounding is done once.)
     let wide = DTYPES[dt].0 == "F64";
     let out: Vec<u8> = match to {
+        // (A NaN becomes BF16's quiet NaN of its sign, as ml_dtypes makes it.)
         "BF16" => values
             .iter()
-            .flat_map(|&v| match wide {
-                true => half::bf16::from_f64(v).to_le_bytes(),
-                false => half::bf16::from_f32(v as f32).to_le_bytes(),
+            .flat_map(|&v| match (v.is_nan(), wide) {
+                (true, _) => {
+                    half::bf16::from_bits(if v.is_sign_negative() { 0xFFC0 } else { 0x7FC0 })
+                        .to_le_bytes()
+                }
+                (false, true) => half::bf16::from_f64(v).to_le_bytes(),
+                (false, false) => half::bf16::from_f32(v as f32).to_le_bytes(),
             })
             .collect(),
         "F16" => values
