@@ -138,7 +138,9 @@ def check(users, setup, files, mnt):
             shown.append((os.path.join(views, view), shard, False, None))
     both = [files["s0"], files["s1"]]
     shown += [(os.path.join(mnt, "__views__", v), both, False, None)
-              for v in ("merged.safetensors", "f16/merged.safetensors", "reshard/5GB/model.safetensors")]
+              for v in ("merged.safetensors", "reshard/5GB/model.safetensors")]
+    shown.append((os.path.join(mnt, "__views__", "f16", "model.safetensors.index.json"),
+                  both + [files["index"]], False, None))
     shown.append((os.path.join(mnt, "__views__", "model.safetensors.index.json"),
                   both + [files["index"]], False, None))
     shown.append((os.path.join(mnt, "model.safetensors.index.json"), [files["index"]], False, None))
