@@ -473,6 +473,9 @@ pub struct DirListing {
     /// (file name, path) of every other file a model folder shows
     /// (`crate::fs::model_files::is_model_file`).
     pub others: Vec<(String, PathBuf)>,
+    /// What a model folder leaves out and the mount says (hidden files are
+    /// not said): (name, why), a subfolder's name ending in `/`.
+    pub left_out: Vec<(String, &'static str)>,
 }
 
 pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
@@ -480,12 +483,19 @@ pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
     let mut indexes = Vec::new();
     let mut ggufs = Vec::new();
     let mut others = Vec::new();
+    let mut left_out = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let path = entry.path();
+        if path.is_dir() && !name.starts_with('.') {
+            left_out.push((format!("{name}/"), "a subfolder"));
+        }
         if !path.is_file() {
             continue;
+        }
+        if let Some(why @ "weights of another format") = crate::fs::model_files::left_out(&name) {
+            left_out.push((name.clone(), why));
         }
         if name.ends_with(".safetensors") {
             checkpoints.push((name, path));
@@ -501,10 +511,12 @@ pub fn list_dir(dir: &Path) -> std::io::Result<DirListing> {
     indexes.sort();
     ggufs.sort();
     others.sort();
+    left_out.sort();
     Ok(DirListing {
         checkpoints,
         indexes,
         ggufs,
         others,
+        left_out,
     })
 }

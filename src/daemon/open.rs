@@ -70,6 +70,19 @@ pub fn open_source(
     }
     one_format(&shards)?;
     let model_files = read_model_files(&listing.others, &mut notes);
+    if !listing.left_out.is_empty() {
+        let said: Vec<String> = listing
+            .left_out
+            .iter()
+            .map(|(name, why)| format!("{name} ({why})"))
+            .collect();
+        notes.push(format!(
+            "{}: not shown in the mount: {} (a mount shows the safetensors model and the files \
+             directly beside it)",
+            path.display(),
+            said.join(", ")
+        ));
+    }
     let (source, warnings) = shard_folder(folder, stat, shards, indexes, model_files);
     Ok((source, warnings.into_iter().chain(notes).collect()))
 }

@@ -22,10 +22,28 @@ pub const MAX_FILE: u64 = 64 << 20;
 /// Nor are more than this in all.
 pub const MAX_TOTAL: u64 = 256 << 20;
 
-/// Whether a folder's file `name` is shown as a model file: not hidden (a
-/// dot file), not a checkpoint, not an index (those are shown as they are).
+/// Weights and pickles of other formats: a view is the safetensors model,
+/// and its export in bf16 must not carry the fp32 weights of another format.
+const OTHER_WEIGHTS: [&str; 10] = [
+    ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".pkl", ".npz", ".ot",
+];
+
+/// Why a folder's file `name` is left out of the mount, if it is: hidden
+/// (a dot file), or weights of another format.
+pub fn left_out(name: &str) -> Option<&'static str> {
+    if name.starts_with('.') {
+        return Some("hidden");
+    }
+    OTHER_WEIGHTS
+        .iter()
+        .any(|ext| name.ends_with(ext))
+        .then_some("weights of another format")
+}
+
+/// Whether a folder's file `name` is shown as a model file: not left out,
+/// not a checkpoint, not an index (those are shown as they are).
 pub fn is_model_file(name: &str) -> bool {
-    !name.starts_with('.')
+    left_out(name).is_none()
         && !name.ends_with(".safetensors")
         && !name.ends_with(".index.json")
         && !name.ends_with(".gguf")
@@ -128,6 +146,38 @@ fn string_end(bytes: &[u8], start: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hidden_files_and_weights_of_other_formats_are_left_out() {
+        assert_eq!(left_out(".gitattributes"), Some("hidden"));
+        for name in [
+            "pytorch_model.bin",
+            "training_args.bin",
+            "model.onnx",
+            "flax_model.msgpack",
+        ] {
+            assert_eq!(left_out(name), Some("weights of another format"), "{name}");
+            assert!(!is_model_file(name), "{name}");
+        }
+        for name in [
+            "config.json",
+            "tokenizer.model",
+            "vocab.txt",
+            "chat_template.jinja",
+            "binary.md",
+        ] {
+            assert_eq!(left_out(name), None, "{name}");
+            assert!(is_model_file(name), "{name}");
+        }
+        for name in [
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "m.gguf",
+            "__views__",
+        ] {
+            assert!(!is_model_file(name), "{name}");
+        }
+    }
 
     #[test]
     fn a_cast_names_its_dtype_and_keeps_every_other_byte() {

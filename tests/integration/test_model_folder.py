@@ -153,12 +153,38 @@ def test_a_hub_snapshot_of_links_into_blobs_mounts_the_same(tmp_path, mount):
 def test_big_files_are_left_out_and_said(tmp_path, mount):
     folder = tmp_path / "model"
     model_folder(folder)
-    with open(folder / "pytorch_model.bin", "wb") as f:
+    with open(folder / "merges.txt", "wb") as f:
         f.truncate((64 << 20) + 1)  # sparse: over the limit of one file
     m = mount(folder)
-    assert "pytorch_model.bin" not in os.listdir(m.path)
-    assert "pytorch_model.bin: not shown in the mount" in m.result.stderr, m.result.stderr
+    assert "merges.txt" not in os.listdir(m.path)
+    assert "merges.txt: not shown in the mount" in m.result.stderr, m.result.stderr
     assert_model_files(m.path)
+
+
+def test_subfolders_and_weights_of_other_formats_are_left_out_and_said(tmp_path, mount):
+    """A view is the safetensors model: an export in bf16 carries no fp32
+    pytorch_model.bin, and what is left out is said at mount (hidden files
+    are left out quietly)."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    (folder / "onnx").mkdir()
+    (folder / "onnx" / "model.onnx").write_bytes(b"onnx")
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text("{}")
+    for name in ("pytorch_model.bin", "training_args.bin", "model.pt"):
+        (folder / name).write_bytes(b"pickle")
+    m = mount(folder)
+    for where in (m.path, os.path.join(m.path, "__views__"), os.path.join(m.path, "__views__", "bf16")):
+        shown = set(os.listdir(where))
+        assert not shown & {"onnx", "1_Pooling", "pytorch_model.bin", "training_args.bin", "model.pt",
+                            ".gitattributes"}, (where, shown)
+    assert_model_files(os.path.join(m.path, "__views__", "bf16"), cast="bfloat16")
+    said = [line for line in m.result.stderr.splitlines() if "not shown in the mount" in line]
+    assert len(said) == 1, m.result.stderr
+    for name in ("1_Pooling/ (a subfolder)", "onnx/ (a subfolder)", "pytorch_model.bin (weights of another format)",
+                 "training_args.bin (weights", "model.pt (weights"):
+        assert name in said[0], said
+    assert ".gitattributes" not in said[0]
 
 
 def test_a_single_file_mount_shows_no_model_files(tmp_path, mount):
