@@ -67,10 +67,11 @@ impl Pool {
     /// A free lane, once one is (all are made on the first call).
     pub fn take(&self) -> Result<Taken<'_>, LoadError> {
         let mut free = self.free.lock_anyway();
-        if free.lanes.is_none() {
-            free.lanes = Some(self.make_lanes()?);
-        }
         loop {
+            // (Made again if they were freed while this load waited.)
+            if free.lanes.is_none() {
+                free.lanes = Some(self.make_lanes()?);
+            }
             if let Some(lane) = free.lanes.as_mut().and_then(Vec::pop) {
                 return Ok(Taken {
                     pool: self,
