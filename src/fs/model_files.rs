@@ -148,38 +148,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hidden_files_and_weights_of_other_formats_are_left_out() {
-        assert_eq!(left_out(".gitattributes"), Some("hidden"));
-        for name in [
-            "pytorch_model.bin",
-            "training_args.bin",
-            "model.onnx",
-            "flax_model.msgpack",
-        ] {
-            assert_eq!(left_out(name), Some("weights of another format"), "{name}");
-            assert!(!is_model_file(name), "{name}");
-        }
-        for name in [
-            "config.json",
-            "tokenizer.model",
-            "vocab.txt",
-            "chat_template.jinja",
-            "binary.md",
-        ] {
-            assert_eq!(left_out(name), None, "{name}");
-            assert!(is_model_file(name), "{name}");
-        }
-        for name in [
-            "model.safetensors",
-            "model.safetensors.index.json",
-            "m.gguf",
-            "__views__",
-        ] {
-            assert!(!is_model_file(name), "{name}");
-        }
-    }
-
-    #[test]
     fn a_cast_names_its_dtype_and_keeps_every_other_byte() {
         let config = br#"{
   "architectures": ["LlamaForCausalLM"],
@@ -218,21 +186,34 @@ mod tests {
     }
 
     #[test]
-    fn model_files_are_what_is_not_a_checkpoint_or_an_index() {
+    fn model_files_are_what_is_not_a_checkpoint_an_index_or_left_out() {
         for name in [
             "config.json",
             "tokenizer.json",
             "README.md",
             "chat_template.jinja",
+            "tokenizer.model",
+            "vocab.txt",
+            "binary.md",
         ] {
-            assert!(is_model_file(name), "{name}");
+            assert!(is_model_file(name) && left_out(name).is_none(), "{name}");
         }
         for name in [
-            ".gitattributes",
             "m.safetensors",
             "model.safetensors.index.json",
             "x.gguf",
+            "__views__",
         ] {
+            assert!(!is_model_file(name), "{name}");
+        }
+        assert_eq!(left_out(".gitattributes"), Some("hidden"));
+        for name in [
+            "pytorch_model.bin",
+            "training_args.bin",
+            "model.onnx",
+            "flax_model.msgpack",
+        ] {
+            assert_eq!(left_out(name), Some("weights of another format"), "{name}");
             assert!(!is_model_file(name), "{name}");
         }
     }

@@ -5,7 +5,7 @@
 //! folders hold its shards, not the merged file beside them: `cp -r` of one
 //! copies the model once.
 
-use super::export::{Target, draws, make_view, name_of, targets};
+use super::export::{Target, draws, make_view, name_of, target_named, targets};
 use super::{Draws, Entry, Found, ViewError, ViewFolder, model, numbered};
 use crate::checkpoint::view::GeneratedFile;
 use crate::format::Dtype;
@@ -30,9 +30,7 @@ fn cast_targets(st: &State) -> Vec<Target> {
 }
 
 fn cast_target_named(st: &State, name: &str) -> Option<Target> {
-    cast_targets(st)
-        .into_iter()
-        .find(|&t| name_of(st, t) == name)
+    target_named(st, name).filter(Option::is_some)
 }
 
 impl ViewFolder for Casts {
