@@ -23,6 +23,7 @@ pub mod journal;
 mod journaling;
 pub mod kv;
 pub mod meta;
+pub mod model_change;
 mod object;
 mod problems;
 pub mod recover;

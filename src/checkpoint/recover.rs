@@ -70,9 +70,13 @@ pub fn finish_renames(base: &Arc<Folder>, stem: &str) -> Result<Vec<String>, Rec
                 let _passed_over = crate::testpoint::best_effort();
                 Renames::clear(&dir);
             }
-            for path in done {
+            for (path, removed) in done {
+                let what = match removed {
+                    true => "removed the file",
+                    false => "renamed its new file into place",
+                };
                 notes.push(format!(
-                    "{}: finished a commit that was interrupted (renamed its new file into place)",
+                    "{}: finished a commit that was interrupted ({what})",
                     path.display()
                 ));
             }
@@ -119,6 +123,22 @@ pub fn remove_dead_temps(folder: &Folder, names: &[&OsStr]) -> Vec<String> {
     notes
 }
 
+/// The names whose temp files (`.<name>.stfs-tmp-*`) are in `folder`.
+pub fn temp_targets(folder: &Folder) -> Vec<OsString> {
+    let mut names: Vec<OsString> = folder
+        .entries()
+        .iter()
+        .filter_map(|e| {
+            let rest = e.as_bytes().strip_prefix(b".")?;
+            let at = rest.windows(10).position(|w| w == b".stfs-tmp-")?;
+            (at > 0).then(|| OsStr::from_bytes(&rest[..at]).to_os_string())
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// A kept staging folder that holds nothing to take back is removed; a
 /// failure leaves it (room, not edits), and is logged.
 fn remove_kept(dir: &StagingDir) {
@@ -146,18 +166,20 @@ pub fn resume(
     how: &Resume,
 ) -> Result<Vec<String>, RecoveryError> {
     let (mut found, mut notes) = kept(staging.base(), staging.stem());
-    // Folders without a journal hold nothing to take back (a mount that
-    // died before its first edit was journaled): they go.
+    // Folders without a journal or a staged model file hold nothing to
+    // take back (a mount that died before its first edit was journaled):
+    // they go.
     found.retain(|d| {
         let has_journal = d
             .list()
             .unwrap_or_default()
             .iter()
             .any(|n| n.as_bytes().ends_with(b".journal"));
-        if !has_journal {
+        let holds_edits = has_journal || super::model_change::any_staged(d);
+        if !holds_edits {
             remove_kept(d);
         }
-        has_journal
+        holds_edits
     });
     if let Resume::Only(name) = how {
         found.retain(|d| d.path().file_name() == Some(name.as_os_str()));
@@ -236,7 +258,7 @@ pub fn resume(
             notes.push(format!("{}: {why}; left as it is", dir.path().display()));
             continue;
         }
-        if folds.iter().all(Option::is_none) {
+        if folds.iter().all(Option::is_none) && !super::model_change::any_staged(&dir) {
             continue; // another source's (a --staging-dir shared by sources of one name)
         }
         staging.adopt(dir.clone());
@@ -254,6 +276,9 @@ pub fn resume(
             0 => 0,
             _ => lives.iter().map(|l| l.status().changes.len()).sum(),
         };
+        if listed == 0 && super::model_change::any_staged(&dir) {
+            continue; // (its model files are said as they are taken back)
+        }
         notes.push(match listed {
             // (A commit that a crash interrupted and this mount completed.)
             0 => format!(
@@ -362,6 +387,7 @@ mod tests {
                 commit: 7,
                 in_place: Vec::new(),
                 remote: Vec::new(),
+                removes: Vec::new(),
                 files: vec![
                     PendingRename {
                         folder: dir_path.clone(),
@@ -429,6 +455,26 @@ mod tests {
     }
 
     #[test]
+    fn temp_targets_are_the_names_before_the_temp_suffix() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [
+            ".notes.txt.stfs-tmp-7-ab",
+            ".a.b.stfs-tmp-1-2",
+            ".a.b.stfs-tmp-3-4",
+            "x.stfs-tmp-1-1",
+            "..stfs-tmp-1-1",
+            ".c.stfs-kept-0",
+        ] {
+            std::fs::write(dir.path().join(name), b"").unwrap();
+        }
+        let folder = Folder::open(dir.path()).unwrap();
+        assert_eq!(
+            temp_targets(&folder),
+            vec![OsString::from("a.b"), OsString::from("notes.txt")]
+        );
+    }
+
+    #[test]
     fn a_swap_interrupted_before_its_check_gives_another_programs_file_back() {
         let dir = tempfile::tempdir().unwrap();
         let folder = Arc::new(Folder::open(dir.path()).unwrap());
@@ -475,6 +521,7 @@ mod tests {
             commit: 7,
             in_place: Vec::new(),
             remote: Vec::new(),
+            removes: Vec::new(),
             files: vec![PendingRename {
                 folder: std::fs::canonicalize(dir).unwrap(),
                 tmp: ".a.safetensors.stfs-tmp-1-1".into(),

@@ -105,6 +105,40 @@ pub struct Renames {
     /// half committed (`commit::remote::finish_interrupted`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remote: Vec<RemoteLanding>,
+    /// Files of a model folder the commit removes (after the renames).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removes: Vec<PendingRemove>,
+}
+
+/// A file of a model folder that a commit removes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PendingRemove {
+    pub folder: PathBuf,
+    pub target: String,
+    /// The file it must still be to be removed (None: `--force`).
+    pub expected: Option<FileStat>,
+}
+
+/// Removes `name` from `folder` if it is still `expected` (by identity,
+/// size and time; None: whatever it is). Ok(false): another file is there
+/// now, left as it is. A name already gone is done.
+pub fn remove_if(
+    folder: &Folder,
+    name: &OsStr,
+    expected: Option<FileStat>,
+) -> std::io::Result<bool> {
+    let now = match folder.stat_at(name) {
+        Ok(now) => now,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    let same =
+        |e: &FileStat| (now.dev, now.ino, now.len, now.mtime) == (e.dev, e.ino, e.len, e.mtime);
+    if !expected.as_ref().is_none_or(same) {
+        return Ok(false);
+    }
+    folder.unlink(name)?;
+    Ok(true)
 }
 
 /// An object of a remote commit, as recorded before the first completes.
@@ -257,9 +291,10 @@ impl Renames {
     }
 
     /// Finishes the renames still to do: a temp file is renamed only if it
-    /// is still the file the commit wrote. Returns the targets renamed; an
-    /// I/O error stops it (the record stays for the next mount).
-    pub fn finish(&self) -> Result<Vec<PathBuf>, RecoveryError> {
+    /// is still the file the commit wrote; then the removals. Returns the
+    /// targets renamed or (true) removed; an I/O error stops it (the record
+    /// stays for the next mount).
+    pub fn finish(&self) -> Result<Vec<(PathBuf, bool)>, RecoveryError> {
         let plain = |n: &str| !n.is_empty() && n != "." && n != ".." && !n.contains('/');
         let mut done = Vec::new();
         for r in &self.files {
@@ -323,7 +358,37 @@ impl Renames {
                 .rename(OsStr::new(&r.tmp), OsStr::new(&r.target))
                 .and_then(|()| folder.sync())
                 .map_err(&io)?;
-            done.push(folder.path.join(&r.target))
+            done.push((folder.path.join(&r.target), false))
+        }
+        for r in &self.removes {
+            if !plain(&r.target) || !r.folder.is_absolute() {
+                warn!(
+                    file = r.target,
+                    "not a plain name in a record of removals: left alone"
+                );
+                continue;
+            }
+            let io = |source| RecoveryError::Io {
+                what: format!(
+                    "{}: finishing an interrupted commit",
+                    r.folder.join(&r.target).display()
+                ),
+                source,
+            };
+            let folder = Folder::open(&r.folder).map_err(&io)?;
+            let name = OsStr::new(&r.target);
+            let there = folder.stat_at(name).is_ok();
+            match remove_if(&folder, name, r.expected).map_err(&io)? {
+                true if there => {
+                    folder.sync().map_err(&io)?;
+                    done.push((folder.path.join(&r.target), true));
+                }
+                true => {}
+                false => warn!(
+                    file = r.target,
+                    "changed by another program since the interrupted commit: left as it is"
+                ),
+            }
         }
         Ok(done)
     }

@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 
 use super::commit::remote::{IndexPut, RemoteIndex};
 use super::commit::{CommitLock, CommitOptions, LandError, Landing, Written, land};
+use super::model_change::ModelChange;
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
 use crate::source::Folder;
@@ -57,6 +58,17 @@ pub trait Shards {
 
     fn lives(&self) -> Box<dyn Iterator<Item = &Live> + '_> {
         Box::new((0..self.count()).map(|c| self.live(c)))
+    }
+
+    /// The folder's other files that a commit writes or removes.
+    fn model_changes(&self) -> Vec<ModelChange> {
+        Vec::new()
+    }
+    /// Those that landed, each with its new file (None: removed).
+    fn model_landed(&mut self, _landed: &[(ModelChange, Option<FileStat>)]) {}
+    /// Drops the staged model files; the names that had changes.
+    fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
+        Ok(Vec::new())
     }
 }
 
@@ -179,7 +191,7 @@ impl Transactions {
             return Err(CommitError::DiscardRefused { why });
         }
         let mut st = write(state);
-        let dirty = st.lives().any(Live::is_dirty);
+        let dirty = st.lives().any(Live::is_dirty) || !st.model_changes().is_empty();
         if self.landings.load(Ordering::SeqCst) != landings && !dirty {
             return Err(CommitError::CommittedFirst);
         }
@@ -201,6 +213,21 @@ impl Transactions {
                         }
                     ),
                     source: std::io::Error::from_raw_os_error(crate::errno::ToErrno::to_errno(&e)),
+                };
+                warn!("{e}");
+                return Err(e);
+            }
+        }
+        match st.discard_model_files() {
+            Ok(names) => lines.extend(names.iter().map(|n| {
+                let folder = st.folder_shown().unwrap_or_default();
+                format!("{}: staged edits discarded", folder.join(n).display())
+            })),
+            Err(source) => {
+                let e = CommitError::Io {
+                    what: "discarding the staged model files (the shards' edits were discarded)"
+                        .into(),
+                    source,
                 };
                 warn!("{e}");
                 return Err(e);
@@ -263,9 +290,13 @@ impl Transactions {
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
         let (mut plans, index_updates) = plan_every_file(state, held, options, commit)
             .inspect_err(|e| warn!("commit refused: {e}"))?;
+        let (model, folder) = {
+            let st = read(state);
+            (st.model_changes(), st.folder().cloned())
+        };
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)
-        if plans.is_empty() && index_updates.is_empty() {
+        if plans.is_empty() && index_updates.is_empty() && model.is_empty() {
             return self.nothing_to_commit(state, discards);
         }
         let mut pending = Pending {
@@ -276,6 +307,14 @@ impl Transactions {
         };
         self.write_every_file(&mut plans, &mut pending)
             .and_then(|()| write_indexes(&index_updates, options, &mut pending))
+            .and_then(|()| {
+                let Some(folder) = folder.filter(|_| !model.is_empty()) else {
+                    return Ok(());
+                };
+                let written = super::commit::write_model_changes(&folder, &model, options.force)?;
+                pending.written.extend(written);
+                Ok(())
+            })
             .inspect_err(|e| warn!("commit failed: {e}"))?;
         // (A test edits here: an edit after the plan, staged until the
         // next commit, which the next mount must take back on the new file.)
@@ -290,7 +329,7 @@ impl Transactions {
         // they fail, never an edit: the journal as it is knows the commit.)
         let written = pending.disarm();
         let _passed_over = crate::testpoint::best_effort();
-        let lines = self.finish_every_file(state, plans, index_updates, written, landed);
+        let lines = self.finish_every_file(state, plans, (index_updates, model), written, landed);
         super::trim_memory();
         // Counted once done (a discard that waited for this commit finds it so).
         if landed > 0 {
@@ -407,7 +446,7 @@ impl Transactions {
         &self,
         state: &RwLock<S>,
         plans: Vec<(usize, CommitPlan)>,
-        index_updates: Vec<IndexUpdate>,
+        (index_updates, model): (Vec<IndexUpdate>, Vec<ModelChange>),
         written: Vec<Box<dyn Landing>>,
         landed: usize,
     ) -> Vec<String> {
@@ -454,8 +493,9 @@ impl Transactions {
                 }
             }
         }
+        let n_indexes = index_updates.len();
         for (k, (IndexUpdate { name, bytes, .. }, w)) in
-            index_updates.into_iter().zip(written).enumerate()
+            index_updates.into_iter().zip(written.by_ref()).enumerate()
         {
             if n_plans + k >= landed {
                 continue; // not renamed: the next mount does it
@@ -466,6 +506,19 @@ impl Transactions {
             }
             lines.push(format!("{}: rewritten", w.target().display()));
         }
+        let mut model_landed = Vec::new();
+        for (k, (change, w)) in model.into_iter().zip(written).enumerate() {
+            if n_plans + n_indexes + k >= landed {
+                continue; // staged still: the next mount finishes it, or commits it
+            }
+            let (stat, done) = match change.bytes {
+                Some(_) => (Some(w.stat()), "written"),
+                None => (None, "removed"),
+            };
+            lines.push(format!("{}: {done}", w.target().display()));
+            model_landed.push((change, stat));
+        }
+        st.model_landed(&model_landed);
         lines
     }
 }

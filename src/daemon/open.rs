@@ -488,12 +488,12 @@ pub fn open_local(
             notes.extend(recover::remove_dead_temps(folder, &[s.file_name()]));
         }
     }
-    // And the index files' (the crash explorer found them left behind).
-    if let Source::Folder {
-        folder, indexes, ..
-    } = &source
-    {
-        let names: Vec<&std::ffi::OsStr> = indexes.iter().map(|i| i.name.as_ref()).collect();
+    // And those of every other file of a folder mount (its indexes, its
+    // model files, new ones among them: the crash explorer found them
+    // left behind).
+    if let Source::Folder { folder, .. } = &source {
+        let targets = recover::temp_targets(folder);
+        let names: Vec<&std::ffi::OsStr> = targets.iter().map(|n| n.as_os_str()).collect();
         notes.extend(recover::remove_dead_temps(folder, &names));
     }
     // Said now rather than at the first edit, which could not be journaled.
@@ -509,6 +509,10 @@ pub fn open_local(
     notes.extend(
         fs.with_lives(|lives| recover::resume(lives, &staging, resume))
             .map_err(|e| e.to_string())?,
+    );
+    notes.extend(
+        fs.take_back_model_files()
+            .map_err(|e| format!("taking back the staged model files of an earlier mount: {e}"))?,
     );
     Ok((fs, warnings.into_iter().chain(notes).collect()))
 }

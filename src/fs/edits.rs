@@ -27,6 +27,9 @@ impl Fs {
         if let Some(c) = kv_parent {
             return self.create_key(c, name, truncate, exclusive);
         }
+        if self.read_state().node(parent)? == Node::FolderRoot {
+            return self.create_model_file(name, truncate, exclusive);
+        }
         let ino = {
             let mut st = self.write_state();
             let c = st.checkpoint_dir(parent)?;
@@ -256,9 +259,11 @@ impl Fs {
             }
             Node::Views(_) | Node::WholeView(_) => return Err(FsError::ReadOnly),
             Node::Index(_) => return Err(crate::fs::error::INDEX_READ_ONLY),
-            Node::ModelFile(_) => return Err(crate::fs::error::MODEL_FILE_READ_ONLY),
-            // A JSON file cut by path: as if opened, cut and closed.
-            Node::File(_, _, TensorFile::Meta) | Node::Metadata(_) | Node::KvFile(..) => {
+            // A JSON or model file cut by path: as if opened, cut and closed.
+            Node::File(_, _, TensorFile::Meta)
+            | Node::Metadata(_)
+            | Node::KvFile(..)
+            | Node::ModelFile(_) => {
                 let opened = self.open(ino, true, false)?;
                 let cut = self.set_size(ino, Some(opened.fh), size);
                 self.release(opened.fh)?;
@@ -278,9 +283,8 @@ impl Fs {
         let c = match st.node(parent)? {
             Node::CheckpointDir(c) => c,
             Node::FolderRoot => {
-                return Err(FsError::NotPermitted(
-                    "the root of a folder mount holds one directory per shard: edit inside them",
-                ));
+                drop(st);
+                return self.unlink_model_file(name);
             }
             Node::Views(_) => return Err(FsError::ReadOnly),
             _ => return Err(FsError::NotADirectory),
@@ -343,6 +347,14 @@ impl Fs {
                     "a key moves only within its own __kv__, and a tensor only among tensors",
                 ));
             }
+        }
+        let at_root = |st: &State, ino| st.node(ino).is_ok_and(|n| n == Node::FolderRoot);
+        let root = {
+            let st = self.read_state();
+            at_root(&st, parent) || at_root(&st, new_parent)
+        };
+        if root {
+            return self.rename_model_file((parent, name), (new_parent, new_name), no_replace);
         }
         let mut st = self.write_state();
         let c = st.checkpoint_dir(parent)?;

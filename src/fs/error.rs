@@ -91,11 +91,6 @@ pub struct UnmountError {
     pub kept: String,
 }
 
-/// The other files of a model folder are shown as they are in the folder.
-pub(crate) const MODEL_FILE_READ_ONLY: FsError = FsError::ReadOnlyFile(
-    "a model folder's other files are shown read-only: edit them in the folder itself",
-);
-
 /// An index is rewritten by commits to match the shards, never edited.
 pub(crate) const INDEX_READ_ONLY: FsError =
     FsError::ReadOnlyFile("index files are rewritten by commits, not edited");

@@ -25,7 +25,7 @@ pub(super) struct JsonFile {
 
 /// What all open JSON files may hold together: each may be 16 MiB, and a
 /// caller with many descriptors must not grow the daemon without bound.
-pub(super) const JSON_BUDGET: usize = 64 << 20;
+pub(super) const JSON_BUDGET: usize = model_files::MAX_TOTAL as usize;
 
 /// The bytes held by open JSON files.
 #[derive(Default)]
@@ -39,9 +39,7 @@ impl JsonBudget {
                 (held + n <= JSON_BUDGET as u64).then_some(held + n)
             })
             .map(drop)
-            .map_err(|_| {
-                FsError::NoSpace("open .meta.json and __metadata__.json files hold 64 MiB already")
-            })
+            .map_err(|_| FsError::NoSpace("files open for writing hold 256 MiB already"))
     }
 
     pub(super) fn give(&self, n: usize) {
@@ -175,6 +173,12 @@ pub(super) fn state_text(st: &State, node: Node) -> Result<Vec<u8>, FsError> {
             st.live(c).meta_text(id).unwrap_or_default()
         }
         Node::KvFile(c, id) => st.live(c).kv_text(id).ok_or(FsError::NotFound)??,
+        Node::ModelFile(i) => st
+            .model_files
+            .get(i)
+            .ok_or(FsError::NotFound)?
+            .bytes
+            .to_vec(),
         _ => return Err(FsError::IsADirectory),
     })
 }
@@ -276,9 +280,27 @@ impl Fs {
                 Ok(self.open_view(ino, file, None))
             }
             Node::Index(_) if write || truncate => Err(crate::fs::error::INDEX_READ_ONLY),
-            Node::ModelFile(_) if write || truncate => Err(crate::fs::error::MODEL_FILE_READ_ONLY),
+            Node::ModelFile(i) if write || truncate => {
+                {
+                    let st = self.read_state();
+                    let f = st.model_files.get(i).ok_or(FsError::NotFound)?;
+                    st.model_files.editable(&f.name)?;
+                }
+                self.open_json(ino, node, true, truncate)
+            }
+            Node::ModelFile(_) if self.handles.lock_anyway().json.contains_key(&ino) => {
+                // (Open for writing: a reader shares the writer's text.)
+                self.open_json(ino, node, false, false)
+            }
             Node::ModelFile(i) => {
-                let bytes = self.read_state().model_files[i].0.bytes.to_vec();
+                let st = self.read_state();
+                let bytes = st
+                    .model_files
+                    .get(i)
+                    .ok_or(FsError::NotFound)?
+                    .bytes
+                    .to_vec();
+                drop(st);
                 Ok(self.open_view(ino, Arc::new(GeneratedFile::text(bytes)), None))
             }
             Node::File(c, id, TensorFile::Data) => {
@@ -321,6 +343,7 @@ impl Fs {
         };
         let limit = match node {
             Node::File(..) => MAX_META,
+            Node::ModelFile(_) => model_files::MAX_FILE as usize,
             _ => MAX_JSON,
         };
         let mut handles = self.handles.lock_anyway();
@@ -377,7 +400,7 @@ impl Fs {
             (file.ino, content.text.clone(), others)
         };
         let mut touched = Vec::new();
-        let (c, file_name, kept_invalid) = {
+        let (checkpoint, file_name, kept_invalid) = {
             let mut st = self.write_state();
             if let Some(c) = st.node(ino).ok().and_then(|n| n.json_checkpoint()) {
                 let need = super::edits::EDIT_ROOM + 2 * text.len() as u64;
@@ -391,7 +414,7 @@ impl Fs {
                     // (A meta may size its data file: zeros to its nbytes.)
                     let data = Name::Tensor(TensorFile::Data, name.clone());
                     touched = st.files_of(c, &data);
-                    (c, TensorFile::Meta.file_name(&name), kept_invalid)
+                    (Some(c), TensorFile::Meta.file_name(&name), kept_invalid)
                 }
                 Ok(Node::Metadata(c)) => {
                     let kept_invalid = st.live_mut(c).set_metadata(&text, false)?;
@@ -402,7 +425,7 @@ impl Fs {
                         .into_iter()
                         .map(|(id, _)| st.ino_of(Node::KvFile(c, id)))
                         .collect();
-                    (c, METADATA_FILE.to_string(), kept_invalid)
+                    (Some(c), METADATA_FILE.to_string(), kept_invalid)
                 }
                 Ok(Node::KvFile(c, id)) => {
                     let live = st.live_mut(c);
@@ -411,10 +434,14 @@ impl Fs {
                     // (`__metadata__.json` shows every key.)
                     touched.push(st.ino_of(Node::Metadata(c)));
                     (
-                        c,
+                        Some(c),
                         format!("{KV_DIR}/{}", names::tensor_file_name(&key)),
                         kept_invalid,
                     )
+                }
+                Ok(Node::ModelFile(i)) => {
+                    st.model_files.write(i, text)?;
+                    (None, String::new(), None)
                 }
                 _ => {
                     // Removed or replaced since it was opened: what was
@@ -434,7 +461,9 @@ impl Fs {
             .into_iter()
             .for_each(|ino| self.kernel.attrs_changed(ino));
         self.kernel.names_changed();
-        self.sync_journal(c)?;
+        if let Some(c) = checkpoint {
+            self.sync_journal(c)?;
+        }
         match kept_invalid {
             None => Ok(()),
             // Not this closer's to report: the other writer's close says.
@@ -572,7 +601,7 @@ impl Fs {
                         return Ok(reply(&[slice_at(&st.indexes[i].0.bytes, offset, size)]));
                     }
                     Node::ModelFile(i) => {
-                        let bytes = &st.model_files[i].0.bytes;
+                        let bytes = &st.model_files.get(i).ok_or(FsError::NotFound)?.bytes;
                         return Ok(reply(&[slice_at(bytes, offset, size)]));
                     }
                     Node::WholeView(c) => {

@@ -16,7 +16,7 @@ impl Fs {
                     Node::CheckpointDir(c)
                 } else if let Some(i) = st.indexes.iter().position(|(ix, _)| ix.name == name) {
                     Node::Index(i)
-                } else if let Some(i) = st.model_files.iter().position(|(f, _)| f.name == name) {
+                } else if let Some(i) = st.model_files.find(name) {
                     Node::ModelFile(i)
                 } else {
                     return Err(FsError::NotFound);
@@ -224,7 +224,11 @@ impl Fs {
                     kind: Kind::Directory,
                     size: 0,
                     mtime: stat.modified(),
-                    perm: dir_mode(&now, ro) & !0o222,
+                    // (Writable where its model files may be made.)
+                    perm: match st.model_files.editable("") {
+                        Ok(()) => dir_mode(&now, ro),
+                        Err(_) => dir_mode(&now, ro) & !0o222,
+                    },
                     nlink: 2 + st.checkpoints.len() as u32,
                     uid: now.uid,
                     gid: now.gid,
@@ -256,16 +260,19 @@ impl Fs {
                 .read_only()
             }
             Node::ModelFile(i) => {
-                let f = &st.model_files[i].0;
+                let f = st.model_files.get(i).ok_or(FsError::NotFound)?;
                 let owner = st.folder_file_owner(&f.name, f.stat);
-                of_stat(
+                let attr = of_stat(
                     owner,
                     Kind::File,
                     f.bytes.len() as u64,
                     f.stat.modified(),
                     true,
-                )
-                .read_only()
+                );
+                match st.model_files.editable(&f.name) {
+                    Ok(()) if !ro => attr,
+                    _ => attr.read_only(),
+                }
             }
             Node::Metadata(c) => {
                 let size = st.live(c).metadata_len().unwrap_or(0);
@@ -394,7 +401,10 @@ impl Fs {
                     .iter()
                     .map(|m| (m.dir_ino, Kind::Directory, m.shown_name()));
                 let indexes = st.indexes.iter().map(|(ix, ino)| (*ino, ix.name.clone()));
-                let model_files = st.model_files.iter().map(|(f, ino)| (*ino, f.name.clone()));
+                let model_files = st
+                    .model_files
+                    .shown()
+                    .map(|(id, f)| (ModelFiles::ino(id), f.name.clone()));
                 let files = indexes
                     .chain(model_files)
                     .map(|(ino, name)| (ino, Kind::File, name));
@@ -535,9 +545,10 @@ fn drawn_owner(
             let mtime = st.indexes[i].0.stat.modified().max(st.views_changed(None));
             (owner.expect("two"), mtime)
         }
-        Draws::ModelFile(i) => {
-            let f = &st.model_files[i].0;
-            (st.folder_file_owner(&f.name, f.stat), f.stat.modified())
-        }
+        Draws::ModelFile(i) => match st.model_files.get(i) {
+            Some(f) => (st.folder_file_owner(&f.name, f.stat), f.stat.modified()),
+            // (Removed meanwhile: whoever may read everything.)
+            None => (st.all_owners(), st.views_changed(None)),
+        },
     }
 }

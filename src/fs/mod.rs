@@ -32,6 +32,7 @@ pub mod ioctl;
 pub mod kernel_cache;
 mod load;
 mod lookup;
+mod model_edits;
 pub mod model_files;
 pub mod names;
 mod state;
@@ -40,6 +41,7 @@ mod views;
 
 use crate::sync::{LockAnyway, RwLockAnyway};
 use handles::*;
+use model_edits::ModelFiles;
 use state::*;
 
 use std::collections::HashMap;
@@ -312,11 +314,13 @@ impl Fs {
             .enumerate()
             .map(|(i, ix)| (ix, alloc(&mut fixed, Node::Index(i))))
             .collect();
-        let model_files: Vec<(ModelFile, Ino)> = model_files
-            .into_iter()
-            .enumerate()
-            .map(|(i, f)| (f, alloc(&mut fixed, Node::ModelFile(i))))
-            .collect();
+        let model_files = {
+            let first = checkpoints.first().map(|m| m.live.source());
+            let like = first.map_or(FileStat::of_mounting_user(0o644), |s| *s.stat());
+            let remote = first.is_some_and(|s| s.remote_object().is_some());
+            let read_only = remote.then_some(model_edits::REMOTE_READ_ONLY);
+            ModelFiles::new(model_files, staging.clone(), like, read_only)
+        };
         let devices = crate::prefetch::load::Devices::new(
             settings.load_slabs,
             settings.load_slab,
@@ -485,12 +489,24 @@ impl Fs {
         held
     }
 
-    /// Whether any checkpoint has staged edits.
+    /// Whether any checkpoint, or model file, has staged edits.
     pub fn is_dirty(&self) -> bool {
-        self.read_state()
-            .checkpoints
-            .iter()
-            .any(|m| m.live.is_dirty())
+        let st = self.read_state();
+        st.checkpoints.iter().any(|m| m.live.is_dirty()) || !st.model_files.changes().is_empty()
+    }
+
+    /// Takes back the model files an earlier mount staged (in the staging
+    /// folder this mount adopted): notes for the user.
+    pub fn take_back_model_files(&self) -> Result<Vec<String>, FsError> {
+        let mut st = self.write_state();
+        let n = st.model_files.take_back()?;
+        Ok(match n {
+            0 => Vec::new(),
+            n => vec![format!(
+                "took back {n} staged model file{} of an earlier mount (stfs status lists them)",
+                if n == 1 { "" } else { "s" }
+            )],
+        })
     }
 
     /// Drops every staged edit. Tensors whose bytes were not edited keep their inodes.

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::sync::LockAnyway;
+use model_edits::MODEL_BIT;
 
 /// A file or directory, as an inode number decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,7 +87,7 @@ impl Mounted {
 pub(super) struct State {
     pub(super) checkpoints: Vec<Mounted>,
     pub(super) indexes: Vec<(IndexFile, Ino)>,
-    pub(super) model_files: Vec<(ModelFile, Ino)>,
+    pub(super) model_files: ModelFiles,
     /// Node of each inode below `first_ino` (index = ino - 1).
     pub(super) fixed: Vec<Node>,
     pub(super) first_ino: Ino,
@@ -152,6 +153,8 @@ impl State {
             return stat;
         }
         let now = self.folder.as_ref().and_then(|(folder, _)| {
+            // (Not opened: the owner and mode as read at mount, or as made.)
+            let _passed_over = crate::testpoint::best_effort();
             let flags = libc::O_RDONLY | libc::O_NONBLOCK;
             folder.open_file(std::ffi::OsStr::new(name), flags, 0).ok()
         });
@@ -213,6 +216,13 @@ impl State {
                 },
             };
         }
+        if ino & MODEL_BIT != 0 && ino & (WHOLE_BIT | VIEW_BIT | KV_BIT) == 0 {
+            return self
+                .model_files
+                .id_of(ino)
+                .map(Node::ModelFile)
+                .ok_or(FsError::NotFound);
+        }
         if ino & WHOLE_BIT != 0 {
             // (A source file replaced since: the kernel looks the name up again.)
             return self
@@ -255,7 +265,7 @@ impl State {
             Node::CheckpointDir(c) => self.checkpoints[c].dir_ino,
             Node::Metadata(c) => self.ino(c, self.live(c).metadata_file(), TensorFile::Meta),
             Node::Index(i) => self.indexes[i].1,
-            Node::ModelFile(i) => self.model_files[i].1,
+            Node::ModelFile(i) => ModelFiles::ino(i),
             Node::File(c, id, kind) => self.ino(c, id, kind),
             Node::Views(ino) => ino,
             Node::WholeView(c) => self
@@ -515,5 +525,26 @@ impl Shards for State {
             .iter_mut()
             .map(|(ix, _)| ix)
             .find(|ix| ix.name == name)
+    }
+
+    fn model_changes(&self) -> Vec<crate::checkpoint::model_change::ModelChange> {
+        self.model_files.changes()
+    }
+
+    fn model_landed(
+        &mut self,
+        landed: &[(
+            crate::checkpoint::model_change::ModelChange,
+            Option<FileStat>,
+        )],
+    ) {
+        self.model_files.landed(landed)
+    }
+
+    fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
+        use crate::errno::ToErrno;
+        self.model_files
+            .discard()
+            .map_err(|e| std::io::Error::from_raw_os_error(e.to_errno()))
     }
 }

@@ -20,6 +20,8 @@ pub struct StatusReport {
     /// The index files a commit would rewrite (they disagree with the
     /// shards as staged: a commit with nothing staged rewrites them too).
     pub indexes: Vec<String>,
+    /// The folder's other files a commit writes or removes.
+    pub model_files: Vec<Change>,
     /// (Paths as text, lossy: JSON has no other way for a name that is not UTF-8.)
     pub folder: Option<String>,
     /// Reads of tensor bytes served since mounted, and their bytes.
@@ -81,6 +83,16 @@ impl StatusReport {
                 out.push_str(&format!("  commit     {way}\n"));
             }
         }
+        if let (Some(folder), false) = (&self.folder, self.model_files.is_empty()) {
+            let n = self.model_files.len();
+            out.push_str(&format!(
+                "{folder}: {n} model file change{} staged\n",
+                plural(n)
+            ));
+            for c in &self.model_files {
+                out.push_str(&format!("  {:<10} {}\n", c.kind, c.what));
+            }
+        }
         for name in &self.indexes {
             out.push_str(&format!(
                 "{name}: a commit rewrites it to match the shards (weight_map, total_size)\n"
@@ -108,6 +120,29 @@ impl StatusReport {
         }
         out
     }
+}
+
+/// The model files a commit would refuse to write: changed in the folder
+/// since mounted (or, for a new one, made there meanwhile).
+fn model_conflicts(
+    folder: &crate::source::Folder,
+    changes: &[crate::checkpoint::model_change::ModelChange],
+) -> Vec<String> {
+    changes
+        .iter()
+        .filter(|c| {
+            let now = folder.stat_through(std::ffi::OsStr::new(&c.name)).ok();
+            match (c.base, now) {
+                (Some(base), Some(now)) => !now.same_version(&base),
+                (None, None) => false,
+                _ => true,
+            }
+        })
+        .map(|c| {
+            let file = folder.path.join(&c.name);
+            CommitError::Conflict { file }.to_string()
+        })
+        .collect()
 }
 
 impl Fs {
@@ -250,6 +285,10 @@ impl Fs {
             None => Vec::new(),
         };
         across.extend(across_stores);
+        let model_changes = st.model_files.changes();
+        if let Some((folder, _)) = &st.folder {
+            across.extend(model_conflicts(folder, &model_changes));
+        }
         refused |= !across.is_empty();
         // The shards of a remote folder share one connection and cache.
         let remote = st
@@ -263,6 +302,18 @@ impl Fs {
             files,
             across_shards: across,
             indexes: rewritten,
+            model_files: model_changes
+                .iter()
+                .map(|c| Change {
+                    kind: match (&c.bytes, c.base) {
+                        (None, _) => "removed",
+                        (Some(_), None) => "added",
+                        (Some(_), Some(_)) => "changed",
+                    }
+                    .to_string(),
+                    what: c.name.clone(),
+                })
+                .collect(),
             folder: crate::checkpoint::transaction::Shards::folder_shown(&*st)
                 .map(|f| f.display().to_string()),
             reads: self.reads.load(Ordering::Relaxed),

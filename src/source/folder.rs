@@ -288,6 +288,12 @@ impl Folder {
         Ok(FileStat::from(&rustix::fs::statat(&self.fd, name, flags)?))
     }
 
+    /// stat of a name in this folder, through a link (a snapshot's file).
+    pub fn stat_through(&self, name: &OsStr) -> std::io::Result<FileStat> {
+        let flags = rustix::fs::AtFlags::empty();
+        Ok(FileStat::from(&rustix::fs::statat(&self.fd, name, flags)?))
+    }
+
     pub fn sync(&self) -> std::io::Result<()> {
         crate::testpoint::io("sync-folder")?;
         rustix::fs::fsync(&self.fd)?;

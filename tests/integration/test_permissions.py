@@ -3,7 +3,7 @@ answers for the source files themselves: over generated owners, groups,
 modes and POSIX ACLs (named users and groups, masks, others readable or
 not), a folder mount of two shards and an index under `-o allow_other`, and
 three users made by the test (two in its group), `access()` is asked of every
-file of the mount (tensors, metas, `__metadata__.json`, the index, the views of
+file of the mount (tensors, metas, `__metadata__.json`, the index, config.json, the views of
 one shard and of all of them) and of every source file it draws on. Nobody
 may get more through the mount than every file it draws on gives them; where
 no ACL narrows a source and a view draws on files of one owner and group,
@@ -63,7 +63,7 @@ def answers(user, paths):
 
 
 def a_setup(rng, group, users):
-    """Owners, groups, modes and ACLs for shard 0, shard 1 and the index."""
+    """Owners, groups, modes and ACLs for shard 0, shard 1, the index and config.json."""
     def one():
         return {"owner": rng.choice(["root", users["a"]]),
                 "group": rng.choice([group, "root"]),
@@ -73,7 +73,7 @@ def a_setup(rng, group, users):
                                    f"u:{users['c']}:---,o::r--",
                                    f"g:{group}:---,o::r--,m::rw-",
                                    f"u:{users['b']}:rw-,m::r--"])}
-    return {"s0": one(), "s1": one(), "index": {**one(), "acl": None}}
+    return {"s0": one(), "s1": one(), "index": {**one(), "acl": None}, "config": one()}
 
 
 def apply(path, how):
@@ -111,6 +111,9 @@ def test_the_mount_gives_nobody_more_than_the_sources_give_them(people, stfs, se
         with open(files["index"], "w") as f:
             json.dump({"metadata": {"total_size": 32},
                        "weight_map": {"w0": "s0.safetensors", "w1": "s1.safetensors"}}, f)
+        files["config"] = os.path.join(src, "config.json")
+        with open(files["config"], "w") as f:
+            f.write('{"torch_dtype": "float32"}\n')
         for name, path in files.items():
             apply(path, setup[name])
         p = subprocess.run([stfs, "mount", "-o", "allow_other", src, mnt], capture_output=True, text=True)
@@ -144,7 +147,11 @@ def check(users, setup, files, mnt):
     shown.append((os.path.join(mnt, "__views__", "model.safetensors.index.json"),
                   both + [files["index"]], False, None))
     shown.append((os.path.join(mnt, "model.safetensors.index.json"), [files["index"]], False, None))
-    narrowed = {files[n] for n in ("s0", "s1") if setup[n]["acl"]}
+    # A model file is written through the mount as its source may be; its
+    # views are read-only.
+    shown.append((os.path.join(mnt, "config.json"), [files["config"]], True, None))
+    shown.append((os.path.join(mnt, "__views__", "bf16", "config.json"), [files["config"]], False, None))
+    narrowed = {files[n] for n in ("s0", "s1", "config") if setup[n]["acl"]}
     sources = sorted({d for _, draws, _, _ in shown for d in draws})
     given = [0, 0]
     for who, user in users.items():

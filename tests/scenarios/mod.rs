@@ -90,6 +90,20 @@ pub fn make_folder(dir: &Path) {
     std::fs::write(dir.join(INDEX), serde_json::to_vec_pretty(&index).unwrap()).unwrap();
 }
 
+/// A model folder: `make_folder`'s shards and index, and the other files
+/// of a model (`config.json`, `README.md`).
+pub fn make_model_folder(dir: &Path) {
+    make_folder(dir);
+    std::fs::write(dir.join("config.json"), b"{\"torch_dtype\": \"float32\"}\n").unwrap();
+    std::fs::write(dir.join("README.md"), b"# tiny\n").unwrap();
+}
+
+/// The model files the folder scenarios make, edit, add or remove.
+pub const MODEL_FILES: [&str; 3] = ["config.json", "README.md", "notes.txt"];
+
+/// What a target that is not there reads as (not an empty file).
+pub const ABSENT: &[u8] = b"\0(absent)";
+
 /// One GGUF file `s0.gguf` (version 3, alignment 32): keys
 /// general.architecture and general.name (strings), x.count (UINT32 7);
 /// tensors a [4], b [2], c [3] (F32), written here after ggml's layout.
@@ -331,10 +345,11 @@ impl Mount {
         targets_in(&src, self.folder)
             .into_iter()
             .map(|t| {
-                (
-                    t.to_string(),
-                    std::fs::read(src.join(t)).unwrap_or_default(),
-                )
+                let bytes = match std::fs::read(src.join(t)) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => ABSENT.to_vec(),
+                    read => read.unwrap_or_default(),
+                };
+                (t.to_string(), bytes)
             })
             .collect()
     }
@@ -487,7 +502,9 @@ pub struct Scenario {
 /// is `s0.gguf` where `make_gguf` made it).
 pub fn targets_in(src: &Path, folder: bool) -> Vec<&'static str> {
     if folder {
-        vec!["s0.safetensors", "s1.safetensors", INDEX]
+        let mut all = vec!["s0.safetensors", "s1.safetensors", INDEX];
+        all.extend(MODEL_FILES);
+        all
     } else if src.join("s0.gguf").exists() {
         vec!["s0.gguf"]
     } else {
@@ -570,6 +587,13 @@ pub fn same_checkpoint(a: &[u8], b: &[u8]) -> Result<(), String> {
 pub fn same_target(t: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
     if t.ends_with(".gguf") {
         return same_gguf(got, want).map_err(|e| format!("{t}: {e}"));
+    }
+    if MODEL_FILES.contains(&t) {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        return match got == want {
+            true => Ok(()),
+            false => Err(format!("{t}: {:?}, not {:?}", text(got), text(want))),
+        };
     }
     if t == INDEX {
         let a: Value = serde_json::from_slice(got).map_err(|e| format!("{t}: {e}"))?;
@@ -790,6 +814,40 @@ pub const SCENARIOS: &[Scenario] = &[
         steps: &[
             MOUNT,
             edit("mv s0/b s1/b", |m| m.rename("s0/b", "s1/b")),
+            UNMOUNT,
+        ],
+        ways: &[],
+    },
+    Scenario {
+        name: "model folder: config.json by sed -i, a file removed, one made, a tensor renamed",
+        folder: true,
+        make: make_model_folder,
+        setup: None,
+        steps: &[
+            MOUNT,
+            edit("sed -i config.json", |m| {
+                m.replace("config.json", b"{\"torch_dtype\": \"bfloat16\"}\n")
+            }),
+            edit("rm README.md", |m| m.unlink("README.md")),
+            edit("echo new > notes.txt", |m| m.create("notes.txt", b"new\n")),
+            edit("mv s0/a s0/z", |m| m.rename("s0/a", "s0/z")),
+            COMMIT,
+        ],
+        ways: &[("s0.safetensors", "in place")],
+    },
+    Scenario {
+        name: "model folder: a file moved over another, one written whole, then unmounted",
+        folder: true,
+        make: make_model_folder,
+        setup: None,
+        steps: &[
+            MOUNT,
+            edit("mv README.md notes.txt", |m| {
+                m.rename("README.md", "notes.txt")
+            }),
+            edit("echo {} > config.json", |m| {
+                m.write("config.json", 0, b"{}\n", true)
+            }),
             UNMOUNT,
         ],
         ways: &[],

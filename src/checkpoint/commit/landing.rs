@@ -570,6 +570,7 @@ pub fn land(
         files: Vec::new(),
         in_place: Vec::new(),
         remote: Vec::new(),
+        removes: Vec::new(),
     };
     for l in landings {
         l.record(&mut renames, &dir).map_err(before)?;

@@ -22,12 +22,14 @@
 mod error;
 mod landing;
 mod lock;
+mod model;
 pub mod remote;
 mod ways;
 
 pub use error::*;
 pub use landing::*;
 pub use lock::*;
+pub use model::write_model_changes;
 pub use ways::*;
 
 use crate::sync::LockAnyway;

@@ -29,10 +29,9 @@ pub fn companions(st: &State, indexes: bool, top: bool) -> Vec<(String, Companio
         .map(|(i, (ix, _))| (ix.name.clone(), Companion::Index(i)));
     let files = st
         .model_files
-        .iter()
-        .enumerate()
-        .filter(|(_, (f, _))| !(top && super::is_folder_name(st, &f.name)))
-        .map(|(i, (f, _))| (f.name.clone(), Companion::ModelFile(i)));
+        .shown()
+        .filter(|(_, f)| !(top && super::is_folder_name(st, &f.name)))
+        .map(|(i, f)| (f.name.clone(), Companion::ModelFile(i)));
     ix.chain(files).collect()
 }
 
@@ -61,7 +60,10 @@ pub fn make(st: &State, c: Companion, cast: Option<Dtype>) -> Result<GeneratedFi
             Err(e) => Err(ViewError::Invalid(e.to_string())),
         },
         Companion::ModelFile(i) => {
-            let f = &st.model_files[i].0;
+            let f = st
+                .model_files
+                .get(i)
+                .ok_or_else(|| ViewError::Invalid("removed".into()))?;
             Ok(GeneratedFile::text(match cast {
                 Some(dtype) if f.name == "config.json" => config_cast(&f.bytes, dtype),
                 _ => f.bytes.to_vec(),

@@ -1,0 +1,240 @@
+"""The other files of a model folder are edited through the mount with any tool
+(sed -i, a shell's >, Python, rm, mv, a new file), staged beside the tensors'
+edits, listed by `stfs status`, kept by a killed daemon, and committed with the
+shards as one change: a kill -9 at each step of the commit leaves the folder
+as it was or as the commit leaves it, for the model files and the shards
+alike, and the next mount completes it."""
+
+import errno
+import json
+import os
+import pathlib
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from stfs_fixtures import wait_for_exit
+
+from test_model_folder import CONFIG, OTHER_FILES, model_folder
+
+
+def folder_state(folder):
+    """Every file of the folder (not hidden, not a staging folder): name -> bytes;
+    the shards as their tensors' names."""
+    out = {}
+    for p in sorted(pathlib.Path(folder).iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.name.endswith(".safetensors"):
+            out[p.name] = sorted(load_file(str(p)))
+        else:
+            out[p.name] = p.read_bytes()
+    return out
+
+
+def edit_everything(mnt, run):
+    """The edits of a user with shell tools: sed -i (temp file + rename), a
+    shell's > (truncate + write), rm, mv, a new file, and a tensor renamed in a
+    shard, which the index must follow."""
+    subprocess.run(["sed", "-i", "s/float32/bfloat16/", "config.json"], cwd=mnt, check=True)
+    subprocess.run(["sh", "-c", "printf '{{ m }}' > chat_template.jinja"], cwd=mnt, check=True)
+    os.remove(mnt / "README.md")
+    os.rename(mnt / "generation_config.json", mnt / "generation.json")
+    (mnt / "notes.txt").write_text("new\n")
+    shard = sorted(p for p in os.listdir(mnt) if p.startswith("model-"))[0]
+    tensor = sorted(n for n in os.listdir(mnt / shard) if not n.endswith(".json"))[0]
+    os.rename(mnt / shard / tensor, mnt / shard / "renamed")
+    return tensor
+
+
+def expected_after(before, tensor):
+    after = dict(before)
+    after["config.json"] = CONFIG.replace("float32", "bfloat16").encode()
+    after["chat_template.jinja"] = b"{{ m }}"
+    del after["README.md"]
+    after["generation.json"] = after.pop("generation_config.json")
+    after["notes.txt"] = b"new\n"
+    for name, tensors in after.items():
+        if name.endswith(".safetensors") and tensor in tensors:
+            after[name] = sorted([t for t in tensors if t != tensor] + ["renamed"])
+    index = json.loads(after["model.safetensors.index.json"])
+    index["weight_map"]["renamed"] = index["weight_map"].pop(tensor)
+    return after, index
+
+
+def test_model_files_are_edited_with_any_tool_and_committed_with_the_shards(tmp_path, mount, run):
+    folder = tmp_path / "model"
+    model_folder(folder)
+    before = folder_state(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    tensor = edit_everything(mnt, run)
+    after, index = expected_after(before, tensor)
+    # The mount shows the edits; the folder has none of them yet.
+    shown = sorted(p for p in os.listdir(mnt) if not p.startswith("model-"))
+    assert shown == sorted(n for n in after if not n.startswith("model-")), shown
+    for name in ("config.json", "chat_template.jinja", "notes.txt", "generation.json"):
+        assert (mnt / name).read_bytes() == after[name], name
+    assert folder_state(folder) == before
+    # The views are model folders of the edited model.
+    assert (mnt / "__views__/notes.txt").read_bytes() == b"new\n"
+    assert not (mnt / "__views__/README.md").exists()
+    assert (mnt / "__views__/config.json").read_bytes() == after["config.json"]
+    assert b'"torch_dtype": "float16"' in (mnt / "__views__/f16/config.json").read_bytes()
+    status = run("status", m.path)
+    assert status.returncode == 0, status.stderr
+    for kind, name in [("changed", "config.json"), ("changed", "chat_template.jinja"), ("removed", "README.md"),
+                       ("removed", "generation_config.json"), ("added", "generation.json"), ("added", "notes.txt")]:
+        assert f"{kind:<10} {name}" in status.stdout, (kind, name, status.stdout)
+    assert "sed" not in status.stdout  # (sed's temp file was renamed over config.json)
+    done = run("commit", m.path)
+    assert done.returncode == 0, done.stderr
+    got = folder_state(folder)
+    assert json.loads(got.pop("model.safetensors.index.json"))["weight_map"] == index["weight_map"]
+    after.pop("model.safetensors.index.json")
+    assert got == after
+    # A new file is made like the folder's shards: their owner and mode.
+    shard = next(folder.glob("model-*.safetensors")).stat()
+    notes = (folder / "notes.txt").stat()
+    assert (notes.st_uid, notes.st_gid, notes.st_mode & 0o7777) == (shard.st_uid, shard.st_gid,
+                                                                    shard.st_mode & 0o7777)
+    # An edited file keeps its own mode (chat_template.jinja's is the writer's umask's).
+    assert "nothing" in run("status", m.path).stdout or "model file" not in run("status", m.path).stdout
+    m.close()
+    # A later mount shows the folder as committed, with nothing staged.
+    m2 = mount(folder)
+    assert (pathlib.Path(m2.path) / "config.json").read_bytes() == after["config.json"]
+    assert "model file" not in run("status", m2.path).stdout
+
+
+def test_a_discard_puts_the_model_files_back(tmp_path, mount, run):
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    edit_everything(mnt, run)
+    assert run("discard", m.path).returncode == 0
+    assert sorted(os.listdir(mnt)) == sorted(["model-00001-of-00002", "model-00002-of-00002",
+                                              "model.safetensors.index.json", *OTHER_FILES])
+    for name, text in OTHER_FILES.items():
+        assert (mnt / name).read_text() == text, name
+    assert "model file" not in run("status", m.path).stdout
+    m.close()
+    assert [p.name for p in tmp_path.iterdir() if ".stfs-" in p.name] == []
+
+
+def test_staged_model_files_outlive_a_killed_daemon(tmp_path, mount, run):
+    folder = tmp_path / "model"
+    model_folder(folder)
+    before = folder_state(folder)
+    m = mount(folder)
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    os.kill(m.pid, signal.SIGKILL)  # kill -9 of the daemon: nothing committed
+    wait_for_exit(m.pid, 20)
+    m.close()
+    assert folder_state(folder) == before
+    m2 = mount(folder)
+    assert "took back 6 staged model files" in m2.result.stderr + m2.result.stdout, m2.result
+    assert (pathlib.Path(m2.path) / "notes.txt").read_text() == "new\n"
+    assert run("commit", m2.path).returncode == 0
+    after, index = expected_after(before, tensor)
+    got = folder_state(folder)
+    assert json.loads(got.pop("model.safetensors.index.json"))["weight_map"] == index["weight_map"]
+    after.pop("model.safetensors.index.json")
+    assert got == after
+
+
+# Each step of a folder commit, and what a kill -9 there leaves before the next
+# mount: the folder as it was (with the edits staged, or the record that makes
+# the next mount finish the commit), part of it landed, or all of it.
+KILL_STEPS = [("rewrite:written", "old"), ("land:recorded", "recorded"), ("land:renamed", "partly"),
+              ("in-place:landed", "new")]
+
+
+@pytest.mark.parametrize("step,left", KILL_STEPS)
+def test_a_commit_killed_at_each_step_lands_model_files_and_shards_together(tmp_path, mount, run, step, left):
+    """kill -9 (STFS_CRASH_AT, not a timed kill) at each step of a commit of a
+    renamed tensor and edited model files: before the record, the folder is as it
+    was; after it, the next mount finishes the commit, model files and shards
+    alike (never one without the other)."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    before = folder_state(folder)
+    m = mount(folder, env={"STFS_CRASH_AT": step})
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    after, index = expected_after(before, tensor)
+    assert run("commit", m.path).returncode != 0, f"the daemon did not stop at {step}"
+    m.close()
+    got = folder_state(folder)
+    if left in ("old", "recorded"):
+        assert got == before, step
+    elif left == "new":
+        got.pop("model.safetensors.index.json")
+        assert got == {k: v for k, v in after.items() if k != "model.safetensors.index.json"}, step
+    m2 = mount(folder)
+    if left == "old":
+        # The edits are staged still, and the next commit makes them.
+        assert "notes.txt" in run("status", m2.path).stdout
+        assert run("commit", m2.path).returncode == 0
+    got = folder_state(folder)
+    assert json.loads(got.pop("model.safetensors.index.json"))["weight_map"] == index["weight_map"], step
+    after.pop("model.safetensors.index.json")
+    assert got == after, step
+    assert "model file" not in run("status", m2.path).stdout
+    m2.close()
+    leftovers = [p.name for p in folder.iterdir() if ".stfs-" in p.name]
+    assert leftovers == [], leftovers
+
+
+def test_what_the_root_refuses(tmp_path, mount, run):
+    """Shards, indexes and weights of other formats are not made at the root; an
+    index is not edited; a file changed in the folder since the mount refuses the
+    commit (ESTALE) and stays staged, as a shard's edits do."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    # (An index is shown without write bits: a user other than root meets
+    # the kernel's EACCES first, root stfs's EROFS.)
+    index_refused = errno.EROFS if os.geteuid() == 0 else errno.EACCES
+    for name, want in [("new.safetensors", errno.EPERM), ("x.index.json", errno.EPERM),
+                       ("w.bin", errno.EPERM), ("model.safetensors.index.json", index_refused)]:
+        with pytest.raises(OSError) as e:
+            open(mnt / name, "w").close()
+        assert e.value.errno == want, name
+    with pytest.raises(OSError) as e:
+        os.rename(mnt / "config.json", mnt / "model-00001-of-00002" / "config")
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError) as e:
+        os.rename(mnt / "config.json", mnt / "model-00001-of-00002")
+    assert e.value.errno in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY)
+    assert not any(".stfs-" in p.name for p in tmp_path.iterdir())  # nothing staged by a refusal
+    (mnt / "config.json").write_text("{}\n")
+    (folder / "config.json").write_text('{"theirs": 1}\n')  # another program, in the folder
+    status = run("status", m.path)
+    assert "the source changed since it was mounted" in status.stdout, status.stdout
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "config.json" in p.stderr, p.stderr
+    assert (folder / "config.json").read_text() == '{"theirs": 1}\n'
+    assert (mnt / "config.json").read_text() == "{}\n"  # staged still
+    assert run("commit", "--force", m.path).returncode == 0
+    assert (folder / "config.json").read_text() == "{}\n"
+
+
+def test_a_hub_snapshot_link_is_replaced_by_a_file(tmp_path, mount, run):
+    """A snapshot's config.json is a link into blobs: the commit puts a file in
+    its place and leaves the blob as it is (other snapshots share it)."""
+    folder = tmp_path / "snap"
+    model_folder(folder)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    os.rename(folder / "config.json", blobs / "abc")
+    os.symlink("../blobs/abc", folder / "config.json")
+    m = mount(folder)
+    (pathlib.Path(m.path) / "config.json").write_text("{}\n")
+    assert run("commit", m.path).returncode == 0
+    assert not (folder / "config.json").is_symlink()
+    assert (folder / "config.json").read_text() == "{}\n"
+    assert (blobs / "abc").read_text() == CONFIG
