@@ -223,6 +223,38 @@ def test_what_the_root_refuses(tmp_path, mount, run):
     assert (folder / "config.json").read_text() == "{}\n"
 
 
+def test_editors_and_in_place_tools_edit_a_model_file(tmp_path, mount, run):
+    """vim (its swap file, its backup, its write), perl -i, ed, and an mmap'd
+    write each leave the file as the tool wrote it, and nothing else staged."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    subprocess.run(["vim", "-u", "NONE", "-i", "NONE", "-N", "-es", "-c", "%s/float32/bfloat16/", "-c", "wq",
+                    "config.json"], cwd=mnt, check=True, timeout=60)
+    subprocess.run(["perl", "-pi", "-e", "s/BPE/WordPiece/", "tokenizer.json"], cwd=mnt, check=True)
+    subprocess.run(["ed", "-s", "README.md"], input="1s/tiny/small/\nw\nq\n", text=True, cwd=mnt, check=True)
+    import mmap
+    with open(mnt / "chat_template.jinja", "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        mm[:2] = b"{#"
+        mm.flush()
+    status = run("status", m.path).stdout
+    changed = sorted(line.split()[1] for line in status.splitlines() if line.startswith("  changed "))
+    assert changed == ["README.md", "chat_template.jinja", "config.json", "tokenizer.json"], status
+    assert "added" not in status and "removed" not in status, status
+    assert run("commit", m.path).returncode == 0
+    assert (folder / "config.json").read_text() == CONFIG.replace("float32", "bfloat16")
+    assert "WordPiece" in (folder / "tokenizer.json").read_text()
+    assert (folder / "README.md").read_text().startswith("# small")
+    assert (folder / "chat_template.jinja").read_text().startswith("{#")
+    # (Nothing of the tools' own files: swap, backup, temp. The staging
+    # folder stays until the unmount.)
+    assert sorted(p.name for p in folder.iterdir() if ".stfs-" not in p.name) == sorted(["model-00001-of-00002.safetensors",
+                                                              "model-00002-of-00002.safetensors",
+                                                              "model.safetensors.index.json", ".gitattributes",
+                                                              *OTHER_FILES])
+
+
 def test_a_hub_snapshot_link_is_replaced_by_a_file(tmp_path, mount, run):
     """A snapshot's config.json is a link into blobs: the commit puts a file in
     its place and leaves the blob as it is (other snapshots share it)."""
