@@ -449,6 +449,18 @@ fn check_state(
         return Err(problems.join("; "));
     }
     let done = (k + 1).min(sc.steps.len());
+    // The next mount finished or undid the step as a whole: every file as
+    // before it, or every file as it left them (never a commit half landed,
+    // which a user who then discards would keep).
+    let recovered = bytes_of_json(&next["recovered"]);
+    if same_targets(&recovered, &by_step[k]).is_err() {
+        same_targets(&recovered, &by_step[done]).map_err(|e| {
+            format!(
+                "after the next mount, before anything else, the files are neither as they were \
+                 before step {k} nor as it left them: {e}"
+            )
+        })?;
+    }
     let outcome = bytes_of_json(&next["outcome"]);
     // An unsynced edit may be gone, unless a commit that held it began to
     // change the files (then its record must bring it back whole).

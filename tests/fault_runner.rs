@@ -108,6 +108,7 @@ fn first_life(
 fn explore(sc: &Scenario) -> (usize, Vec<String>) {
     let verbose = std::env::var_os("STFS_FAULTS_VERBOSE").is_some();
     let want = expected(sc);
+    let on_disk = on_disk_by_step(sc);
     let counted = {
         let root = fresh(sc);
         let v = first_life(root.path(), sc, None, 0)
@@ -154,6 +155,7 @@ fn explore(sc: &Scenario) -> (usize, Vec<String>) {
                     .unwrap()
                     .extend(next["problems"].as_array().unwrap().iter().cloned());
                 v["outcome"] = next["outcome"].clone();
+                v["recovered"] = next["recovered"].clone();
                 Ok(v)
             }) {
                 Ok(v) => v,
@@ -184,6 +186,17 @@ fn explore(sc: &Scenario) -> (usize, Vec<String>) {
                 Some(f) => f[0].as_u64().unwrap() as usize + 1,
                 None => sc.steps.len(),
             };
+            // The next mount finished or undid the failed step as a whole
+            // (never a commit half landed).
+            let recovered = bytes_of_json(&v["recovered"]);
+            let whole = |k: usize| same_targets(&recovered, &on_disk[k]);
+            if let Err(why) = whole(done - 1).or_else(|_| whole(done)) {
+                problems.push(at(&format!(
+                    "after the next mount, before anything else, the files are neither as they \
+                     were before step {} nor as it left them: {why}",
+                    done - 1
+                )));
+            }
             if let Err(why) = same_targets(&outcome, &want[done]) {
                 problems.push(at(&format!(
                     "after the next mount, the failed step done again and a commit, not the \

@@ -964,18 +964,20 @@ pub const SCENARIOS: &[Scenario] = &[
 ];
 
 /// After the steps, in a new process (the first one ended as a killed
-/// daemon does): mount again without faults, do again the step that
-/// failed (as its user would; its error, if it had taken effect after
-/// all, does not count), commit, and read the files. Returns them and the
-/// problems found.
+/// daemon does): mount again without faults, read the files as that mount
+/// left them (`recovered`: a commit it finished is whole), do again the
+/// step that failed (as its user would; its error, if it had taken effect
+/// after all, does not count), commit, and read the files. Returns them and
+/// the problems found.
 pub fn next_life(root: &Path, sc: &Scenario, redo: Option<usize>) -> Result<Value, String> {
     in_child(root, || {
         let mut problems = Vec::new();
         let mut m = Mount::new(root, sc.folder);
         if let Err(e) = m.mount() {
             problems.push(format!("the next mount fails: {e}"));
-            return json!({"problems": problems, "outcome": []});
+            return json!({"problems": problems, "outcome": [], "recovered": []});
         }
+        let recovered = m.targets_now();
         // (A temp file of the first life's own process: the next mount
         // leaves it, as that process still lives here; a daemon's is dead.)
         let ours = format!("-{}-", std::process::id());
@@ -1001,8 +1003,30 @@ pub fn next_life(root: &Path, sc: &Scenario, redo: Option<usize>) -> Result<Valu
         }
         let out = m.targets_now();
         m.kill();
-        json!({"problems": problems, "outcome": bytes_json(&out)})
+        json!({"problems": problems, "outcome": bytes_json(&out), "recovered": bytes_json(&recovered)})
     })
+}
+
+/// The files on disk before each step and after the last, the steps run
+/// without a fault (a kill after the last: nothing more committed).
+pub fn on_disk_by_step(sc: &Scenario) -> Vec<Vec<(String, Vec<u8>)>> {
+    let root = fresh(sc);
+    let v = in_child(root.path(), || {
+        if let Some(setup) = sc.setup {
+            setup(root.path());
+        }
+        let mut m = Mount::new(root.path(), sc.folder);
+        let mut seen = Vec::new();
+        for step in sc.steps {
+            seen.push(bytes_json(&m.targets_now()));
+            (step.run)(&mut m).unwrap_or_else(|e| panic!("{}: {}: {e}", sc.name, step.what));
+        }
+        seen.push(bytes_json(&m.targets_now()));
+        std::mem::forget(m);
+        Value::Array(seen)
+    })
+    .unwrap_or_else(|e| panic!("{}: the steps without faults: {e}", sc.name));
+    v.as_array().unwrap().iter().map(bytes_of_json).collect()
 }
 
 /// The outcome of running the first `k` steps without a fault, then the

@@ -531,6 +531,14 @@ impl InPlaceJob {
     }
 }
 
+/// Forgets the record of a commit that will not land; whether it is gone.
+fn record_gone(dir: &StagingDir) -> bool {
+    Renames::clear(dir);
+    let name = std::ffi::OsStr::new(crate::checkpoint::staging::RENAMES);
+    dir.folder()
+        .is_ok_and(|f| matches!(f.stat_at(name), Err(e) if e.raw_os_error() == Some(libc::ENOENT)))
+}
+
 /// Why `land` stopped: after `done` files landed; `changed`: whether
 /// anything changed on disk (if not, the commit is simply abandoned).
 pub struct LandError {
@@ -593,7 +601,22 @@ pub fn land(
         dir.path().display(),
         crate::checkpoint::staging::RENAMES
     ));
-    renames.write(&dir).map_err(record_err).map_err(before)?;
+    if let Err(e) = renames.write(&dir) {
+        // The record may be in place all the same (renamed, the sync of its
+        // folder failing): the next mount would finish it, so what it names
+        // goes only once it is gone (the fault runner found a folder's
+        // commit half landed so: an in-place shard completed, the other
+        // shard's temp file removed).
+        if record_gone(&dir) {
+            return Err(before(record_err(e)));
+        }
+        return Err(LandError {
+            done: 0,
+            changed: true,
+            refused: false,
+            error: record_err(e),
+        });
+    }
     if let Err(e) = crate::testpoint::point("land:recorded") {
         Renames::clear(&dir);
         return Err(before(io_err("recording the commit")(e)));
