@@ -403,6 +403,30 @@ fn index_problems(bytes: &[u8], shards: &BTreeMap<String, &Header>, all_read: bo
     }
 }
 
+/// The files beside an index that it does not name and whose every tensor
+/// it maps to another file that holds it: a copy of the model beside its
+/// shards (a merged export), not a shard the index forgot.
+fn copies_beside(index_text: &[u8], files: &BTreeMap<String, &Header>) -> Vec<String> {
+    let Ok(ix) = index::parse_index(index_text) else {
+        return Vec::new();
+    };
+    let named: std::collections::BTreeSet<&String> = ix.weight_map.values().collect();
+    let elsewhere = |file: &str, tensor: &str| {
+        ix.weight_map.get(tensor).is_some_and(|other| {
+            other != file && files.get(other).is_some_and(|h| h.get(tensor).is_some())
+        })
+    };
+    files
+        .iter()
+        .filter(|(name, h)| {
+            !named.contains(name)
+                && !h.tensors.is_empty()
+                && h.tensors.iter().all(|t| elsewhere(name, t.name))
+        })
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
 fn verify_gguf(path: &Path, say: &mut dyn FnMut(String, bool)) {
     match read_gguf(path) {
         Ok((_, h)) => say(
@@ -448,7 +472,22 @@ fn verify_dir(dir: &Path, say: &mut dyn FnMut(String, bool)) {
         let problems = match std::fs::read(path) {
             Err(e) => vec![e.to_string()],
             // An index can only be checked against shards that parsed.
-            Ok(bytes) => index_problems(&bytes, &refs, headers.len() == shards.checkpoints.len()),
+            Ok(bytes) => {
+                let mut refs = refs.clone();
+                for name in copies_beside(&bytes, &refs) {
+                    refs.remove(&name);
+                    say(
+                        format!(
+                            "{}: not a shard of {}: each of its tensors is mapped to another \
+                             file (an export beside the shards, as a mount's __views__ holds)",
+                            dir.join(&name).display(),
+                            path.file_name().unwrap_or_default().to_string_lossy()
+                        ),
+                        false,
+                    );
+                }
+                index_problems(&bytes, &refs, headers.len() == shards.checkpoints.len())
+            }
         };
         if problems.is_empty() {
             say(

@@ -197,3 +197,23 @@ def test_an_s3_prefix_with_a_config_beside_its_shards(tmp_path, s3, mount):  # n
     shards = sorted(p for p in out.iterdir() if p.name.startswith("model-"))
     loaded = {k: v for p in shards for k, v in load_file(str(p)).items()}
     assert {k: v.tobytes() for k, v in loaded.items()} == {k: bf16(v).tobytes() for k, v in tensors.items()}
+
+
+def test_verify_takes_an_export_beside_the_shards_for_a_copy_not_a_stray_shard(tmp_path, mount, run):
+    """`stfs verify` of a mount's __views__ (the shards, their index and the merged
+    export) and of its `cp -r`: the merged file is a copy of tensors the index maps to
+    other files, not a shard it forgot; a file with a tensor the index lacks still is."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    views = os.path.join(m.path, "__views__")
+    p = run("verify", views)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "merged.safetensors: not a shard of model.safetensors.index.json" in p.stdout, p.stdout
+    out = tmp_path / "out"
+    shutil.copytree(views, out)
+    assert run("verify", out).returncode == 0
+    os.chmod(out, 0o755)  # (a view's folder has no write bit, nor has its copy)
+    save_file({"stray": np.zeros(2, np.float32)}, str(out / "extra.safetensors"))
+    p = run("verify", out)
+    assert p.returncode != 0 and "tensor \"stray\" of \"extra.safetensors\" is missing from weight_map" in p.stdout + p.stderr, p.stdout + p.stderr
