@@ -170,6 +170,13 @@ pub fn inspect(
         let h = remote_header(&shown, url)?;
         return print_header(&shown, &h, as_json, out);
     }
+    if path.is_dir() {
+        return Err(format!(
+            "{shown}: a folder: `stfs inspect` reads one file's header (stfs inspect \
+             {shown}/NAME.safetensors); `stfs verify {shown}` checks a folder of shards and its index"
+        )
+        .into());
+    }
     if is_gguf(path) {
         return inspect_gguf(path, as_json, out);
     }

@@ -205,6 +205,8 @@ def test_verify_takes_an_export_beside_the_shards_for_a_copy_not_a_stray_shard(t
     other files, not a shard it forgot; a file with a tensor the index lacks still is."""
     folder = tmp_path / "model"
     model_folder(folder)
+    p = run("inspect", folder)  # (one file's header: it says what checks a folder)
+    assert p.returncode != 0 and f"stfs verify {folder}" in p.stderr, p.stderr
     m = mount(folder)
     views = os.path.join(m.path, "__views__")
     p = run("verify", views)
