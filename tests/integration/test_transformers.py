@@ -3,7 +3,8 @@ a tiny Llama saved by save_pretrained in several shards, mounted; its
 logits from `__views__/` equal the original's, after a tensor edit through
 the mount they equal the edited model's, and a `cp -r` of the bf16 view
 loads as bf16 with its config saying so. The oracle is transformers on the
-original folder, never stfs."""
+original folder, never stfs. A config edit and the weights it names, made through
+the mount, are committed as one change."""
 
 import json
 import os
@@ -75,3 +76,34 @@ def test_from_pretrained_on_the_views_gives_the_models_logits(tmp_path, mount):
     # ...so the logits are the bf16 model's (its buffers, as from_pretrained
     # keeps them, may round a last bit apart from a .to() of the whole model).
     torch.testing.assert_close(logits(loaded), logits(original.to(torch.bfloat16)), atol=2e-2, rtol=2e-2)
+
+
+def test_a_config_edit_and_a_tensor_removal_are_one_commit(tmp_path, mount, run):
+    """The config and the weights that must agree, edited through the mount: tie the
+    output layer to the embeddings in config.json and remove lm_head.weight. The view
+    loads as the tied model at once, and after the commit the folder does (the two
+    land together: tests/integration/test_model_edits.py kills commits mid-way)."""
+    folder = tmp_path / "llama"
+    original = tiny_llama(folder)
+    m = mount(folder)
+    config_path = os.path.join(m.path, "config.json")
+    config = json.load(open(config_path))
+    assert config["tie_word_embeddings"] is False
+    config["tie_word_embeddings"] = True
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    index = json.load(open(folder / "model.safetensors.index.json"))
+    shard = index["weight_map"]["lm_head.weight"].removesuffix(".safetensors")
+    os.remove(os.path.join(m.path, shard, "lm_head.weight"))
+    before = logits(original)
+    with torch.no_grad():
+        original.lm_head.weight.copy_(original.model.embed_tokens.weight)
+    want = logits(original)
+    assert not torch.equal(want, before)
+    assert torch.equal(logits(os.path.join(m.path, "__views__")), want)
+    done = run("commit", m.path)
+    assert done.returncode == 0, done.stderr
+    m.close()
+    assert json.load(open(folder / "config.json"))["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in json.load(open(folder / "model.safetensors.index.json"))["weight_map"]
+    assert torch.equal(logits(folder), want)
