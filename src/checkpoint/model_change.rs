@@ -48,7 +48,11 @@ fn name_of_entry(entry: &OsStr) -> Option<String> {
         .step_by(2)
         .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
         .collect();
-    String::from_utf8(bytes?).ok()
+    // Only a plain name of the folder (the staging folder is private, but
+    // what it names is opened in the model's folder).
+    let name = String::from_utf8(bytes?).ok()?;
+    let plain = name.len() <= MAX_NAME && name != "." && name != ".." && !name.contains('/');
+    plain.then_some(name)
 }
 
 /// Keeps `name`'s staged state in `dir`: its bytes, its removal, or (None)
@@ -116,7 +120,18 @@ mod tests {
             assert!(entry.len() <= 255);
             assert_eq!(name_of_entry(OsStr::new(&entry)).as_deref(), Some(name));
         }
-        for not in ["m.", "m.6", "m.zz", "s1", "journal", "m.ff"] {
+        // (Not UTF-8, a path, a folder's own names.)
+        for not in [
+            "m.",
+            "m.6",
+            "m.zz",
+            "s1",
+            "journal",
+            "m.ff",
+            "m.2f6574632f706173737764",
+            "m.2e2e",
+            "m.2e",
+        ] {
             assert_eq!(name_of_entry(OsStr::new(not)), None, "{not}");
         }
     }

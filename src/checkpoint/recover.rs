@@ -312,6 +312,10 @@ fn spent(dir: &StagingDir, lives: &[&mut Live]) -> bool {
     if names.is_empty() || names.iter().any(|n| n == super::staging::RENAMES) {
         return false;
     }
+    // (Staged model files are edits too: a review found them removed so.)
+    if super::model_change::any_staged(dir) {
+        return false;
+    }
     let mut ours = false;
     for live in lives {
         match read_journal(dir, live) {

@@ -64,6 +64,10 @@ pub trait Shards {
     fn model_changes(&self) -> Vec<ModelChange> {
         Vec::new()
     }
+    /// Those changes, taken by a commit (kept staged until it landed).
+    fn model_commit_begins(&mut self) -> Vec<ModelChange> {
+        self.model_changes()
+    }
     /// Those that landed, each with its new file (None: removed).
     fn model_landed(&mut self, _landed: &[(ModelChange, Option<FileStat>)]) {}
     /// Drops the staged model files; the names that had changes.
@@ -291,8 +295,8 @@ impl Transactions {
         let (mut plans, index_updates) = plan_every_file(state, held, options, commit)
             .inspect_err(|e| warn!("commit refused: {e}"))?;
         let (model, folder) = {
-            let st = read(state);
-            (st.model_changes(), st.folder().cloned())
+            let mut st = write(state);
+            (st.model_commit_begins(), st.folder().cloned())
         };
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)

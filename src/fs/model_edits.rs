@@ -20,14 +20,29 @@ pub(super) struct ModelFiles {
     like: FileStat,
     /// Why they cannot be edited (None: they can).
     read_only: Option<&'static str>,
+    /// Changes made: the version of the views drawing on them.
+    version: u64,
+    /// The names of the commit under way, as it took them: each keeps an
+    /// entry of its own until the commit landed (never none: an entry gone
+    /// would read, after a crash, as "nothing staged" over the new file).
+    committing: std::collections::BTreeSet<String>,
 }
 
 /// The model files of a remote folder are shown, not edited.
 pub(super) const REMOTE_READ_ONLY: &str =
     "the other files of a folder in a store are shown read-only: edit them in the store";
 
+/// A hidden file made at the root (an editor's swap file) lives in memory:
+/// never staged, never committed (the folder's own are not shown).
+fn scratch(name: &str) -> bool {
+    name.starts_with('.')
+}
+
 /// What a name has staged: its bytes, its removal, or nothing.
 fn staged_of(shown: Option<&ModelFile>, base: Option<&ModelFile>) -> Option<Option<Arc<Vec<u8>>>> {
+    if shown.or(base).is_some_and(|f| scratch(&f.name)) {
+        return None;
+    }
     match (shown, base) {
         (Some(s), Some(b)) if s.bytes == b.bytes => None,
         (Some(s), _) => Some(Some(s.bytes.clone())),
@@ -49,7 +64,13 @@ impl ModelFiles {
             staging,
             like,
             read_only,
+            version: 0,
+            committing: Default::default(),
         }
+    }
+
+    pub(super) fn version(&self) -> u64 {
+        self.version
     }
 
     pub(super) fn ino(id: usize) -> Ino {
@@ -96,48 +117,82 @@ impl ModelFiles {
         !weights && (model_files::is_model_file(name) || name.starts_with('.'))
     }
 
+    /// Changes the files with `change`, then stages `names`; if they cannot
+    /// be staged, the files are put back as they were (an edit that failed
+    /// changed nothing), and the error is the caller's.
+    fn edit<R>(
+        &mut self,
+        change: impl FnOnce(&mut Self) -> Result<(R, Vec<String>), FsError>,
+    ) -> Result<R, FsError> {
+        let before = self.files.clone();
+        let (out, names) = change(self)?;
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        if let Err(e) = self.restage(&names) {
+            self.files = before;
+            // (Each entry as the files are again: what was staged of them.)
+            let _ = self.restage(&names);
+            return Err(e);
+        }
+        self.version += 1;
+        Ok(out)
+    }
+
     /// Gives file `id` these bytes (modified now), and stages them.
     pub(super) fn write(&mut self, id: usize, bytes: Vec<u8>) -> Result<(), FsError> {
-        let f = self.files[id].as_mut().ok_or(FsError::NotFound)?;
-        f.bytes = Arc::new(bytes);
-        f.stat.len = f.bytes.len() as u64;
-        f.stat.mtime = now();
-        let name = f.name.clone();
-        self.restage(&[&name])
+        self.edit(|t| {
+            let f = t.files[id].as_mut().ok_or(FsError::NotFound)?;
+            f.bytes = Arc::new(bytes);
+            f.stat.len = f.bytes.len() as u64;
+            f.stat.mtime = now();
+            Ok(((), vec![f.name.clone()]))
+        })
     }
 
     /// A new, empty file; its id.
     pub(super) fn create(&mut self, name: &str) -> Result<usize, FsError> {
         self.editable(name)?;
-        let stat = FileStat {
-            len: 0,
-            mtime: now(),
-            ..self.like
-        };
-        self.files.push(Some(ModelFile {
-            name: name.to_string(),
-            bytes: Arc::new(Vec::new()),
-            stat,
-        }));
-        self.restage(&[name])?;
-        Ok(self.files.len() - 1)
+        self.edit(|t| {
+            let stat = FileStat {
+                len: 0,
+                mtime: now(),
+                ..t.like
+            };
+            t.files.push(Some(ModelFile {
+                name: name.to_string(),
+                bytes: Arc::new(Vec::new()),
+                stat,
+            }));
+            Ok((t.files.len() - 1, vec![name.to_string()]))
+        })
     }
 
     pub(super) fn remove(&mut self, id: usize) -> Result<(), FsError> {
-        let f = self.files[id].take().ok_or(FsError::NotFound)?;
-        self.restage(&[&f.name])
+        self.edit(|t| {
+            let f = t.files[id].take().ok_or(FsError::NotFound)?;
+            Ok(((), vec![f.name]))
+        })
     }
 
     /// Renames file `id` (a file at the new name goes).
     pub(super) fn rename(&mut self, id: usize, to: &str) -> Result<(), FsError> {
         self.editable(to)?;
-        if let Some(other) = self.find(to).filter(|&o| o != id) {
-            self.files[other] = None;
-        }
-        let f = self.files[id].as_mut().ok_or(FsError::NotFound)?;
-        let from = std::mem::replace(&mut f.name, to.to_string());
-        // The new name first: a crash between keeps a copy, never loses one.
-        self.restage(&[to, &from])
+        self.edit(|t| {
+            if let Some(other) = t.find(to).filter(|&o| o != id) {
+                t.files[other] = None;
+            }
+            let f = t.files[id].as_mut().ok_or(FsError::NotFound)?;
+            let from = std::mem::replace(&mut f.name, to.to_string());
+            // The new name first: a crash between keeps a copy, never loses one.
+            Ok(((), vec![to.to_string(), from]))
+        })
+    }
+
+    /// What a commit writes, taken for it: each of those names keeps an
+    /// entry until the commit landed.
+    pub(super) fn commit_begins(&mut self) -> Vec<ModelChange> {
+        let changes = self.changes();
+        self.committing = changes.iter().map(|c| c.name.clone()).collect();
+        changes
     }
 
     /// What a commit writes: each name whose file differs from the folder's.
@@ -179,11 +234,13 @@ impl ModelFiles {
                 }
             }
         }
-        let names: Vec<&str> = landed.iter().map(|(c, _)| c.name.as_str()).collect();
+        let committing = std::mem::take(&mut self.committing);
+        let names: Vec<&str> = committing.iter().map(String::as_str).collect();
         // (An entry left is dropped by the next mount: the folder has it.)
         if let Err(e) = self.restage(&names) {
             warn!("forgetting committed model files in the staging folder: {e}");
         }
+        self.version += 1;
     }
 
     /// Every file back as the folder has it; the names that had changes.
@@ -200,6 +257,7 @@ impl ModelFiles {
         }
         let names: Vec<&str> = changed.iter().map(String::as_str).collect();
         self.restage(&names)?;
+        self.version += 1;
         Ok(changed)
     }
 
@@ -246,11 +304,15 @@ impl ModelFiles {
         self.files.len() - 1
     }
 
-    /// Keeps each name's staged state in the staging folder, in order.
+    /// Keeps each name's staged state in the staging folder, in order (a
+    /// name of the commit under way: its state whatever it is).
     fn restage(&self, names: &[&str]) -> Result<(), FsError> {
         for name in names {
             let shown = self.find(name).and_then(|id| self.get(id));
-            let staged = staged_of(shown, self.base.get(*name));
+            let staged = match staged_of(shown, self.base.get(*name)) {
+                None if self.committing.contains(*name) => Some(shown.map(|f| f.bytes.clone())),
+                staged => staged,
+            };
             let dir = match (&staged, self.staging.current()) {
                 (None, None) => continue,
                 (_, Some(dir)) => dir,

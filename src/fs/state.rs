@@ -531,6 +531,10 @@ impl Shards for State {
         self.model_files.changes()
     }
 
+    fn model_commit_begins(&mut self) -> Vec<crate::checkpoint::model_change::ModelChange> {
+        self.model_files.commit_begins()
+    }
+
     fn model_landed(
         &mut self,
         landed: &[(

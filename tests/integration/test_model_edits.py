@@ -15,7 +15,7 @@ import subprocess
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from stfs_fixtures import wait_for_exit
+from stfs_fixtures import wait_for, wait_for_exit
 
 from test_model_folder import CONFIG, OTHER_FILES, model_folder
 
@@ -100,8 +100,10 @@ def test_model_files_are_edited_with_any_tool_and_committed_with_the_shards(tmp_
     notes = (folder / "notes.txt").stat()
     assert (notes.st_uid, notes.st_gid, notes.st_mode & 0o7777) == (shard.st_uid, shard.st_gid,
                                                                     shard.st_mode & 0o7777)
-    # An edited file keeps its own mode (chat_template.jinja's is the writer's umask's).
-    assert "nothing" in run("status", m.path).stdout or "model file" not in run("status", m.path).stdout
+    # An edited file keeps its own mode; nothing is staged after the commit.
+    assert (folder / "config.json").stat().st_mode & 0o7777 == 0o644
+    assert (folder / "README.md").exists() is False
+    assert "model file" not in run("status", m.path).stdout
     m.close()
     # A later mount shows the folder as committed, with nothing staged.
     m2 = mount(folder)
@@ -270,3 +272,98 @@ def test_a_hub_snapshot_link_is_replaced_by_a_file(tmp_path, mount, run):
     assert not (folder / "config.json").is_symlink()
     assert (folder / "config.json").read_text() == "{}\n"
     assert (blobs / "abc").read_text() == CONFIG
+
+
+def test_an_edit_made_while_a_commit_writes_survives_its_crash(tmp_path, mount, run):
+    """A commit takes notes.txt; while it writes (paused there), rm notes.txt is made
+    and acknowledged; the daemon is killed after the commit's first file landed.
+    The next mount finishes the commit (notes.txt lands) and keeps the rm staged:
+    a commit after it removes the file (the rm is never lost)."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    m = mount(folder, env={"STFS_PAUSE_AT": "commit:written", "STFS_PAUSE_DIR": str(pauses),
+                           "STFS_CRASH_AT": "land:renamed"})
+    mnt = pathlib.Path(m.path)
+    (mnt / "notes.txt").write_text("A\n")
+    (mnt / "config.json").write_text("{}\n")
+    commit = subprocess.Popen([m.stfs, "commit", m.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (pauses / "commit:written").exists(), "the commit paused once written")
+        os.remove(mnt / "notes.txt")  # acknowledged while the commit holds the file
+        (pauses / "commit:written").unlink()
+        assert commit.wait(60) != 0  # the daemon died at land:renamed
+    finally:
+        (pauses / "go-all").touch()
+        commit.kill()
+    m.close()
+    m2 = mount(folder)
+    assert (folder / "config.json").read_text() == "{}\n"  # the commit finished whole
+    assert not (pathlib.Path(m2.path) / "notes.txt").exists()
+    assert "removed    notes.txt" in run("status", m2.path).stdout
+    assert run("commit", m2.path).returncode == 0
+    assert not (folder / "notes.txt").exists()
+
+
+def test_hidden_files_made_at_the_root_are_scratch(tmp_path, mount, run):
+    """An editor's swap file (.config.json.swp) lives in the mount's memory: never
+    staged, listed or committed; renamed to a model name it becomes that file."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    (mnt / ".config.json.swp").write_bytes(b"swap")
+    assert (mnt / ".config.json.swp").read_bytes() == b"swap"
+    assert ".config.json.swp" not in run("status", m.path).stdout
+    (mnt / ".new.tmp").write_text("{}\n")
+    os.rename(mnt / ".new.tmp", mnt / "config.json")
+    assert run("commit", m.path).returncode == 0
+    assert (folder / "config.json").read_text() == "{}\n"
+    assert not (folder / ".config.json.swp").exists()
+    m.close()
+    assert not any(".stfs-" in p.name for p in folder.iterdir())
+
+
+def test_a_view_of_a_model_file_follows_its_edits(tmp_path, mount):
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    for view in ("__views__/config.json", "__views__/bf16/config.json", "__views__/reshard/5GB/config.json"):
+        assert b"float32" in (mnt / view).read_bytes() or b"bfloat16" in (mnt / view).read_bytes()
+    subprocess.run(["sed", "-i", "s/64/128/", "config.json"], cwd=mnt, check=True)
+    for view in ("__views__/config.json", "__views__/bf16/config.json", "__views__/reshard/5GB/config.json"):
+        assert b'"hidden_size": 128' in (mnt / view).read_bytes(), view
+    os.remove(mnt / "README.md")
+    assert not (mnt / "__views__/bf16/README.md").exists()
+
+
+def test_a_read_only_mount_and_no_resume(tmp_path, mount, run):
+    """-o ro: every edit at the root is EROFS. --no-resume leaves an earlier mount's
+    staged model files on disk (never removes them), and the next mount takes them."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    ro = mount(folder, "-o", "ro")
+    for how in (lambda p: open(p / "config.json", "a"), lambda p: open(p / "new.txt", "w"),
+                lambda p: os.remove(p / "README.md"), lambda p: os.rename(p / "README.md", p / "x.md")):
+        with pytest.raises(OSError) as e:
+            how(pathlib.Path(ro.path))
+        assert e.value.errno in (errno.EROFS, errno.EACCES), e.value
+    ro.close()
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    shard = sorted(p for p in os.listdir(mnt) if p.startswith("model-"))[0]
+    tensor = sorted(n for n in os.listdir(mnt / shard) if not n.endswith(".json"))[0]
+    os.rename(mnt / shard / tensor, mnt / shard / "renamed")
+    assert run("commit", m.path).returncode == 0  # (its journal stays, spent)
+    (mnt / "config.json").write_text("{}\n")
+    os.kill(m.pid, signal.SIGKILL)
+    wait_for_exit(m.pid, 20)
+    m.close()
+    kept = mount(folder, "--no-resume")
+    assert "left as they are" in kept.result.stderr + kept.result.stdout, kept.result
+    assert (pathlib.Path(kept.path) / "config.json").read_text() == CONFIG
+    kept.close(discard=True)
+    m2 = mount(folder)
+    assert (pathlib.Path(m2.path) / "config.json").read_text() == "{}\n"

@@ -15,6 +15,9 @@ pub struct Written {
     /// The file the target must still be when it is replaced (the source
     /// as mapped), unless the commit is forced or the target is an index.
     pub(super) replaces: Option<FileStat>,
+    /// A new name: it lands only where nothing is (a model file made
+    /// through the mount).
+    pub(super) fresh_name: bool,
 }
 
 impl Written {
@@ -40,6 +43,14 @@ impl Written {
             what: format!("renaming over {}", self.target().display()),
             source: e,
         };
+        if self.fresh_name {
+            return match self.folder.rename_noreplace(&self.tmp, &self.target) {
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Err(CommitError::Conflict {
+                    file: self.target(),
+                }),
+                done => done.map_err(err),
+            };
+        }
         let Some(expected) = self.replaces else {
             return self.folder.rename(&self.tmp, &self.target).map_err(err);
         };
@@ -143,6 +154,7 @@ impl Written {
                 file,
                 stat,
                 replaces: None,
+                fresh_name: false,
             }),
             Err(e) => {
                 folder.unlink_spent(&tmp);
@@ -531,12 +543,16 @@ impl InPlaceJob {
     }
 }
 
-/// Forgets the record of a commit that will not land; whether it is gone.
+/// Forgets the record of a commit that will not land; whether it is gone
+/// for good (its removal synced: one that a crash could bring back would
+/// replay removals of files the commit never replaced).
 fn record_gone(dir: &StagingDir) -> bool {
     Renames::clear(dir);
     let name = std::ffi::OsStr::new(crate::checkpoint::staging::RENAMES);
-    dir.folder()
-        .is_ok_and(|f| matches!(f.stat_at(name), Err(e) if e.raw_os_error() == Some(libc::ENOENT)))
+    dir.folder().is_ok_and(|f| {
+        matches!(f.stat_at(name), Err(e) if e.raw_os_error() == Some(libc::ENOENT))
+            && f.sync().is_ok()
+    })
 }
 
 /// Why `land` stopped: after `done` files landed; `changed`: whether

@@ -52,10 +52,15 @@ fn write_one(
     // replaced, or removed, whatever its target.)
     let expected = change.base.filter(|_| !force && now.is_some());
     let Some(bytes) = &change.bytes else {
+        // What is there now, checked above (forced: whatever it is now,
+        // never whatever a later program puts there).
+        let there = folder
+            .stat_at(name)
+            .map_err(|e| io_err(format!("reading {}", folder.path.join(name).display()))(e))?;
         return Ok(Box::new(Removal {
             folder: folder.clone(),
             target: name.to_os_string(),
-            expected,
+            expected: Some(there),
         }));
     };
     let fill = |f: &File| {
@@ -70,6 +75,8 @@ fn write_one(
     // Only over the very file mounted (a program that replaced it since
     // keeps its file); a new file over nothing.
     w.replaces = expected;
+    // A new name: never over a file another program made there since.
+    w.fresh_name = now_stat.is_none();
     Ok(Box::new(w))
 }
 
@@ -102,7 +109,7 @@ fn current_file(folder: &Folder, name: &OsStr) -> Result<Option<File>, CommitErr
 pub struct Removal {
     folder: Arc<Folder>,
     target: OsString,
-    /// The file it must still be (None: `--force`).
+    /// The file it must still be.
     expected: Option<FileStat>,
 }
 

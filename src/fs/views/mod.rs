@@ -223,8 +223,8 @@ pub fn version(st: &State, draws: Draws) -> u64 {
     match draws {
         Draws::Checkpoint(c) => st.live(c).views_version(),
         Draws::All | Draws::Index(_) => st.checkpoints.iter().map(|m| m.live.views_version()).sum(),
-        // (Shown as read at mount.)
-        Draws::ModelFile(_) => 0,
+        // (Every edit of a model file counts: a view made before is stale.)
+        Draws::ModelFile(_) => st.model_files.version(),
     }
 }
 
