@@ -19,6 +19,7 @@ mod edits;
 #[cfg(test)]
 mod explore;
 pub mod in_place;
+mod index_update;
 pub mod journal;
 mod journaling;
 pub mod kv;
@@ -28,6 +29,7 @@ mod object;
 mod problems;
 pub mod recover;
 pub mod recovery_error;
+pub mod shards;
 pub mod staging;
 pub mod transaction;
 pub mod view;

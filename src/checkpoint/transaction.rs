@@ -12,69 +12,15 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tracing::{error, info, warn};
 
-use super::commit::remote::{IndexPut, RemoteIndex};
-use super::commit::{CommitLock, CommitOptions, LandError, Landing, Written, land};
+use super::commit::{CommitLock, CommitOptions, LandError, Landing, land};
+pub use super::index_update::rewrite_index;
+use super::index_update::{IndexUpdate, index_updates, write_indexes};
 use super::model_change::ModelChange;
+pub use super::shards::{IndexFile, Shards};
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
+use crate::source::Bytes;
 use crate::source::Folder;
-use crate::source::{Bytes, FileStat, SourceFile};
-
-/// A `*.index.json` of a folder mount, as read at mount time (and rewritten by commits).
-#[derive(Clone)]
-pub struct IndexFile {
-    pub name: String,
-    pub bytes: Vec<u8>,
-    pub stat: FileStat,
-    /// An object of a folder of shards in a store (None: a file in the
-    /// mount's folder).
-    pub remote: Option<RemoteIndex>,
-}
-
-/// What a commit needs of the checkpoints of a mount.
-pub trait Shards {
-    fn count(&self) -> usize;
-    fn live(&self, c: usize) -> &Live;
-    fn live_mut(&mut self, c: usize) -> &mut Live;
-    /// The shard's name in its folder, without `.safetensors` (for the index).
-    fn shard_name(&self, c: usize) -> &str;
-    /// The folder of a folder mount.
-    fn folder(&self) -> Option<&Arc<Folder>>;
-    /// That folder as the user named it: its path, or a remote prefix's URL.
-    fn folder_shown(&self) -> Option<std::path::PathBuf> {
-        let folder = self.folder()?;
-        let first = (self.count() > 0).then(|| self.live(0).source());
-        Some(match first.and_then(|s| s.remote_object()) {
-            Some(o) => o
-                .url()
-                .strip_suffix(o.file_name())
-                .unwrap_or(o.url())
-                .into(),
-            None => folder.path.clone(),
-        })
-    }
-    fn indexes(&self) -> Box<dyn Iterator<Item = &IndexFile> + '_>;
-    fn index_mut(&mut self, name: &str) -> Option<&mut IndexFile>;
-
-    fn lives(&self) -> Box<dyn Iterator<Item = &Live> + '_> {
-        Box::new((0..self.count()).map(|c| self.live(c)))
-    }
-
-    /// The folder's other files that a commit writes or removes.
-    fn model_changes(&self) -> Vec<ModelChange> {
-        Vec::new()
-    }
-    /// Those changes, taken by a commit (kept staged until it landed).
-    fn model_commit_begins(&mut self) -> Vec<ModelChange> {
-        self.model_changes()
-    }
-    /// Those that landed, each with its new file (None: removed).
-    fn model_landed(&mut self, _landed: &[(ModelChange, Option<FileStat>)]) {}
-    /// Drops the staged model files; the names that had changes.
-    fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
-        Ok(Vec::new())
-    }
-}
 
 /// The bytes a commit has written of the new file it is writing.
 #[derive(Clone, Debug)]
@@ -310,7 +256,7 @@ impl Transactions {
             armed: true,
         };
         self.write_every_file(&mut plans, &mut pending)
-            .and_then(|()| write_indexes(&index_updates, options, &mut pending))
+            .and_then(|()| write_indexes(&index_updates, options, &mut pending.written))
             .and_then(|()| {
                 let Some(folder) = folder.filter(|_| !model.is_empty()) else {
                     return Ok(());
@@ -645,59 +591,6 @@ fn check_folder<S: Shards>(st: &S, writes: bool) -> Result<(), CommitError> {
     }
 }
 
-/// Writes each index a commit rewrites beside the shards' files (a temp
-/// file, its mode and ACLs those of the index as it is), or queues its PUT
-/// for a store.
-fn write_indexes<S: Shards>(
-    index_updates: &[IndexUpdate],
-    options: CommitOptions,
-    pending: &mut Pending<'_, S>,
-) -> Result<(), CommitError> {
-    for update in index_updates {
-        let IndexUpdate {
-            folder,
-            name,
-            stat,
-            bytes,
-            remote,
-        } = update;
-        if let Some((index, unwritten)) = remote {
-            let put = IndexPut::new(index.clone(), bytes.clone(), *stat, unwritten.clone())
-                .forced(options.force);
-            pending.written.push(Box::new(put));
-            continue;
-        }
-        let fill = |f: &std::fs::File| {
-            use std::os::unix::fs::FileExt;
-            crate::testpoint::io("write")
-                .and_then(|()| f.write_all_at(bytes, 0))
-                .map_err(|source| CommitError::Io {
-                    what: format!("writing {}", folder.path.join(name).display()),
-                    source,
-                })
-        };
-        // The index as it is now: its mode, ACLs and attributes are carried over.
-        let now = match folder.open_file(
-            std::ffi::OsStr::new(name),
-            libc::O_RDONLY | libc::O_NONBLOCK,
-            0,
-        ) {
-            Ok(f) => Some(f),
-            // (Gone, or a link: the commit puts a file of its own there.)
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => None,
-            Err(source) => {
-                return Err(CommitError::Io {
-                    what: format!("reading {}", folder.path.join(name).display()),
-                    source,
-                });
-            }
-        };
-        let w = Written::create(folder, std::ffi::OsStr::new(name), stat, now.as_ref(), fill)?;
-        pending.written.push(Box::new(w));
-    }
-    Ok(())
-}
-
 /// Each journal says which file is landing (appended under a short lock,
 /// fsynced outside it); then the renames, under no lock.
 fn record_landing<S: Shards>(
@@ -757,19 +650,6 @@ fn same_as_planned(plan: &CommitPlan, w: &dyn Landing) -> Result<(), CommitError
         });
     }
     Ok(())
-}
-
-/// An index a commit rewrites.
-struct IndexUpdate {
-    folder: Arc<Folder>,
-    name: String,
-    /// As read.
-    stat: FileStat,
-    bytes: Vec<u8>,
-    /// Its object in a store, and the shards it lists that this commit
-    /// does not write (each must still be the version mounted: the index
-    /// lists their tensors as mounted).
-    remote: Option<(RemoteIndex, Vec<Arc<SourceFile>>)>,
 }
 
 /// A commit's files written but not landed: while armed, dropping it (an
@@ -851,153 +731,4 @@ pub fn in_two_shards<'a>(shards: impl Iterator<Item = (String, &'a Live)>) -> Ve
         }
     }
     found
-}
-
-/// The `*.index.json` files of a folder mount, rewritten to match the shards
-/// as the plans will leave them (`weight_map`, `metadata.total_size`). Shards
-/// this commit does not write are read as they are on disk now (another
-/// mount may have committed them), and named as the folder shows them (a
-/// link's name, not its target's).
-fn index_updates<S: Shards>(
-    st: &S,
-    plans: &[(usize, CommitPlan)],
-) -> Result<Vec<IndexUpdate>, CommitError> {
-    let Some(folder) = st.folder() else {
-        return Ok(Vec::new());
-    };
-    let mut weight_map = serde_json::Map::new();
-    let mut total: u64 = 0;
-    for c in 0..st.count() {
-        let live = st.live(c);
-        let shard = format!("{}.safetensors", st.shard_name(c));
-        let names: Vec<(String, u64)> = match plans.iter().find(|(pc, _)| *pc == c) {
-            Some((_, plan)) => plan
-                .layout
-                .tensors
-                .iter()
-                .map(|t| (t.name.to_string(), t.nbytes()))
-                .collect(),
-            None => match shard_tensors_now(live.source())? {
-                Some(names) => names,
-                None => return Ok(Vec::new()),
-            },
-        };
-        for (name, n) in names {
-            total += n;
-            weight_map.insert(name, serde_json::Value::String(shard.clone()));
-        }
-    }
-    let unwritten = || {
-        (0..st.count())
-            .filter(|c| !plans.iter().any(|(pc, _)| pc == c))
-            .map(|c| st.live(c).source().clone())
-            .collect::<Vec<_>>()
-    };
-    let mut out = Vec::new();
-    for ix in st.indexes() {
-        // An index lists every shard's tensor names: never into a file of
-        // someone who cannot read a shard.
-        let hidden = st.lives().find(|live| {
-            live.source()
-                .file()
-                .and_then(|f| FileStat::of(f).ok())
-                .is_some_and(|shard| readable_by_more(&ix.stat, &shard))
-        });
-        if let Some(live) = hidden {
-            warn!(
-                file = ix.name,
-                shard = %live.source().path().display(),
-                "left as it is: its owner cannot read this shard, whose tensors it would list"
-            );
-            continue;
-        }
-        match rewrite_index(&ix.bytes, &weight_map, total) {
-            Ok(Some(bytes)) => out.push(IndexUpdate {
-                folder: folder.clone(),
-                name: ix.name.clone(),
-                stat: ix.stat,
-                bytes,
-                remote: ix.remote.clone().map(|index| (index, unwritten())),
-            }),
-            Ok(None) => {}
-            Err(why) => warn!(file = ix.name, "{why}: left as it is"),
-        }
-    }
-    Ok(out)
-}
-
-/// An index file's text with `weight_map` and `metadata.total_size` set,
-/// its other fields kept, as a commit writes it (None: nothing to change).
-pub fn rewrite_index(
-    text: &[u8],
-    weight_map: &serde_json::Map<String, serde_json::Value>,
-    total: u64,
-) -> Result<Option<Vec<u8>>, &'static str> {
-    let mut doc: serde_json::Value = serde_json::from_slice(text).map_err(|_| "not JSON")?;
-    let obj = doc.as_object_mut().ok_or("not a JSON object")?;
-    let before = serde_json::Value::Object(obj.clone());
-    obj.insert(
-        "weight_map".into(),
-        serde_json::Value::Object(weight_map.clone()),
-    );
-    let meta = obj
-        .entry("metadata")
-        .or_insert_with(|| serde_json::Value::Object(Default::default()));
-    if let Some(meta) = meta.as_object_mut() {
-        meta.insert("total_size".into(), total.into());
-    }
-    if doc == before {
-        return Ok(None);
-    }
-    let mut bytes = serde_json::to_vec_pretty(&doc).expect("JSON serializes");
-    bytes.push(b'\n');
-    Ok(Some(bytes))
-}
-
-/// Whether the owner of `to` (who may read it, and give it to anyone) is
-/// someone who may not read `from`: a file of another user's that a commit
-/// would copy `from`'s tensor names into (an index beside a link to a private
-/// checkpoint). Judged by modes and owners; root may read anything.
-fn readable_by_more(to: &FileStat, from: &FileStat) -> bool {
-    let can = |who: u32| from.mode & (0o4 << who) != 0;
-    let (other, group, owner) = (0, 3, 6);
-    let may_read = to.uid == 0
-        || can(other)
-        || (to.uid == from.uid && can(owner))
-        || (to.gid == from.gid && can(group));
-    !may_read
-}
-
-/// A shard's tensors (name, bytes) as its file on disk has them now; None
-/// (and a warning) if that file is not a valid checkpoint now: the index is
-/// then left as it is.
-fn shard_tensors_now(src: &SourceFile) -> Result<Option<Vec<(String, u64)>>, CommitError> {
-    let of = |h: &crate::format::Header| {
-        h.tensors
-            .iter()
-            .map(|t| (t.name.to_string(), t.nbytes()))
-            .collect()
-    };
-    let Some(folder) = src.folder() else {
-        return Ok(Some(of(src.header())));
-    };
-    let io = |e| CommitError::Io {
-        what: format!("reading {} for the index", src.path().display()),
-        source: e,
-    };
-    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
-    let file = folder.open_file(src.file_name(), flags, 0).map_err(io)?;
-    if FileStat::of(&file).map_err(io)?.same_version(src.stat()) {
-        return Ok(Some(of(src.header())));
-    }
-    match crate::format::Header::read(&file).map_err(io)? {
-        Ok(h) => Ok(Some(of(&h))),
-        Err(e) => {
-            warn!(
-                file = %src.path().display(),
-                "changed since mounted and not valid now ({e}): the index files are left as they are"
-            );
-            Ok(None)
-        }
-    }
 }
