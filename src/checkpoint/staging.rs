@@ -295,7 +295,6 @@ impl Renames {
     /// targets renamed or (true) removed; an I/O error stops it (the record
     /// stays for the next mount).
     pub fn finish(&self) -> Result<Vec<(PathBuf, bool)>, RecoveryError> {
-        let plain = |n: &str| !n.is_empty() && n != "." && n != ".." && !n.contains('/');
         let mut done = Vec::new();
         for r in &self.files {
             if !plain(&r.tmp) || !plain(&r.target) || !r.folder.is_absolute() {
@@ -305,13 +304,7 @@ impl Renames {
                 );
                 continue;
             }
-            let io = |source| RecoveryError::Io {
-                what: format!(
-                    "{}: finishing an interrupted commit",
-                    r.folder.join(&r.target).display()
-                ),
-                source,
-            };
+            let io = finishing(&r.folder, &r.target);
             let folder = Folder::open(&r.folder).map_err(&io)?;
             let Ok(st) = folder.stat_at(OsStr::new(&r.tmp)) else {
                 continue; // renamed already
@@ -360,6 +353,13 @@ impl Renames {
                 .map_err(&io)?;
             done.push((folder.path.join(&r.target), false))
         }
+        self.finish_removes(&mut done)?;
+        Ok(done)
+    }
+
+    /// Finishes the removals of the record (after its renames): a file goes
+    /// only if it is still the one the commit saw there.
+    fn finish_removes(&self, done: &mut Vec<(PathBuf, bool)>) -> Result<(), RecoveryError> {
         for r in &self.removes {
             if !plain(&r.target) || !r.folder.is_absolute() {
                 warn!(
@@ -368,13 +368,7 @@ impl Renames {
                 );
                 continue;
             }
-            let io = |source| RecoveryError::Io {
-                what: format!(
-                    "{}: finishing an interrupted commit",
-                    r.folder.join(&r.target).display()
-                ),
-                source,
-            };
+            let io = finishing(&r.folder, &r.target);
             let folder = Folder::open(&r.folder).map_err(&io)?;
             let name = OsStr::new(&r.target);
             let there = folder.stat_at(name).is_ok();
@@ -390,7 +384,26 @@ impl Renames {
                 ),
             }
         }
-        Ok(done)
+        Ok(())
+    }
+}
+
+/// A file name of a record: one name in its folder.
+fn plain(n: &str) -> bool {
+    !n.is_empty() && n != "." && n != ".." && !n.contains('/')
+}
+
+/// The error of finishing an interrupted commit's `target` in `folder`.
+fn finishing<'a>(
+    folder: &'a std::path::Path,
+    target: &'a str,
+) -> impl Fn(std::io::Error) -> RecoveryError + 'a {
+    move |source| RecoveryError::Io {
+        what: format!(
+            "{}: finishing an interrupted commit",
+            folder.join(target).display()
+        ),
+        source,
     }
 }
 

@@ -151,19 +151,7 @@ impl ModelFiles {
     /// A new, empty file; its id.
     pub(super) fn create(&mut self, name: &str) -> Result<usize, FsError> {
         self.editable(name)?;
-        self.edit(|t| {
-            let stat = FileStat {
-                len: 0,
-                mtime: now(),
-                ..t.like
-            };
-            t.files.push(Some(ModelFile {
-                name: name.to_string(),
-                bytes: Arc::new(Vec::new()),
-                stat,
-            }));
-            Ok((t.files.len() - 1, vec![name.to_string()]))
-        })
+        self.edit(|t| Ok((t.push_empty(name), vec![name.to_string()])))
     }
 
     pub(super) fn remove(&mut self, id: usize) -> Result<(), FsError> {
@@ -274,10 +262,7 @@ impl ModelFiles {
                 (Some(id), None) => self.files[id] = None,
                 (None, None) => {}
                 (id, Some(bytes)) => {
-                    let id = match id {
-                        Some(id) => id,
-                        None => self.create_unstaged(&name),
-                    };
+                    let id = id.unwrap_or_else(|| self.push_empty(&name));
                     let f = self.files[id].as_mut().expect("shown");
                     f.stat.len = bytes.len() as u64;
                     f.bytes = Arc::new(bytes);
@@ -291,7 +276,8 @@ impl ModelFiles {
         Ok(self.changes().len())
     }
 
-    fn create_unstaged(&mut self, name: &str) -> usize {
+    /// A new, empty file, owned as the shards are; its id.
+    fn push_empty(&mut self, name: &str) -> usize {
         self.files.push(Some(ModelFile {
             name: name.to_string(),
             bytes: Arc::new(Vec::new()),
