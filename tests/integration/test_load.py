@@ -279,7 +279,8 @@ def test_cuda_without_a_driver_is_enodev(tmp_path, mount, run):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user")
-def test_a_user_other_than_the_owner_may_not_load(tmp_path, mount, user, shared, stfs):
+def test_a_user_other_than_the_owner_may_not_load(shared, user, mount, stfs):
+    # (shared first: torn down last, once the mount in it is gone)
     src = os.path.join(shared, "s.safetensors")
     save_file({"a": np.arange(4, dtype=np.float32)}, src)
     os.chmod(src, 0o644)
