@@ -26,6 +26,16 @@ pub struct ModelChange {
     /// still be there to be replaced (None: a new file, whose name must be
     /// free).
     pub base: Option<FileStat>,
+    /// That file's ETag, in a store.
+    pub etag: Option<String>,
+}
+
+/// A model file as a commit left it (None: removed).
+#[derive(Clone, Debug)]
+pub struct Landed {
+    pub stat: FileStat,
+    /// Its ETag, in a store.
+    pub etag: Option<String>,
 }
 
 /// The longest name whose edits can be staged (its entry's name is twice as

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::Live;
 use super::commit::remote::RemoteIndex;
-use super::model_change::ModelChange;
+use super::model_change::{Landed, ModelChange};
 use crate::source::{FileStat, Folder};
 
 /// A `*.index.json` of a folder mount, as read at mount time (and rewritten by commits).
@@ -57,7 +57,7 @@ pub trait Shards {
         self.model_changes()
     }
     /// Those that landed, each with its new file (None: removed).
-    fn model_landed(&mut self, _landed: &[(ModelChange, Option<FileStat>)]) {}
+    fn model_landed(&mut self, _landed: &[(ModelChange, Option<Landed>)]) {}
     /// Drops the staged model files; the names that had changes.
     fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
         Ok(Vec::new())

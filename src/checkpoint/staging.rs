@@ -142,7 +142,7 @@ pub fn remove_if(
 }
 
 /// An object of a remote commit, as recorded before the first completes.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RemoteLanding {
     pub url: String,
     pub key: String,
@@ -158,6 +158,44 @@ pub struct RemoteLanding {
     /// An object put whole that the next mount can put again (an index): its text.
     #[serde(default)]
     pub text: Option<String>,
+    /// A model file put whole: the file of the staging folder that holds
+    /// its bytes until the record goes (`BODY_PREFIX`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    /// A new key: put only where nothing is (`if_match` is None).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fresh: bool,
+    /// A model file the commit removes (`if_match`: the version removed).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub remove: bool,
+}
+
+/// The files of a staging folder that hold a remote model file's bytes for
+/// the record (removed with it).
+pub const BODY_PREFIX: &str = "body-";
+
+impl RemoteLanding {
+    /// A shard's object (an upload, or a shard put whole and not recorded),
+    /// not an index or a model file that waits for the shards.
+    pub fn is_shard(&self) -> bool {
+        self.text.is_none() && self.body.is_none() && !self.remove
+    }
+
+    /// Whether the key is as this object leaves it (`now`: its ETag now).
+    pub fn landed(&self, now: &Option<String>) -> bool {
+        match self.remove {
+            true => now.is_none(),
+            false => self.expected.is_some() && *now == self.expected,
+        }
+    }
+
+    /// Whether the key is still as the commit found it (`now`: its ETag now).
+    pub fn over_old(&self, now: &Option<String>) -> bool {
+        match self.fresh {
+            true => now.is_none(),
+            false => self.if_match.is_none() || *now == self.if_match,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -254,7 +292,8 @@ impl Renames {
                 _ => {}
             }
             for name in dir.list().unwrap_or_default() {
-                if name.as_bytes().starts_with(b"in-place-") {
+                let bytes = name.as_bytes();
+                if bytes.starts_with(b"in-place-") || bytes.starts_with(BODY_PREFIX.as_bytes()) {
                     folder.unlink_spent(&name);
                 }
             }

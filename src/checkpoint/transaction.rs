@@ -15,7 +15,7 @@ use tracing::{error, info, warn};
 use super::commit::{CommitLock, CommitOptions, LandError, Landing, land};
 pub use super::index_update::rewrite_index;
 use super::index_update::{IndexUpdate, index_updates, write_indexes};
-use super::model_change::ModelChange;
+use super::model_change::{Landed, ModelChange};
 pub use super::shards::{IndexFile, Shards};
 use super::staging::Staging;
 use super::{CommitError, CommitPlan, EditError, Live, Problem};
@@ -240,9 +240,9 @@ impl Transactions {
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
         let (mut plans, index_updates) = plan_every_file(state, held, options, commit)
             .inspect_err(|e| warn!("commit refused: {e}"))?;
-        let (model, folder) = {
+        let (model, model_home) = {
             let mut st = write(state);
-            (st.model_commit_begins(), st.folder().cloned())
+            (st.model_commit_begins(), ModelHome::of(&*st))
         };
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)
@@ -258,10 +258,7 @@ impl Transactions {
         self.write_every_file(&mut plans, &mut pending)
             .and_then(|()| write_indexes(&index_updates, options, &mut pending.written))
             .and_then(|()| {
-                let Some(folder) = folder.filter(|_| !model.is_empty()) else {
-                    return Ok(());
-                };
-                let written = super::commit::write_model_changes(&folder, &model, options.force)?;
+                let written = model_home.write(&model, options.force)?;
                 pending.written.extend(written);
                 Ok(())
             })
@@ -461,12 +458,15 @@ impl Transactions {
             if n_plans + n_indexes + k >= landed {
                 continue; // staged still: the next mount finishes it, or commits it
             }
-            let (stat, done) = match change.bytes {
-                Some(_) => (Some(w.stat()), "written"),
+            let (now, done) = match change.bytes {
+                Some(_) => {
+                    let (stat, etag) = (w.stat(), w.etag());
+                    (Some(Landed { stat, etag }), "written")
+                }
                 None => (None, "removed"),
             };
             lines.push(format!("{}: {done}", w.target().display()));
-            model_landed.push((change, stat));
+            model_landed.push((change, now));
         }
         st.model_landed(&model_landed);
         lines
@@ -731,4 +731,37 @@ pub fn in_two_shards<'a>(shards: impl Iterator<Item = (String, &'a Live)>) -> Ve
         }
     }
     found
+}
+
+/// Where a folder mount's model files land: its folder, or the prefix of
+/// its shards in a store.
+enum ModelHome {
+    Folder(Arc<Folder>),
+    Store(Arc<crate::source::SourceFile>),
+    None,
+}
+
+impl ModelHome {
+    fn of<S: Shards>(st: &S) -> ModelHome {
+        let first = (st.count() > 0).then(|| st.live(0).source());
+        match (first.filter(|s| s.remote_object().is_some()), st.folder()) {
+            (Some(shard), _) => ModelHome::Store(shard.clone()),
+            (None, Some(folder)) => ModelHome::Folder(folder.clone()),
+            (None, None) => ModelHome::None,
+        }
+    }
+
+    /// Each change written (or readied) to land.
+    fn write(
+        &self,
+        changes: &[ModelChange],
+        force: bool,
+    ) -> Result<Vec<Box<dyn Landing>>, CommitError> {
+        match self {
+            _ if changes.is_empty() => Ok(Vec::new()),
+            ModelHome::Folder(folder) => super::commit::write_model_changes(folder, changes, force),
+            ModelHome::Store(shard) => super::commit::remote::model_landings(shard, changes, force),
+            ModelHome::None => Ok(Vec::new()),
+        }
+    }
 }

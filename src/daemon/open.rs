@@ -128,6 +128,7 @@ fn read_model_file(
         name: name.to_string(),
         bytes: Arc::new(bytes),
         stat,
+        etag: None,
     })
 }
 
@@ -378,7 +379,8 @@ pub(super) fn open_remote(
         ix.stat.mtime = newest;
     }
     one_format(&shards)?;
-    let model_files = fetch_model_files(&at.remote, others, newest, &mut notes)?;
+    let mode = if stem.is_some() { 0o100644 } else { 0o100444 };
+    let model_files = fetch_model_files(&at.remote, others, (newest, mode), &mut notes)?;
     // The cache folder stands in for the folder: nothing is written there
     // through it (a commit puts shards and indexes in the store), and
     // statfs shows the disk the cache is on.
@@ -396,7 +398,7 @@ pub(super) fn open_remote(
 fn fetch_model_files(
     remote: &Remote,
     others: Vec<(String, object_store::path::Path, u64)>,
-    mtime: (i64, i64),
+    (mtime, mode): ((i64, i64), u32),
     notes: &mut Vec<String>,
 ) -> Result<Vec<ModelFile>, crate::errno::Failure> {
     let mut files = Vec::new();
@@ -409,17 +411,18 @@ fn fetch_model_files(
             ));
             continue;
         }
-        let (bytes, _) = remote.get_all(&path).map_err(|e| e.to_string())?;
+        let (bytes, etag) = remote.get_all(&path).map_err(|e| e.to_string())?;
         total += bytes.len() as u64;
         let stat = FileStat {
             len: bytes.len() as u64,
             mtime,
-            ..FileStat::of_mounting_user(0o100444)
+            ..FileStat::of_mounting_user(mode)
         };
         files.push(ModelFile {
             name,
             bytes: Arc::new(bytes),
             stat,
+            etag,
         });
     }
     Ok(files)

@@ -227,10 +227,7 @@ impl Fs {
                     // (Writable where its model files may be made.)
                     // (And sticky where the folder is: in a shared folder,
                     // only a file's owner removes or replaces it.)
-                    perm: match st.model_files.editable("") {
-                        Ok(()) => dir_mode(&now, ro) | (now.mode & 0o1000) as u16,
-                        Err(_) => dir_mode(&now, ro) & !0o222,
-                    },
+                    perm: dir_mode(&now, ro) | (now.mode & 0o1000) as u16,
                     nlink: 2 + st.checkpoints.len() as u32,
                     uid: now.uid,
                     gid: now.gid,

@@ -317,9 +317,7 @@ impl Fs {
         let model_files = {
             let first = checkpoints.first().map(|m| m.live.source());
             let like = first.map_or(FileStat::of_mounting_user(0o644), |s| *s.stat());
-            let remote = first.is_some_and(|s| s.remote_object().is_some());
-            let read_only = remote.then_some(model_edits::REMOTE_READ_ONLY);
-            ModelFiles::new(model_files, staging.clone(), like, read_only)
+            ModelFiles::new(model_files, staging.clone(), like)
         };
         let devices = crate::prefetch::load::Devices::new(
             settings.load_slabs,

@@ -5,7 +5,7 @@
 //! kept in the staging folder as it changes (`checkpoint::model_change`).
 
 use super::*;
-use crate::checkpoint::model_change::{self, ModelChange};
+use crate::checkpoint::model_change::{self, Landed, ModelChange};
 
 /// The inodes of model files: `MODEL_BIT | id`.
 pub(super) const MODEL_BIT: Ino = 1 << 59;
@@ -18,8 +18,6 @@ pub(super) struct ModelFiles {
     staging: Arc<Staging>,
     /// Owner and mode of a file made through the mount (the first shard's).
     like: FileStat,
-    /// Why they cannot be edited (None: they can).
-    read_only: Option<&'static str>,
     /// Changes made: the version of the views drawing on them.
     version: u64,
     /// The names of the commit under way, as it took them: each keeps an
@@ -27,10 +25,6 @@ pub(super) struct ModelFiles {
     /// would read, after a crash, as "nothing staged" over the new file).
     committing: std::collections::BTreeSet<String>,
 }
-
-/// The model files of a remote folder are shown, not edited.
-pub(super) const REMOTE_READ_ONLY: &str =
-    "the other files of a folder in a store are shown read-only: edit them in the store";
 
 /// A hidden file made at the root (an editor's swap file) lives in memory:
 /// never staged, never committed (the folder's own are not shown).
@@ -52,18 +46,12 @@ fn staged_of(shown: Option<&ModelFile>, base: Option<&ModelFile>) -> Option<Opti
 }
 
 impl ModelFiles {
-    pub(super) fn new(
-        files: Vec<ModelFile>,
-        staging: Arc<Staging>,
-        like: FileStat,
-        read_only: Option<&'static str>,
-    ) -> ModelFiles {
+    pub(super) fn new(files: Vec<ModelFile>, staging: Arc<Staging>, like: FileStat) -> ModelFiles {
         ModelFiles {
             base: files.iter().map(|f| (f.name.clone(), f.clone())).collect(),
             files: files.into_iter().map(Some).collect(),
             staging,
             like,
-            read_only,
             version: 0,
             committing: Default::default(),
         }
@@ -101,9 +89,6 @@ impl ModelFiles {
 
     /// Why an edit is refused here, if it is.
     pub(super) fn editable(&self, name: &str) -> Result<(), FsError> {
-        if let Some(why) = self.read_only {
-            return Err(FsError::ReadOnlyFile(why));
-        }
         if name.len() > model_change::MAX_NAME {
             return Err(FsError::NameTooLong);
         }
@@ -200,20 +185,22 @@ impl ModelFiles {
                     bytes,
                     like: shown.map_or(self.like, |f| f.stat),
                     base: base.map(|b| b.stat),
+                    etag: base.and_then(|b| b.etag.clone()),
                 })
             })
             .collect()
     }
 
     /// Changes that landed (with the new file's stat): the folder now has them.
-    pub(super) fn landed(&mut self, landed: &[(ModelChange, Option<FileStat>)]) {
-        for (change, stat) in landed {
-            match (&change.bytes, stat) {
-                (Some(bytes), Some(stat)) => {
+    pub(super) fn landed(&mut self, landed: &[(ModelChange, Option<Landed>)]) {
+        for (change, now) in landed {
+            match (&change.bytes, now) {
+                (Some(bytes), Some(now)) => {
                     let file = ModelFile {
                         name: change.name.clone(),
                         bytes: bytes.clone(),
-                        stat: *stat,
+                        stat: now.stat,
+                        etag: now.etag.clone(),
                     };
                     self.base.insert(change.name.clone(), file);
                 }
@@ -286,6 +273,7 @@ impl ModelFiles {
                 mtime: now(),
                 ..self.like
             },
+            etag: None,
         }));
         self.files.len() - 1
     }
@@ -446,6 +434,7 @@ mod tests {
             name: name.into(),
             bytes: Arc::new(text.as_bytes().to_vec()),
             stat: FileStat::of_mounting_user(0o644),
+            etag: None,
         }
     }
 
@@ -453,7 +442,7 @@ mod tests {
         let base = Arc::new(crate::source::Folder::open(dir).unwrap());
         let staging = Arc::new(Staging::new(base, "t"));
         let files = vec![file("config.json", "{}"), file("README.md", "# r")];
-        ModelFiles::new(files, staging, FileStat::of_mounting_user(0o600), None)
+        ModelFiles::new(files, staging, FileStat::of_mounting_user(0o600))
     }
 
     /// (name, kind) of each change, and the names staged on disk.
@@ -558,15 +547,14 @@ mod tests {
     }
 
     #[test]
-    fn what_a_folder_in_a_store_shows_is_not_edited() {
+    fn names_that_may_be_made_and_staged() {
         let dir = tempfile::tempdir().unwrap();
         let base = Arc::new(crate::source::Folder::open(dir.path()).unwrap());
         let staging = Arc::new(Staging::new(base, "t"));
         let like = FileStat::of_mounting_user(0o600);
-        let mut t = ModelFiles::new(vec![], staging, like, Some(REMOTE_READ_ONLY));
-        assert!(matches!(t.create("x"), Err(FsError::ReadOnlyFile(_))));
+        let t = ModelFiles::new(vec![], staging, like);
         assert!(matches!(
-            ModelFiles::new(vec![], t.staging.clone(), like, None).editable(&"x".repeat(121)),
+            t.editable(&"x".repeat(121)),
             Err(FsError::NameTooLong)
         ));
         assert!(

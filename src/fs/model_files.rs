@@ -14,6 +14,8 @@ pub struct ModelFile {
     pub name: String,
     pub bytes: std::sync::Arc<Vec<u8>>,
     pub stat: FileStat,
+    /// Its ETag, in a store (the version a commit replaces).
+    pub etag: Option<String>,
 }
 
 /// A file larger than this is not shown (a model folder's other files are

@@ -539,7 +539,7 @@ impl Shards for State {
         &mut self,
         landed: &[(
             crate::checkpoint::model_change::ModelChange,
-            Option<FileStat>,
+            Option<crate::checkpoint::model_change::Landed>,
         )],
     ) {
         self.model_files.landed(landed)

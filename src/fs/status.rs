@@ -124,10 +124,18 @@ impl StatusReport {
 
 /// The model files a commit would refuse to write: changed in the folder
 /// since mounted (or, for a new one, made there meanwhile).
+/// (A folder in a store: `Fs::store_model_conflicts`.)
 fn model_conflicts(
-    folder: &crate::source::Folder,
+    st: &State,
     changes: &[crate::checkpoint::model_change::ModelChange],
 ) -> Vec<String> {
+    let in_store = st
+        .checkpoints
+        .first()
+        .is_some_and(|m| m.live.source().remote_object().is_some());
+    let Some((folder, _)) = st.folder.as_ref().filter(|_| !in_store) else {
+        return Vec::new();
+    };
     changes
         .iter()
         .filter(|c| {
@@ -146,6 +154,22 @@ fn model_conflicts(
 }
 
 impl Fs {
+    /// The model files of a folder in a store changed there since they were
+    /// mounted (asked without the state's lock: a HEAD each).
+    fn store_model_conflicts(&self) -> Vec<String> {
+        let (shard, changes) = {
+            let st = self.read_state();
+            let Some(m) = st.checkpoints.first() else {
+                return Vec::new();
+            };
+            (m.live.source().clone(), st.model_files.changes())
+        };
+        match shard.remote_object().is_some() && !changes.is_empty() {
+            true => crate::checkpoint::commit::remote::model_conflicts(&shard, &changes),
+            false => Vec::new(),
+        }
+    }
+
     /// Why a commit of `live` cannot be done here whatever its edits (the
     /// folders it needs cannot be written), given the way it would take.
     fn cannot_commit(&self, live: &crate::checkpoint::Live, rewrite: bool) -> Vec<String> {
@@ -209,7 +233,7 @@ impl Fs {
                 object.look_again();
             }
         }
-        let mut across_stores: Vec<String> = Vec::new();
+        let mut across_stores: Vec<String> = self.store_model_conflicts();
         for index in &indexes {
             let file = std::path::PathBuf::from(index.remote.url(&index.path));
             if index.changed() {
@@ -286,9 +310,7 @@ impl Fs {
         };
         across.extend(across_stores);
         let model_changes = st.model_files.changes();
-        if let Some((folder, _)) = &st.folder {
-            across.extend(model_conflicts(folder, &model_changes));
-        }
+        across.extend(model_conflicts(&st, &model_changes));
         refused |= !across.is_empty();
         // The shards of a remote folder share one connection and cache.
         let remote = st

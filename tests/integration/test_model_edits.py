@@ -14,10 +14,12 @@ import subprocess
 
 import numpy as np
 import pytest
+from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import load_file
 from stfs_fixtures import wait_for, wait_for_exit
 
 from test_model_folder import CONFIG, OTHER_FILES, model_folder
+from test_remote import BUCKET, moto, s3  # noqa: F401 (fixtures)
 
 
 def folder_state(folder):
@@ -367,3 +369,135 @@ def test_a_read_only_mount_and_no_resume(tmp_path, mount, run):
     kept.close(discard=True)
     m2 = mount(folder)
     assert (pathlib.Path(m2.path) / "config.json").read_text() == "{}\n"
+
+
+# A model folder in a store: the same edits, put and deleted under the same
+# record as the shards and the index.
+
+def store_state(s3, prefix):
+    """Every object under `prefix` (not hidden): name -> bytes; the shards as
+    their tensors' names."""
+    out = {}
+    listed = s3.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/").get("Contents", [])
+    for o in listed:
+        name = o["Key"][len(prefix) + 1:]
+        if name.startswith("."):
+            continue
+        body = s3.client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+        out[name] = sorted(safetensors_load(body)) if name.endswith(".safetensors") else body
+    return out
+
+
+def folder_in_store(s3, tmp_path, prefix):
+    folder = tmp_path / prefix
+    model_folder(folder)
+    for f in folder.iterdir():
+        s3.upload(f, f"{prefix}/{f.name}")
+    return folder_state(folder), f"s3://{BUCKET}/{prefix}/"
+
+
+def assert_committed(got, after, index):
+    got = dict(got)
+    assert json.loads(got.pop("model.safetensors.index.json"))["weight_map"] == index["weight_map"]
+    assert got == {k: v for k, v in after.items() if k != "model.safetensors.index.json"}
+
+
+def test_model_files_of_a_folder_in_a_store_are_edited_and_committed_with_the_shards(tmp_path, s3, mount, run):
+    before, url = folder_in_store(s3, tmp_path, "edited")
+    m = mount(url, *s3.options)
+    mnt = pathlib.Path(m.path)
+    assert oct(os.stat(mnt / "config.json").st_mode & 0o777) == oct(0o644)
+    tensor = edit_everything(mnt, run)
+    after, index = expected_after(before, tensor)
+    assert store_state(s3, "edited") == before
+    status = run("status", m.path)
+    assert status.returncode == 0, status.stderr
+    for kind, name in [("changed", "config.json"), ("removed", "README.md"), ("added", "notes.txt")]:
+        assert f"{kind:<10} {name}" in status.stdout, (kind, name, status.stdout)
+    s3.reset()
+    done = run("commit", m.path)
+    assert done.returncode == 0, done.stderr
+    assert f"{url}notes.txt: written" in done.stdout and f"{url}README.md: removed" in done.stdout, done.stdout
+    assert_committed(store_state(s3, "edited"), after, index)
+    # Each is conditional: a changed file over the version mounted, a new one
+    # only where nothing is, a removal of the version mounted.
+    writes = {r["path"].rsplit("/", 1)[-1]: r for r in s3.requests if r["method"] in ("PUT", "DELETE")}
+    assert writes["config.json"]["headers"].get("if-match"), writes["config.json"]
+    assert writes["notes.txt"]["headers"].get("if-none-match") == "*", writes["notes.txt"]
+    assert writes["README.md"]["method"] == "DELETE" and writes["README.md"]["headers"].get("if-match")
+    assert "model file" not in run("status", m.path).stdout
+    # Edited again over what the commit left (its ETags are the new ones).
+    (mnt / "notes.txt").write_text("newer\n")
+    assert run("commit", m.path).returncode == 0
+    assert s3.client.get_object(Bucket=BUCKET, Key="edited/notes.txt")["Body"].read() == b"newer\n"
+    m.close()
+    m2 = mount(url, *s3.options)
+    assert (pathlib.Path(m2.path) / "config.json").read_bytes() == after["config.json"]
+    assert "model file" not in run("status", m2.path).stdout
+
+
+def test_a_model_file_changed_in_the_store_refuses_the_commit_and_loses_nothing(tmp_path, s3, mount, run):
+    before, url = folder_in_store(s3, tmp_path, "raced")
+    m = mount(url, *s3.options)
+    mnt = pathlib.Path(m.path)
+    (mnt / "config.json").write_text("{}\n")
+    (mnt / "tokenizer.json").write_text("{}\n")
+    (mnt / "notes.txt").write_text("mine\n")
+    s3.client.put_object(Bucket=BUCKET, Key="raced/tokenizer.json", Body=b"theirs")
+    s3.client.put_object(Bucket=BUCKET, Key="raced/notes.txt", Body=b"a new name taken")
+    status = run("status", m.path)
+    for name in ("tokenizer.json", "notes.txt"):
+        assert f"{url}{name}: the source changed since it was mounted" in status.stdout, status.stdout
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "changed since it was mounted" in p.stderr, p.stderr
+    now = store_state(s3, "raced")
+    assert now == {**before, "tokenizer.json": b"theirs", "notes.txt": b"a new name taken"}
+    assert (mnt / "config.json").read_text() == "{}\n"
+    # --force puts the mount's files over whatever is there.
+    assert run("commit", "--force", m.path).returncode == 0
+    now = store_state(s3, "raced")
+    assert now["tokenizer.json"] == b"{}\n" and now["config.json"] == b"{}\n" and now["notes.txt"] == b"mine\n"
+
+
+@pytest.mark.parametrize("fault,landed", [("remote:model:EIO", 0), ("remote:model:EIO:3", 2)])
+def test_a_folder_commit_whose_model_file_fails_is_finished_by_the_next_mount(tmp_path, s3, mount, run, fault,
+                                                                                landed):
+    """The shards and the index landed, then a model file's PUT or DELETE failed:
+    the commit says so, and the next mount finishes it from its record (the
+    bytes kept in the staging folder), so the store is never left with new
+    tensors and an old config."""
+    prefix = f"failed{landed}"
+    before, url = folder_in_store(s3, tmp_path, prefix)
+    m = mount(url, *s3.options, env={"STFS_FAULT_AT": fault})
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    after, index = expected_after(before, tensor)
+    p = run("commit", m.path)
+    assert p.returncode != 0, p.stdout
+    now = store_state(s3, prefix)
+    changed = [n for n in ("chat_template.jinja", "config.json", "generation.json", "generation_config.json",
+                           "notes.txt", "README.md") if now.get(n) != before.get(n)]
+    assert len(changed) == landed, (changed, p.stderr)
+    m.close()
+    m2 = mount(url, *s3.options)
+    assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
+    assert_committed(store_state(s3, prefix), after, index)
+    assert "model file" not in run("status", m2.path).stdout
+    cache = tmp_path / "cache"
+    assert not [p for p in cache.rglob("body-*")], list(cache.rglob("*"))
+
+
+def test_a_daemon_killed_before_a_model_file_lands_leaves_the_rest_to_the_next_mount(tmp_path, s3, mount, run):
+    before, url = folder_in_store(s3, tmp_path, "killed")
+    m = mount(url, *s3.options, env={"STFS_CRASH_AT": "remote:model"})
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    after, index = expected_after(before, tensor)
+    assert run("commit", m.path).returncode != 0
+    wait_for_exit(m.pid, 20)
+    now = store_state(s3, "killed")
+    assert now["config.json"] == before["config.json"] and "notes.txt" not in now
+    assert now["model.safetensors.index.json"] != before["model.safetensors.index.json"]
+    m.close()
+    m2 = mount(url, *s3.options)
+    assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
+    assert_committed(store_state(s3, "killed"), after, index)
+    assert "model file" not in run("status", m2.path).stdout

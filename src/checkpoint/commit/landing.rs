@@ -232,6 +232,10 @@ pub trait Landing: Send + Sync {
     fn landed_words(&self) -> Option<String> {
         None
     }
+    /// The ETag of the object it put, once landed (a remote model file).
+    fn etag(&self) -> Option<String> {
+        None
+    }
     /// The source once landed (`old`: the one it replaces), with `header`.
     fn fresh(&self, old: &SourceFile, header: Header) -> Result<SourceFile, CommitError>;
     /// What the mount's own reader makes of the checkpoint it will leave

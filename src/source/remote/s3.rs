@@ -448,6 +448,40 @@ impl S3Writer {
             .to_string())
     }
 
+    /// PutObject of a new object: refused (`S3Error::Precondition`) if the
+    /// key holds one already (`If-None-Match: *`). Returns its ETag.
+    pub async fn put_new(&self, key: &ObjectPath, body: Bytes) -> Result<String, S3Error> {
+        let headers = [("if-none-match", "*".to_string())];
+        let len = body.len() as u64;
+        let (headers, _) = self
+            .send("PutObject", Method::PUT, &self.url(key, ""), &headers, body)
+            .await?;
+        self.sent.uploaded.fetch_add(len, Ordering::Relaxed);
+        Ok(headers
+            .get("etag")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// DeleteObject, with `If-Match: etag` where given (a store that does not
+    /// know conditional deletes ignores it: the commit asked first). A key
+    /// already gone is not an error (S3 answers 204 either way).
+    pub async fn delete(&self, key: &ObjectPath, if_match: Option<&str>) -> Result<(), S3Error> {
+        let headers: Vec<(&str, String)> = if_match
+            .map(|e| ("if-match", e.to_string()))
+            .into_iter()
+            .collect();
+        let url = self.url(key, "");
+        match self
+            .send("DeleteObject", Method::DELETE, &url, &headers, Bytes::new())
+            .await
+        {
+            Err(S3Error::Status { status: 404, .. }) if if_match.is_none() => Ok(()),
+            done => done.map(|_| ()),
+        }
+    }
+
     /// HeadObject: the object's ETag now (None: it is gone).
     pub async fn etag_now(&self, key: &ObjectPath) -> Result<Option<String>, S3Error> {
         let op = "HeadObject";

@@ -154,6 +154,7 @@ impl Landing for IndexPut {
             parts: Vec::new(),
             // (An index is JSON text that stfs wrote.)
             text: Some(String::from_utf8_lossy(&self.bytes).into_owned()),
+            ..Default::default()
         });
         Ok(())
     }

@@ -485,7 +485,7 @@ impl Landing for RemoteJob {
                 .into_iter()
                 .map(|p| (p.number, p.etag))
                 .collect(),
-            text: None,
+            ..Default::default()
         });
         Ok(())
     }

@@ -21,6 +21,7 @@ use std::sync::Mutex;
 
 mod index;
 mod job;
+mod model;
 mod parts;
 mod record;
 #[cfg(test)]
@@ -28,6 +29,7 @@ mod tests;
 
 pub use index::*;
 pub use job::*;
+pub use model::*;
 pub use parts::*;
 pub use record::*;
 

@@ -35,7 +35,7 @@ pub fn finish_interrupted(
                 continue;
             }
         };
-        match finish_record(&record.remote, writer, remote) {
+        match finish_record(&record.remote, &dir, writer, remote) {
             Ok((finished, uploads, all_landed)) => {
                 notes.extend(finished);
                 done.extend(uploads);
@@ -99,6 +99,7 @@ fn drop_landed_journals(dir: &StagingDir, commit: u64) {
 /// mount).
 fn finish_record(
     objects: &[RemoteLanding],
+    dir: &StagingDir,
     writer: &S3Writer,
     remote: &crate::source::remote::Remote,
 ) -> Result<(Vec<String>, Vec<String>, bool), RecoveryError> {
@@ -120,9 +121,7 @@ fn finish_record(
         })?;
         now.push(etag);
     }
-    let landed =
-        |o: &RemoteLanding, now: &Option<String>| o.expected.is_some() && *now == o.expected;
-    if !objects.iter().zip(&now).any(|(o, n)| landed(o, n)) {
+    if !objects.iter().zip(&now).any(|(o, n)| o.landed(n)) {
         // Nothing changed: the uploads are aborted.
         return Ok((Vec::new(), Vec::new(), false));
     }
@@ -131,18 +130,27 @@ fn finish_record(
     let mut all_shards = true;
     let mut all_landed = true;
     for (o, n) in objects.iter().zip(&now) {
-        if landed(o, n) {
+        if o.landed(n) {
             complete.extend(o.upload.clone());
             continue;
         }
         let key = key_of(o)?;
-        let over_old = o.if_match.is_none() || *n == o.if_match;
         let done = match (&o.upload, &o.text) {
-            (_, _) if !over_old => Err(format!(
+            (_, _) if !o.over_old(n) => Err(format!(
                 "{}: not finished: the object changed since the commit began (the commit's \
                  other objects are new)",
                 o.url
             )),
+            _ if !o.is_shard() && !all_shards => Err(format!(
+                "{}: left as it was: a shard of the commit could not be finished, and the \
+                 folder's other files and indexes go with its new tensors",
+                o.url
+            )),
+            _ if o.remove => remote
+                .run(writer.delete(&key, o.if_match.as_deref()))
+                .map_err(|e| format!("{}: could not be removed ({e})", o.url)),
+            _ if o.body.is_some() => put_body(o, &key, dir, writer, remote)
+                .map_err(|e| format!("{}: could not be put ({e})", o.url)),
             (Some(upload), _) => {
                 let parts: Vec<DonePart> = o
                     .parts
@@ -157,7 +165,7 @@ fn finish_record(
                     .map(|_| ())
                     .map_err(|e| format!("{}: its upload could not be completed ({e})", o.url))
             }
-            (None, Some(text)) if all_shards => remote
+            (None, Some(text)) => remote
                 .run(writer.put(
                     &key,
                     bytes::Bytes::from(text.clone()),
@@ -165,11 +173,6 @@ fn finish_record(
                 ))
                 .map(|_| ())
                 .map_err(|e| format!("{}: could not be put ({e})", o.url)),
-            (None, Some(_)) => Err(format!(
-                "{}: left as it was: a shard of the commit could not be finished, and this \
-                 index would name its new tensors",
-                o.url
-            )),
             (None, None) => Err(format!(
                 "{}: its new version was put whole and is not in the record (it stays as it is)",
                 o.url
@@ -185,7 +188,7 @@ fn finish_record(
                 ))
             }
             Err(why) => {
-                all_shards &= o.text.is_some();
+                all_shards &= !o.is_shard();
                 all_landed = false;
                 warn!("{why}");
                 notes.push(why);
@@ -193,6 +196,39 @@ fn finish_record(
         }
     }
     Ok((notes, complete, all_landed))
+}
+
+/// A recorded model file put again from its bytes in the staging folder,
+/// over the version the commit replaced (or where nothing is, for a new name).
+fn put_body(
+    o: &RemoteLanding,
+    key: &object_store::path::Path,
+    dir: &StagingDir,
+    writer: &S3Writer,
+    remote: &crate::source::remote::Remote,
+) -> std::io::Result<()> {
+    let name = o.body.as_deref().unwrap_or_default();
+    let bytes = read_body(dir, name).map_err(|e| {
+        let at = dir.path().join(name);
+        std::io::Error::new(e.kind(), format!("its bytes in {}: {e}", at.display()))
+    })?;
+    let put = match o.fresh {
+        true => remote.run(writer.put_new(key, bytes)),
+        false => remote.run(writer.put(key, bytes, o.if_match.as_deref())),
+    };
+    put.map(|_| ()).map_err(std::io::Error::other)
+}
+
+fn read_body(dir: &StagingDir, name: &str) -> std::io::Result<bytes::Bytes> {
+    if !name.starts_with(crate::checkpoint::staging::BODY_PREFIX) || name.contains('/') {
+        return Err(std::io::Error::other("not a file the record may name"));
+    }
+    let f = dir
+        .folder()?
+        .open_file(OsStr::new(name), libc::O_RDONLY | libc::O_NOFOLLOW, 0)?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut &f, &mut bytes)?;
+    Ok(bytes.into())
 }
 
 /// The name of an upload record of this mount (`stem`: the staging stem
