@@ -58,6 +58,8 @@ pub trait Shards {
     }
     /// Those that landed, each with its new file (None: removed).
     fn model_landed(&mut self, _landed: &[(ModelChange, Option<Landed>)]) {}
+    /// The commit that took them gave up before anything landed.
+    fn model_commit_abandoned(&mut self) {}
     /// Drops the staged model files; the names that had changes.
     fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
         Ok(Vec::new())

@@ -676,6 +676,7 @@ impl<S: Shards> Drop for Pending<'_, S> {
             self.written.iter().for_each(|l| l.remove());
             let mut st = write(self.state);
             self.planned.iter().for_each(|c| st.live_mut(*c).abandon());
+            st.model_commit_abandoned();
         }
     }
 }

@@ -209,13 +209,19 @@ impl ModelFiles {
                 }
             }
         }
+        self.commit_ends();
+        self.version += 1;
+    }
+
+    /// The names the commit took keep an entry only while they differ from
+    /// the folder's again.
+    pub(super) fn commit_ends(&mut self) {
         let committing = std::mem::take(&mut self.committing);
         let names: Vec<&str> = committing.iter().map(String::as_str).collect();
         // (An entry left is dropped by the next mount: the folder has it.)
         if let Err(e) = self.restage(&names) {
             warn!("forgetting committed model files in the staging folder: {e}");
         }
-        self.version += 1;
     }
 
     /// Every file back as the folder has it; the names that had changes.
@@ -517,6 +523,22 @@ mod tests {
             &**t.get(t.find("config.json").unwrap()).unwrap().bytes,
             b"{}"
         );
+    }
+
+    #[test]
+    fn a_name_a_commit_took_keeps_its_entry_until_the_commit_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = table(dir.path());
+        let config = t.find("config.json").unwrap();
+        t.write(config, b"{\"a\": 1}".to_vec()).unwrap();
+        assert_eq!(t.commit_begins().len(), 1);
+        // Written back as the folder has it while the commit runs: its entry
+        // stays (a crash after the landing must not read "nothing staged").
+        t.write(config, b"{}".to_vec()).unwrap();
+        assert_eq!(seen(&t), (vec![], vec!["config.json".to_string()]));
+        // The commit gave up: nothing differs, so nothing is staged.
+        t.commit_ends();
+        assert_eq!(seen(&t), (vec![], vec![]));
     }
 
     #[test]

@@ -545,6 +545,10 @@ impl Shards for State {
         self.model_files.landed(landed)
     }
 
+    fn model_commit_abandoned(&mut self) {
+        self.model_files.commit_ends();
+    }
+
     fn discard_model_files(&mut self) -> std::io::Result<Vec<String>> {
         use crate::errno::ToErrno;
         self.model_files

@@ -501,3 +501,23 @@ def test_a_daemon_killed_before_a_model_file_lands_leaves_the_rest_to_the_next_m
     assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
     assert_committed(store_state(s3, "killed"), after, index)
     assert "model file" not in run("status", m2.path).stdout
+
+
+def test_a_forced_commit_of_a_removal_whose_file_is_gone_is_done(tmp_path, mount, run):
+    """rm through the mount of a file that another program also removed from the
+    folder: the commit says the folder changed (nothing lost), and --force
+    commits the rest, the removal being done already."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    os.remove(mnt / "README.md")
+    (mnt / "notes.txt").write_text("new\n")
+    os.remove(folder / "README.md")
+    p = run("commit", m.path)
+    assert p.returncode != 0 and "README.md" in p.stderr, p.stderr
+    assert not (folder / "notes.txt").exists()
+    p = run("commit", "--force", m.path)
+    assert p.returncode == 0, p.stderr
+    assert (folder / "notes.txt").read_text() == "new\n" and not (folder / "README.md").exists()
+    assert "model file" not in run("status", m.path).stdout

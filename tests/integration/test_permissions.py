@@ -185,3 +185,52 @@ def test_the_generated_setups_let_some_users_in():
     if len(GIVEN) < 30:
         pytest.skip("the generated setups did not all run")
     assert sum(r for r, _ in GIVEN) > 20 and sum(w for _, w in GIVEN) > 5, GIVEN
+
+
+def as_user(user, cmd):
+    pw = pwd.getpwnam(user)
+    return subprocess.run(cmd, user=pw.pw_uid, group=pw.pw_gid, extra_groups=os.getgrouplist(user, pw.pw_gid),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_root_keeps_the_folders_sticky_bit(people, stfs):
+    """In a folder everyone may write with the sticky bit (as /tmp), only a
+    file's owner removes or replaces it: through the mount as in the folder
+    itself, which answers first (a twin of it, as the oracle)."""
+    group, users = people
+    top = f"/tmp/stfs-sticky-{uuid.uuid4().hex[:8]}"
+    os.mkdir(top)
+    os.chmod(top, 0o755)
+    src, twin, mnt = (os.path.join(top, n) for n in ("src", "twin", "mnt"))
+    try:
+        for folder in (src, twin):
+            os.mkdir(folder)
+            os.chmod(folder, 0o1777)
+            save_file({"w": np.arange(4, dtype=np.float32)}, os.path.join(folder, "s0.safetensors"))
+            for name, owner in (("config.json", "a"), ("notes.txt", "b")):
+                path = os.path.join(folder, name)
+                with open(path, "w") as f:
+                    f.write(f"{name}\n")
+                shutil.chown(path, users[owner], group)
+                os.chmod(path, 0o666)
+        os.mkdir(mnt)
+        p = subprocess.run([stfs, "mount", "-o", "allow_other", src, mnt], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        try:
+            assert os.stat(mnt).st_mode & 0o1777 == 0o1777, oct(os.stat(mnt).st_mode)
+            # (who, what, whether the folder itself lets them: the test's own check)
+            steps = [("b", ["rm", "-f", "{}/config.json"], False),               # another's file
+                     ("b", ["mv", "-f", "{}/notes.txt", "{}/config.json"], False),  # replacing it
+                     ("a", ["mv", "-f", "{}/config.json", "{}/c.json"], True),      # its owner's
+                     ("b", ["rm", "-f", "{}/notes.txt"], True)]                     # its owner's
+            for who, cmd, allowed in steps:
+                want = as_user(users[who], [c.format(twin) for c in cmd])
+                assert (want.returncode == 0) == allowed, (who, cmd, want.stderr)
+                got = as_user(users[who], [c.format(mnt) for c in cmd])
+                assert (got.returncode == 0) == allowed, (who, cmd, got.stderr)
+                assert sorted(n for n in os.listdir(mnt) if not n.startswith(("s0", "__"))) == \
+                    sorted(n for n in os.listdir(twin) if n != "s0.safetensors"), (who, cmd)
+        finally:
+            subprocess.run([stfs, "umount", "--discard", mnt], capture_output=True)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -53,14 +53,21 @@ fn write_one(
     let expected = change.base.filter(|_| !force && now.is_some());
     let Some(bytes) = &change.bytes else {
         // What is there now, checked above (forced: whatever it is now,
-        // never whatever a later program puts there).
-        let there = folder
-            .stat_at(name)
-            .map_err(|e| io_err(format!("reading {}", folder.path.join(name).display()))(e))?;
+        // never whatever a later program puts there; nothing: nothing to do).
+        let there = match folder.stat_at(name) {
+            Ok(there) => Some(there),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+            Err(e) => {
+                return Err(io_err(format!(
+                    "reading {}",
+                    folder.path.join(name).display()
+                ))(e));
+            }
+        };
         return Ok(Box::new(Removal {
             folder: folder.clone(),
             target: name.to_os_string(),
-            expected: Some(there),
+            expected: there,
         }));
     };
     let fill = |f: &File| {
@@ -109,7 +116,7 @@ fn current_file(folder: &Folder, name: &OsStr) -> Result<Option<File>, CommitErr
 pub struct Removal {
     folder: Arc<Folder>,
     target: OsString,
-    /// The file it must still be.
+    /// The file it must still be (None: already gone, under `--force`).
     expected: Option<FileStat>,
 }
 
@@ -123,6 +130,9 @@ impl Landing for Removal {
     }
 
     fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+        if self.expected.is_none() {
+            return Ok(()); // (nothing to remove, nor to finish)
+        }
         renames.removes.push(PendingRemove {
             folder: self.folder.path.clone(),
             target: self.target.to_string_lossy().into_owned(),
@@ -136,6 +146,9 @@ impl Landing for Removal {
     }
 
     fn land(&self, _dir: &StagingDir) -> Result<(), Unlanded> {
+        if self.expected.is_none() {
+            return Ok(());
+        }
         let unlanded =
             |e| Unlanded::unchanged(io_err(format!("removing {}", self.target().display()))(e));
         match crate::checkpoint::staging::remove_if(&self.folder, &self.target, self.expected) {
