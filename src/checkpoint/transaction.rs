@@ -242,7 +242,7 @@ impl Transactions {
             .inspect_err(|e| warn!("commit refused: {e}"))?;
         let (model, model_home) = {
             let mut st = write(state);
-            (st.model_commit_begins(), ModelHome::of(&*st))
+            (st.model_commit_begins(), super::commit::ModelHome::of(&*st))
         };
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)
@@ -732,37 +732,4 @@ pub fn in_two_shards<'a>(shards: impl Iterator<Item = (String, &'a Live)>) -> Ve
         }
     }
     found
-}
-
-/// Where a folder mount's model files land: its folder, or the prefix of
-/// its shards in a store.
-enum ModelHome {
-    Folder(Arc<Folder>),
-    Store(Arc<crate::source::SourceFile>),
-    None,
-}
-
-impl ModelHome {
-    fn of<S: Shards>(st: &S) -> ModelHome {
-        let first = (st.count() > 0).then(|| st.live(0).source());
-        match (first.filter(|s| s.remote_object().is_some()), st.folder()) {
-            (Some(shard), _) => ModelHome::Store(shard.clone()),
-            (None, Some(folder)) => ModelHome::Folder(folder.clone()),
-            (None, None) => ModelHome::None,
-        }
-    }
-
-    /// Each change written (or readied) to land.
-    fn write(
-        &self,
-        changes: &[ModelChange],
-        force: bool,
-    ) -> Result<Vec<Box<dyn Landing>>, CommitError> {
-        match self {
-            _ if changes.is_empty() => Ok(Vec::new()),
-            ModelHome::Folder(folder) => super::commit::write_model_changes(folder, changes, force),
-            ModelHome::Store(shard) => super::commit::remote::model_landings(shard, changes, force),
-            ModelHome::None => Ok(Vec::new()),
-        }
-    }
 }

@@ -108,9 +108,7 @@ pub fn mount(mut req: MountRequest) -> Result<(), crate::errno::Failure> {
             let base = Arc::new(store.edits_folder().map_err(|e| e.to_string())?);
             let staging = Arc::new(Staging::new(base, stem));
             let fs = Fs::new(source, settings, staging.clone());
-            let resumed = fs
-                .with_lives(|lives| recover::resume(lives, &staging, &resume))
-                .map_err(|e| e.to_string())?;
+            let resumed = open::take_back(&fs, &staging, &resume)?;
             Ok((fs, notes.chain(resumed).collect()))
         });
     }

@@ -509,13 +509,24 @@ pub fn open_local(
     }
     let staging = Arc::new(Staging::new(base, stem));
     let fs = Fs::new(source, settings, staging.clone());
-    notes.extend(
-        fs.with_lives(|lives| recover::resume(lives, &staging, resume))
-            .map_err(|e| e.to_string())?,
-    );
+    notes.extend(take_back(&fs, &staging, resume)?);
+    Ok((fs, warnings.into_iter().chain(notes).collect()))
+}
+
+/// What an earlier mount of the source staged, taken back (from the
+/// staging folder this mount adopted): the tensors' edits, then the model
+/// files'. The same for every kind of source.
+pub(super) fn take_back(
+    fs: &Fs,
+    staging: &Arc<Staging>,
+    resume: &Resume,
+) -> Result<Vec<String>, crate::errno::Failure> {
+    let mut notes = fs
+        .with_lives(|lives| recover::resume(lives, staging, resume))
+        .map_err(|e| e.to_string())?;
     notes.extend(
         fs.take_back_model_files()
             .map_err(|e| format!("taking back the staged model files of an earlier mount: {e}"))?,
     );
-    Ok((fs, warnings.into_iter().chain(notes).collect()))
+    Ok(notes)
 }

@@ -1,7 +1,7 @@
 //! The filesystem view of mounted checkpoints: inodes, names, attributes,
 //! directory listings, file handles, and the policies of a mount (what fsync
 //! does, when a commit happens, who may commit). Plain Rust that tests call
-//! without a mount; `fuse.rs` is the thin adapter that turns kernel requests
+//! without a mount; `fuse/` is the thin adapter that turns kernel requests
 //! into these calls.
 //!
 //! Inodes (`state.rs`): 1 is the root, then the checkpoint directories and

@@ -521,3 +521,19 @@ def test_a_forced_commit_of_a_removal_whose_file_is_gone_is_done(tmp_path, mount
     assert p.returncode == 0, p.stderr
     assert (folder / "notes.txt").read_text() == "new\n" and not (folder / "README.md").exists()
     assert "model file" not in run("status", m.path).stdout
+
+
+def test_staged_model_files_of_a_folder_in_a_store_outlive_a_killed_daemon(tmp_path, s3, mount, run):
+    before, url = folder_in_store(s3, tmp_path, "outlive")
+    m = mount(url, *s3.options)
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    os.kill(m.pid, signal.SIGKILL)  # kill -9 of the daemon: nothing committed
+    wait_for_exit(m.pid, 20)
+    m.close()
+    assert store_state(s3, "outlive") == before
+    m2 = mount(url, *s3.options)
+    assert "took back 6 staged model files" in m2.result.stderr + m2.result.stdout, m2.result
+    assert (pathlib.Path(m2.path) / "notes.txt").read_text() == "new\n"
+    assert run("commit", m2.path).returncode == 0
+    after, index = expected_after(before, tensor)
+    assert_committed(store_state(s3, "outlive"), after, index)

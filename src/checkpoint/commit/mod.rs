@@ -29,7 +29,7 @@ mod ways;
 pub use error::*;
 pub use landing::*;
 pub use lock::*;
-pub use model::write_model_changes;
+pub use model::{ModelHome, write_model_changes};
 pub use ways::*;
 
 use crate::sync::LockAnyway;

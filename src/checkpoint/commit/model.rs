@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::checkpoint::model_change::ModelChange;
+use crate::checkpoint::shards::Shards;
 use crate::checkpoint::staging::PendingRemove;
 use std::ffi::OsStr;
 
@@ -168,5 +169,38 @@ impl Landing for Removal {
 
     fn reads_as(&self) -> Option<Result<Header, CommitError>> {
         None
+    }
+}
+
+/// Where a folder mount's model files land: its folder, or the prefix of
+/// its shards in a store.
+pub enum ModelHome {
+    Folder(Arc<Folder>),
+    Store(Arc<SourceFile>),
+    None,
+}
+
+impl ModelHome {
+    pub fn of<S: Shards>(st: &S) -> ModelHome {
+        let first = (st.count() > 0).then(|| st.live(0).source());
+        match (first.filter(|s| s.remote_object().is_some()), st.folder()) {
+            (Some(shard), _) => ModelHome::Store(shard.clone()),
+            (None, Some(folder)) => ModelHome::Folder(folder.clone()),
+            (None, None) => ModelHome::None,
+        }
+    }
+
+    /// Each change written (or readied) to land.
+    pub fn write(
+        &self,
+        changes: &[ModelChange],
+        force: bool,
+    ) -> Result<Vec<Box<dyn Landing>>, CommitError> {
+        match self {
+            _ if changes.is_empty() => Ok(Vec::new()),
+            ModelHome::Folder(folder) => write_model_changes(folder, changes, force),
+            ModelHome::Store(shard) => super::remote::model_landings(shard, changes, force),
+            ModelHome::None => Ok(Vec::new()),
+        }
     }
 }

@@ -431,30 +431,29 @@ impl S3Writer {
         body: Bytes,
         if_match: Option<&str>,
     ) -> Result<String, S3Error> {
-        let op = "PutObject";
-        let len = body.len() as u64;
         let headers: Vec<(&str, String)> = if_match
             .map(|e| ("if-match", e.to_string()))
             .into_iter()
             .collect();
-        let (headers, _) = self
-            .send(op, Method::PUT, &self.url(key, ""), &headers, body)
-            .await?;
-        self.sent.uploaded.fetch_add(len, Ordering::Relaxed);
-        Ok(headers
-            .get("etag")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string())
+        self.put_with(key, body, &headers).await
     }
 
     /// PutObject of a new object: refused (`S3Error::Precondition`) if the
     /// key holds one already (`If-None-Match: *`). Returns its ETag.
     pub async fn put_new(&self, key: &ObjectPath, body: Bytes) -> Result<String, S3Error> {
-        let headers = [("if-none-match", "*".to_string())];
+        self.put_with(key, body, &[("if-none-match", "*".to_string())])
+            .await
+    }
+
+    async fn put_with(
+        &self,
+        key: &ObjectPath,
+        body: Bytes,
+        headers: &[(&str, String)],
+    ) -> Result<String, S3Error> {
         let len = body.len() as u64;
         let (headers, _) = self
-            .send("PutObject", Method::PUT, &self.url(key, ""), &headers, body)
+            .send("PutObject", Method::PUT, &self.url(key, ""), headers, body)
             .await?;
         self.sent.uploaded.fetch_add(len, Ordering::Relaxed);
         Ok(headers
