@@ -14,13 +14,15 @@ const GGUF_KEYS_STAY: FsError = FsError::NotPermitted(
 );
 
 impl Fs {
-    /// Creates (or opens, unless `exclusive`) a file in a checkpoint directory.
+    /// Creates (or opens, unless `exclusive`) a file in a checkpoint
+    /// directory, or a model file at a folder's root (`mode`: its
+    /// permissions, the caller's umask applied; a tensor's are the source's).
     pub fn create(
         &self,
         parent: Ino,
         name: &str,
-        truncate: bool,
-        exclusive: bool,
+        (truncate, exclusive): (bool, bool),
+        mode: u32,
     ) -> Result<(Attr, Opened), FsError> {
         self.writable()?;
         let kv_parent = self.read_state().kv_parent(parent);
@@ -28,7 +30,7 @@ impl Fs {
             return self.create_key(c, name, truncate, exclusive);
         }
         if self.read_state().node(parent)? == Node::FolderRoot {
-            return self.create_model_file(name, truncate, exclusive);
+            return self.create_model_file(name, (truncate, exclusive), mode);
         }
         let ino = {
             let mut st = self.write_state();

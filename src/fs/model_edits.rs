@@ -83,6 +83,23 @@ impl ModelFiles {
             .filter_map(|(id, f)| Some((id, f.as_ref()?)))
     }
 
+    /// Whether the folder had a file of this name when last read (mounted,
+    /// or committed).
+    pub(super) fn had(&self, name: &str) -> bool {
+        self.base.contains_key(name)
+    }
+
+    /// The hidden files made at the root (in memory only).
+    pub(super) fn scratch_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .shown()
+            .filter(|(_, f)| scratch(&f.name))
+            .map(|(_, f)| f.name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
     pub(super) fn find(&self, name: &str) -> Option<usize> {
         self.shown().find(|(_, f)| f.name == name).map(|(id, _)| id)
     }
@@ -133,10 +150,16 @@ impl ModelFiles {
         })
     }
 
-    /// A new, empty file; its id.
-    pub(super) fn create(&mut self, name: &str) -> Result<usize, FsError> {
+    /// A new, empty file with these permissions (never set-id: it is made
+    /// as the shards' owner); its id.
+    pub(super) fn create(&mut self, name: &str, mode: u32) -> Result<usize, FsError> {
         self.editable(name)?;
-        self.edit(|t| Ok((t.push_empty(name), vec![name.to_string()])))
+        self.edit(|t| {
+            let id = t.push_empty(name);
+            let f = t.files[id].as_mut().expect("made");
+            f.stat.mode = (f.stat.mode & libc::S_IFMT) | (mode & 0o777);
+            Ok((id, vec![name.to_string()]))
+        })
     }
 
     pub(super) fn remove(&mut self, id: usize) -> Result<(), FsError> {
@@ -318,11 +341,20 @@ const NOT_A_MODEL_FILE: FsError = FsError::NotPermitted(
      other files: a shard, an index, a GGUF file or weights of another format cannot be made there",
 );
 
+/// A name of the folder the mount does not show (a file over 64 MiB, not
+/// a regular file...) is not made at the root: a commit would replace it.
+const NOT_SHOWN: FsError = FsError::NotPermitted(
+    "a file of that name is in the folder but not shown in the mount (the mount said why): \
+     change it in the folder",
+);
+
 /// What else a name at the root may be.
 enum RootName {
     Model(usize),
     Folder,
     Index,
+    /// In the folder, not shown.
+    NotShown,
     Free,
 }
 
@@ -333,9 +365,26 @@ fn root_name(st: &State, name: &str) -> RootName {
         RootName::Folder
     } else if st.indexes.iter().any(|(ix, _)| ix.name == name) {
         RootName::Index
+    } else if not_shown(st, name) {
+        RootName::NotShown
     } else {
         RootName::Free
     }
+}
+
+/// Whether the local folder has `name`, which the mount neither shows nor
+/// had (a model file removed through the mount is there until the commit).
+fn not_shown(st: &State, name: &str) -> bool {
+    let in_store = st
+        .checkpoints
+        .first()
+        .is_some_and(|m| m.live.source().remote_object().is_some());
+    let Some((folder, _)) = st.folder.as_ref().filter(|_| !in_store) else {
+        return false;
+    };
+    !scratch(name)
+        && !st.model_files.had(name)
+        && folder.stat_at(std::ffi::OsStr::new(name)).is_ok()
 }
 
 impl Fs {
@@ -343,8 +392,8 @@ impl Fs {
     pub(super) fn create_model_file(
         &self,
         name: &str,
-        truncate: bool,
-        exclusive: bool,
+        (truncate, exclusive): (bool, bool),
+        mode: u32,
     ) -> Result<(Attr, Opened), FsError> {
         if name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
@@ -357,10 +406,11 @@ impl Fs {
                 }
                 RootName::Folder => return Err(FsError::IsADirectory),
                 RootName::Index => return Err(crate::fs::error::INDEX_READ_ONLY),
+                RootName::NotShown => return Err(NOT_SHOWN),
                 RootName::Model(id) => id,
                 RootName::Free if !ModelFiles::may_create(name) => return Err(NOT_A_MODEL_FILE),
                 RootName::Free => {
-                    let id = st.model_files.create(name)?;
+                    let id = st.model_files.create(name, mode)?;
                     info!(file = name, "model file created");
                     id
                 }
@@ -382,7 +432,7 @@ impl Fs {
             }
             RootName::Folder => return Err(FsError::IsADirectory),
             RootName::Index => return Err(crate::fs::error::INDEX_READ_ONLY),
-            RootName::Free => return Err(FsError::NotFound),
+            RootName::Free | RootName::NotShown => return Err(FsError::NotFound),
         }
         drop(st);
         self.kernel.names_changed();
@@ -411,7 +461,7 @@ impl Fs {
             RootName::Model(id) => id,
             RootName::Folder => return Err(NOT_A_MODEL_FILE),
             RootName::Index => return Err(crate::fs::error::INDEX_READ_ONLY),
-            RootName::Free => return Err(FsError::NotFound),
+            RootName::Free | RootName::NotShown => return Err(FsError::NotFound),
         };
         match root_name(&st, new_name) {
             RootName::Model(other) if other == id => return Ok(()),
@@ -419,6 +469,7 @@ impl Fs {
             RootName::Folder | RootName::Index if no_replace => return Err(FsError::Exists),
             RootName::Folder => return Err(FsError::IsADirectory),
             RootName::Index => return Err(crate::fs::error::INDEX_READ_ONLY),
+            RootName::NotShown => return Err(NOT_SHOWN),
             RootName::Free if !ModelFiles::may_create(new_name) => return Err(NOT_A_MODEL_FILE),
             _ => {}
         }
@@ -489,7 +540,7 @@ mod tests {
         assert_eq!(seen(&t), (vec![], vec![]));
         // A temp file renamed over the config (sed -i): the config changed,
         // the temp name is nothing.
-        let tmp = t.create("sedXYZ").unwrap();
+        let tmp = t.create("sedXYZ", 0o644).unwrap();
         t.write(tmp, b"{\"a\": 1}".to_vec()).unwrap();
         t.rename(tmp, "config.json").unwrap();
         assert_eq!(t.find("config.json"), Some(tmp));
@@ -510,7 +561,7 @@ mod tests {
         t.rename(readme, "README.md").unwrap();
         assert_eq!(seen(&t).1, vec!["config.json".to_string()]);
         // Made and removed: nothing.
-        let n = t.create("notes.txt").unwrap();
+        let n = t.create("notes.txt", 0o644).unwrap();
         t.remove(n).unwrap();
         assert_eq!(seen(&t).0, pairs(&[("config.json", "changed")]));
         // A discard: the folder's files, nothing staged.
@@ -547,7 +598,7 @@ mod tests {
         let mut t = table(dir.path());
         let readme = t.find("README.md").unwrap();
         t.remove(readme).unwrap();
-        let n = t.create("notes.txt").unwrap();
+        let n = t.create("notes.txt", 0o644).unwrap();
         t.write(n, b"new".to_vec()).unwrap();
         let staging = t.staging.current().unwrap();
         // A commit that landed config.json before its entry went: the

@@ -22,6 +22,8 @@ pub struct StatusReport {
     pub indexes: Vec<String>,
     /// The folder's other files a commit writes or removes.
     pub model_files: Vec<Change>,
+    /// Hidden files made at the root: in memory only, never committed.
+    pub scratch: Vec<String>,
     /// (Paths as text, lossy: JSON has no other way for a name that is not UTF-8.)
     pub folder: Option<String>,
     /// Reads of tensor bytes served since mounted, and their bytes.
@@ -92,6 +94,15 @@ impl StatusReport {
             for c in &self.model_files {
                 out.push_str(&format!("  {:<10} {}\n", c.kind, c.what));
             }
+        }
+        if let (Some(folder), false) = (&self.folder, self.scratch.is_empty()) {
+            let n = self.scratch.len();
+            out.push_str(&format!(
+                "{folder}: {n} hidden file{} made at the root, in memory only (never staged or \
+                 committed; gone at unmount): {}\n",
+                plural(n),
+                self.scratch.join(", ")
+            ));
         }
         for name in &self.indexes {
             out.push_str(&format!(
@@ -324,6 +335,7 @@ impl Fs {
             files,
             across_shards: across,
             indexes: rewritten,
+            scratch: st.model_files.scratch_names(),
             model_files: model_changes
                 .iter()
                 .map(|c| Change {

@@ -276,7 +276,7 @@ fn small() -> (tempfile::TempDir, std::path::PathBuf, Fs) {
 }
 
 fn write_file(fs: &Fs, name: &str, data: &[u8]) -> u64 {
-    let (a, o) = fs.create(ROOT_INO, name, true, false).unwrap();
+    let (a, o) = fs.create(ROOT_INO, name, (true, false), 0o644).unwrap();
     fs.write(a.ino, o.fh, 0, data).unwrap();
     fs.flush(o.fh).unwrap();
     fs.release(o.fh).unwrap();
@@ -359,7 +359,9 @@ fn files_renamed_onto_a_meta_become_its_json() {
 fn invalid_meta_is_kept_and_refused_at_commit() {
     let (_dir, path, fs) = small();
     let before = std::fs::read(&path).unwrap();
-    let (_, o) = fs.create(ROOT_INO, "a.meta.json", true, false).unwrap();
+    let (_, o) = fs
+        .create(ROOT_INO, "a.meta.json", (true, false), 0o644)
+        .unwrap();
     let ino = fs.lookup(ROOT_INO, "a.meta.json").unwrap().ino;
     fs.write(ino, o.fh, 0, br#"{"dtype":"f32","shape":[2]}"#)
         .unwrap();
@@ -470,7 +472,7 @@ fn a_meta_descriptor_does_not_write_another_names_meta() {
 fn no_tensor_is_named_metadata() {
     let (_dir, _path, fs) = small();
     assert_eq!(
-        errno(fs.create(ROOT_INO, "__metadata__", true, false)),
+        errno(fs.create(ROOT_INO, "__metadata__", (true, false), 0o644)),
         libc::EINVAL
     );
     assert_eq!(

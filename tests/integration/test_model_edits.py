@@ -97,11 +97,11 @@ def test_model_files_are_edited_with_any_tool_and_committed_with_the_shards(tmp_
     assert json.loads(got.pop("model.safetensors.index.json"))["weight_map"] == index["weight_map"]
     after.pop("model.safetensors.index.json")
     assert got == after
-    # A new file is made like the folder's shards: their owner and mode.
+    # A new file is owned as the folder's shards are, with the mode it was made with.
     shard = next(folder.glob("model-*.safetensors")).stat()
     notes = (folder / "notes.txt").stat()
     assert (notes.st_uid, notes.st_gid, notes.st_mode & 0o7777) == (shard.st_uid, shard.st_gid,
-                                                                    shard.st_mode & 0o7777)
+                                                                    0o666 & ~current_umask())
     # An edited file keeps its own mode; nothing is staged after the commit.
     assert (folder / "config.json").stat().st_mode & 0o7777 == 0o644
     assert (folder / "README.md").exists() is False
@@ -198,8 +198,22 @@ def test_what_the_root_refuses(tmp_path, mount, run):
     commit (ESTALE) and stays staged, as a shard's edits do."""
     folder = tmp_path / "model"
     model_folder(folder)
+    with open(folder / "vocab.txt", "wb") as f:  # over 64 MiB: not shown
+        f.truncate(65 << 20)
+    (folder / "onnx").mkdir()
     m = mount(folder)
     mnt = pathlib.Path(m.path)
+    assert "vocab.txt: not shown in the mount" in m.result.stderr, m.result.stderr
+    # A name the folder has but the mount does not show is not made there
+    # (a commit would replace the folder's file), nor moved to.
+    for name in ("vocab.txt", "onnx"):
+        with pytest.raises(OSError) as e:
+            open(mnt / name, "w").close()
+        assert e.value.errno == errno.EPERM, name
+        with pytest.raises(OSError) as e:
+            os.rename(mnt / "README.md", mnt / name)
+        assert e.value.errno == errno.EPERM, name
+    assert (folder / "vocab.txt").stat().st_size == 65 << 20
     # (An index is shown without write bits: a user other than root meets
     # the kernel's EACCES first, root stfs's EROFS.)
     index_refused = errno.EROFS if os.geteuid() == 0 else errno.EACCES
@@ -310,14 +324,18 @@ def test_an_edit_made_while_a_commit_writes_survives_its_crash(tmp_path, mount, 
 
 def test_hidden_files_made_at_the_root_are_scratch(tmp_path, mount, run):
     """An editor's swap file (.config.json.swp) lives in the mount's memory: never
-    staged, listed or committed; renamed to a model name it becomes that file."""
+    staged or committed (`stfs status` says so); renamed to a model name it
+    becomes that file."""
     folder = tmp_path / "model"
     model_folder(folder)
     m = mount(folder)
     mnt = pathlib.Path(m.path)
     (mnt / ".config.json.swp").write_bytes(b"swap")
     assert (mnt / ".config.json.swp").read_bytes() == b"swap"
-    assert ".config.json.swp" not in run("status", m.path).stdout
+    status = run("status", m.path).stdout
+    assert "1 hidden file made at the root, in memory only (never staged or committed; gone at " \
+           "unmount): .config.json.swp" in status, status
+    assert "model file change" not in status, status
     (mnt / ".new.tmp").write_text("{}\n")
     os.rename(mnt / ".new.tmp", mnt / "config.json")
     assert run("commit", m.path).returncode == 0
@@ -537,3 +555,29 @@ def test_staged_model_files_of_a_folder_in_a_store_outlive_a_killed_daemon(tmp_p
     assert run("commit", m2.path).returncode == 0
     after, index = expected_after(before, tensor)
     assert_committed(store_state(s3, "outlive"), after, index)
+
+
+def test_a_new_file_keeps_the_mode_it_was_made_with(tmp_path, mount, run):
+    """A file made at the root gets the mode its maker asked for (umask
+    applied, never a set-id bit), shown at once and kept by the commit: a
+    private file never lands readable by others."""
+    folder = tmp_path / "model"
+    model_folder(folder)
+    for shard in folder.glob("model-*.safetensors"):
+        os.chmod(shard, 0o644)
+    m = mount(folder)
+    mnt = pathlib.Path(m.path)
+    subprocess.run(["sh", "-c", f"umask 077 && echo secret > {mnt}/private.txt"], check=True)
+    fd = os.open(mnt / "tool.sh", os.O_CREAT | os.O_WRONLY, 0o4755)
+    os.close(fd)
+    assert os.stat(mnt / "private.txt").st_mode & 0o7777 == 0o600
+    assert os.stat(mnt / "tool.sh").st_mode & 0o7777 == 0o755 & ~current_umask()
+    assert run("commit", m.path).returncode == 0
+    assert (folder / "private.txt").stat().st_mode & 0o7777 == 0o600
+    assert (folder / "tool.sh").stat().st_mode & 0o7777 == 0o755 & ~current_umask()
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -43,8 +43,8 @@ fn apply_name_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let got = fs.create(
                 m.dir_ino(dir),
                 &TensorFile::Data.file_name(n),
-                true,
-                *exclusive,
+                (true, *exclusive),
+                0o644,
             );
             let has = model.entry(dir, n).and_then(|e| e.data);
             let want = match has {
@@ -138,7 +138,12 @@ fn apply_name_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                 model.dirs[dir].dirty = true;
             }
             let (a, o) = fs
-                .create(m.dir_ino(dir), &Mounted::file_name(&f), true, false)
+                .create(
+                    m.dir_ino(dir),
+                    &Mounted::file_name(&f),
+                    (true, false),
+                    0o644,
+                )
                 .unwrap();
             let file = model_open_json(model, &f, true);
             write_and_close(m, model, a.ino, o.fh, file, &text.bytes(), op);
@@ -153,7 +158,7 @@ fn apply_name_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let (ino, fh) = if model.dirs[dir].metadata == MMetadata::Removed {
                 model.set_metadata(dir, b"{}", false);
                 let (a, o) = fs
-                    .create(m.dir_ino(dir), "__metadata__.json", true, false)
+                    .create(m.dir_ino(dir), "__metadata__.json", (true, false), 0o644)
                     .unwrap();
                 (a.ino, o.fh)
             } else {
@@ -553,8 +558,8 @@ pub(super) fn apply_read_only(m: &Mounted, model: &mut Model, op: &Op) {
         Op::Create { dir, name, .. } => errno(fs.create(
             m.dir_ino(*dir),
             &Mounted::file_name(&data(*dir, *name)),
-            true,
-            false,
+            (true, false),
+            0o644,
         )),
         Op::Write { dir, name, .. }
         | Op::Truncate { dir, name, .. }
@@ -565,14 +570,14 @@ pub(super) fn apply_read_only(m: &Mounted, model: &mut Model, op: &Op) {
         Op::SetMeta { dir, name, .. } => errno(fs.create(
             m.dir_ino(*dir),
             &Mounted::file_name(&meta(*dir, *name)),
-            true,
-            false,
+            (true, false),
+            0o644,
         )),
         Op::SetMetadata { dir, .. } => {
-            errno(fs.create(m.dir_ino(*dir), "__metadata__.json", true, false))
+            errno(fs.create(m.dir_ino(*dir), "__metadata__.json", (true, false), 0o644))
         }
         Op::Unlink(f) => errno(fs.unlink(m.dir_ino(f.dir), &Mounted::file_name(f))),
-        Op::KvWrite { key, .. } => errno(fs.create(m.kv_dir(), KEYS[*key], true, false)),
+        Op::KvWrite { key, .. } => errno(fs.create(m.kv_dir(), KEYS[*key], (true, false), 0o644)),
         Op::KvUnlink(key) => errno(fs.unlink(m.kv_dir(), KEYS[*key])),
         Op::KvRename { from, to, .. } => {
             errno(fs.rename(m.kv_dir(), KEYS[*from], m.kv_dir(), KEYS[*to], false))
@@ -713,7 +718,7 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             g.invalid_document = None;
             let name = KEYS[*key];
             let made = g.position(name).is_none();
-            let (a, o) = fs.create(kv, name, true, false).unwrap();
+            let (a, o) = fs.create(kv, name, (true, false), 0o644).unwrap();
             if made {
                 // A new key takes its name's type, else is a string; empty.
                 let ty = g.name_type(name).unwrap_or(KTy::Str);

@@ -597,7 +597,7 @@ impl Copy {
                     let ino = fs.lookup(ROOT_INO, &self.file).unwrap().ino;
                     fs.open(ino, true, true).map(|o| (ino, o.fh))
                 } else {
-                    match fs.create(ROOT_INO, &self.file, true, true) {
+                    match fs.create(ROOT_INO, &self.file, (true, true), 0o644) {
                         Ok((a, o)) => Ok((a.ino, o.fh)),
                         Err(e) => panic!("{}: create O_EXCL: {e}", self.file),
                     }

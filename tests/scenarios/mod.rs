@@ -260,7 +260,9 @@ impl Mount {
     pub fn create(&self, path: &str, data: &[u8]) -> Result<(), String> {
         let fs = self.fs()?;
         let (parent, name) = self.parent_of(path)?;
-        let (attr, o) = fs.create(parent, name, true, false).map_err(failed(path))?;
+        let (attr, o) = fs
+            .create(parent, name, (true, false), 0o644)
+            .map_err(failed(path))?;
         let wrote = fs.write(attr.ino, o.fh, 0, data).map_err(failed(path));
         let closed = fs.release(o.fh).map_err(failed(path));
         let done = wrote.and(closed);

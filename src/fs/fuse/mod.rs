@@ -246,8 +246,8 @@ impl Filesystem for FuseAdapter {
         _req: &Request,
         parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
-        _umask: u32,
+        mode: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
@@ -256,7 +256,10 @@ impl Filesystem for FuseAdapter {
                 return reply.error(failed(&FsError::NotUtf8));
             };
             let (truncate, exclusive) = (flags & libc::O_TRUNC != 0, flags & libc::O_EXCL != 0);
-            match self.fs.create(parent.0, name, truncate, exclusive) {
+            match self
+                .fs
+                .create(parent.0, name, (truncate, exclusive), mode & !umask)
+            {
                 Ok((a, o)) => reply.created(
                     &ENTRY_TTL,
                     &file_attr(&a),
