@@ -28,6 +28,8 @@ pub struct ModelChange {
     pub base: Option<FileStat>,
     /// That file's ETag, in a store.
     pub etag: Option<String>,
+    /// That object's own headers, in a store (kept by the new one).
+    pub headers: Vec<(String, String)>,
 }
 
 /// A model file as a commit left it (None: removed).

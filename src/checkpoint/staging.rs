@@ -168,6 +168,9 @@ pub struct RemoteLanding {
     /// A model file the commit removes (`if_match`: the version removed).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub remove: bool,
+    /// An object put whole: the headers of the one it replaces, which it keeps.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<(String, String)>,
 }
 
 /// The files of a staging folder that hold a remote model file's bytes for

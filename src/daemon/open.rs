@@ -129,6 +129,7 @@ fn read_model_file(
         bytes: Arc::new(bytes),
         stat,
         etag: None,
+        headers: Vec::new(),
     })
 }
 
@@ -344,7 +345,7 @@ pub(super) fn open_remote(
         } else if name.ends_with(suffix) {
             shards.push((name, open(&path)?));
         } else if name.ends_with(".index.json") && suffix == ".safetensors" {
-            let (bytes, etag) = at.remote.get_all(&path).map_err(|e| e.to_string())?;
+            let (bytes, etag, headers) = at.remote.get_whole(&path).map_err(|e| e.to_string())?;
             let stat = FileStat {
                 len: bytes.len() as u64,
                 ..FileStat::of_mounting_user(0o100444)
@@ -353,6 +354,7 @@ pub(super) fn open_remote(
                 remote: at.remote.clone(),
                 path: path.clone(),
                 etag: Arc::new(std::sync::Mutex::new(etag)),
+                headers,
             });
             let index = IndexFile {
                 name,
@@ -411,7 +413,7 @@ fn fetch_model_files(
             ));
             continue;
         }
-        let (bytes, etag) = remote.get_all(&path).map_err(|e| e.to_string())?;
+        let (bytes, etag, headers) = remote.get_whole(&path).map_err(|e| e.to_string())?;
         total += bytes.len() as u64;
         let stat = FileStat {
             len: bytes.len() as u64,
@@ -423,6 +425,7 @@ fn fetch_model_files(
             bytes: Arc::new(bytes),
             stat,
             etag,
+            headers,
         });
     }
     Ok(files)

@@ -209,6 +209,7 @@ impl ModelFiles {
                     like: shown.map_or(self.like, |f| f.stat),
                     base: base.map(|b| b.stat),
                     etag: base.and_then(|b| b.etag.clone()),
+                    headers: base.map(|b| b.headers.clone()).unwrap_or_default(),
                 })
             })
             .collect()
@@ -224,6 +225,7 @@ impl ModelFiles {
                         bytes: bytes.clone(),
                         stat: now.stat,
                         etag: now.etag.clone(),
+                        headers: change.headers.clone(),
                     };
                     self.base.insert(change.name.clone(), file);
                 }
@@ -303,6 +305,7 @@ impl ModelFiles {
                 ..self.like
             },
             etag: None,
+            headers: Vec::new(),
         }));
         self.files.len() - 1
     }
@@ -492,6 +495,7 @@ mod tests {
             bytes: Arc::new(text.as_bytes().to_vec()),
             stat: FileStat::of_mounting_user(0o644),
             etag: None,
+            headers: Vec::new(),
         }
     }
 

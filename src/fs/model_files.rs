@@ -16,6 +16,9 @@ pub struct ModelFile {
     pub stat: FileStat,
     /// Its ETag, in a store (the version a commit replaces).
     pub etag: Option<String>,
+    /// Its own headers, in a store (type, cache policy, user metadata),
+    /// which a commit keeps.
+    pub headers: Vec<(String, String)>,
 }
 
 /// A file larger than this is not shown (a model folder's other files are

@@ -420,8 +420,24 @@ def assert_committed(got, after, index):
     assert got == {k: v for k, v in after.items() if k != "model.safetensors.index.json"}
 
 
+KEPT = {"ContentType": "application/json", "CacheControl": "max-age=60", "Metadata": {"owner": "team-a"}}
+
+
+def kept_headers(s3, key):
+    head = s3.client.head_object(Bucket=BUCKET, Key=key)
+    return {k: head.get(k) for k in KEPT}
+
+
 def test_model_files_of_a_folder_in_a_store_are_edited_and_committed_with_the_shards(tmp_path, s3, mount, run):
     before, url = folder_in_store(s3, tmp_path, "edited")
+    # The objects' own headers (type, cache policy, user metadata): every
+    # object a commit rewrites keeps them.
+    shards = sorted(n for n in before if n.endswith(".safetensors"))
+    rewritten = ["config.json", "model.safetensors.index.json", shards[0]]
+    for name in rewritten:
+        key = f"edited/{name}"
+        s3.client.copy_object(Bucket=BUCKET, Key=key, CopySource={"Bucket": BUCKET, "Key": key},
+                              MetadataDirective="REPLACE", **KEPT)
     m = mount(url, *s3.options)
     mnt = pathlib.Path(m.path)
     assert oct(os.stat(mnt / "config.json").st_mode & 0o777) == oct(0o644)
@@ -437,6 +453,8 @@ def test_model_files_of_a_folder_in_a_store_are_edited_and_committed_with_the_sh
     assert done.returncode == 0, done.stderr
     assert f"{url}notes.txt: written" in done.stdout and f"{url}README.md: removed" in done.stdout, done.stdout
     assert_committed(store_state(s3, "edited"), after, index)
+    for name in rewritten:
+        assert kept_headers(s3, f"edited/{name}") == KEPT, name
     # Each is conditional: a changed file over the version mounted, a new one
     # only where nothing is, a removal of the version mounted.
     writes = {r["path"].rsplit("/", 1)[-1]: r for r in s3.requests if r["method"] in ("PUT", "DELETE")}

@@ -299,6 +299,14 @@ impl Remote {
 
     /// A whole (small) object, an index file: its bytes and ETag.
     pub fn get_all(&self, path: &ObjectPath) -> Result<(Vec<u8>, Option<String>), RemoteError> {
+        self.get_whole(path).map(|(bytes, etag, _)| (bytes, etag))
+    }
+
+    /// A whole (small) object, a model file: its bytes, ETag and own headers.
+    pub fn get_whole(
+        &self,
+        path: &ObjectPath,
+    ) -> Result<(Vec<u8>, Option<String>, s3::ObjectHeaders), RemoteError> {
         let url = self.url(path);
         let f = &self.fetcher;
         self.block_on(async {
@@ -306,12 +314,13 @@ impl Remote {
             let got = tokio::time::timeout(f.timeout, async {
                 let got = f.store.get(path).await?;
                 let etag = got.meta.e_tag.clone();
-                Ok::<_, object_store::Error>((got.bytes().await?, etag))
+                let headers = s3::object_headers(&got.attributes);
+                Ok::<_, object_store::Error>((got.bytes().await?, etag, headers))
             })
             .await
             .map_err(|_| RemoteError::Request(format!("{url}: {}", FetchError::TimedOut)))?
             .map_err(|e| RemoteError::Request(store_error(&url, e)))?;
-            Ok((got.0.to_vec(), got.1))
+            Ok((got.0.to_vec(), got.1, got.2))
         })
     }
 
@@ -320,7 +329,7 @@ impl Remote {
     pub fn open(self: &Arc<Self>, path: &ObjectPath) -> Result<(RemoteObject, Header), OpenError> {
         let url = self.url(path);
         let f = &self.fetcher;
-        let (first, size, etag, modified) = self
+        let (first, size, etag, modified, headers) = self
             .block_on(async {
                 f.requests.fetch_add(1, Ordering::Relaxed);
                 tokio::time::timeout(f.timeout, async {
@@ -332,12 +341,16 @@ impl Remote {
                         )
                         .await?;
                     let meta = got.meta.clone();
-                    Ok::<_, object_store::Error>((got.bytes().await?, meta))
+                    let headers = s3::object_headers(&got.attributes);
+                    Ok::<_, object_store::Error>((got.bytes().await?, meta, headers))
                 })
                 .await
             })
             .map_err(|_| OpenError::Fetch(format!("{url}: {}", FetchError::TimedOut)))?
-            .map(|(bytes, meta)| (bytes, meta.size, meta.e_tag, meta.last_modified))
+            .map(|(bytes, meta, headers)| {
+                let m = meta;
+                (bytes, m.size, m.e_tag, m.last_modified, headers)
+            })
             .map_err(|e| OpenError::Fetch(store_error(&url, e)))?;
         let mut prefix = first.to_vec();
         let version = ObjectVersion {
@@ -360,6 +373,7 @@ impl Remote {
             head.shrink_to_fit();
             let (mut object, header) = self.object(path, url, version, header);
             object.head = Some(head);
+            object.headers = headers;
             return Ok((object, header));
         }
         if prefix.len() as u64 >= PREFIX_LEN {
@@ -377,7 +391,9 @@ impl Remote {
             return Err(OpenError::Format(FormatError::TooShort { file_len: size }));
         }
         let header = Header::parse_prefix(&prefix, size).map_err(OpenError::Format)?;
-        Ok(self.object(path, url, version, header))
+        let (mut object, header) = self.object(path, url, version, header);
+        object.headers = headers;
+        Ok((object, header))
     }
 
     /// A GGUF object's header: its length is known only once its keys and
@@ -446,6 +462,7 @@ impl Remote {
             chunks: chunk_starts(&header),
             data_end: header.data_start() + header.data_len(),
             head: None,
+            headers: Vec::new(),
             stale: AtomicBool::new(false),
             streams: Mutex::new(LruCache::new(STREAMS.try_into().expect("not zero"))),
         };

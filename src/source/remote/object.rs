@@ -24,6 +24,9 @@ pub struct RemoteObject {
     /// The bytes before the data, kept where something reads them after
     /// the mount (a GGUF file's key arrays: `__kv__`, `__metadata__.json`).
     pub(super) head: Option<Vec<u8>>,
+    /// Its own headers (type, cache policy, user metadata), which a commit
+    /// gives the object that replaces it.
+    pub(super) headers: super::s3::ObjectHeaders,
     /// Replaced behind the mount: said once, then every read fails.
     pub(super) stale: AtomicBool,
     /// How recently read tensors are being read, by tensor index.
@@ -40,6 +43,11 @@ impl RemoteObject {
     }
 
     /// The bytes before the data, where they were kept.
+    /// Its own headers, which a commit keeps.
+    pub fn headers(&self) -> &super::s3::ObjectHeaders {
+        &self.headers
+    }
+
     pub fn head(&self) -> Option<&[u8]> {
         self.head.as_deref()
     }

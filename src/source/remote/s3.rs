@@ -278,15 +278,21 @@ impl S3Writer {
         Ok((parts.headers, body))
     }
 
-    /// CreateMultipartUpload: the upload's id.
-    pub async fn create_upload(&self, key: &ObjectPath) -> Result<String, S3Error> {
+    /// CreateMultipartUpload: the upload's id (`keep`: the object's own
+    /// headers, which the new one gets).
+    pub async fn create_upload(
+        &self,
+        key: &ObjectPath,
+        keep: &ObjectHeaders,
+    ) -> Result<String, S3Error> {
         let op = "CreateMultipartUpload";
+        let headers = with_kept(Vec::new(), keep);
         let (_, body) = self
             .send(
                 op,
                 Method::POST,
                 &self.url(key, "uploads="),
-                &[],
+                &headers,
                 Bytes::new(),
             )
             .await?;
@@ -430,19 +436,25 @@ impl S3Writer {
         key: &ObjectPath,
         body: Bytes,
         if_match: Option<&str>,
+        keep: &ObjectHeaders,
     ) -> Result<String, S3Error> {
         let headers: Vec<(&str, String)> = if_match
             .map(|e| ("if-match", e.to_string()))
             .into_iter()
             .collect();
-        self.put_with(key, body, &headers).await
+        self.put_with(key, body, &with_kept(headers, keep)).await
     }
 
     /// PutObject of a new object: refused (`S3Error::Precondition`) if the
     /// key holds one already (`If-None-Match: *`). Returns its ETag.
-    pub async fn put_new(&self, key: &ObjectPath, body: Bytes) -> Result<String, S3Error> {
-        self.put_with(key, body, &[("if-none-match", "*".to_string())])
-            .await
+    pub async fn put_new(
+        &self,
+        key: &ObjectPath,
+        body: Bytes,
+        keep: &ObjectHeaders,
+    ) -> Result<String, S3Error> {
+        let headers = vec![("if-none-match", "*".to_string())];
+        self.put_with(key, body, &with_kept(headers, keep)).await
     }
 
     async fn put_with(
@@ -496,6 +508,41 @@ impl S3Writer {
             Err(e) => Err(e),
         }
     }
+}
+
+/// An object's own headers, which a commit gives the object that replaces
+/// it: its type, encoding, language, disposition, cache policy and user
+/// metadata (`x-amz-meta-*`), as a GET of it answered them.
+pub type ObjectHeaders = Vec<(String, String)>;
+
+/// Those of `attributes` (object_store's reading of a GET's headers).
+pub fn object_headers(attributes: &object_store::Attributes) -> ObjectHeaders {
+    use object_store::Attribute;
+    attributes
+        .iter()
+        .filter_map(|(attribute, value)| {
+            let name = match attribute {
+                Attribute::ContentType => "content-type".to_string(),
+                Attribute::ContentEncoding => "content-encoding".to_string(),
+                Attribute::ContentLanguage => "content-language".to_string(),
+                Attribute::ContentDisposition => "content-disposition".to_string(),
+                Attribute::CacheControl => "cache-control".to_string(),
+                Attribute::Metadata(key) => format!("x-amz-meta-{key}"),
+                _ => return None,
+            };
+            let value: &str = value.as_ref();
+            Some((name, value.to_string()))
+        })
+        .collect()
+}
+
+/// A request's headers, and the object's own kept.
+fn with_kept<'a>(
+    mut headers: Vec<(&'a str, String)>,
+    keep: &'a ObjectHeaders,
+) -> Vec<(&'a str, String)> {
+    headers.extend(keep.iter().map(|(n, v)| (n.as_str(), v.clone())));
+    headers
 }
 
 /// The ETag S3 gives an object put whole: the MD5 of its bytes, quoted.

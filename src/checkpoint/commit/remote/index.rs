@@ -19,6 +19,8 @@ pub struct RemoteIndex {
     pub remote: Arc<crate::source::remote::Remote>,
     pub path: object_store::path::Path,
     pub etag: Arc<Mutex<Option<String>>>,
+    /// Its own headers, kept by the PUT that rewrites it.
+    pub headers: s3::ObjectHeaders,
 }
 
 impl RemoteIndex {
@@ -114,7 +116,8 @@ impl IndexPut {
         crate::testpoint::point("remote:index").map_err(io_err("putting the index"))?;
         still_mounted(remote, key, self.if_match.as_deref(), &file).map_err(as_index_conflict)?;
         let expected = s3::put_etag(&self.bytes);
-        let put = remote.run(writer.put(key, self.bytes.clone(), self.if_match.as_deref()));
+        let (body, headers) = (self.bytes.clone(), &self.index.headers);
+        let put = remote.run(writer.put(key, body, self.if_match.as_deref(), headers));
         let etag = match put {
             Ok(etag) => etag,
             Err(e) => {
@@ -154,6 +157,7 @@ impl Landing for IndexPut {
             parts: Vec::new(),
             // (An index is JSON text that stfs wrote.)
             text: Some(String::from_utf8_lossy(&self.bytes).into_owned()),
+            headers: self.index.headers.clone(),
             ..Default::default()
         });
         Ok(())

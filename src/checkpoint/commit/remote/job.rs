@@ -160,7 +160,9 @@ impl RemoteJob {
         // anything is sent.
         still_mounted(remote, key, self.if_match.as_deref(), self.file())?;
         self.write_record(None)?;
-        let upload = remote.run(writer.create_upload(key)).map_err(&err)?;
+        let upload = remote
+            .run(writer.create_upload(key, object.headers()))
+            .map_err(&err)?;
         *self.upload.lock_anyway() = Some(upload.clone());
         self.write_record(Some(&upload))?;
         let total = self.parts.uploaded + self.parts.copied;
@@ -276,7 +278,10 @@ impl RemoteJob {
         // the parts' MD5s), to recognise it if the answer is lost.
         let expected = self.expected_etag()?;
         let done = match self.upload.lock_anyway().clone() {
-            None => remote.run(writer.put(key, self.single_body()?.clone(), if_match)),
+            None => {
+                let body = self.single_body()?.clone();
+                remote.run(writer.put(key, body, if_match, object.headers()))
+            }
             Some(upload) => {
                 let parts = self.parts_done();
                 remote.run(writer.complete(key, &upload, &parts, if_match))

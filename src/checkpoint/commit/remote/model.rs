@@ -67,6 +67,7 @@ fn model_objects(
                 .map(|b| bytes::Bytes::from(b.to_vec())),
             version,
             like: change.like,
+            headers: change.headers.clone(),
             etag: Mutex::new(None),
         });
     }
@@ -93,6 +94,8 @@ struct ModelObject {
     bytes: Option<bytes::Bytes>,
     version: Version,
     like: FileStat,
+    /// The headers of the object it replaces, which it keeps.
+    headers: s3::ObjectHeaders,
     /// Its ETag once put.
     etag: Mutex<Option<String>>,
 }
@@ -143,10 +146,14 @@ impl ModelObject {
         let file = self.file();
         crate::testpoint::point("remote:model").map_err(io_err("putting a model file"))?;
         let put = match self.version {
-            Version::Nothing => self.remote.run(writer.put_new(&self.key, bytes.clone())),
-            _ => self
-                .remote
-                .run(writer.put(&self.key, bytes.clone(), self.if_match())),
+            Version::Nothing => {
+                let put = writer.put_new(&self.key, bytes.clone(), &self.headers);
+                self.remote.run(put)
+            }
+            _ => {
+                let put = writer.put(&self.key, bytes.clone(), self.if_match(), &self.headers);
+                self.remote.run(put)
+            }
         };
         let expected = s3::put_etag(bytes);
         let etag = match put {
@@ -204,6 +211,7 @@ impl Landing for ModelObject {
             body,
             fresh: self.version == Version::Nothing,
             remove: self.bytes.is_none(),
+            headers: self.headers.clone(),
             ..Default::default()
         });
         Ok(())

@@ -170,6 +170,7 @@ fn finish_record(
                     &key,
                     bytes::Bytes::from(text.clone()),
                     o.if_match.as_deref(),
+                    &o.headers,
                 ))
                 .map(|_| ())
                 .map_err(|e| format!("{}: could not be put ({e})", o.url)),
@@ -213,8 +214,8 @@ fn put_body(
         std::io::Error::new(e.kind(), format!("its bytes in {}: {e}", at.display()))
     })?;
     let put = match o.fresh {
-        true => remote.run(writer.put_new(key, bytes)),
-        false => remote.run(writer.put(key, bytes, o.if_match.as_deref())),
+        true => remote.run(writer.put_new(key, bytes, &o.headers)),
+        false => remote.run(writer.put(key, bytes, o.if_match.as_deref(), &o.headers)),
     };
     put.map(|_| ()).map_err(std::io::Error::other)
 }
