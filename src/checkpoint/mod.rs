@@ -298,7 +298,7 @@ pub struct Live {
     source_objects: Vec<Id>,
     metadata: MetadataDoc,
     metadata_gen: u64,
-    /// A GGUF file's keys as edited (`kv.rs`); None for safetensors.
+    /// A GGUF file's keys as edited (`kv/`); None for safetensors.
     kv: Option<kv::KvTable>,
     staging: Arc<Staging>,
     journal: Journal,
