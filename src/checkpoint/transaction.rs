@@ -240,10 +240,12 @@ impl Transactions {
         let commit = self.next_commit.fetch_add(1, Ordering::Relaxed);
         let (mut plans, index_updates) = plan_every_file(state, held, options, commit)
             .inspect_err(|e| warn!("commit refused: {e}"))?;
-        let (model, model_home) = {
+        let (mut model, model_home) = {
             let mut st = write(state);
             (st.model_commit_begins(), super::commit::ModelHome::of(&*st))
         };
+        // Removals land last: one seen done says nothing of the rest.
+        model.sort_by_key(|c| c.bytes.is_none());
         // (An index that disagrees with the shards is rewritten by a
         // commit with nothing staged too.)
         if plans.is_empty() && index_updates.is_empty() && model.is_empty() {

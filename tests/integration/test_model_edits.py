@@ -464,8 +464,14 @@ def test_model_files_of_a_folder_in_a_store_are_edited_and_committed_with_the_sh
     assert "model file" not in run("status", m.path).stdout
     # Edited again over what the commit left (its ETags are the new ones).
     (mnt / "notes.txt").write_text("newer\n")
+    # A name with characters a URL path encodes is that key, not an encoding of it.
+    (mnt / "config.json~").write_text("backup\n")
     assert run("commit", m.path).returncode == 0
     assert s3.client.get_object(Bucket=BUCKET, Key="edited/notes.txt")["Body"].read() == b"newer\n"
+    assert s3.client.get_object(Bucket=BUCKET, Key="edited/config.json~")["Body"].read() == b"backup\n"
+    (mnt / "config.json~").write_text("backup 2\n")
+    assert run("commit", m.path).returncode == 0, "an object of such a name is found again"
+    assert s3.client.get_object(Bucket=BUCKET, Key="edited/config.json~")["Body"].read() == b"backup 2\n"
     m.close()
     m2 = mount(url, *s3.options)
     assert (pathlib.Path(m2.path) / "config.json").read_bytes() == after["config.json"]

@@ -42,12 +42,12 @@ impl RemoteObject {
         self.version.size
     }
 
-    /// The bytes before the data, where they were kept.
     /// Its own headers, which a commit keeps.
     pub fn headers(&self) -> &super::s3::ObjectHeaders {
         &self.headers
     }
 
+    /// The bytes before the data, where they were kept.
     pub fn head(&self) -> Option<&[u8]> {
         self.head.as_deref()
     }

@@ -50,7 +50,7 @@ fn model_objects(
     let prefix = object_store::path::Path::from_iter(parts);
     let mut out = Vec::new();
     for change in changes {
-        let key = prefix.clone().join(change.name.as_str());
+        let key = key_of(&prefix, &change.name)?;
         let url = object.remote().url(&key);
         let version = match (&change.base, force) {
             (_, true) => Version::Any,
@@ -72,6 +72,22 @@ fn model_objects(
         });
     }
     Ok(out)
+}
+
+/// The key of model file `name` beside the shards: the name as listed (a
+/// name is not encoded again: `config.json~` is that key, not `%7E`).
+fn key_of(
+    prefix: &object_store::path::Path,
+    name: &str,
+) -> Result<object_store::path::Path, CommitError> {
+    let key = match prefix.as_ref() {
+        "" => name.to_string(),
+        p => format!("{p}/{name}"),
+    };
+    object_store::path::Path::parse(&key).map_err(|e| CommitError::Io {
+        what: format!("the key of {name}"),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
+    })
 }
 
 /// What a model object must still be for the commit to replace it.
@@ -145,6 +161,9 @@ impl ModelObject {
         let writer = self.writer()?;
         let file = self.file();
         crate::testpoint::point("remote:model").map_err(io_err("putting a model file"))?;
+        // Asked again right before (the shards' landing may have taken
+        // minutes; a store that ignores the condition has this check).
+        self.check()?;
         let put = match self.version {
             Version::Nothing => {
                 let put = writer.put_new(&self.key, bytes.clone(), &self.headers);
@@ -169,6 +188,7 @@ impl ModelObject {
         let writer = self.writer()?;
         let file = self.file();
         crate::testpoint::point("remote:model").map_err(io_err("removing a model file"))?;
+        self.check()?;
         match self.remote.run(writer.delete(&self.key, self.if_match())) {
             Ok(()) => Ok(()),
             // (Sent again after a lost answer, it finds the key gone.)

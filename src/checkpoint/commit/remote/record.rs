@@ -121,7 +121,13 @@ fn finish_record(
         })?;
         now.push(etag);
     }
-    if !objects.iter().zip(&now).any(|(o, n)| o.landed(n)) {
+    // (A removal is no sign: its object may have been gone before the
+    // commit; removals land last, after everything else landed.)
+    if !objects
+        .iter()
+        .zip(&now)
+        .any(|(o, n)| !o.remove && o.landed(n))
+    {
         // Nothing changed: the uploads are aborted.
         return Ok((Vec::new(), Vec::new(), false));
     }
