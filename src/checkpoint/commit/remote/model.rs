@@ -61,10 +61,7 @@ fn model_objects(
             remote: object.remote().clone(),
             key,
             url,
-            bytes: change
-                .bytes
-                .as_ref()
-                .map(|b| bytes::Bytes::from(b.to_vec())),
+            bytes: change.bytes.clone(),
             version,
             like: change.like,
             headers: change.headers.clone(),
@@ -107,7 +104,8 @@ struct ModelObject {
     remote: Arc<crate::source::remote::Remote>,
     key: object_store::path::Path,
     url: String,
-    bytes: Option<bytes::Bytes>,
+    /// (Shared with the mount's table: copied only into a request body.)
+    bytes: Option<Arc<Vec<u8>>>,
     version: Version,
     like: FileStat,
     /// The headers of the object it replaces, which it keeps.
@@ -157,20 +155,21 @@ impl ModelObject {
         format!("{BODY_PREFIX}{}", &tag[..16])
     }
 
-    fn put(&self, bytes: &bytes::Bytes) -> Result<(), CommitError> {
+    fn put(&self, bytes: &[u8]) -> Result<(), CommitError> {
         let writer = self.writer()?;
         let file = self.file();
         crate::testpoint::point("remote:model").map_err(io_err("putting a model file"))?;
         // Asked again right before (the shards' landing may have taken
         // minutes; a store that ignores the condition has this check).
         self.check()?;
+        let body = bytes::Bytes::copy_from_slice(bytes);
         let put = match self.version {
             Version::Nothing => {
-                let put = writer.put_new(&self.key, bytes.clone(), &self.headers);
+                let put = writer.put_new(&self.key, body, &self.headers);
                 self.remote.run(put)
             }
             _ => {
-                let put = writer.put(&self.key, bytes.clone(), self.if_match(), &self.headers);
+                let put = writer.put(&self.key, body, self.if_match(), &self.headers);
                 self.remote.run(put)
             }
         };
