@@ -378,11 +378,7 @@ fn root_name(st: &State, name: &str) -> RootName {
 /// Whether the local folder has `name`, which the mount neither shows nor
 /// had (a model file removed through the mount is there until the commit).
 fn not_shown(st: &State, name: &str) -> bool {
-    let in_store = st
-        .checkpoints
-        .first()
-        .is_some_and(|m| m.live.source().remote_object().is_some());
-    let Some((folder, _)) = st.folder.as_ref().filter(|_| !in_store) else {
+    let Some(folder) = st.local_folder() else {
         return false;
     };
     !scratch(name)

@@ -144,6 +144,19 @@ impl State {
     /// at mount when it was `stat`: as the file is now, if it is still that
     /// file; else those who may read both. (A remote folder's files have
     /// no owner but the mounting user: their `stat` says so.)
+    /// The folder of a folder mount of local files (None: a file mount,
+    /// or a folder in a store, whose folder is the cache's).
+    pub(super) fn local_folder(&self) -> Option<&Arc<crate::source::Folder>> {
+        let in_store = self
+            .checkpoints
+            .first()
+            .is_some_and(|m| m.live.source().remote_object().is_some());
+        self.folder
+            .as_ref()
+            .filter(|_| !in_store)
+            .map(|(folder, _)| folder)
+    }
+
     pub(super) fn folder_file_owner(&self, name: &str, stat: FileStat) -> FileStat {
         let remote = self
             .checkpoints

@@ -140,11 +140,7 @@ fn model_conflicts(
     st: &State,
     changes: &[crate::checkpoint::model_change::ModelChange],
 ) -> Vec<String> {
-    let in_store = st
-        .checkpoints
-        .first()
-        .is_some_and(|m| m.live.source().remote_object().is_some());
-    let Some((folder, _)) = st.folder.as_ref().filter(|_| !in_store) else {
+    let Some(folder) = st.local_folder() else {
         return Vec::new();
     };
     changes
