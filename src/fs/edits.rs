@@ -231,7 +231,8 @@ impl Fs {
         if let Some(fh) = fh {
             let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
-                Some(Handle::Json { file, .. }) => {
+                Some(Handle::Json { file, pending, .. }) => {
+                    *pending = true;
                     let len = usize::try_from(size).unwrap_or(usize::MAX);
                     file.resize(&mut file.content.lock_anyway(), len)?;
                     drop(handles);

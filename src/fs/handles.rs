@@ -12,7 +12,7 @@ use crate::sync::LockAnyway;
 /// written is applied to the checkpoint when a descriptor open for writing
 /// is flushed (an empty text only at its release), if this is still the file
 /// at its name; text that does not parse is reported to the closer unless
-/// another writer still has the file open (it may be half-written).
+/// another descriptor wrote since its last flush (it may be half-written).
 pub(super) struct JsonFile {
     pub(super) ino: Ino,
     /// Owner, mode and time, as `stat` showed them at open.
@@ -101,8 +101,15 @@ pub(super) enum Handle {
         /// Device arenas prefetched through this handle: freed when it closes.
         device: Vec<Arc<dyn crate::prefetch::load::engine::Arena>>,
     },
-    /// A JSON file; `write`: opened for writing.
-    Json { file: Arc<JsonFile>, write: bool },
+    /// A JSON file; `write`: opened for writing; `pending`: written or cut
+    /// through this descriptor since it was last flushed (a descriptor
+    /// closed but not yet released, FUSE's release coming later, is no
+    /// longer a writer whose text may be half-written).
+    Json {
+        file: Arc<JsonFile>,
+        write: bool,
+        pending: bool,
+    },
     /// A view, as it was made when opened.
     View {
         ino: Ino,
@@ -374,7 +381,14 @@ impl Fs {
             file.resize(&mut file.content.lock_anyway(), 0)?;
         }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        handles.open.insert(fh, Handle::Json { file, write });
+        handles.open.insert(
+            fh,
+            Handle::Json {
+                file,
+                write,
+                pending: truncate,
+            },
+        );
         Ok(self.opened(fh, true))
     }
 
@@ -383,21 +397,47 @@ impl Fs {
     /// last close. What does not parse is kept as written, and reported.
     pub(super) fn apply_json(&self, fh: u64, last_close: bool) -> Result<(), FsError> {
         let (ino, text, others) = {
-            let handles = self.handles.lock_anyway();
-            let Some(Handle::Json { file, write: true }) = handles.open.get(&fh) else {
+            let mut handles = self.handles.lock_anyway();
+            let Some(Handle::Json {
+                file,
+                write: true,
+                pending,
+            }) = handles.open.get(&fh)
+            else {
                 return Ok(());
             };
-            // Another writer has it open: its text may not be final yet.
-            let others = handles.open.iter().any(|(other, h)| {
+            let (file, pending) = (file.clone(), *pending);
+            // Another writer has it open and wrote since its last flush:
+            // its text may not be final yet.
+            let writing = |other: &u64, h: &Handle| {
                 *other != fh
-                    && matches!(h, Handle::Json { file: f, write: true } if Arc::ptr_eq(f, file))
+                    && matches!(h, Handle::Json { file: f, write: true, pending: true } if Arc::ptr_eq(f, &file))
+            };
+            let others = handles.open.iter().any(|(o, h)| writing(o, h));
+            // A descriptor that wrote nothing since its flush applies only
+            // as the last writer (a cut made without a descriptor); else a
+            // late release would take the report from the writer's close.
+            let open_writers = handles.open.iter().any(|(o, h)| {
+                *o != fh && matches!(h, Handle::Json { file: f, write: true, .. } if Arc::ptr_eq(f, &file))
             });
-            let mut content = file.content.lock_anyway();
-            if !content.dirty || (!last_close && content.text.is_empty()) {
+            if !pending && (!last_close || open_writers) {
                 return Ok(());
             }
+            let mut content = file.content.lock_anyway();
+            // (A shell's `: >` cut is applied at release, or with what follows.)
+            if content.dirty && !last_close && content.text.is_empty() {
+                return Ok(());
+            }
+            let text = content.dirty.then(|| content.text.clone());
             content.dirty = false;
-            (file.ino, content.text.clone(), others)
+            drop(content);
+            if let Some(Handle::Json { pending, .. }) = handles.open.get_mut(&fh) {
+                *pending = false;
+            }
+            match text {
+                Some(text) => (file.ino, text, others),
+                None => return Ok(()), // applied already, by another writer
+            }
         };
         let mut touched = Vec::new();
         let (checkpoint, file_name, kept_invalid) = {
@@ -635,7 +675,8 @@ impl Fs {
         let target = {
             let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
-                Some(Handle::Json { file, .. }) => {
+                Some(Handle::Json { file, pending, .. }) => {
+                    *pending = true;
                     let end = offset
                         .checked_add(data.len() as u64)
                         .filter(|&e| e <= file.limit as u64)

@@ -4,6 +4,7 @@ a descriptor held across os.replace and rm (fstat, mmap), parallel copies
 with xargs -P in both orders, and list renamers (mmv, a glob of mv). Every
 case is judged by the official package after a commit."""
 
+import errno
 import json
 import mmap
 import os
@@ -204,4 +205,47 @@ def test_a_meta_extended_with_nuls_still_parses(ckpt, run):
         os.close(fd)
     committed(run, m)
     t["a"] = t["a"].reshape(4, 2)
+    assert_checkpoint(src, t, {"format": "pt"})
+
+
+def test_a_closed_writer_not_yet_released_hides_no_report(ckpt, run):
+    """FUSE's release comes after close returns: a descriptor closed (its
+    flush done) but not released is no writer whose text may be half-written,
+    so the next writer's close still reports what does not parse, and the
+    late release does not take the report from it. A dup held open keeps the
+    release back, so the order is the same on every run."""
+    src, t, m = ckpt
+    meta = os.path.join(m.path, "a.meta.json")
+
+    def written_and_closed(fd, text):
+        os.write(fd, text)
+        with pytest.raises(OSError) as e:
+            os.close(fd)
+        assert e.value.errno == errno.EINVAL
+
+    first = os.open(meta, os.O_WRONLY | os.O_TRUNC)
+    held = os.dup(first)  # its release waits for this
+    try:
+        written_and_closed(first, b"not json")
+        written_and_closed(os.open(meta, os.O_WRONLY | os.O_TRUNC), b"nor this")
+        # A writer whose text is all written when the first is released:
+        # its own close reports.
+        second = os.open(meta, os.O_WRONLY | os.O_TRUNC)
+        os.write(second, b"{half")
+        os.close(held)
+        held = None
+        written_and_closed(second, b"")
+        # A writer that wrote and is not closed: the other's close is quiet.
+        third = os.open(meta, os.O_WRONLY | os.O_TRUNC)
+        os.write(third, b"{")
+        fourth = os.open(meta, os.O_WRONLY)
+        os.pwrite(fourth, b"{", 0)
+        os.close(fourth)
+        os.pwrite(third, b'{"dtype":"F32","shape":[2,4]}', 0)
+        os.close(third)
+    finally:
+        if held is not None:
+            os.close(held)
+    committed(run, m)
+    t["a"] = t["a"].reshape(2, 4)
     assert_checkpoint(src, t, {"format": "pt"})
