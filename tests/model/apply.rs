@@ -229,6 +229,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                     file: model_open_json(model, file, *truncate),
                     ino,
                     write: *write,
+                    pending: *truncate,
                 },
             });
         }
@@ -279,6 +280,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                 fs.write(ino, fh, *offset, data).unwrap();
                 let j = model.json.get_mut(&file).unwrap();
                 j.write_at(*offset as usize, data);
+                set_pending(model, *k);
             }
             _ => {}
         },
@@ -308,6 +310,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                     j.text.clear();
                     j.dirty = true;
                     j.written = true;
+                    set_pending(model, *k);
                 }
                 _ => return,
             }
@@ -366,10 +369,22 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                 return;
             }
             // fsync of a JSON descriptor applies what it wrote, as a flush does.
-            let want = match k.and_then(|k| model.handles[k].clone()) {
-                Some(MHandle::Json {
-                    file, write: true, ..
-                }) => model_apply_json(model, file, false, *k),
+            let want = match k.and_then(|k| model.handles[k].clone().map(|h| (k, h))) {
+                Some((
+                    k,
+                    MHandle::Json {
+                        file,
+                        write: true,
+                        mut pending,
+                        ..
+                    },
+                )) => {
+                    let want = model_apply_json(model, file, false, &mut pending, Some(k));
+                    if let Some(MHandle::Json { pending: p, .. }) = &mut model.handles[k] {
+                        *p = pending;
+                    }
+                    want
+                }
                 _ => 0,
             };
             assert_eq!(errno(fs.fsync(fh)), want, "{op:?}");
@@ -541,13 +556,14 @@ pub(super) fn write_and_close(
 ) {
     m.fs().write(ino, fh, 0, text).unwrap();
     model.json.get_mut(&file).unwrap().write_at(0, text);
-    let flush = model_apply_json(model, file, false, None);
+    let mut pending = true;
+    let flush = model_apply_json(model, file, false, &mut pending, None);
     assert_eq!(
         errno(m.fs().flush(fh)),
         flush,
         "{op:?}: close reports a JSON file kept but not valid"
     );
-    let release = model_apply_json(model, file, true, None);
+    let release = model_apply_json(model, file, true, &mut pending, None);
     assert_eq!(errno(m.fs().release(fh)), release, "{op:?}: release");
     forget_json(model, file);
 }
@@ -847,5 +863,12 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             assert_eq!(errno(fs.release(o.fh)), 0, "{op:?}: release");
         }
         _ => unreachable!("{op:?} is not one of these"),
+    }
+}
+
+/// Handle `k` (a JSON descriptor) wrote or cut since its last flush.
+fn set_pending(model: &mut Model, k: usize) {
+    if let Some(MHandle::Json { pending, .. }) = &mut model.handles[k] {
+        *pending = true;
     }
 }

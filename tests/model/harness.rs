@@ -303,23 +303,44 @@ pub(super) fn model_open_json(model: &mut Model, f: &FileRef, truncate: bool) ->
 }
 
 /// Flush (`last`: release) of a JSON descriptor open for writing (not held
-/// handle `except`): what was written goes to the name if the file is still
-/// there. Returns the errno expected.
+/// handle `except`; `pending`: it wrote since its last flush): what was
+/// written goes to the name if the file is still there. Returns the errno
+/// expected.
 pub(super) fn model_apply_json(
     model: &mut Model,
     file: u64,
     last: bool,
+    pending: &mut bool,
     except: Option<usize>,
 ) -> i32 {
-    let others = model.handles.iter().enumerate().any(|(k, h)| {
+    let writer = |k: usize, h: &Option<MHandle>, pending_only: bool| {
         Some(k) != except
-            && matches!(h, Some(MHandle::Json { file: f, write: true, .. }) if *f == file)
-    });
-    // Text that does not parse is the closer's to hear of only when no
-    // other writer may still be writing it.
-    let invalid = if others { 0 } else { libc::EINVAL };
+            && matches!(h, Some(MHandle::Json { file: f, write: true, pending: p, .. })
+                if *f == file && (*p || !pending_only))
+    };
+    let writing = model
+        .handles
+        .iter()
+        .enumerate()
+        .any(|(k, h)| writer(k, h, true));
+    let open_writers = model
+        .handles
+        .iter()
+        .enumerate()
+        .any(|(k, h)| writer(k, h, false));
+    // A descriptor that wrote nothing since its flush applies only as the
+    // last writer; text that does not parse is the closer's to hear of only
+    // when no other writer may be half-way through writing it.
+    if !*pending && (!last || open_writers) {
+        return 0;
+    }
+    let invalid = if writing { 0 } else { libc::EINVAL };
     let j = model.json.get_mut(&file).unwrap();
-    if !j.dirty || (!last && j.text.is_empty()) {
+    if j.dirty && !last && j.text.is_empty() {
+        return 0;
+    }
+    *pending = false;
+    if !j.dirty {
         return 0;
     }
     j.dirty = false;
@@ -355,10 +376,13 @@ pub(super) fn model_apply_json(
 pub(super) fn model_close(model: &mut Model, k: usize) -> (i32, i32) {
     match model.handles[k].take() {
         Some(MHandle::Json {
-            file, write: true, ..
+            file,
+            write: true,
+            mut pending,
+            ..
         }) => {
-            let flush = model_apply_json(model, file, false, None);
-            let release = model_apply_json(model, file, true, None);
+            let flush = model_apply_json(model, file, false, &mut pending, None);
+            let release = model_apply_json(model, file, true, &mut pending, None);
             forget_json(model, file);
             (flush, release)
         }

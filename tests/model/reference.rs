@@ -231,6 +231,8 @@ pub(super) enum MHandle {
         file: u64,
         ino: Ino,
         write: bool,
+        /// Written or cut through this descriptor since its last flush.
+        pending: bool,
     },
 }
 
