@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
 from stfs_fixtures import (MIB, Mount, add_stfs_option, dd_read, dd_write, fsync_path, resident, timed, wait_for,  # noqa: E402
-                           write_by_hand, written_by)
+                           write_at, write_by_hand, written_by)
 
 
 def said_bytes(out):
@@ -62,14 +62,6 @@ def staged_bytes(work):
             for f in os.scandir(os.path.join(work, d)):
                 total += f.stat(follow_symlinks=False).st_blocks * 512
     return total
-
-
-def patch(path, data, offset):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-    finally:
-        os.close(fd)
 
 
 def dd_time(work, nbytes, cached=False):
@@ -213,7 +205,7 @@ def run(a, fs_name):
                 dd_write(os.path.join(mnt, names[count // 2]), 128 * MIB, "/dev/urandom", fsync=False, notrunc=True)
 
             def patch_one():
-                patch(os.path.join(mnt, names[count // 4]), b"\x01\x02\x03\x04", 100 * MIB + 3)
+                write_at(os.path.join(mnt, names[count // 4]), b"\x01\x02\x03\x04", 100 * MIB + 3)
 
             def drop_middle():
                 os.unlink(os.path.join(mnt, names[count // 3]))
@@ -246,7 +238,7 @@ def run(a, fs_name):
         plain_dd = timed(lambda: dd_write(plain, 128 * MIB, "/dev/urandom", fsync=False, notrunc=True))
         # (A close through the mount makes the staged bytes durable: the fair plain file syncs too.)
         plain_dd_sync = timed(lambda: dd_write(plain, 128 * MIB, "/dev/urandom", fsync=True, notrunc=True))
-        plain_patch = timed(lambda: patch(plain, b"\x01\x02\x03\x04", 100 * MIB + 3))
+        plain_patch = timed(lambda: write_at(plain, b"\x01\x02\x03\x04", 100 * MIB + 3))
         os.unlink(plain)
         print(f"{'edit':52} {'way':9} {'seconds':>8} {'x cp':>7} {'x py':>7} {'written':>10} {'x own bytes':>11}"
               f" {'x cached':>8}"

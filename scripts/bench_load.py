@@ -10,7 +10,6 @@ Also says whether any slab was made after the first load.
 Usage: scripts/bench_load.py [--stfs target/release/stfs] [--dir /var/tmp] [--gib 1] [--runs 5]
 """
 
-import argparse
 import mmap
 import os
 import statistics
@@ -25,16 +24,11 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "tests", "pylib"))
 sys.path.insert(0, os.path.join(here, "..", "python"))
 from stfs import cuda as stfs_cuda  # noqa: E402
-from stfs_fixtures import Mount, add_stfs_option  # noqa: E402
+from stfs_fixtures import Mount, bench_args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stfs_option(p)
-    p.add_argument("--dir", default="/var/tmp")
-    p.add_argument("--gib", type=float, default=1)
-    p.add_argument("--runs", type=int, default=5)
-    a = p.parse_args()
+    a = bench_args(__doc__, gib=1.0, runs=5)
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-") as work:
         src = os.path.join(work, "ckpt.safetensors")
         n = max(1, int(a.gib * 16))

@@ -6,7 +6,6 @@ file's pages (posix_fadvise DONTNEED), measured in the same run.
 Usage: scripts/bench_prefetch.py [--stfs target/release/stfs] [--dir /var/tmp] [--runs 5]
 """
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -17,15 +16,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
-from stfs_fixtures import Mount, add_stfs_option, drop_from_cache, timed  # noqa: E402
+from stfs_fixtures import Mount, bench_args, drop_from_cache, timed  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stfs_option(p)
-    p.add_argument("--dir", default="/var/tmp")
-    p.add_argument("--runs", type=int, default=5)
-    a = p.parse_args()
+    a = bench_args(__doc__, runs=5)
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-") as work:
         src = os.path.join(work, "one.safetensors")
         save_file({"t": np.frombuffer(np.random.default_rng(0).bytes(1 << 30), np.uint8)}, src)

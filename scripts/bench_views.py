@@ -11,7 +11,6 @@ The source is read once before, so both sides read it from the page cache.
 Usage: scripts/bench_views.py [--gib 2] [--dir /var/tmp] [--stfs target/release/stfs]
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "pylib"))
-from stfs_fixtures import MIB, Mount, add_stfs_option, timed  # noqa: E402
+from stfs_fixtures import MIB, Mount, bench_args, timed  # noqa: E402
 
 PYTHON_WAY = """
 import resource, sys, time
@@ -44,11 +43,7 @@ def timed_copy(src, out):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stfs_option(p)
-    p.add_argument("--dir", default="/var/tmp")
-    p.add_argument("--gib", type=int, default=2)
-    a = p.parse_args()
+    a = bench_args(__doc__, gib=2)
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="stfs-bench-views-") as work:
         src = os.path.join(work, "model.safetensors")
         rng = np.random.default_rng(0)

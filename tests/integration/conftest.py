@@ -1,3 +1,4 @@
+import errno
 import os
 import uuid
 import pwd
@@ -35,6 +36,23 @@ def run(stfs):
         return p
 
     return _run
+
+
+def assert_every_write_is_erofs(folder, new, json_file):
+    """In mount folder `folder`: "a" opened for writing, `new` created, "a" removed,
+    renamed and truncated, and the JSON file `json_file` opened for writing, each EROFS."""
+    def at(name):
+        return os.path.join(folder, name)
+
+    for write in [lambda: open(at("a"), "r+b"),
+                  lambda: open(at(new), "wb"),
+                  lambda: os.unlink(at("a")),
+                  lambda: os.rename(at("a"), at("z")),
+                  lambda: os.truncate(at("a"), 0),
+                  lambda: open(at(json_file), "w")]:
+        with pytest.raises(OSError) as e:
+            write()
+        assert e.value.errno == errno.EROFS
 
 
 @pytest.fixture

@@ -13,35 +13,30 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from stfs_fixtures import assert_checkpoint, base, committed, sh
+from stfs_fixtures import assert_checkpoint, assert_committed, committed, mounted_base, sh
 
 
 @pytest.fixture
 def ckpt(tmp_path, mount):
-    src = tmp_path / "m.safetensors"
-    t = base(src, metadata={"format": "pt"})
-    return src, t, mount(src)
+    return mounted_base(tmp_path, mount, {"format": "pt"})
 
 
 def test_ruby_in_place_with_a_backup_keeps_the_metadata(ckpt, run):
     """ruby -i.bak renames the file to the backup, creates it again, then
     reads the descriptor it opened first: it must get the old content."""
-    src, t, m = ckpt
+    _, _, m = ckpt
     sh("ruby -i.bak -pe 'sub(/pt/, \"np\")' __metadata__.json", cwd=m.path)
     assert json.load(open(os.path.join(m.path, "__metadata__.json"))) == {"format": "np"}
     sh("rm __metadata__.json.bak", cwd=m.path)
-    committed(run, m)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"})
 
 
 def test_ruby_in_place_on_a_meta(ckpt, run):
     """ruby -i (no backup) opens, unlinks, creates, then reads the old descriptor."""
-    src, t, m = ckpt
+    _, t, m = ckpt
     sh("ruby -i -pe 'sub(/\\[8\\]/, \"[2,4]\")' a.meta.json", cwd=m.path)
     assert json.load(open(os.path.join(m.path, "a.meta.json")))["shape"] == [2, 4]
-    committed(run, m)
-    t["a"] = t["a"].reshape(2, 4)
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"}, a=t["a"].reshape(2, 4))
 
 
 def test_a_descriptor_outlives_replace_and_rm(ckpt, run):
@@ -83,7 +78,7 @@ def test_a_descriptor_outlives_replace_and_rm(ckpt, run):
 
 
 def test_a_write_to_a_replaced_meta_goes_to_the_old_file(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     p = lambda n: os.path.join(m.path, n)
     with open(p("a.meta.json"), "r+") as old:
         sh("jq -c '.shape=[2,4]' a.meta.json > t && mv t a.meta.json", cwd=m.path)
@@ -91,9 +86,7 @@ def test_a_write_to_a_replaced_meta_goes_to_the_old_file(ckpt, run):
         old.write('{"dtype":"U8","shape":[32]}')
         old.truncate()
     assert json.load(open(p("a.meta.json")))["shape"] == [2, 4]
-    committed(run, m)
-    t["a"] = t["a"].reshape(2, 4)
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"}, a=t["a"].reshape(2, 4))
 
 
 def tensor_files(folder):
@@ -178,7 +171,7 @@ def test_rsync_inplace_delta_restores_a_backup(ckpt, run, tmp_path):
     """rsync --inplace with its delta transfer (the default to a remote host)
     sizes each file by what it read before writing the others: editing a
     tensor must not change its meta's text behind it."""
-    src, t, m = ckpt
+    _, _, m = ckpt
     bk = tmp_path / "bk"
     sh(f"cp -r {m.path} {bk}")
     new = np.arange(100, 108, dtype=np.float32)
@@ -188,13 +181,11 @@ def test_rsync_inplace_delta_restores_a_backup(ckpt, run, tmp_path):
     p = sh(f"rsync -a --inplace --no-whole-file {bk}/ {m.path}/", check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert open(os.path.join(m.path, "a.meta.json")).read() == meta_before
-    committed(run, m)
-    t["a"] = new
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"}, a=new)
 
 
 def test_a_meta_extended_with_nuls_still_parses(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     meta = os.path.join(m.path, "a.meta.json")
     with open(meta, "w") as f:
         f.write('{"dtype":"F32","shape":[4,2]}')
@@ -203,9 +194,7 @@ def test_a_meta_extended_with_nuls_still_parses(ckpt, run):
         os.ftruncate(fd, 200)  # a tool sizing the file by an older, longer text
     finally:
         os.close(fd)
-    committed(run, m)
-    t["a"] = t["a"].reshape(4, 2)
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"}, a=t["a"].reshape(4, 2))
 
 
 def test_a_closed_writer_not_yet_released_hides_no_report(ckpt, run):
@@ -214,7 +203,7 @@ def test_a_closed_writer_not_yet_released_hides_no_report(ckpt, run):
     so the next writer's close still reports what does not parse, and the
     late release does not take the report from it. A dup held open keeps the
     release back, so the order is the same on every run."""
-    src, t, m = ckpt
+    _, t, m = ckpt
     meta = os.path.join(m.path, "a.meta.json")
 
     def written_and_closed(fd, text):
@@ -246,6 +235,4 @@ def test_a_closed_writer_not_yet_released_hides_no_report(ckpt, run):
     finally:
         if held is not None:
             os.close(held)
-    committed(run, m)
-    t["a"] = t["a"].reshape(2, 4)
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"}, a=t["a"].reshape(2, 4))

@@ -221,13 +221,7 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path, mount, stfs):
 
 def test_sharded_folder_with_index(tmp_path, mount):
     folder = tmp_path / "model"
-    folder.mkdir()
-    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
-    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
-             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    a, b, index = fx.two_shards(folder)
     m = mount(folder)
     assert sorted(os.listdir(m.path)) == ["model-00001-of-00002", "model-00002-of-00002", "model.safetensors.index.json"]
     assert open(os.path.join(m.path, "model-00002-of-00002", "b"), "rb").read() == b.tobytes()

@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import stfs_fixtures as fx
+from conftest import assert_every_write_is_erofs
 from remote_servers import FaultProxy, Moto, RangeServer
 from stfs_fixtures import wait_for_exit
 from test_mount import check_listing_bytes_and_metas
@@ -106,6 +107,13 @@ def big_checkpoint(path, seed=0):
     return tensors
 
 
+def big_on_s3(tmp_path, s3, key):
+    """big_checkpoint() uploaded as `key` (written first as tmp_path/its name): (tensors, its URL)."""
+    src = tmp_path / os.path.basename(key)
+    tensors = big_checkpoint(src)
+    return tensors, s3.upload(src, key)
+
+
 def check_big(m, tensors):
     a = tensors["big.a"].tobytes()
     path = os.path.join(m.path, "big.a")
@@ -166,21 +174,9 @@ def test_https_object_reads_like_a_local_file(tmp_path, web, mount):
     assert web.count("GET", ranged=False) == 0, "every GET is ranged"
 
 
-def two_shards(folder):
-    """A folder of two shards (a: F16 [6], b: I64 [10]) and their index."""
-    folder.mkdir()
-    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
-    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
-             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return a, b, index
-
-
 def test_s3_sharded_prefix_with_index(tmp_path, s3, mount):
     folder = tmp_path / "model"
-    a, b, index = two_shards(folder)
+    a, b, index = fx.two_shards(folder)
     (folder / "README.md").write_text("not a shard")
     for f in folder.iterdir():
         s3.upload(f, f"sharded/{f.name}")
@@ -258,22 +254,12 @@ def test_writes_to_an_http_source_are_erofs(tmp_path, web, mount):
     fx.base(web.root / "w.safetensors")
     m = mount(f"{web.url}/w.safetensors", *web.options)
     assert "mounted read-only (stfs commits to S3 and S3-compatible stores only" in m.result.stderr
-    for action in [lambda: open(os.path.join(m.path, "a"), "r+b"),
-                   lambda: open(os.path.join(m.path, "new"), "wb"),
-                   lambda: os.unlink(os.path.join(m.path, "a")),
-                   lambda: os.rename(os.path.join(m.path, "a"), os.path.join(m.path, "z")),
-                   lambda: os.truncate(os.path.join(m.path, "a"), 0),
-                   lambda: open(os.path.join(m.path, "a.meta.json"), "w")]:
-        with pytest.raises(OSError) as e:
-            action()
-        assert e.value.errno == errno.EROFS
+    assert_every_write_is_erofs(m.path, "new", "a.meta.json")
     assert read(os.path.join(m.path, "a")) == np.arange(8, dtype=np.float32).tobytes()
 
 
 def test_second_read_and_remount_come_from_the_cache(tmp_path, s3, mount):
-    src = tmp_path / "c.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "cache/c.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "cache/c.safetensors")
     m = mount(url, *s3.options)
     assert s3.count("GET") == 1, "the header takes one ranged GET"
     for name, t in tensors.items():
@@ -306,9 +292,7 @@ def cache_bytes(folder):
 
 
 def test_eviction_under_a_small_cache_size(tmp_path, s3, mount):
-    src = tmp_path / "e.safetensors"
-    tensors = big_checkpoint(src)  # ~30 MiB of data
-    url = s3.upload(src, "evict/e.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "evict/e.safetensors")  # ~30 MiB of data
     cache = tmp_path / "cache"
     m = mount(url, *s3.options, "--cache-size", "12M")
     for _ in range(2):
@@ -349,9 +333,7 @@ def test_two_mounts_share_a_small_cache_under_concurrent_readers(tmp_path, s3, m
 
 
 def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
-    src = tmp_path / "d.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "damaged/d.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "damaged/d.safetensors")
     m = mount(url, *s3.options)
     for name, t in tensors.items():
         assert read(os.path.join(m.path, name)) == t.tobytes()
@@ -372,9 +354,7 @@ def test_damaged_cache_files_are_fetched_again(tmp_path, s3, mount):
 
 
 def test_transient_faults_are_retried(tmp_path, s3, mount):
-    src = tmp_path / "t.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "faults/t.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "faults/t.safetensors")
     for i, (name, action) in enumerate([("big.a", 500), ("big.b", "drop"), ("small.3", 503),
                                         ("small.4", ("delay", 1.5))]):
         # A cache of its own: nothing read ahead for an earlier case.
@@ -393,9 +373,7 @@ def test_transient_faults_are_retried(tmp_path, s3, mount):
 
 
 def test_a_failing_server_gives_eio_and_the_mount_recovers(tmp_path, s3, mount):
-    src = tmp_path / "f.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "failing/f.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "failing/f.safetensors")
     m = mount(url, *s3.options, "--timeout", "5")
     assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     s3.rule = lambda r: 500
@@ -413,9 +391,7 @@ def test_a_failing_server_gives_eio_and_the_mount_recovers(tmp_path, s3, mount):
 
 
 def test_a_server_that_stops_answering_fails_within_the_timeout(tmp_path, s3, mount):
-    src = tmp_path / "h.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "hang/h.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "hang/h.safetensors")
     m = mount(url, *s3.options, "--timeout", "3")
     assert read(os.path.join(m.path, "small.0")) == tensors["small.0"].tobytes()
     s3.rule = lambda r: "hang"
@@ -670,9 +646,7 @@ def test_a_planted_cache_file_is_never_served(tmp_path, s3, mount):
     """A cache folder that was open to others is emptied when made private,
     and a file not written by stfs (no key) never checks out, even under the
     name of a real chunk."""
-    src = tmp_path / "k.safetensors"
-    tensors = big_checkpoint(src)
-    url = s3.upload(src, "planted/k.safetensors")
+    tensors, url = big_on_s3(tmp_path, s3, "planted/k.safetensors")
     cache = tmp_path / "cache"
     m = mount(url, *s3.options)
     assert read(os.path.join(m.path, "big.a")) == tensors["big.a"].tobytes()
@@ -826,7 +800,7 @@ def test_inspect_and_verify_take_urls(tmp_path, s3, web, run):
     """The same answers as for the files themselves: inspect's table and
     JSON, verify's lines, a bad object's rule, a prefix's index check."""
     folder = tmp_path / "model"
-    a, b, index = two_shards(folder)
+    a, b, index = fx.two_shards(folder)
     for f in folder.iterdir():
         s3.upload(f, f"urls/{f.name}")
     endpoint = ["--endpoint", s3.url]

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from conftest import as_user
-from stfs_fixtures import assert_checkpoint, base, wait_for, wait_for_exit
+from stfs_fixtures import assert_checkpoint, base, wait_for, wait_for_exit, write_at
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another user, or a loop filesystem")
 
@@ -88,9 +88,39 @@ def finished(proc):
     return proc.returncode, out, err
 
 
+def commit_paused_at(stfs, pause, step, *args):
+    """`stfs commit ARGS...` in the background, returned once its daemon stands at `step`."""
+    commit = background(stfs, "commit", *args)
+    pause.wait(step, commit)
+    return commit
+
+
+def let_finish(pause, step, commit):
+    """Lets the daemon on from `step`: the commit's (returncode, stdout, stderr)."""
+    pause.go(step)
+    return finished(commit)
+
+
+def mounted_with_pauses(tmp_path, mount, pauses, *steps):
+    """base() in tmp_path/m.safetensors, mounted with its daemon pausing at
+    `steps`: (source, its tensors, the Pauses, the mount)."""
+    src = tmp_path / "m.safetensors"
+    t = base(src)
+    pause = pauses(*steps)
+    return src, t, pause, mount(src)
+
+
 def set_metadata(m, **kv):
     with open(os.path.join(m.path, "__metadata__.json"), "w") as f:
         json.dump(kv, f)
+
+
+def write_a(m, value):
+    """Writes tensor "a" of base() (8 F32) all `value` through mount `m`: its new value."""
+    new_a = np.full(8, value, np.float32)
+    with open(os.path.join(m.path, "a"), "r+b") as f:
+        f.write(new_a.tobytes())
+    return new_a
 
 
 def metadata_of(path):
@@ -117,16 +147,14 @@ def test_a_write_just_after_an_in_place_commit_is_not_taken_for_the_commits(tmp_
     pause = pauses("in-place:unleased")
     m = mount(src)
     set_metadata(m, k="v1")
-    commit = background(stfs, "commit", m.path)
-    pause.wait("in-place:unleased", commit)
+    commit = commit_paused_at(stfs, pause, "in-place:unleased", m.path)
     # The commit wrote in place and let its lease go; another program writes now.
     data = src.read_bytes()
     assert b'"k":"v1"' in data
     with open(src, "r+b") as f:
         f.seek(data.index(b'"k":"v1"'))
         f.write(b'"k":"WW"')
-    pause.go("in-place:unleased")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "in-place:unleased", commit)
     assert rc == 0 and "committed in place" in out, out + err
     assert metadata_of(src) == {"k": "WW"}
     set_metadata(m, k="v2")
@@ -421,9 +449,7 @@ def test_a_failure_after_the_marker_is_reported_and_completed_by_the_next_mount(
     src = tmp_path / "m.safetensors"
     t = base(src)
     m = mount(src, env={"STFS_FAULT_AT": "in-place:write:EIO"})
-    new_a = np.full(8, 7, np.float32)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(new_a.tobytes())
+    new_a = write_a(m, 7)
     p = run("commit", m.path)
     assert p.returncode != 0 and "did not land" in p.stderr and "Input/output error" in p.stderr, p.stdout + p.stderr
     assert refused_by_readers(src)
@@ -448,9 +474,7 @@ def killed_mid_commit(tmp_path, mount, run, monkeypatch):
     src = tmp_path / "m.safetensors"
     t = base(src)
     m = mount(src, env={"STFS_CRASH_AT": "in-place:data"})
-    new_a = np.full(8, 5, np.float32)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(new_a.tobytes())
+    new_a = write_a(m, 5)
     assert run("commit", m.path).returncode != 0  # the daemon died mid-commit
     m.close()
     assert refused_by_readers(src)
@@ -512,24 +536,16 @@ def discard_in_background(path):
 
 
 def discard_result(proc):
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    _, out, _ = finished(proc)
     return json.loads(out)
 
 
 def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path, mount, pauses, run, stfs):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    pause = pauses("discard:locked", "commit:waiting")
-    m = mount(src)
+    src, t, pause, m = mounted_with_pauses(tmp_path, mount, pauses, "discard:locked", "commit:waiting")
     set_metadata(m, k="v")
     discard = discard_in_background(m.path)
     pause.wait("discard:locked", discard)
-    commit = background(stfs, "commit", m.path)
-    pause.wait("commit:waiting", commit)
+    commit = commit_paused_at(stfs, pause, "commit:waiting", m.path)
     pause.go("commit:waiting")  # the commit now waits for the discard
     pause.go("discard:locked")
     got = discard_result(discard)
@@ -540,18 +556,13 @@ def test_a_commit_that_waited_for_a_discard_says_nothing_was_committed(tmp_path,
 
 
 def test_a_discard_that_waited_for_a_commit_says_the_edits_were_committed(tmp_path, mount, pauses, run, stfs):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    pause = pauses("commit:locked", "discard:waiting")
-    m = mount(src)
+    src, t, pause, m = mounted_with_pauses(tmp_path, mount, pauses, "commit:locked", "discard:waiting")
     set_metadata(m, k="v")
-    commit = background(stfs, "commit", m.path)
-    pause.wait("commit:locked", commit)
+    commit = commit_paused_at(stfs, pause, "commit:locked", m.path)
     discard = discard_in_background(m.path)
     pause.wait("discard:waiting", discard)
     pause.go("discard:waiting")
-    pause.go("commit:locked")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "commit:locked", commit)
     got = discard_result(discard)
     assert rc == 0 and "committed" in out, out + err
     assert got[0] == errno.ECANCELED and "a commit" in got[1], got
@@ -780,9 +791,7 @@ def test_a_rewrite_that_fails_before_landing_leaves_nothing_behind(tmp_path, mou
     before = src.read_bytes()
     m = mount(src, env={"STFS_FAULT_AT": f"{step}:EIO"})
     os.unlink(os.path.join(m.path, "b"))
-    new_a = np.full(8, 3, np.float32)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(new_a.tobytes())
+    new_a = write_a(m, 3)
     p = run("commit", "--compact", m.path)  # (a rewrite)
     assert p.returncode != 0 and "Input/output error" in p.stderr, p.stdout + p.stderr
     assert src.read_bytes() == before
@@ -845,20 +854,30 @@ def test_a_recovery_that_fails_keeps_its_record_and_the_next_mount_completes_it(
 
 # Deterministic races (issue 26) -------------------------------------------
 
-def test_a_write_into_a_staged_tensor_while_a_commit_copies_it_stays_for_the_next(tmp_path, mount, pauses, run, stfs):
+def write_small(path, byte):
+    """Writes `byte` over the whole of tensor "small" (4096 bytes) at `path`."""
+    with open(path, "r+b") as f:
+        f.write(byte * 4096)
+
+
+def small_written_after_a_big(tmp_path, mount, pauses, big):
+    """tmp_path/m.safetensors holding "big" (`big` bytes), then "small", mounted with
+    its daemon pausing at "rewrite:copying", and "small" written (all 0x01) through
+    the mount: (source, the Pauses, the mount, small's path)."""
     src = tmp_path / "m.safetensors"
-    save_file({"big": np.zeros(1 << 20, np.uint8), "small": np.zeros(4096, np.uint8)}, str(src))
+    save_file({"big": np.zeros(big, np.uint8), "small": np.zeros(4096, np.uint8)}, str(src))
     pause = pauses("rewrite:copying")
     m = mount(src)
     small = os.path.join(m.path, "small")
-    with open(small, "r+b") as f:
-        f.write(b"\x01" * 4096)
-    commit = background(stfs, "commit", "--compact", m.path)
-    pause.wait("rewrite:copying", commit)  # "big" copied, "small" next
-    with open(small, "r+b") as f:
-        f.write(b"\x02" * 4096)
-    pause.go("rewrite:copying")
-    rc, out, err = finished(commit)
+    write_small(small, b"\x01")
+    return src, pause, m, small
+
+
+def test_a_write_into_a_staged_tensor_while_a_commit_copies_it_stays_for_the_next(tmp_path, mount, pauses, run, stfs):
+    src, pause, m, small = small_written_after_a_big(tmp_path, mount, pauses, 1 << 20)
+    commit = commit_paused_at(stfs, pause, "rewrite:copying", "--compact", m.path)  # "big" copied, "small" next
+    write_small(small, b"\x02")
+    rc, out, err = let_finish(pause, "rewrite:copying", commit)
     assert rc == 0 and "rewrite" in out, out + err
     assert load_file(str(src))["small"].tobytes() == b"\x01" * 4096, "the commit took bytes written after its plan"
     st = run("status", m.path)
@@ -868,15 +887,9 @@ def test_a_write_into_a_staged_tensor_while_a_commit_copies_it_stays_for_the_nex
 
 
 def test_a_reader_that_opens_the_source_mid_commit_waits_and_reads_the_new_file(tmp_path, mount, pauses, run, stfs):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    pause = pauses("in-place:data")
-    m = mount(src)
-    new_a = np.full(8, 9, np.float32)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(new_a.tobytes())
-    commit = background(stfs, "commit", m.path)
-    pause.wait("in-place:data", commit)  # marked, half written, under the lease
+    src, t, pause, m = mounted_with_pauses(tmp_path, mount, pauses, "in-place:data")
+    new_a = write_a(m, 9)
+    commit = commit_paused_at(stfs, pause, "in-place:data", m.path)  # marked, half written, under the lease
     reader = subprocess.Popen(
         ["python3", "-c", "import mmap,sys; f=open(sys.argv[1],'rb'); m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ); "
                           "sys.stdout.buffer.write(m[:])", str(src)], stdout=subprocess.PIPE)
@@ -886,8 +899,7 @@ def test_a_reader_that_opens_the_source_mid_commit_waits_and_reads_the_new_file(
         assert reader.poll() is None, "the reader's open did not wait for the commit's lease"
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    pause.go("in-place:data")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "in-place:data", commit)
     seen = reader.communicate(timeout=60)[0]
     assert rc == 0 and "in place" in out, out + err
     assert seen == src.read_bytes(), "the reader saw another file than the one the commit left"
@@ -896,37 +908,27 @@ def test_a_reader_that_opens_the_source_mid_commit_waits_and_reads_the_new_file(
 
 
 def test_a_second_mounts_cleanup_leaves_a_live_commits_temp_file(tmp_path, mount, pauses, run, stfs):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    pause = pauses("rewrite:written")
-    m = mount(src)
+    src, t, pause, m = mounted_with_pauses(tmp_path, mount, pauses, "rewrite:written")
     set_metadata(m, k="v")
-    commit = background(stfs, "commit", "--compact", m.path)
-    pause.wait("rewrite:written", commit)  # its temp file is beside the source
+    commit = commit_paused_at(stfs, pause, "rewrite:written", "--compact", m.path)  # its temp file is beside the source
     temps = [p for p in tmp_path.iterdir() if ".stfs-tmp-" in p.name]
     assert len(temps) == 1
     m2 = mount(src)  # removes the temp files of dead daemons, not of live ones
     assert temps[0].exists(), "a second mount removed a live commit's temp file"
-    pause.go("rewrite:written")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "rewrite:written", commit)
     assert rc == 0 and "rewrite" in out, out + err
     assert_checkpoint(src, t, {"k": "v"}, compact=True)
     m2.close()
 
 
 def test_a_lazy_unmount_during_a_commit_lets_it_finish(tmp_path, mount, pauses, run, stfs):
-    src = tmp_path / "m.safetensors"
-    t = base(src)
-    pause = pauses("rewrite:copying")
-    m = mount(src)
+    src, t, pause, m = mounted_with_pauses(tmp_path, mount, pauses, "rewrite:copying")
     set_metadata(m, k="v")
-    commit = background(stfs, "commit", "--compact", m.path)
-    pause.wait("rewrite:copying", commit)
+    commit = commit_paused_at(stfs, pause, "rewrite:copying", "--compact", m.path)
     p = subprocess.run(["umount", m.path], capture_output=True, text=True)
     assert p.returncode != 0 and m.is_mounted(), "a plain umount went through a running commit"
     subprocess.run(["umount", "-l", m.path], check=True)
-    pause.go("rewrite:copying")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "rewrite:copying", commit)
     assert rc == 0 and "rewrite" in out, out + err
     wait_for_exit(m.pid, 20)
     assert_checkpoint(src, t, {"k": "v"}, compact=True)
@@ -943,18 +945,15 @@ def test_a_commit_that_outlives_its_lease_makes_the_next_commit_refuse(tmp_path,
     saved = open(knob).read().strip()
     pause = pauses("in-place:data")
     m = mount(src)
-    with open(os.path.join(m.path, "a"), "r+b") as f:
-        f.write(np.full(8, 4, np.float32).tobytes())
+    write_a(m, 4)
     try:
         with open(knob, "w") as f:
             f.write("1")
-        commit = background(stfs, "commit", m.path)
-        pause.wait("in-place:data", commit)
+        commit = commit_paused_at(stfs, pause, "in-place:data", m.path)
         # This open waits a second for the lease, then gets in mid-commit.
         opened = subprocess.run(["python3", "-c", "import sys; open(sys.argv[1], 'rb').close()", str(src)], timeout=60)
         assert opened.returncode == 0
-        pause.go("in-place:data")
-        rc, out, err = finished(commit)
+        rc, out, err = let_finish(pause, "in-place:data", commit)
     finally:
         with open(knob, "w") as f:
             f.write(saved)
@@ -984,13 +983,7 @@ def read_pty(fd, until=None, timeout=30):
 
 
 def test_a_commit_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(tmp_path, mount, pauses, stfs):
-    src = tmp_path / "m.safetensors"
-    save_file({"big": np.zeros(4 << 20, np.uint8), "small": np.zeros(4096, np.uint8)}, str(src))
-    pause = pauses("rewrite:copying")
-    m = mount(src)
-    small = os.path.join(m.path, "small")
-    with open(small, "r+b") as f:
-        f.write(b"\x01" * 4096)
+    src, pause, m, _ = small_written_after_a_big(tmp_path, mount, pauses, 4 << 20)
     terminal, screen = pty.openpty()
     commit = subprocess.Popen([stfs, "commit", "--compact", m.path], stdin=screen, stdout=screen, stderr=screen,
                               env={**os.environ, "TERM": "xterm"})
@@ -1008,13 +1001,10 @@ def test_a_commit_shows_its_progress_on_a_terminal_and_nothing_in_a_pipe(tmp_pat
     # Scripts see only the result. (A daemon pauses once at a step: a second mount.)
     pause = pauses("rewrite:copying")
     m = mount(src)
-    with open(os.path.join(m.path, "small"), "r+b") as f:
-        f.write(b"\x02" * 4096)
-    commit = background(stfs, "commit", "--compact", m.path)
-    pause.wait("rewrite:copying", commit)
+    write_small(os.path.join(m.path, "small"), b"\x02")
+    commit = commit_paused_at(stfs, pause, "rewrite:copying", "--compact", m.path)
     time.sleep(1)  # (a bar would have asked for the progress 5 times by now)
-    pause.go("rewrite:copying")
-    rc, out, err = finished(commit)
+    rc, out, err = let_finish(pause, "rewrite:copying", commit)
     assert (rc, err) == (0, "") and out.count("\n") == 1 and "committed by a rewrite" in out, out + err
 
 
@@ -1050,12 +1040,10 @@ def test_a_gguf_key_edited_during_an_in_place_commit_leaves_the_others_as_they_w
     m = mount(path)
     kv = pathlib.Path(m.path) / "__kv__"
     (kv / "tokenizer.chat_template").write_text("{{ first }}\n")
-    commit = background(stfs, "commit", m.path)
-    p.wait("in-place:recorded", commit)
+    commit = commit_paused_at(stfs, p, "in-place:recorded", m.path)
     (kv / "tokenizer.chat_template").write_text("{{ second }}\n")
-    p.go("in-place:recorded")
-    out, err = commit.communicate(timeout=60)
-    assert commit.returncode == 0 and "in place" in out, out + err
+    rc, out, err = let_finish(p, "in-place:recorded", commit)
+    assert rc == 0 and "in place" in out, out + err
     assert json.loads((kv / "tokenizer.ggml.tokens").read_text()) == ["<s>", "</s>", "hello"]
     status = run("status", m.path).stdout
     assert "tokenizer.chat_template: set" in status and "tokens" not in status, status
@@ -1083,21 +1071,15 @@ def test_a_tensor_written_in_part_during_its_in_place_commit_keeps_both_writes(t
     first, second = a.copy(), a.copy()
 
     def patch(at, data, expected):
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, at)
-        finally:
-            os.close(fd)
+        write_at(path, data, at)
         for e in expected:
             e[at:at + len(data)] = np.frombuffer(data, np.uint8)
 
     patch(100, b"first", [first, second])
-    commit = background(stfs, "commit", m.path)
-    p.wait("in-place:recorded", commit)
+    commit = commit_paused_at(stfs, p, "in-place:recorded", m.path)
     patch(2 << 20, b"second", [second])
     patch(102, b"XY", [second])
-    p.go("in-place:recorded")
-    code, out, err = finished(commit)
+    code, out, err = let_finish(p, "in-place:recorded", commit)
     assert code == 0 and "in place" in out and "written in part" in out, out + err
     assert load_file(str(src))["a"].tobytes() == first.tobytes()
     assert open(path, "rb").read() == second.tobytes()
@@ -1119,13 +1101,11 @@ def test_a_tensor_written_during_its_commit_then_removed_is_said_removed(tmp_pat
     path = os.path.join(m.path, "a")
     with open(path, "r+b") as f:
         f.write(b"first")
-    commit = background(stfs, "commit", m.path)
-    p.wait("in-place:data", commit)
+    commit = commit_paused_at(stfs, p, "in-place:data", m.path)
     with open(path, "r+b") as f:
         f.seek(300000)
         f.write(b"second")
-    p.go("in-place:data")
-    code, out, err = finished(commit)
+    code, out, err = let_finish(p, "in-place:data", commit)
     assert code == 0 and "written in part" in out, out + err
     st = run("status", m.path).stdout
     assert "rewritten  a" in st and "added" not in st, st
@@ -1151,18 +1131,12 @@ def test_a_write_during_a_commit_that_lands_then_crashes_comes_back(tmp_path, mo
     want = a.copy()
     for at, data in [(100, b"first"), (2 << 20, b"second")]:
         if at != 100:
-            commit = background(stfs, "commit", m.path)
-            p.wait("in-place:recorded", commit)
+            commit = commit_paused_at(stfs, p, "in-place:recorded", m.path)
         # (No fsync: it would wait for the commit; a killed daemon's edits
         # are in the journal's page cache.)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, at)
-        finally:
-            os.close(fd)
+        write_at(path, data, at)
         want[at:at + len(data)] = np.frombuffer(data, np.uint8)
-    p.go("in-place:recorded")
-    code, out, err = finished(commit)
+    code, out, err = let_finish(p, "in-place:recorded", commit)
     assert code != 0, out + err
     wait_for_exit(m.pid, 20)
     assert run("umount", m.path).returncode == 0

@@ -12,66 +12,55 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from stfs_fixtures import assert_checkpoint, base, committed, sh
+from stfs_fixtures import assert_checkpoint, assert_committed, committed, mounted_base, sh
 
 
 @pytest.fixture
 def ckpt(tmp_path, mount):
     """A mounted checkpoint of base(); returns (source, tensors, mount)."""
-    src = tmp_path / "m.safetensors"
-    t = base(src, metadata={"format": "np"})
-    return src, t, mount(src)
+    return mounted_base(tmp_path, mount, {"format": "np"})
 
 
 def test_sed_in_place_on_a_meta(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     sh("sed -i 's/\\[2,3\\]/[3,2]/' b.meta.json", cwd=m.path)
     assert json.load(open(os.path.join(m.path, "b.meta.json")))["shape"] == [3, 2]
     assert sorted(os.listdir(m.path)) == sorted(["__metadata__.json", "a", "a.meta.json", "b", "b.meta.json",
                                                  "c", "c.meta.json"]), "sed's temp file must not be left"
-    committed(run, m)
-    t["b"] = t["b"].reshape(3, 2)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, b=t["b"].reshape(3, 2))
 
 
 def test_sed_in_place_on_the_metadata(ckpt, run):
-    src, t, m = ckpt
+    _, _, m = ckpt
     sh("sed -i 's/np/pt/' __metadata__.json", cwd=m.path)
-    committed(run, m)
-    assert_checkpoint(src, t, {"format": "pt"})
+    assert_committed(run, ckpt, {"format": "pt"})
 
 
 def test_jq_then_mv_inside_the_mount(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     sh("jq -c '.shape=[2,4]' a.meta.json > tmp && mv tmp a.meta.json", cwd=m.path)
     assert not os.path.exists(os.path.join(m.path, "tmp"))
-    committed(run, m)
-    t["a"] = t["a"].reshape(2, 4)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=t["a"].reshape(2, 4))
 
 
 def test_jq_then_mv_from_another_filesystem(ckpt, run, tmp_path):
-    src, t, m = ckpt
+    _, t, m = ckpt
     elsewhere = tmp_path / "elsewhere.json"
     sh(f"jq -c '.shape=[4,2]' a.meta.json > {elsewhere} && mv {elsewhere} a.meta.json", cwd=m.path)
-    committed(run, m)
-    t["a"] = t["a"].reshape(4, 2)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=t["a"].reshape(4, 2))
 
 
 def test_vim_edits_a_meta(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     # ex mode, no vimrc: vim still makes its swap file beside the file, and fsyncs.
     sh("vim -u NONE -i NONE -N -es -c '%s/\\[8\\]/[2,2,2]/' -c 'wq' a.meta.json", cwd=m.path)
     assert json.load(open(os.path.join(m.path, "a.meta.json")))["shape"] == [2, 2, 2]
     assert not any(n.endswith((".swp", ".swx", "~")) for n in os.listdir(m.path))
-    committed(run, m)
-    t["a"] = t["a"].reshape(2, 2, 2)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=t["a"].reshape(2, 2, 2))
 
 
 def test_install_a_tensor_and_its_meta(ckpt, run, tmp_path):
-    src, t, m = ckpt
+    _, t, m = ckpt
     # Inside the mount (install unlinks the target, then creates it) ...
     sh("install a c && install a.meta.json c.meta.json", cwd=m.path)
     # ... and from outside.
@@ -79,23 +68,18 @@ def test_install_a_tensor_and_its_meta(ckpt, run, tmp_path):
     (tmp_path / "n.bin").write_bytes(new.tobytes())
     (tmp_path / "n.meta.json").write_text('{"dtype":"I16","shape":[3]}')
     sh(f"install {tmp_path}/n.bin {m.path}/n && install {tmp_path}/n.meta.json {m.path}/n.meta.json")
-    committed(run, m)
-    t["c"] = t["a"].copy()
-    t["n"] = new
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, c=t["a"].copy(), n=new)
 
 
 def test_install_meta_first_then_the_bytes(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     # Replacing c's bytes by unlink + create keeps the meta just written.
     sh("install a.meta.json c.meta.json && install a c", cwd=m.path)
-    committed(run, m)
-    t["c"] = t["a"].copy()
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, c=t["a"].copy())
 
 
 def test_rsync_a_folder_into_the_mount(ckpt, run, tmp_path):
-    src, t, m = ckpt
+    _, _, m = ckpt
     d = tmp_path / "d"
     d.mkdir()
     new = np.linspace(0, 1, 6, dtype=np.float64)
@@ -105,14 +89,11 @@ def test_rsync_a_folder_into_the_mount(ckpt, run, tmp_path):
     os.utime(d / "c", (1e9, 1e9))  # rsync skips files of the same size and time
     sh(f"rsync -a {d}/ {m.path}/")
     assert not any(n.startswith(".") for n in os.listdir(m.path)), os.listdir(m.path)
-    committed(run, m)
-    t["new"] = new
-    t["c"] = np.full(5, 9, np.uint8)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, new=new, c=np.full(5, 9, np.uint8))
 
 
 def test_tar_extracts_over_existing_files(ckpt, run, tmp_path):
-    src, t, m = ckpt
+    _, _, m = ckpt
     d = tmp_path / "d"
     d.mkdir()
     (d / "a").write_bytes(np.full(8, 2, np.float32).tobytes())
@@ -123,14 +104,11 @@ def test_tar_extracts_over_existing_files(ckpt, run, tmp_path):
         for name in ["a.meta.json", "a", "z", "z.meta.json"]:
             tar.add(d / name, arcname=name)
     sh(f"tar xf {tmp_path}/t.tar -C {m.path}")
-    committed(run, m)
-    t["a"] = np.full(8, 2, np.float32)
-    t["z"] = np.array([1, 2], np.uint8)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=np.full(8, 2, np.float32), z=np.array([1, 2], np.uint8))
 
 
 def test_os_replace_keeps_the_meta_and_the_meta_opens_at_once(ckpt, run):
-    src, t, m = ckpt
+    _, _, m = ckpt
     tmp, big = os.path.join(m.path, ".a.tmp"), os.path.join(m.path, "a")
     with open(tmp, "wb") as f:
         f.write(np.full(8, 3, np.float32).tobytes())
@@ -138,21 +116,17 @@ def test_os_replace_keeps_the_meta_and_the_meta_opens_at_once(ckpt, run):
     # At once, no sleep: the name's meta is there.
     with open(big + ".meta.json", "w") as f:
         f.write('{"dtype":"F32","shape":[2,4]}')
-    committed(run, m)
-    t["a"] = np.full((2, 4), 3, np.float32)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=np.full((2, 4), 3, np.float32))
 
 
 def test_rm_then_cp_a_tensor_and_its_meta_with_no_pause(ckpt, run):
-    src, t, m = ckpt
+    _, t, m = ckpt
     sh("cat a.meta.json > /dev/null; rm a; cp b a; cp b.meta.json a.meta.json", cwd=m.path)
-    committed(run, m)
-    t["a"] = t["b"].copy()
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"}, a=t["b"].copy())
 
 
 def test_an_invalid_meta_from_the_shell_is_kept_not_dropped(ckpt, run):
-    src, t, m = ckpt
+    src, _, m = ckpt
     before = src.read_bytes()
     bad = '{"dtype":"f32","shape":[8]}'
     p = sh(f"echo '{bad}' > a.meta.json", cwd=m.path, check=False)
@@ -164,20 +138,18 @@ def test_an_invalid_meta_from_the_shell_is_kept_not_dropped(ckpt, run):
     assert p.returncode != 0 and 'tensor "a" has an invalid .meta.json' in p.stderr, p.stderr
     assert src.read_bytes() == before
     sh(f"echo '{bad.replace('f32', 'F32')}' > a.meta.json", cwd=m.path)
-    committed(run, m)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"})
 
 
 def test_scratch_files_are_problems_until_removed(ckpt, run):
-    src, t, m = ckpt
+    _, _, m = ckpt
     sh("echo scratch > .a.meta.json.swp", cwd=m.path)
     p = run("status", m.path)
     assert p.returncode == 1 and ".a.meta.json.swp" in p.stdout and "no dtype and shape" in p.stdout
     assert run("commit", m.path).returncode != 0
     os.unlink(os.path.join(m.path, ".a.meta.json.swp"))
     assert run("status", m.path).returncode == 0
-    committed(run, m)
-    assert_checkpoint(src, t, {"format": "np"})
+    assert_committed(run, ckpt, {"format": "np"})
 
 
 def test_mv_between_shards_moves_the_meta_and_rewrites_the_index(tmp_path, mount, run):

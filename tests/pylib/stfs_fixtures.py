@@ -1,19 +1,21 @@
 """What the integration tests (tests/integration/conftest.py builds its pytest
 fixtures from it) and the benchmarks (scripts/bench_*.py) share:
 
-- where the stfs binary is (`stfs_path`, `add_stfs_option` for a script's --stfs);
+- where the stfs binary is (`stfs_path`, `add_stfs_option` for a script's --stfs), and a
+  benchmark's usual options (`bench_args`);
 - `Mount`: a mount made with `stfs mount --pid-file --log-file`, and its cleanup
   (`stfs umount`, then `umount -l` as a last resort, only of the mount it made;
   then it waits for the daemon it started to exit, killing it by pid if it hangs);
 - checkpoint writers: with the official `safetensors` package and, for dtypes or
   layouts it does not write (or a checkpoint too large to hold in memory), by hand;
   readers of a file's header, and the checks of a committed checkpoint;
-- timing (`timed`) and `dd`;
+- timing (`timed`), `dd`, and a pwrite into a file (`write_at`);
 - /proc readers: a field of /proc/PID/status or /proc/meminfo in KiB, the bytes a
   process has written (/proc/PID/io), a file's bytes in the page cache (fincore).
 
 Scripts import it after one line: sys.path.insert(0, .../tests/pylib)."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -40,6 +42,17 @@ def stfs_path():
 def add_stfs_option(parser):
     """A script's --stfs option (default: `stfs_path()`)."""
     parser.add_argument("--stfs", default=stfs_path(), help="the stfs binary (default: $STFS or %(default)s)")
+
+
+def bench_args(doc, **options):
+    """A benchmark's options, parsed: --stfs, --dir (where its files go, default /var/tmp),
+    and a --NAME for each of `options`, NAME=default (of the default's type); `doc` is its --help."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_stfs_option(p)
+    p.add_argument("--dir", default="/var/tmp")
+    for name, default in options.items():
+        p.add_argument(f"--{name}", type=type(default), default=default)
+    return p.parse_args()
 
 
 # -- mounts --------------------------------------------------------------------------------------
@@ -177,6 +190,15 @@ def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_at(path, data, offset):
+    """pwrite of `data` at `offset` into `path`, opened write-only (no truncation, no fsync)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
 
@@ -356,6 +378,26 @@ def base(path, metadata=None):
     return tensors
 
 
+def two_shards(folder):
+    """A folder of two shards (a: F16 [6], b: I64 [10]) and their index: (a, b, the index)."""
+    folder.mkdir()
+    a, b = np.arange(6, dtype=np.float16), np.arange(10, dtype=np.int64)
+    save_file({"a": a}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(folder / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": a.nbytes + b.nbytes},
+             "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return a, b, index
+
+
+def mounted_base(tmp_path, mount, metadata=None):
+    """base() written as tmp_path/m.safetensors (with `metadata`), mounted by the test's
+    `mount` fixture: (source, tensors, mount)."""
+    src = tmp_path / "m.safetensors"
+    t = base(src, metadata=metadata)
+    return src, t, mount(src)
+
+
 def assert_checkpoint(path, expected, metadata=None, compact=False):
     """Loads with the official package and compares values and metadata, then the layout.
 
@@ -410,3 +452,11 @@ def committed(run, m):
     p = run("commit", m.path)
     assert p.returncode == 0, p.stderr
     return p
+
+
+def assert_committed(run, ckpt, metadata, **changed):
+    """Commits the mount of `ckpt` (source, tensors, mount), which must succeed, then checks
+    the source (`assert_checkpoint`): those tensors with the `changed` ones put in, and `metadata`."""
+    src, t, m = ckpt
+    committed(run, m)
+    assert_checkpoint(src, {**t, **changed}, metadata)
