@@ -427,13 +427,25 @@ mod tests {
         assert!(finish_renames(&folder, "f").unwrap().is_empty());
     }
 
-    #[test]
-    fn an_interrupted_rename_over_a_file_replaced_since_is_not_finished() {
+    /// A folder holding the mounted source `a.safetensors`: (the folder, its
+    /// handle, the source's path, its stat as mounted).
+    fn a_mapped_source() -> (
+        tempfile::TempDir,
+        Arc<Folder>,
+        std::path::PathBuf,
+        crate::source::FileStat,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let folder = Arc::new(Folder::open(dir.path()).unwrap());
         let target = dir.path().join("a.safetensors");
         std::fs::write(&target, b"mapped a").unwrap();
         let mapped = file_stat(&target);
+        (dir, folder, target, mapped)
+    }
+
+    #[test]
+    fn an_interrupted_rename_over_a_file_replaced_since_is_not_finished() {
+        let (dir, folder, target, mapped) = a_mapped_source();
         // Another program replaced the source after the commit swapped back.
         std::fs::remove_file(&target).unwrap();
         std::fs::write(dir.path().join("other"), b"theirs").unwrap();
@@ -480,11 +492,7 @@ mod tests {
 
     #[test]
     fn a_swap_interrupted_before_its_check_gives_another_programs_file_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let folder = Arc::new(Folder::open(dir.path()).unwrap());
-        let target = dir.path().join("a.safetensors");
-        std::fs::write(&target, b"mapped a").unwrap();
-        let mapped = file_stat(&target);
+        let (dir, folder, target, mapped) = a_mapped_source();
         let keep_mapped = dir.path().join("mapped-elsewhere"); // (its inode stays taken)
         std::fs::hard_link(&target, &keep_mapped).unwrap();
         std::fs::remove_file(&target).unwrap();

@@ -10,6 +10,11 @@ fn file(json: &str, data_len: usize) -> Vec<u8> {
     out
 }
 
+/// A file that says its header is `header_len` bytes, followed by `rest`.
+fn prefixed(header_len: u64, rest: &[u8]) -> Vec<u8> {
+    [&header_len.to_le_bytes()[..], rest].concat()
+}
+
 fn err(bytes: &[u8]) -> FormatError {
     Header::parse(bytes).expect_err("must be refused")
 }
@@ -74,13 +79,10 @@ fn too_short() {
 
 #[test]
 fn header_too_large() {
-    let mut b = 100_000_001u64.to_le_bytes().to_vec();
-    b.extend_from_slice(b"{}");
+    let header_len = 100_000_001;
     assert_eq!(
-        err(&b),
-        FormatError::HeaderTooLarge {
-            header_len: 100_000_001
-        }
+        err(&prefixed(header_len, b"{}")),
+        FormatError::HeaderTooLarge { header_len }
     );
     assert!(matches!(
         err(&u64::MAX.to_le_bytes()),
@@ -90,10 +92,8 @@ fn header_too_large() {
 
 #[test]
 fn header_truncated() {
-    let mut b = 50u64.to_le_bytes().to_vec();
-    b.extend_from_slice(b"{}");
     assert_eq!(
-        err(&b),
+        err(&prefixed(50, b"{}")),
         FormatError::HeaderTruncated {
             header_len: 50,
             file_len: 10
@@ -103,9 +103,10 @@ fn header_truncated() {
 
 #[test]
 fn header_not_utf8() {
-    let mut b = 4u64.to_le_bytes().to_vec();
-    b.extend_from_slice(b"{\xff}}");
-    assert_eq!(err(&b), FormatError::HeaderNotUtf8 { at: 1 });
+    assert_eq!(
+        err(&prefixed(4, b"{\xff}}")),
+        FormatError::HeaderNotUtf8 { at: 1 }
+    );
 }
 
 #[test]

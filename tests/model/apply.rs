@@ -8,14 +8,7 @@ pub(super) fn apply(m: &mut Mounted, model: &mut Model, op: &Op) {
         return apply_read_only(m, model, op);
     }
     match op {
-        Op::Create { .. }
-        | Op::Write { .. }
-        | Op::Truncate { .. }
-        | Op::WriteJson { .. }
-        | Op::SetMeta { .. }
-        | Op::SetMetadata { .. }
-        | Op::Unlink(_)
-        | Op::Rename { .. } => apply_name_op(m, model, op),
+        op if edits_a_name(op) => apply_name_op(m, model, op),
         Op::Open { .. }
         | Op::HandleRead(..)
         | Op::HandleWrite(..)
@@ -253,14 +246,8 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
             let end = (start + *size as usize).min(want.len());
             assert_eq!(got, want[start..end], "{op:?}: a descriptor reads its file");
         }
-        Op::HandleWrite(k, offset, data) => match model.handles[*k].clone() {
-            Some(MHandle::Data {
-                fh,
-                obj,
-                ino,
-                write: true,
-                ..
-            }) => {
+        Op::HandleWrite(k, offset, data) => match model.writable_handle(*k) {
+            Some(MHandle::Data { fh, obj, ino, .. }) => {
                 let got = fs.write(ino, fh, *offset, data);
                 if model.copy_fails(obj, u64::MAX) {
                     assert_eq!(errno(got), libc::EIO, "{op:?}");
@@ -270,13 +257,7 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
                 model.write(obj, *offset, data);
                 model.edited(obj);
             }
-            Some(MHandle::Json {
-                fh,
-                file,
-                ino,
-                write: true,
-                ..
-            }) => {
+            Some(MHandle::Json { fh, file, ino, .. }) => {
                 fs.write(ino, fh, *offset, data).unwrap();
                 let j = model.json.get_mut(&file).unwrap();
                 j.write_at(*offset as usize, data);
@@ -286,25 +267,13 @@ fn apply_handle_op(m: &mut Mounted, model: &mut Model, op: &Op) {
         },
         Op::HandleSetText(k, text) => {
             // ftruncate(0) through the descriptor, then a write at 0.
-            match model.handles[*k].clone() {
-                Some(MHandle::Data {
-                    fh,
-                    obj,
-                    ino,
-                    write: true,
-                    ..
-                }) => {
+            match model.writable_handle(*k) {
+                Some(MHandle::Data { fh, obj, ino, .. }) => {
                     fs.set_size(ino, Some(fh), 0).unwrap();
                     model.truncate(obj, 0);
                     model.edited(obj);
                 }
-                Some(MHandle::Json {
-                    fh,
-                    file,
-                    ino,
-                    write: true,
-                    ..
-                }) => {
+                Some(MHandle::Json { fh, file, ino, .. }) => {
                     fs.set_size(ino, Some(fh), 0).unwrap();
                     let j = model.json.get_mut(&file).unwrap();
                     j.text.clear();
@@ -870,5 +839,14 @@ fn apply_key_op(m: &mut Mounted, model: &mut Model, op: &Op) {
 fn set_pending(model: &mut Model, k: usize) {
     if let Some(MHandle::Json { pending, .. }) = &mut model.handles[k] {
         *pending = true;
+    }
+}
+
+impl Model {
+    /// Handle `k`, if it is open for writing.
+    fn writable_handle(&self, k: usize) -> Option<MHandle> {
+        self.handles[k].clone().filter(|h| match h {
+            MHandle::Data { write, .. } | MHandle::Json { write, .. } => *write,
+        })
     }
 }

@@ -2,23 +2,39 @@
 
 use super::*;
 
+/// `count` runs of ops drawn from `strategy` by `runner`, each given to `run`.
+fn runs_of<S: Strategy<Value = Vec<Op>>>(
+    runner: &mut proptest::test_runner::TestRunner,
+    strategy: &S,
+    count: usize,
+    run: impl Fn(&[Op]),
+) {
+    use proptest::strategy::ValueTree;
+    for _ in 0..count {
+        run(&strategy.new_tree(runner).unwrap().current());
+    }
+}
+
+/// The commits of this thread's runs by way, printed after `what`: (in
+/// place, rewrites, headers grown, in place as the model predicted).
+fn ways_counted(what: &str) -> (usize, usize, usize, usize) {
+    let (in_place, rewrites, grown, predicted) = WAYS.with(|w| *w.borrow());
+    println!(
+        "{what}{in_place} commits in place ({grown} growing the header, {predicted} predicted by the model), {rewrites} rewrites"
+    );
+    (in_place, rewrites, grown, predicted)
+}
+
 /// The model's random runs take both ways of committing, many times each,
 /// and each one's bytes are checked (`commit`).
 #[test]
 fn random_runs_commit_both_in_place_and_by_rewrite() {
-    use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     for folder in [false, true] {
         let strategy = prop::collection::vec(op(1 + folder as usize), 1..30);
-        for _ in 0..400 {
-            let ops = strategy.new_tree(&mut runner).unwrap().current();
-            run(folder, &ops);
-        }
+        runs_of(&mut runner, &strategy, 400, |ops| run(folder, ops));
     }
-    let (in_place, rewrites, grown, predicted) = WAYS.with(|w| *w.borrow());
-    println!(
-        "{in_place} commits in place ({grown} growing the header, {predicted} predicted by the model), {rewrites} rewrites"
-    );
+    let (in_place, rewrites, grown, predicted) = ways_counted("");
     assert!(
         in_place >= 10 && rewrites >= 10 && grown >= 3,
         "{in_place} in place ({grown} grown), {rewrites} rewrites"
@@ -62,17 +78,10 @@ proptest! {
 /// every way, many times each.
 #[test]
 fn random_gguf_runs_commit_both_in_place_and_by_rewrite() {
-    use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = prop::collection::vec(op_gguf(), 1..30);
-    for _ in 0..300 {
-        let ops = strategy.new_tree(&mut runner).unwrap().current();
-        run_gguf(false, &ops);
-    }
-    let (in_place, rewrites, grown, predicted) = WAYS.with(|w| *w.borrow());
-    println!(
-        "GGUF: {in_place} commits in place ({grown} growing the header, {predicted} predicted by the model), {rewrites} rewrites"
-    );
+    runs_of(&mut runner, &strategy, 300, |ops| run_gguf(false, ops));
+    let (in_place, rewrites, grown, predicted) = ways_counted("GGUF: ");
     // (Most GGUF runs edit tensors or hold a problem before their first
     // commit: fewer grow the header than safetensors runs do.)
     assert!(

@@ -408,7 +408,8 @@ pub(super) fn forget_json(model: &mut Model, file: u64) {
     }
 }
 
-pub(super) fn writes(op: &Op) -> bool {
+/// An edit made by a name (a tensor's or meta's file), not a descriptor.
+pub(super) fn edits_a_name(op: &Op) -> bool {
     matches!(
         op,
         Op::Create { .. }
@@ -419,14 +420,21 @@ pub(super) fn writes(op: &Op) -> bool {
             | Op::SetMetadata { .. }
             | Op::Unlink(_)
             | Op::Rename { .. }
-            | Op::Open { write: true, .. }
-            | Op::HandleWrite(..)
-            | Op::HandleSetText(..)
-            | Op::KvWrite { .. }
-            | Op::KvUnlink(_)
-            | Op::KvRename { .. }
-            | Op::KvDocument(_)
     )
+}
+
+pub(super) fn writes(op: &Op) -> bool {
+    edits_a_name(op)
+        || matches!(
+            op,
+            Op::Open { write: true, .. }
+                | Op::HandleWrite(..)
+                | Op::HandleSetText(..)
+                | Op::KvWrite { .. }
+                | Op::KvUnlink(_)
+                | Op::KvRename { .. }
+                | Op::KvDocument(_)
+        )
 }
 
 pub(super) fn run_with(folder: bool, read_only: bool, ops: &[Op]) {

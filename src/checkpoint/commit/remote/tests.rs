@@ -6,6 +6,10 @@ fn old(r: Range<u64>) -> Piece {
     Piece::Old { from: 0, range: r }
 }
 
+fn input(k: usize, range: Range<u64>) -> Piece {
+    Piece::Input { k, range }
+}
+
 #[test]
 fn a_header_edit_uploads_the_header_topped_up_and_copies_the_rest() {
     let plan = plan_parts(
@@ -60,10 +64,7 @@ fn short_runs_are_uploaded_long_ones_copied_in_parts_of_1_gib_at_most() {
         vec![
             Piece::Header(0..10 * MIB),
             old(10 * MIB..11 * MIB),
-            Piece::Input {
-                k: 3,
-                range: 0..MIB,
-            },
+            input(3, 0..MIB),
             old(20 * MIB..(20 << 10) * MIB),
         ],
         5 * MIB,
@@ -87,14 +88,7 @@ fn short_runs_are_uploaded_long_ones_copied_in_parts_of_1_gib_at_most() {
 #[test]
 fn a_run_that_tops_up_a_part_and_is_left_short_is_uploaded() {
     let plan = plan_parts(
-        vec![
-            Piece::Header(0..MIB),
-            old(MIB..7 * MIB),
-            Piece::Input {
-                k: 0,
-                range: 0..MIB,
-            },
-        ],
+        vec![Piece::Header(0..MIB), old(MIB..7 * MIB), input(0, 0..MIB)],
         5 * MIB,
         64 * MIB,
     );
@@ -108,12 +102,9 @@ fn no_uploaded_part_passes_5_gib() {
     let gib = 1u64 << 30;
     let plan = plan_parts(
         vec![
-            Piece::Input {
-                k: 0,
-                range: 0..5 * gib - MIB,
-            },
+            input(0, 0..5 * gib - MIB),
             old(10 * gib..10 * gib + 4 * MIB),
-            Piece::Input { k: 1, range: 0..1 },
+            input(1, 0..1),
         ],
         5 * MIB,
         5 * gib,
@@ -126,13 +117,7 @@ fn no_uploaded_part_passes_5_gib() {
 #[test]
 fn large_new_tensors_go_up_in_parts_of_the_upload_size() {
     let plan = plan_parts(
-        vec![
-            Piece::Header(0..MIB),
-            Piece::Input {
-                k: 0,
-                range: 0..200 * MIB,
-            },
-        ],
+        vec![Piece::Header(0..MIB), input(0, 0..200 * MIB)],
         5 * MIB,
         64 * MIB,
     );
@@ -143,15 +128,9 @@ fn large_new_tensors_go_up_in_parts_of_the_upload_size() {
         vec![
             Piece::Header(0..MIB),
             old(MIB..30 * MIB),
-            Piece::Input {
-                k: 1,
-                range: 0..MIB,
-            },
+            input(1, 0..MIB),
             old(31 * MIB..33 * MIB),
-            Piece::Input {
-                k: 2,
-                range: 0..MIB,
-            },
+            input(2, 0..MIB),
         ],
         5 * MIB,
         64 * MIB,
