@@ -83,7 +83,7 @@ pub fn open_source(
             said.join(", ")
         ));
     }
-    let (source, warnings) = shard_folder(folder, stat, shards, indexes, model_files);
+    let (source, warnings) = shard_folder(folder, stat, shards, indexes, (model_files, vec![]));
     Ok((source, warnings.into_iter().chain(notes).collect()))
 }
 
@@ -181,7 +181,7 @@ pub(super) fn shard_folder(
     stat: FileStat,
     shards: Vec<(String, SourceFile)>,
     indexes: Vec<(String, IndexFile)>,
-    model_files: Vec<ModelFile>,
+    (model_files, not_shown): (Vec<ModelFile>, Vec<String>),
 ) -> (Source, Vec<String>) {
     let headers: BTreeMap<String, &Header> = shards
         .iter()
@@ -226,6 +226,7 @@ pub(super) fn shard_folder(
                 .collect(),
             checkpoints,
             indexes: indexes.into_iter().map(|(_, ix)| ix).collect(),
+            not_shown,
         },
         warnings,
     )
@@ -396,14 +397,15 @@ pub(super) fn open_remote(
 }
 
 /// The other objects of a remote model folder, fetched whole, within the
-/// limits a local folder's have (what is over is not shown, and said).
+/// limits a local folder's have (what is over is not shown, and said):
+/// the files, and the names not shown.
 fn fetch_model_files(
     remote: &Remote,
     others: Vec<(String, object_store::path::Path, u64)>,
     (mtime, mode): ((i64, i64), u32),
     notes: &mut Vec<String>,
-) -> Result<Vec<ModelFile>, crate::errno::Failure> {
-    let mut files = Vec::new();
+) -> Result<(Vec<ModelFile>, Vec<String>), crate::errno::Failure> {
+    let (mut files, mut not_shown) = (Vec::new(), Vec::new());
     let mut total = 0;
     for (name, path, size) in others {
         if let Err(why) = too_big(size, total) {
@@ -411,6 +413,7 @@ fn fetch_model_files(
                 "{}: not shown in the mount: {why}",
                 remote.url(&path)
             ));
+            not_shown.push(name);
             continue;
         }
         let (bytes, etag, headers) = remote.get_whole(&path).map_err(|e| e.to_string())?;
@@ -428,7 +431,7 @@ fn fetch_model_files(
             headers,
         });
     }
-    Ok(files)
+    Ok((files, not_shown))
 }
 
 /// What a mount of a remote GGUF object says: it is served read-only

@@ -149,6 +149,10 @@ pub enum Source {
         indexes: Vec<IndexFile>,
         /// The folder's other files (`config.json`, the tokenizer's...).
         model_files: Vec<ModelFile>,
+        /// Names of a store's folder whose objects are not shown (over the
+        /// size limits): not made at the root, as a commit would replace
+        /// them. (A local folder is asked at each create instead.)
+        not_shown: Vec<String>,
     },
 }
 
@@ -275,15 +279,26 @@ impl Fs {
             settings.read_only = true;
         }
         let mut fixed = Vec::new();
-        let (list, indexes, model_files, folder) = match source {
-            Source::File(c) => (vec![(String::new(), c)], Vec::new(), Vec::new(), None),
+        let (list, indexes, (model_files, not_shown), folder) = match source {
+            Source::File(c) => (
+                vec![(String::new(), c)],
+                Vec::new(),
+                Default::default(),
+                None,
+            ),
             Source::Folder {
                 folder,
                 stat,
                 checkpoints,
                 indexes,
                 model_files,
-            } => (checkpoints, indexes, model_files, Some((folder, stat))),
+                not_shown,
+            } => (
+                checkpoints,
+                indexes,
+                (model_files, not_shown),
+                Some((folder, stat)),
+            ),
         };
         if folder.is_some() {
             fixed.push(Node::FolderRoot);
@@ -317,7 +332,7 @@ impl Fs {
         let model_files = {
             let first = checkpoints.first().map(|m| m.live.source());
             let like = first.map_or(FileStat::of_mounting_user(0o644), |s| *s.stat());
-            ModelFiles::new(model_files, staging.clone(), like)
+            ModelFiles::new(model_files, staging.clone(), like).not_showing(not_shown)
         };
         let devices = crate::prefetch::load::Devices::new(
             settings.load_slabs,

@@ -24,6 +24,8 @@ pub(super) struct ModelFiles {
     /// entry of its own until the commit landed (never none: an entry gone
     /// would read, after a crash, as "nothing staged" over the new file).
     committing: std::collections::BTreeSet<String>,
+    /// A store's names not shown (`Source::Folder::not_shown`).
+    not_shown: std::collections::BTreeSet<String>,
 }
 
 /// A hidden file made at the root (an editor's swap file) lives in memory:
@@ -54,6 +56,15 @@ impl ModelFiles {
             like,
             version: 0,
             committing: Default::default(),
+            not_shown: Default::default(),
+        }
+    }
+
+    /// The same, knowing the store's names it does not show.
+    pub(super) fn not_showing(self, names: Vec<String>) -> ModelFiles {
+        ModelFiles {
+            not_shown: names.into_iter().collect(),
+            ..self
         }
     }
 
@@ -375,15 +386,15 @@ fn root_name(st: &State, name: &str) -> RootName {
     }
 }
 
-/// Whether the local folder has `name`, which the mount neither shows nor
-/// had (a model file removed through the mount is there until the commit).
+/// Whether the folder (local, or in a store as listed at mount) has
+/// `name`, which the mount neither shows nor had (a model file removed
+/// through the mount is there until the commit).
 fn not_shown(st: &State, name: &str) -> bool {
-    let Some(folder) = st.local_folder() else {
-        return false;
+    let in_folder = || match st.local_folder() {
+        Some(folder) => folder.stat_at(std::ffi::OsStr::new(name)).is_ok(),
+        None => st.model_files.not_shown.contains(name),
     };
-    !scratch(name)
-        && !st.model_files.had(name)
-        && folder.stat_at(std::ffi::OsStr::new(name)).is_ok()
+    !scratch(name) && !st.model_files.had(name) && in_folder()
 }
 
 impl Fs {

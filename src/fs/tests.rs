@@ -235,6 +235,7 @@ fn folder_mount_has_a_directory_per_shard_and_the_index() {
             remote: None,
         }],
         model_files: Vec::new(),
+        not_shown: Vec::new(),
     };
     let fs = Fs::new(
         source,

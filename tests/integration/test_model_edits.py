@@ -605,3 +605,43 @@ def current_umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_name_in_the_store_the_mount_does_not_show_is_not_made_there(tmp_path, s3, mount):
+    """An object over the size limit is left out of the mount, and its name
+    is refused at the root as a local folder's is: a commit would replace it."""
+    _, url = folder_in_store(s3, tmp_path, "hidden")
+    big = b"\0" * (65 << 20)
+    s3.client.put_object(Bucket=BUCKET, Key="hidden/vocab.txt", Body=big)
+    m = mount(url, *s3.options)
+    mnt = pathlib.Path(m.path)
+    assert f"{url}vocab.txt: not shown in the mount" in m.result.stderr, m.result.stderr
+    with pytest.raises(OSError) as e:
+        open(mnt / "vocab.txt", "w").close()
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError) as e:
+        os.rename(mnt / "README.md", mnt / "vocab.txt")
+    assert e.value.errno == errno.EPERM
+    (mnt / "vocab2.txt").write_text("a name the store does not have\n")
+    assert s3.client.head_object(Bucket=BUCKET, Key="hidden/vocab.txt")["ContentLength"] == len(big)
+
+
+def test_a_model_file_put_refused_by_its_condition_says_whose_version_stands(tmp_path, s3, mount, run):
+    """A 412 on a model file's PUT (the store's answer to If-Match) says what it
+    means for that file: another writer's version stands (not a shard's "--force
+    cannot rebuild": a model file is put whole). Here the 412 was the proxy's,
+    so the next mount finds the version mounted and finishes the commit."""
+    before, url = folder_in_store(s3, tmp_path, "refused")
+    m = mount(url, *s3.options)
+    tensor = edit_everything(pathlib.Path(m.path), run)
+    after, index = expected_after(before, tensor)
+    s3.rule = lambda r: 412 if r["method"] == "PUT" and r["path"].endswith("/config.json") else None
+    p = run("commit", m.path)
+    s3.rule = None
+    assert p.returncode != 0, p.stdout
+    assert "config.json: another writer changed this object" in p.stderr, p.stderr
+    assert "--force cannot" not in p.stderr, p.stderr
+    m.close()
+    m2 = mount(url, *s3.options)
+    assert "finished a commit that was interrupted" in m2.result.stderr, m2.result.stderr
+    assert_committed(store_state(s3, "refused"), after, index)

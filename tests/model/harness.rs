@@ -138,6 +138,7 @@ pub(super) fn mount_of(dir: &Path, folder: bool, read_only: bool, gguf: bool) ->
                 remote: None,
             }],
             model_files: Vec::new(),
+            not_shown: Vec::new(),
         }
     } else {
         Source::File(sources.pop().unwrap().1)

@@ -58,6 +58,15 @@ pub enum CommitError {
         file.display()
     )]
     ListedShardChanged { file: PathBuf },
+    /// A model file's PUT or DELETE refused by its condition while the
+    /// commit lands (ESTALE): another writer's version stands.
+    #[error(
+        "{}: another writer changed this object since it was mounted (the store refused the \
+         commit's request on its condition); their version stands, the commit does not put \
+         the mount's over it",
+        file.display()
+    )]
+    ModelFileReplaced { file: PathBuf },
     /// Another commit of the same files did not end in time (EBUSY).
     #[error(
         "{}: another commit of this file (by another mount) has not ended in {} s; try again",
@@ -176,7 +185,8 @@ impl crate::errno::ToErrno for CommitError {
             CommitError::Conflict { .. }
             | CommitError::RemoteConflict { .. }
             | CommitError::IndexConflict { .. }
-            | CommitError::ListedShardChanged { .. } => libc::ESTALE,
+            | CommitError::ListedShardChanged { .. }
+            | CommitError::ModelFileReplaced { .. } => libc::ESTALE,
             CommitError::Busy { .. } => libc::EBUSY,
             CommitError::Opened { .. } => libc::EAGAIN,
             CommitError::Tainted { .. } | CommitError::DiscardRefused { .. } => libc::EIO,

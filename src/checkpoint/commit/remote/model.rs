@@ -177,7 +177,7 @@ impl ModelObject {
         let etag = match put {
             Ok(etag) => etag,
             Err(e) => landed_anyway(&self.remote, &self.key, Some(&expected), &e, &file)
-                .ok_or_else(|| remote_err(&file)(e))?,
+                .ok_or_else(|| refused_or_failed(&file, e))?,
         };
         *self.etag.lock_anyway() = Some(etag);
         Ok(())
@@ -193,9 +193,22 @@ impl ModelObject {
             // (Sent again after a lost answer, it finds the key gone.)
             Err(e) => match self.remote.run(writer.etag_now(&self.key)) {
                 Ok(None) => Ok(()),
-                _ => Err(remote_err(&file)(e)),
+                _ => Err(refused_or_failed(&file, e)),
             },
         }
+    }
+}
+
+/// A model file's request refused by its condition (412): another
+/// writer's version, not the shards' "--force cannot rebuild" (a model file
+/// is put whole), nor the plain conflict's "commit --force" (the commit is
+/// landing: the landing's error says what comes next).
+fn refused_or_failed(file: &std::path::Path, e: S3Error) -> CommitError {
+    match e {
+        S3Error::Precondition { .. } => CommitError::ModelFileReplaced {
+            file: file.to_path_buf(),
+        },
+        e => remote_err(file)(e),
     }
 }
 
