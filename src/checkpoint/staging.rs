@@ -171,17 +171,22 @@ pub struct RemoteLanding {
     /// An object put whole: the headers of the one it replaces, which it keeps.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub headers: Vec<(String, String)>,
+    /// A shard's object (its body, if put whole, kept as a model file's is).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shard: bool,
 }
 
-/// The files of a staging folder that hold a remote model file's bytes for
-/// the record (removed with it).
+/// The files of a staging folder that hold the bytes of an object put whole
+/// (a model file, a shard under the upload size) for the record (removed
+/// with it).
 pub const BODY_PREFIX: &str = "body-";
 
 impl RemoteLanding {
-    /// A shard's object (an upload, or a shard put whole and not recorded),
-    /// not an index or a model file that waits for the shards.
+    /// A shard's object (an upload, or a shard put whole: its body kept,
+    /// or in a record of an older stfs, not), not an index or a model file
+    /// that waits for the shards.
     pub fn is_shard(&self) -> bool {
-        self.text.is_none() && self.body.is_none() && !self.remove
+        self.shard || (self.text.is_none() && self.body.is_none() && !self.remove)
     }
 
     /// Whether the key is as this object leaves it (`now`: its ETag now).

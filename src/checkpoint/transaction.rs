@@ -425,8 +425,13 @@ impl Transactions {
                     rebases.push((c, old, moved));
                 }
                 Err(e) => {
-                    // In place, but not mapped: this mount keeps serving the old file.
+                    // Landed, but not mapped: this mount keeps serving the old file.
                     error!(file = %path, "mapping the committed file: {e}");
+                    lines.push(format!(
+                        "{path}: committed {described}, but this mount could not map the new \
+                         file ({e}): it serves the old one and commits no more; unmount and \
+                         mount again (the staged edits of the old version are left as they are)"
+                    ));
                     self.taint(format!(
                         "{path} was committed but could not be mapped ({e})"
                     ));

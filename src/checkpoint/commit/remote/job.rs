@@ -469,7 +469,7 @@ impl Landing for RemoteJob {
     /// (Its upload was recorded in the cache folder when it began: a crash
     /// before any object of the commit landed aborts it.) Once one lands,
     /// the next mount completes the others from this record.
-    fn record(&self, renames: &mut Renames, _dir: &StagingDir) -> Result<(), CommitError> {
+    fn record(&self, renames: &mut Renames, dir: &StagingDir) -> Result<(), CommitError> {
         let object = self.object();
         // Every object of the commit is asked before the first lands: a
         // shard or index replaced behind the mount stops it all.
@@ -479,12 +479,27 @@ impl Landing for RemoteJob {
             self.if_match.as_deref(),
             self.file(),
         )?;
+        // A shard put whole is put again by the next mount from its bytes
+        // kept here (a commit cut short after another shard landed).
+        let upload = self.upload.lock_anyway().clone();
+        let body = match upload {
+            Some(_) => None,
+            None => {
+                let name = body_name(object.path());
+                dir.write_atomic(&name, self.single_body()?)
+                    .map_err(io_err(format!("keeping {} for the record", object.url())))?;
+                Some(name)
+            }
+        };
         renames.remote.push(RemoteLanding {
             url: object.url().to_string(),
             key: object.path().to_string(),
             if_match: self.if_match.clone(),
             expected: self.expected_etag()?,
-            upload: self.upload.lock_anyway().clone(),
+            upload,
+            body,
+            shard: true,
+            headers: object.headers().clone(),
             parts: self
                 .parts_done()
                 .into_iter()

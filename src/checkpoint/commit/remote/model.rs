@@ -149,12 +149,6 @@ impl ModelObject {
         }
     }
 
-    /// The staging folder's file that keeps the bytes for the record.
-    fn body_name(&self) -> String {
-        let tag = crate::checkpoint::in_place::sha256_hex(&[self.key.as_ref().as_bytes()]);
-        format!("{BODY_PREFIX}{}", &tag[..16])
-    }
-
     fn put(&self, bytes: &[u8]) -> Result<(), CommitError> {
         let writer = self.writer()?;
         let file = self.file();
@@ -199,6 +193,13 @@ impl ModelObject {
     }
 }
 
+/// The staging folder's file that keeps the bytes of the object at `key`
+/// put whole, for the record.
+pub(super) fn body_name(key: &object_store::path::Path) -> String {
+    let tag = crate::checkpoint::in_place::sha256_hex(&[key.as_ref().as_bytes()]);
+    format!("{BODY_PREFIX}{}", &tag[..16])
+}
+
 /// A model file's request refused by its condition (412): another
 /// writer's version, not the shards' "--force cannot rebuild" (a model file
 /// is put whole), nor the plain conflict's "commit --force" (the commit is
@@ -228,7 +229,7 @@ impl Landing for ModelObject {
         self.check()?;
         let body = match &self.bytes {
             Some(bytes) => {
-                let name = self.body_name();
+                let name = body_name(&self.key);
                 dir.write_atomic(&name, bytes)
                     .map_err(io_err(format!("keeping {} for the record", self.url)))?;
                 Some(name)
