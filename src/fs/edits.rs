@@ -232,9 +232,9 @@ impl Fs {
             let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
                 Some(Handle::Json { file, pending, .. }) => {
-                    *pending = true;
                     let len = usize::try_from(size).unwrap_or(usize::MAX);
                     file.resize(&mut file.content.lock_anyway(), len)?;
+                    *pending = true;
                     drop(handles);
                     return self.getattr(ino, Some(fh));
                 }

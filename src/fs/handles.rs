@@ -423,6 +423,10 @@ impl Fs {
             if !pending && (!last_close || open_writers) {
                 return Ok(());
             }
+            // Flushed: nothing of this descriptor's is half-written now.
+            if let Some(Handle::Json { pending, .. }) = handles.open.get_mut(&fh) {
+                *pending = false;
+            }
             let mut content = file.content.lock_anyway();
             // (A shell's `: >` cut is applied at release, or with what follows.)
             if content.dirty && !last_close && content.text.is_empty() {
@@ -431,9 +435,6 @@ impl Fs {
             let text = content.dirty.then(|| content.text.clone());
             content.dirty = false;
             drop(content);
-            if let Some(Handle::Json { pending, .. }) = handles.open.get_mut(&fh) {
-                *pending = false;
-            }
             match text {
                 Some(text) => (file.ino, text, others),
                 None => return Ok(()), // applied already, by another writer
@@ -676,7 +677,6 @@ impl Fs {
             let mut handles = self.handles.lock_anyway();
             match handles.open.get_mut(&fh) {
                 Some(Handle::Json { file, pending, .. }) => {
-                    *pending = true;
                     let end = offset
                         .checked_add(data.len() as u64)
                         .filter(|&e| e <= file.limit as u64)
@@ -686,6 +686,7 @@ impl Fs {
                     if content.text.len() < end {
                         file.resize(&mut content, end)?;
                     }
+                    *pending = true;
                     content.text[offset as usize..end].copy_from_slice(data);
                     content.dirty = true;
                     content.written = true;

@@ -224,6 +224,13 @@ def test_a_closed_writer_not_yet_released_hides_no_report(ckpt, run):
         os.close(held)
         held = None
         written_and_closed(second, b"")
+        # A cut alone, closed but not released: no half-written text either.
+        cut = os.open(meta, os.O_WRONLY | os.O_TRUNC)
+        held = os.dup(cut)
+        os.close(cut)
+        written_and_closed(os.open(meta, os.O_WRONLY | os.O_TRUNC), b"still not json")
+        os.close(held)
+        held = None
         # A writer that wrote and is not closed: the other's close is quiet.
         third = os.open(meta, os.O_WRONLY | os.O_TRUNC)
         os.write(third, b"{")

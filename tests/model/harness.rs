@@ -336,11 +336,11 @@ pub(super) fn model_apply_json(
         return 0;
     }
     let invalid = if writing { 0 } else { libc::EINVAL };
+    *pending = false;
     let j = model.json.get_mut(&file).unwrap();
     if j.dirty && !last && j.text.is_empty() {
         return 0;
     }
-    *pending = false;
     if !j.dirty {
         return 0;
     }

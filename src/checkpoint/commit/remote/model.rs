@@ -142,6 +142,15 @@ impl ModelObject {
         }
     }
 
+    /// `check` while the commit lands: a file changed since is another
+    /// writer's version that stands (`--force` no longer applies here).
+    fn check_landing(&self) -> Result<(), CommitError> {
+        self.check().map_err(|e| match e {
+            CommitError::Conflict { file } => CommitError::ModelFileReplaced { file },
+            e => e,
+        })
+    }
+
     fn if_match(&self) -> Option<&str> {
         match &self.version {
             Version::Etag(e) => Some(e),
@@ -155,7 +164,7 @@ impl ModelObject {
         crate::testpoint::point("remote:model").map_err(io_err("putting a model file"))?;
         // Asked again right before (the shards' landing may have taken
         // minutes; a store that ignores the condition has this check).
-        self.check()?;
+        self.check_landing()?;
         let body = bytes::Bytes::copy_from_slice(bytes);
         let put = match self.version {
             Version::Nothing => {
@@ -181,7 +190,7 @@ impl ModelObject {
         let writer = self.writer()?;
         let file = self.file();
         crate::testpoint::point("remote:model").map_err(io_err("removing a model file"))?;
-        self.check()?;
+        self.check_landing()?;
         match self.remote.run(writer.delete(&self.key, self.if_match())) {
             Ok(()) => Ok(()),
             // (Sent again after a lost answer, it finds the key gone.)
